@@ -1,0 +1,30 @@
+# The two commands of README.md: `make demo` and `make test`. Each sets up what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench setup ffmpeg clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[xtts,test]'
+	touch $(STAMP)
+
+setup: $(STAMP) ffmpeg
+
+ffmpeg:
+	@scripts/ensure_ffmpeg.sh
+
+demo: setup
+	$(PY) -m patches.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

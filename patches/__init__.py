@@ -1,0 +1,25 @@
+"""training-patches: numerically safe, resumable fine-tuning of TTS GPT models.
+
+Importing this package changes nothing; :func:`apply` and :func:`revert` are the
+only doors. ``from utils import training_patches`` (or ``import patches.auto``)
+applies the default set once. See TRAINING_PATCHES_README.md.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+# Each patch module registers its PatchSpec; the order here is the banner's order.
+from . import autocast, grad_scaler, grad_clip, anomaly  # noqa: E402,F401
+from ._api import (  # noqa: E402
+    activate, applied, apply, get_original, is_applied, revert, stats)
+from ._options import ConfigError  # noqa: E402
+from .anomaly import enable_anomaly_detection  # noqa: E402
+from .grad_clip import safe_clip_grad_norm_  # noqa: E402
+from .grad_scaler import LossScaleFloorError, SafeGradScaler  # noqa: E402
+
+__all__ = [
+    "apply", "revert", "applied", "is_applied", "get_original", "stats", "activate",
+    "enable_anomaly_detection", "SafeGradScaler", "LossScaleFloorError",
+    "safe_clip_grad_norm_", "ConfigError", "__version__",
+]

@@ -1,0 +1,340 @@
+"""``grad_scaler``: SafeGradScaler wherever a trainer builds a GradScaler.
+
+fp16 on a T4 overflows, and torch's GradScaler starts at 65536 and keeps no
+record of what it skipped. SafeGradScaler is a ``torch.amp.GradScaler`` (so
+``isinstance`` holds and its state loads into a plain one) that:
+
+- starts at ``init_scale`` 1024 and grows every ``growth_interval`` 100 steps;
+- counts steps, skipped steps and the current skip streak on the device
+  (read only when logging: no host-device sync beyond the one torch's
+  ``_maybe_opt_step`` already makes, whose answer it reuses on the host);
+- logs each scale change, a stats line every ``log_interval`` steps, a warning
+  when the scale falls below 1.0;
+- never goes below ``min_scale`` and raises :class:`LossScaleFloorError` after
+  ``max_floor_skips`` consecutive skipped steps at that floor, instead of skipping
+  forever;
+- optionally backs off only after ``hysteresis`` consecutive overflows (as
+  DeepSpeed and Megatron do). With ``hysteresis=1`` its scale follows torch's
+  exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+from . import _options
+from ._counters import DeviceCounters
+from ._log import info, logger
+from ._registry import PatchSpec, Site, register
+from .integrations import coqui_trainer
+
+STATE_KEY = "training_patches"
+
+# The scaler whose scale() ran last and whose update() has not yet: grad_clip asks
+# it whether the gradients it is clipping are still scaled.
+_pending: weakref.ref[SafeGradScaler] | None = None
+_latest: weakref.ref[SafeGradScaler] | None = None
+
+
+class LossScaleFloorError(FloatingPointError):
+    """Gradients stayed non-finite with the loss scale already at its floor."""
+
+
+class SafeGradScaler(_TorchGradScaler):
+    """A ``torch.amp.GradScaler`` with safe defaults, skip counters and a floor.
+
+    Arguments left as ``None`` come from the options (``TRAINING_PATCHES_*``
+    variables or ``patches.apply(...)``); arguments a trainer passes win.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float | None = None,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int | None = None,
+        enabled: bool = True,
+        *,
+        hysteresis: int | None = None,
+        min_scale: float | None = None,
+        max_floor_skips: int | None = None,
+        log_interval: int | None = None,
+    ) -> None:
+        opts = _options.current()
+        super().__init__(
+            device,
+            init_scale=opts.init_scale if init_scale is None else init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=opts.growth_interval if growth_interval is None else growth_interval,
+            enabled=enabled,
+        )
+        self.hysteresis = opts.hysteresis if hysteresis is None else int(hysteresis)
+        self.min_scale = opts.min_scale if min_scale is None else float(min_scale)
+        self.max_floor_skips = opts.max_floor_skips if max_floor_skips is None else max_floor_skips
+        self.log_interval = opts.log_interval if log_interval is None else log_interval
+        if self.hysteresis < 1:
+            raise ValueError(f"SafeGradScaler: hysteresis must be at least 1, got {self.hysteresis}")
+        self._tp_counts = DeviceCounters("steps", "skipped", "consecutive_skips")
+        self._tp_hysteresis_left: torch.Tensor | None = None
+        self._tp_init_hysteresis_left = self.hysteresis
+        self._tp_unscaled: set[int] = set()  # ids of parameters unscaled this iteration
+        self._tp_found_host: list[bool] = []  # answers of the sync torch already makes
+        self._tp_iteration = 0
+        self._tp_floor_skips = 0
+        self._tp_last_good_step = 0
+        self._tp_mirror: dict[str, Any] | None = None  # host copy of scale/tracker/streak
+        if self._enabled:
+            info("SafeGradScaler on %s: init_scale=%g, growth_interval=%d, hysteresis=%d, "
+                 "min_scale=%g", device, self._init_scale, self._growth_interval,
+                 self.hysteresis, self.min_scale)
+
+    # -- the training step -------------------------------------------------
+
+    def scale(self, outputs: Any) -> Any:  # type: ignore[override]
+        global _pending, _latest
+        if self._enabled:
+            _pending = _latest = weakref.ref(self)
+        return super().scale(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if self._enabled:
+            self._tp_unscaled.update(
+                id(p) for group in optimizer.param_groups for p in group["params"])
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
+                        *args: Any, **kwargs: Any) -> Any:
+        # The same single sync torch makes; its answer also feeds the host mirror.
+        found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self._tp_found_host.append(found)
+        return None if found else optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        global _pending
+        if not self._enabled:
+            return
+        if _pending is not None and _pending() is self:
+            _pending = None
+        self._tp_unscaled.clear()
+        if new_scale is not None:
+            super().update(new_scale)
+            self._tp_mirror = None
+            self._tp_found_host.clear()
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        found_infs = [
+            found_inf.to(device=scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if not found_infs:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found = found_infs[0].clone()
+        for extra in found_infs[1:]:
+            found += extra
+        stepped = len(self._per_optimizer_states)
+        host_found = (any(self._tp_found_host)
+                      if len(self._tp_found_host) == stepped else None)
+        self._tp_found_host.clear()
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+        if self._tp_mirror is None and host_found is not None:
+            self._tp_mirror = self._read_device_state()  # once, then kept on the host
+        self._update_scale(scale, tracker, found)
+        self._tp_counts.record_step(found > 0)
+        self._tp_iteration += 1
+        self._after_update(host_found)
+
+    def _update_scale(self, scale: torch.Tensor, tracker: torch.Tensor,
+                      found: torch.Tensor) -> None:
+        if self.hysteresis == 1:
+            torch._amp_update_scale_(scale, tracker, found, self._growth_factor,
+                                     self._backoff_factor, self._growth_interval)
+        else:
+            if self._tp_hysteresis_left is None:
+                self._tp_hysteresis_left = torch.full(
+                    (), self._tp_init_hysteresis_left, dtype=torch.int32, device=scale.device)
+            bad = found > 0
+            left = torch.where(bad, self._tp_hysteresis_left - 1,
+                               torch.full_like(self._tp_hysteresis_left, self.hysteresis))
+            backoff = bad & (left <= 0)
+            successful = torch.where(bad, torch.zeros_like(tracker), tracker + 1)
+            reset = (~bad) & (successful >= self._growth_interval)
+            grown = scale * self._growth_factor
+            grow = reset & torch.isfinite(grown)
+            scale.copy_(torch.where(backoff, scale * self._backoff_factor,
+                                    torch.where(grow, grown, scale)))
+            tracker.copy_(torch.where(reset, torch.zeros_like(tracker), successful))
+            self._tp_hysteresis_left.copy_(left.clamp(min=0))
+        scale.clamp_(min=self.min_scale)
+
+    # -- host side: logging and escalation, no extra sync -----------------
+
+    def _read_device_state(self) -> dict[str, Any]:
+        """Everything on the device, copied to the host (the only sync we add, when logging)."""
+        counts = self._tp_counts.read()
+        left = (self._tp_init_hysteresis_left if self._tp_hysteresis_left is None
+                else int(self._tp_hysteresis_left.item()))
+        return {"scale": self.get_scale(), "tracker": self._get_growth_tracker(),
+                "streak": counts["consecutive_skips"], "left": left, **counts}
+
+    def _mirror_step(self, mirror: dict[str, Any], found: bool) -> None:
+        """Replay ``_update_scale`` on the host from the already-synced overflow flag."""
+        if found:
+            mirror["streak"] += 1
+            mirror["tracker"] = 0
+            mirror["left"] = max(mirror["left"] - 1, 0) if self.hysteresis > 1 else 0
+            if self.hysteresis == 1 or mirror["left"] <= 0:
+                mirror["scale"] = max(mirror["scale"] * self._backoff_factor, self.min_scale)
+        else:
+            mirror["streak"] = 0
+            mirror["left"] = self.hysteresis
+            mirror["tracker"] += 1
+            if mirror["tracker"] >= self._growth_interval:
+                mirror["tracker"] = 0
+                grown = mirror["scale"] * self._growth_factor
+                if math.isfinite(grown):
+                    mirror["scale"] = grown
+
+    def _after_update(self, host_found: bool | None) -> None:
+        step = self._tp_iteration
+        mirror = self._tp_mirror
+        if host_found is None or mirror is None:
+            self._tp_mirror = None  # unknown on the host (fused optimizer): resync when logging
+        else:
+            before = mirror["scale"]
+            at_floor = before <= self.min_scale
+            self._mirror_step(mirror, host_found)
+            if not host_found:
+                self._tp_last_good_step = step
+            self._report_scale_change(step, before, mirror["scale"], host_found)
+            self._tp_floor_skips = self._tp_floor_skips + 1 if (host_found and at_floor) else 0
+            if self._tp_floor_skips >= self.max_floor_skips:
+                self._raise_floor(step, mirror["streak"])
+        if step % self.log_interval == 0:
+            self._log_stats(step)
+
+    def _report_scale_change(self, step: int, before: float, after: float, found: bool) -> None:
+        if after == before:
+            return
+        why = "overflow, step skipped" if found else f"{self._growth_interval} clean steps"
+        info("SafeGradScaler: scale %g -> %g at step %d (%s)", before, after, step, why)
+        if after < 1.0 <= before:
+            logger.warning(
+                "SafeGradScaler: loss scale fell below 1.0 (%g) at step %d. Gradients overflow "
+                "even unscaled: this is numerical instability, not fp16 range. Consider a lower "
+                "learning rate, checking the data, or training in fp32/bf16.", after, step)
+
+    def _log_stats(self, step: int) -> None:
+        state = self._read_device_state()
+        self._tp_mirror = {k: state[k] for k in ("scale", "tracker", "streak", "left")}
+        share = 100.0 * state["skipped"] / max(state["steps"], 1)
+        info("SafeGradScaler stats @ step %d: scale %g, skipped %d of %d steps (%.2f%%), "
+             "current skip streak %d", step, state["scale"], state["skipped"], state["steps"],
+             share, state["streak"])
+        if state["scale"] <= self.min_scale and state["streak"] >= self.max_floor_skips:
+            self._raise_floor(step, state["streak"])
+
+    def _raise_floor(self, step: int, streak: int) -> None:
+        raise LossScaleFloorError(
+            f"SafeGradScaler: at step {step} the gradients have been non-finite for {streak} "
+            f"consecutive steps, the last {self._tp_floor_skips or streak} of them with the loss "
+            f"scale already at its floor ({self.min_scale:g}); the last step that trained was "
+            f"step {self._tp_last_good_step}. Lowering the scale no longer helps: the loss or the "
+            f"model produces NaN/Inf by itself. Try: a lower learning rate; checking the samples "
+            f"of these batches (training-patches check-data); fp32 or bf16 instead of fp16; "
+            f"TRAINING_PATCHES_ANOMALY=1 to name the operation. To allow longer streaks set "
+            f"TRAINING_PATCHES_MAX_FLOOR_SKIPS (now {self.max_floor_skips})."
+        )
+
+    # -- state -------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Counters and scale as plain numbers (one host read)."""
+        if not self._enabled:
+            return {"enabled": 0}
+        state = self._read_device_state()
+        return {"enabled": 1, "scale": state["scale"], "steps": state["steps"],
+                "skipped": state["skipped"], "consecutive_skips": state["streak"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's keys, plus ours under ``"training_patches"`` (a plain GradScaler ignores them)."""
+        state = super().state_dict()
+        if state:
+            device = self._read_device_state()
+            state[STATE_KEY] = {
+                "steps": device["steps"], "skipped": device["skipped"],
+                "consecutive_skips": device["streak"], "hysteresis_left": device["left"],
+                "iteration": self._tp_iteration,
+            }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a SafeGradScaler's or a plain GradScaler's state."""
+        super().load_state_dict(state_dict)
+        if not self._enabled:
+            return
+        ours = state_dict.get(STATE_KEY, {})
+        self._tp_counts.load(ours)
+        self._tp_iteration = int(ours.get("iteration", ours.get("steps", 0)))
+        left = int(ours.get("hysteresis_left", self.hysteresis))
+        self._tp_init_hysteresis_left = left
+        if self._tp_hysteresis_left is not None:
+            self._tp_hysteresis_left.fill_(left)
+        self._tp_mirror = None
+        self._tp_floor_skips = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_tp_hysteresis_left"] = None
+        return state
+
+
+class CudaSafeGradScaler(SafeGradScaler):
+    """SafeGradScaler with the signature of the deprecated ``torch.cuda.amp.GradScaler``."""
+
+    def __init__(self, init_scale: float | None = None, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int | None = None,
+                 enabled: bool = True, **kwargs: Any) -> None:
+        super().__init__("cuda", init_scale, growth_factor, backoff_factor, growth_interval,
+                         enabled, **kwargs)
+
+
+def pending_scaler() -> SafeGradScaler | None:
+    """The SafeGradScaler that scaled a loss this iteration and has not updated yet."""
+    scaler = _pending() if _pending is not None else None
+    return scaler if scaler is not None and scaler._enabled else None
+
+
+def latest_scaler() -> SafeGradScaler | None:
+    return _latest() if _latest is not None else None
+
+
+def stats() -> dict[str, float]:
+    scaler = latest_scaler()
+    return scaler.stats() if scaler is not None else {}
+
+
+SPEC = register(PatchSpec(
+    name="grad_scaler",
+    describe=lambda o: (
+        f"SafeGradScaler(init_scale={o.init_scale:g}, growth_interval={o.growth_interval}, "
+        f"hysteresis={o.hysteresis}) wherever a GradScaler is built"),
+    priority=10,  # above autocast's plain modern torch.cuda.amp.GradScaler
+    sites=(
+        Site("torch", "GradScaler", lambda original: SafeGradScaler, sweep=True),
+        Site("torch.amp", "GradScaler", lambda original: SafeGradScaler),
+        Site("torch.cuda.amp", "GradScaler", lambda original: CudaSafeGradScaler, sweep=True),
+        Site(coqui_trainer.MODULE, coqui_trainer.SCALER_ATTR,
+             lambda original: coqui_trainer.scaler_factory(SafeGradScaler, original)),
+    ),
+))

@@ -1,0 +1,1 @@
+"""What is specific to one upstream (coqui Trainer, XTTS, ...): names, call sites, versions."""
