@@ -113,6 +113,19 @@ def stats() -> dict[str, dict[str, float]]:
     return {"grad_scaler": grad_scaler.stats(), "grad_clip": grad_clip.stats()}
 
 
+def runtime_state() -> dict[str, dict[str, int]]:
+    """The counters of the runtime patches, to save in a checkpoint (plain ints)."""
+    return {"grad_clip": grad_clip._counts.read()}
+
+
+def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
+    """Restore what :func:`runtime_state` returned (unknown parts are ignored).
+
+    The SafeGradScaler's own counters travel in its ``state_dict()``.
+    """
+    grad_clip._counts.load(state.get("grad_clip", {}))
+
+
 def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options) -> None:
     from . import __version__
 
