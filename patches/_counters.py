@@ -65,3 +65,10 @@ class DeviceCounters:
         values[i] += 1
         values[j] += flag
         values[k] = (values[k] + 1) * flag
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"names": self.names, "host": list(self.read().values())}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(*state["names"])  # type: ignore[misc]
+        self._host = list(state["host"])  # type: ignore[arg-type]

@@ -91,11 +91,20 @@ class SafeGradScaler(_TorchGradScaler):
         self._tp_iteration = 0
         self._tp_floor_skips = 0
         self._tp_last_good_step = 0
-        self._tp_mirror: dict[str, Any] | None = None  # host copy of scale/tracker/streak
+        # Host copy of scale, growth tracker, skip streak and hysteresis, advanced from the
+        # overflow flag torch already syncs; None while unknown (then resynced when logging).
+        self._tp_mirror: dict[str, Any] | None = self._fresh_mirror()
         if self._enabled:
             info("SafeGradScaler on %s: init_scale=%g, growth_interval=%d, hysteresis=%d, "
                  "min_scale=%g", device, self._init_scale, self._growth_interval,
                  self.hysteresis, self.min_scale)
+
+    def _fresh_mirror(self) -> dict[str, Any] | None:
+        if not self._enabled:
+            return None
+        return {"scale": float(self._init_scale), "tracker": int(self._init_growth_tracker),
+                "streak": self._tp_counts.read()["consecutive_skips"],
+                "left": self._tp_init_hysteresis_left}
 
     # -- the training step -------------------------------------------------
 
@@ -148,7 +157,7 @@ class SafeGradScaler(_TorchGradScaler):
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
         if self._tp_mirror is None and host_found is not None:
-            self._tp_mirror = self._read_device_state()  # once, then kept on the host
+            self._tp_mirror = self._read_device_state()  # only after a stretch it could not follow
         self._update_scale(scale, tracker, found)
         self._tp_counts.record_step(found > 0)
         self._tp_iteration += 1
@@ -290,7 +299,7 @@ class SafeGradScaler(_TorchGradScaler):
         self._tp_init_hysteresis_left = left
         if self._tp_hysteresis_left is not None:
             self._tp_hysteresis_left.fill_(left)
-        self._tp_mirror = None
+        self._tp_mirror = self._fresh_mirror()
         self._tp_floor_skips = 0
 
     def __getstate__(self) -> dict[str, Any]:

@@ -1,0 +1,182 @@
+"""Run one import/apply/revert order for one patch in a fresh process and check it.
+
+Usage: python tests/order_probe.py PATCH STEP [STEP ...] EXPECT
+STEP is import | apply | revert; EXPECT is patched | original. ``import`` imports the
+patch's target: the upstream module it patches late (coqui's ``trainer.trainer``)
+and user modules that copied the patched names with ``from x import name`` (copies
+under another name, ``import x as y``, are not rebound: the activation line comes first).
+Exits 0 when every check holds, 1 with the failures listed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import tempfile
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import patches  # noqa: E402
+from patches import _registry  # noqa: E402
+
+USER_MODULE = '''
+from torch.cuda.amp import autocast, GradScaler as CudaGradScaler, custom_fwd
+from torch import GradScaler
+from torch.nn.utils import clip_grad_norm_
+'''
+
+# Originals, taken from the modules that define them (never patched).
+ORIGINALS = {
+    ("torch.cuda.amp", "autocast"): torch.cuda.amp.autocast_mode.autocast,
+    ("torch.cpu.amp", "autocast"): torch.cpu.amp.autocast_mode.autocast,
+    ("torch.cuda.amp", "GradScaler"): torch.cuda.amp.grad_scaler.GradScaler,
+    ("torch.cuda.amp", "custom_fwd"): torch.cuda.amp.autocast_mode.custom_fwd,
+    ("torch.cuda.amp", "custom_bwd"): torch.cuda.amp.autocast_mode.custom_bwd,
+    ("torch", "GradScaler"): torch.amp.grad_scaler.GradScaler,
+    ("torch.amp", "GradScaler"): torch.amp.grad_scaler.GradScaler,
+    ("torch.nn.utils", "clip_grad_norm_"): torch.nn.utils.clip_grad.clip_grad_norm_,
+    ("torch.nn.utils.clip_grad", "clip_grad_norm_"): torch.nn.utils.clip_grad.clip_grad_norm_,
+}
+# name in the user module -> the site whose object it copied
+USER_NAMES = {
+    "autocast": ("torch.cuda.amp", "autocast"),
+    "custom_fwd": ("torch.cuda.amp", "custom_fwd"),
+    "GradScaler": ("torch", "GradScaler"),
+    "clip_grad_norm_": ("torch.nn.utils", "clip_grad_norm_"),
+}
+
+failures: list[str] = []
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        failures.append(what)
+
+
+def do_import() -> None:
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "probe_user_module.py"), "w") as handle:
+        handle.write(USER_MODULE)
+    with open(os.path.join(folder, "probe_user_cpu.py"), "w") as handle:
+        handle.write("from torch.cpu.amp import autocast\n")
+    sys.path.insert(0, folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        importlib.import_module("probe_user_module")
+        importlib.import_module("probe_user_cpu")
+        importlib.import_module("trainer.trainer")
+
+
+def future_warnings(fn) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return sum(issubclass(w.category, FutureWarning) for w in caught)
+
+
+def check_sites(patch: str, patched: bool) -> None:
+    spec = _registry.specs()[patch]
+    for site in spec.sites:
+        if site.module not in sys.modules:
+            continue
+        value = sys.modules[site.module].__dict__[site.attr]
+        if site.key in ORIGINALS:
+            original = ORIGINALS[site.key]
+        else:  # trainer.trainer.GradScaler: a partial over torch's class
+            original = None
+            check(getattr(value, "func", None) is not None, f"{site} is not a partial")
+            value = value.func
+            original = torch.amp.grad_scaler.GradScaler
+        state = _registry._sites.get(site.key)
+        if patched:
+            layers = [layer for layer in (state.layers if state else []) if layer.patch == patch]
+            check(len(layers) == 1, f"{site}: {len(layers)} layers of {patch} (double wrap?)")
+            check(value is not original, f"{site} is still the original")
+            wrapped = getattr(value, "__wrapped__", None)
+            check(wrapped is None or wrapped is original,
+                  f"{site}.__wrapped__ is {wrapped!r}, not the original (double wrap)")
+        else:
+            check(value is original, f"{site} is {value!r}, not the original {original!r}")
+
+
+def check_user_module(patch: str, patched: bool) -> None:
+    user = sys.modules.get("probe_user_module")
+    if user is None:
+        return
+    spec_keys = {site.key for site in _registry.specs()[patch].sites}
+    names = [(user, name, key) for name, key in USER_NAMES.items()]
+    names.append((sys.modules["probe_user_cpu"], "autocast", ("torch.cpu.amp", "autocast")))
+    for module, name, key in names:
+        if key not in spec_keys:
+            continue
+        value = module.__dict__[name]
+        if patched:
+            check(value is not ORIGINALS[key], f"user module's {name} is still the original")
+        else:
+            check(value is ORIGINALS[key], f"user module's {name} is not the original")
+
+
+def check_behaviour(patch: str, patched: bool) -> None:
+    if patch == "autocast":
+        def use() -> None:
+            with torch.cuda.amp.autocast(enabled=False):
+                pass
+            with torch.cpu.amp.autocast():
+                pass
+            torch.cuda.amp.GradScaler(enabled=False)
+        n = future_warnings(use)
+        check((n == 0) if patched else (n > 0), f"{n} FutureWarnings from deprecated AMP names")
+    elif patch == "grad_scaler":
+        import trainer.trainer as tt
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scaler = tt.GradScaler()
+            cpu_scaler = torch.amp.GradScaler("cpu")
+        is_safe = isinstance(scaler, patches.SafeGradScaler)
+        check(is_safe == patched, f"trainer.trainer.GradScaler() built {type(scaler)}")
+        check(isinstance(scaler, torch.amp.grad_scaler.GradScaler), "not a torch GradScaler")
+        expected_scale = 1024.0 if patched else 65536.0
+        check(cpu_scaler._init_scale == expected_scale,
+              f"torch.amp.GradScaler('cpu') init_scale {cpu_scaler._init_scale}")
+    elif patch == "grad_clip":
+        good = torch.nn.Parameter(torch.ones(3))
+        bad = torch.nn.Parameter(torch.ones(3))
+        good.grad = torch.ones(3)
+        bad.grad = torch.tensor([1.0, float("nan"), 1.0])
+        torch.nn.utils.clip_grad_norm_([good, bad], 1.0)
+        intact = bool(torch.equal(good.grad, torch.ones(3)))
+        check(intact == patched, f"finite gradient after a NaN norm: {good.grad.tolist()}")
+    elif patch == "anomaly":
+        check(torch.is_anomaly_enabled() == patched,
+              f"anomaly mode is {torch.is_anomaly_enabled()}")
+
+
+def main() -> int:
+    patch, *steps, expect = sys.argv[1:]
+    for step in steps:
+        if step == "import":
+            do_import()
+        elif step == "apply":
+            patches.apply([patch])
+        elif step == "revert":
+            patches.revert([patch])
+        else:
+            raise SystemExit(f"unknown step {step}")
+    patched = expect == "patched"
+    check(patches.is_applied(patch) == patched, f"is_applied({patch}) is not {patched}")
+    check_sites(patch, patched)
+    check_user_module(patch, patched)
+    check_behaviour(patch, patched)
+    if failures:
+        print("\n".join(failures))
+        return 1
+    print("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""pytest plugin (loaded from pyproject.toml): leave no patch applied between tests."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def clean_patches() -> Iterator[None]:
+    """Start with no patch applied and revert whatever the test applied."""
+    import patches
+    from patches import _options
+
+    patches.revert()
+    yield
+    patches.revert()
+    _options.set_current(_options.Options())
