@@ -115,7 +115,7 @@ def stats() -> dict[str, dict[str, float]]:
 
 def runtime_state() -> dict[str, dict[str, int]]:
     """The counters of the runtime patches, to save in a checkpoint (plain ints)."""
-    return {"grad_clip": grad_clip._counts.read()}
+    return {"grad_clip": grad_clip.stats()}
 
 
 def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
@@ -123,7 +123,7 @@ def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
 
     The SafeGradScaler's own counters travel in its ``state_dict()``.
     """
-    grad_clip._counts.load(state.get("grad_clip", {}))
+    grad_clip.load_stats(state.get("grad_clip", {}))
 
 
 def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options) -> None:

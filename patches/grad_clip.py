@@ -27,7 +27,9 @@ from . import grad_scaler
 from ._counters import DeviceCounters
 from ._registry import PatchSpec, Site, register
 
-_counts = DeviceCounters("calls", "nonfinite_norms", "unscaled_first")
+# Only the non-finite flag lives on the device; the other counts are known on the host.
+_counts = DeviceCounters("nonfinite_norms")
+_host = {"calls": 0, "unscaled_first": 0}
 
 
 def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
@@ -42,13 +44,13 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
         scaler = grad_scaler.pending_scaler()
         if scaler is not None and not all(id(p) in scaler._tp_unscaled for p in with_grad):
             total = total / scaler._scale.to(total.device, non_blocking=True)
-            _counts.add("unscaled_first", 1)
+            _host["unscaled_first"] += 1
         finite = torch.isfinite(total)
         # A zero norm gives a clip coefficient of 1: non-finite gradients stay as they are
         # for the scaler or the NaN guard to skip, finite ones are not destroyed.
         clip_grads_with_norm_(with_grad, max_norm, torch.where(finite, total, 0.0), foreach)
-        _counts.add("calls", torch.ones_like(finite))
         _counts.add("nonfinite_norms", ~finite)
+    _host["calls"] += 1
     return total
 
 
@@ -64,7 +66,14 @@ def _make(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 def stats() -> dict[str, int]:
-    return _counts.read()
+    return {**_host, **_counts.read()}
+
+
+def load_stats(counts: dict[str, int]) -> None:
+    """Restore counts saved from :func:`stats` (e.g. on resume)."""
+    _counts.load(counts)
+    for name in _host:
+        _host[name] = int(counts.get(name, 0))
 
 
 SPEC = register(PatchSpec(

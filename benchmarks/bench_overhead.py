@@ -1,0 +1,115 @@
+"""Step-time overhead of the patches and import overhead of the activation line.
+
+Step time: a small transformer training step on the CPU, patched vs unpatched,
+interleaved in one process (blocks alternate, order flipped each round) so that
+drift of the machine hits both alike. Reported as the ratio of median step times.
+
+Import time: ``from utils import training_patches`` after ``import torch``, in
+fresh interpreters (median of several).
+
+Run: .venv/bin/python benchmarks/bench_overhead.py [--rounds N] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import patches  # noqa: E402
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256,
+                                             batch_first=True, dropout=0.0)
+    return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=2),
+                               torch.nn.Linear(128, 128))
+
+
+def block(model: torch.nn.Module, opt: torch.optim.Optimizer, amp: bool, steps: int,
+          data: tuple[torch.Tensor, torch.Tensor]) -> list[float]:
+    """``steps`` training steps with whatever torch names are installed now."""
+    x, y = data
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024, growth_interval=100) if amp else None
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def step_ratio(amp: bool, rounds: int, steps: int, names: list[str] | None = None) -> dict[str, float]:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = (torch.randn(8, 64, 128), torch.randn(8, 64, 128))
+    patches.revert()
+    block(model, opt, amp, 5, data)  # warm-up
+    timed: dict[str, list[float]] = {"patched": [], "unpatched": []}
+    for r in range(rounds):
+        order = ["patched", "unpatched"] if r % 2 == 0 else ["unpatched", "patched"]
+        for mode in order:
+            if mode == "patched":
+                patches.apply(names, quiet=True)
+            else:
+                patches.revert()
+            timed[mode] += block(model, opt, amp, steps, data)
+    patches.revert()
+    med = {k: statistics.median(v) for k, v in timed.items()}
+    return {"patched_ms": med["patched"] * 1e3, "unpatched_ms": med["unpatched"] * 1e3,
+            "ratio": med["patched"] / med["unpatched"]}
+
+
+def import_overhead(runs: int = 7) -> float:
+    code = ("import time; t=time.perf_counter(); from utils import training_patches; "
+            "print(time.perf_counter()-t)")
+    pre = "import torch; "
+    env = dict(os.environ, TRAINING_PATCHES_QUIET="1")
+    samples = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", pre + code], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True)
+        samples.append(float(out.stdout.strip().splitlines()[-1]))
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__},"
+          f" threads {torch.get_num_threads()}")
+    print("| step (CPU, small transformer) | unpatched ms | patched ms | ratio |")
+    print("|---|---|---|---|")
+    for label, amp in (("fp32 + clip_grad_norm_", False),
+                       ("fp16 autocast + GradScaler + clip", True)):
+        r = step_ratio(amp, args.rounds, args.steps)
+        print(f"| {label} | {r['unpatched_ms']:.2f} | {r['patched_ms']:.2f} | {r['ratio']:.3f} |")
+    print(f"\nimport utils.training_patches after torch: {import_overhead() * 1e3:.1f} ms (median)")
+
+
+if __name__ == "__main__":
+    main()
