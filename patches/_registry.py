@@ -41,6 +41,9 @@ _SWEEP_SKIP_PREFIXES = ("torch", "patches", "wrapt")
 class Site:
     """One place where a name is bound: ``module.attr``.
 
+    ``attr`` may be dotted, ``"Class.method"``: the last part is replaced on the object
+    the rest names (a class), and the original is taken from that class's own
+    ``__dict__`` (not ``getattr``, which would hand back a bound or inherited object).
     ``make(original)`` builds the replacement from the unpatched object. With
     ``sweep`` the replacement is also installed in every already-imported module
     (outside torch) that holds the original under the same name, and taken back
@@ -138,9 +141,24 @@ def _unpatched(value: Any) -> Any:
     return value
 
 
+def _owner(site: Site, module: ModuleType) -> tuple[Any, str]:
+    """The object that holds the site's name, and the name (``Class.method`` -> Class)."""
+    *path, name = site.attr.split(".")
+    owner: Any = module
+    for part in path:
+        owner = vars(owner).get(part, _MISSING) if owner is not _MISSING else _MISSING
+    return owner, name
+
+
+def _current(site: Site, module: ModuleType) -> Any:
+    owner, name = _owner(site, module)
+    return _MISSING if owner is _MISSING else vars(owner).get(name, _MISSING)
+
+
 def _rebind(site: Site, module: ModuleType, old: Any, new: Any) -> None:
     """Install ``new`` at the site and, for sweeping sites, in every copy of ``old``."""
-    module.__dict__[site.attr] = new
+    owner, name = _owner(site, module)
+    setattr(owner, name, new)
     if not site.sweep:
         return
     for mod_name, mod in list(sys.modules.items()):
@@ -157,7 +175,7 @@ def _land(spec: PatchSpec, token: object, site: Site, module: ModuleType) -> Non
         activation = _active.get(spec.name)
         if activation is None or activation.token is not token:
             return  # reverted (or re-applied) since this hook was registered
-        current = module.__dict__.get(site.attr, _MISSING)
+        current = _current(site, module)
         if current is _MISSING:
             activation.pending.discard(site.key)
             logger.debug("%s: %s does not exist in this version; skipped", spec.name, site)
@@ -188,7 +206,7 @@ def _unland(spec: PatchSpec, site: Site) -> None:
     old_top = state.top()
     state.layers.remove(layer)
     _replacements.pop(id(layer.replacement), None)
-    current = module.__dict__.get(site.attr, _MISSING)
+    current = _current(site, module)
     if current is not old_top:
         logger.warning(
             "%s: %s was replaced by someone else after training-patches patched it; "
@@ -250,4 +268,7 @@ def original(module: str | ModuleType, attr: str) -> Any:
         raise LookupError(
             f"get_original: module {mod_name!r} is not imported, so it has no "
             f"{attr!r} yet; import it first")
-    return _unpatched(getattr(mod, attr))
+    value = _current(Site(mod_name, attr, make=lambda o: o), mod)
+    if value is _MISSING:
+        raise LookupError(f"get_original: {mod_name}.{attr} does not exist")
+    return _unpatched(value)
