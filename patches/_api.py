@@ -8,7 +8,7 @@ import sys
 import threading
 from typing import Any, Iterable
 
-from . import _options, _registry, grad_clip, grad_scaler
+from . import _options, _registry, grad_clip, grad_scaler, nan_guard
 from ._log import logger
 
 _RULE = "=" * 72
@@ -110,12 +110,13 @@ def get_original(module: Any, attr: str) -> Any:
 
 def stats() -> dict[str, dict[str, float]]:
     """Counters of the runtime patches as plain numbers (reading them syncs once)."""
-    return {"grad_scaler": grad_scaler.stats(), "grad_clip": grad_clip.stats()}
+    return {"grad_scaler": grad_scaler.stats(), "grad_clip": grad_clip.stats(),
+            "nan_guard": nan_guard.stats()}
 
 
 def runtime_state() -> dict[str, dict[str, int]]:
     """The counters of the runtime patches, to save in a checkpoint (plain ints)."""
-    return {"grad_clip": grad_clip.stats()}
+    return {"grad_clip": grad_clip.stats(), "nan_guard": nan_guard.stats()}
 
 
 def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
@@ -124,6 +125,7 @@ def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
     The SafeGradScaler's own counters travel in its ``state_dict()``.
     """
     grad_clip.load_stats(state.get("grad_clip", {}))
+    nan_guard.load_stats(state.get("nan_guard", {}))
 
 
 def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options) -> None:

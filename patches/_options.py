@@ -43,6 +43,29 @@ def _positive_int(text: Any) -> int:
     return value
 
 
+def _share(text: Any) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError("expected a fraction above 0 and at most 1")
+    return value
+
+
+def _nonnegative_float(text: Any) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("expected a finite number of at least 0")
+    return value
+
+
+def _base_vocab(text: Any) -> int | None:
+    """Rows of the original vocabulary to freeze; 0, empty or None leave it off."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("", "0", "off", "none")):
+        return None
+    if isinstance(text, (int, float)) and text == 0:
+        return None
+    return _positive_int(text.strip() if isinstance(text, str) else text)
+
+
 def _names(text: Any) -> tuple[str, ...]:
     if isinstance(text, str):
         items = text.split(",")
@@ -64,6 +87,15 @@ class Options:
     hysteresis: int = 1
     min_scale: float = 2.0 ** -14
     max_floor_skips: int = 10
+    base_vocab: int | None = None
+    max_bad_steps: int = 25
+    spike_k: float = 0.0
+    spike_window: int = 100
+    lr_step_on_skip: bool = False
+    replay: bool = True
+    max_drop_share: float = 0.5
+    output_dir: str = ""
+    amharic_homophones: bool = False
 
 
 # option -> (parser, example shown in errors)
@@ -77,6 +109,17 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "hysteresis": (_positive_int, "a whole number of at least 1 (1 = back off on every overflow)"),
     "min_scale": (_positive_float, "a number greater than 0, e.g. 6.1e-05"),
     "max_floor_skips": (_positive_int, "a whole number of steps of at least 1, e.g. 10"),
+    "base_vocab": (_base_vocab, "a whole number of base tokens, e.g. 12000 (0 or empty = off)"),
+    "max_bad_steps": (_positive_int, "a whole number of steps of at least 1, e.g. 25"),
+    "spike_k": (_nonnegative_float, "a number of standard deviations, e.g. 6 (0 = off)"),
+    "spike_window": (_positive_int, "a whole number of steps of at least 2, e.g. 100"),
+    "lr_step_on_skip": (_bool, "1 or 0"),
+    "replay": (_bool, "1 or 0"),
+    "max_drop_share": (_share, "a fraction above 0 and at most 1, e.g. 0.5 (stop when more "
+                               "than half the samples cannot be loaded)"),
+    "output_dir": (str, "a directory for the run's reports (e.g. dropped_samples.jsonl); empty "
+                        "means the coqui Trainer's output folder, else the working directory"),
+    "amharic_homophones": (_bool, "1 or 0"),
 }
 
 
@@ -86,7 +129,7 @@ def env_name(option: str) -> str:
 
 def _parse(option: str, value: Any, source: str) -> Any:
     parser, expected = OPTIONS[option]
-    if option in ("anomaly", "quiet") and isinstance(value, bool):
+    if parser is _bool and isinstance(value, bool):
         return value
     try:
         return parser(value)

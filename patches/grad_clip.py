@@ -30,6 +30,9 @@ from ._registry import PatchSpec, Site, register
 # Only the non-finite flag lives on the device; the other counts are known on the host.
 _counts = DeviceCounters("nonfinite_norms")
 _host = {"calls": 0, "unscaled_first": 0}
+# The norm of the latest clip and the gradients it covered: the NaN guard reuses it, so
+# one reduction serves both the clip and the finite check.
+_last: tuple[frozenset[int], torch.Tensor] | None = None
 
 
 def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
@@ -51,7 +54,18 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
         clip_grads_with_norm_(with_grad, max_norm, torch.where(finite, total, 0.0), foreach)
         _counts.add("nonfinite_norms", ~finite)
     _host["calls"] += 1
+    global _last
+    _last = (frozenset(id(p.grad) for p in with_grad), total)
     return total
+
+
+def norm_for(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The latest clip's total norm if it covered all of ``grads`` (then forgotten)."""
+    global _last
+    last, _last = _last, None
+    if last is None or not all(id(g) in last[0] for g in grads):
+        return None
+    return last[1]
 
 
 def _make(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

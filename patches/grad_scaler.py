@@ -21,6 +21,7 @@ record of what it skipped. SafeGradScaler is a ``torch.amp.GradScaler`` (so
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -41,6 +42,9 @@ STATE_KEY = "training_patches"
 # it whether the gradients it is clipping are still scaled.
 _pending: weakref.ref[SafeGradScaler] | None = None
 _latest: weakref.ref[SafeGradScaler] | None = None
+# Set while a SafeGradScaler runs optimizer.step() after its own finite check, so the
+# NaN guard knows the step is protected and adds no second check.
+_stepping = threading.local()
 
 
 class LossScaleFloorError(FloatingPointError):
@@ -125,7 +129,13 @@ class SafeGradScaler(_TorchGradScaler):
         # The same single sync torch makes; its answer also feeds the host mirror.
         found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
         self._tp_found_host.append(found)
-        return None if found else optimizer.step(*args, **kwargs)
+        if found:
+            return None
+        _stepping.active = True
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            _stepping.active = False
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         global _pending
@@ -316,6 +326,11 @@ class CudaSafeGradScaler(SafeGradScaler):
                  enabled: bool = True, **kwargs: Any) -> None:
         super().__init__("cuda", init_scale, growth_factor, backoff_factor, growth_interval,
                          enabled, **kwargs)
+
+
+def stepping() -> bool:
+    """True inside an optimizer step a SafeGradScaler has already checked."""
+    return getattr(_stepping, "active", False)
 
 
 def pending_scaler() -> SafeGradScaler | None:

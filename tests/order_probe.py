@@ -78,12 +78,32 @@ def future_warnings(fn) -> int:
     return sum(issubclass(w.category, FutureWarning) for w in caught)
 
 
+PATCHES_DIR = os.path.dirname(os.path.abspath(patches.__file__))
+
+
+def is_ours(value: object) -> bool:
+    """Made by training-patches (wraps() copies names, not the code's file)."""
+    value = getattr(value, "func", value)
+    if isinstance(value, type):
+        return value.__module__.startswith("patches")
+    code = getattr(value, "__code__", None)
+    return bool(code) and code.co_filename.startswith(PATCHES_DIR)
+
+
 def check_sites(patch: str, patched: bool) -> None:
     spec = _registry.specs()[patch]
     for site in spec.sites:
         if site.module not in sys.modules:
             continue
-        value = sys.modules[site.module].__dict__[site.attr]
+        value = _registry._current(site, sys.modules[site.module])
+        if "." in site.attr or site.key == ("trainer.trainer", "remove_experiment_folder"):
+            state = _registry._sites.get(site.key)
+            layers = [lay for lay in (state.layers if state else []) if lay.patch == patch]
+            check(len(layers) == (1 if patched else 0), f"{site}: {len(layers)} layers")
+            check(is_ours(value) == patched, f"{site} is {'not ' if patched else ''}ours")
+            if patched:
+                check(not is_ours(value.__wrapped__), f"{site} wraps a wrapper (double wrap)")
+            continue
         if site.key in ORIGINALS:
             original = ORIGINALS[site.key]
         else:  # trainer.trainer.GradScaler: a partial over torch's class
@@ -150,6 +170,13 @@ def check_behaviour(patch: str, patched: bool) -> None:
         torch.nn.utils.clip_grad_norm_([good, bad], 1.0)
         intact = bool(torch.equal(good.grad, torch.ones(3)))
         check(intact == patched, f"finite gradient after a NaN norm: {good.grad.tolist()}")
+    elif patch == "nan_guard":
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        (model(torch.ones(2, 3)).sum() * float("nan")).backward()
+        opt.step()
+        finite = bool(torch.isfinite(model.weight).all())
+        check(finite == patched, f"weights finite after a NaN step: {finite}")
     elif patch == "anomaly":
         check(torch.is_anomaly_enabled() == patched,
               f"anomaly mode is {torch.is_anomaly_enabled()}")

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 PROBE = os.path.join(os.path.dirname(__file__), "order_probe.py")
-PATCHES = ["autocast", "grad_scaler", "grad_clip", "anomaly"]
+PATCHES = ["autocast", "grad_scaler", "grad_clip", "nan_guard", "anomaly"]
 ORDERS = {
     "import-then-apply": (["import", "apply"], "patched"),
     "apply-then-import": (["apply", "import"], "patched"),

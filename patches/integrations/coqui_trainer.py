@@ -20,3 +20,113 @@ def scaler_factory(safe_cls: type, original: Any) -> Any:
     if isinstance(original, functools.partial):
         return functools.partial(safe_cls, *original.args, **original.keywords)
     return functools.partial(safe_cls, device="cuda")
+
+
+# -- NaN guard: what the Trainer's step hands the guard ---------------------------------
+# The Trainer computes the loss in ``Trainer._compute_loss``, turns losses into floats
+# for its running averages in ``Trainer.detach_loss_dict`` and logs to its dashboard in
+# ``Trainer.train_step``. On any exception ``fit()`` calls ``remove_experiment_folder``,
+# which deletes a run folder holding no .pth file: with it the reports that explain
+# the failure.
+
+SAMPLE_KEYS = ("filenames", "audio_file", "audio_files", "wav_file", "wav_files",
+               "audio_unique_name", "item_idxs")
+
+
+def sample_ids(batch: Any) -> list[str]:
+    """Identifiers of the samples in a batch (XTTS: ``filenames``, the audio paths)."""
+    if not isinstance(batch, dict):
+        return []
+    for key in SAMPLE_KEYS:
+        value = batch.get(key)
+        if isinstance(value, (list, tuple)) and value:
+            return [str(v) for v in value]
+        if isinstance(value, str):
+            return [value]
+    return []
+
+
+def make_compute_loss(original: Any) -> Any:
+    import torch
+
+    from .. import _run, nan_guard
+
+    watched: set[int] = set()
+
+    @functools.wraps(original)
+    def _compute_loss(self: Any, batch: Any, criterion: Any, optimizer_idx: Any) -> Any:
+        _run.set_trainer_dir(getattr(self, "output_path", None))
+        _run.batch_ids = sample_ids(batch)
+        _run.trainer_step = getattr(self, "total_steps_done", None)
+        if id(self.model) not in watched:
+            watched.add(id(self.model))
+            nan_guard.watch(self.model)
+
+        def rerun() -> Any:
+            outputs, losses = original(self, batch, criterion, optimizer_idx)
+            return losses["loss"]
+        nan_guard.set_replay(lambda: nan_guard.find_nonfinite_source(self.model, rerun))
+        outputs, loss_dict = original(self, batch, criterion, optimizer_idx)
+        loss = loss_dict.get("loss") if isinstance(loss_dict, dict) else None
+        if isinstance(loss, torch.Tensor):
+            nan_guard.observe_loss(loss)
+        return outputs, loss_dict
+    return _compute_loss
+
+
+def make_detach_loss_dict(original: Any) -> Any:
+    import math
+
+    from .._log import logger
+
+    @functools.wraps(original)
+    def detach_loss_dict(self: Any, loss_dict: Any, **kwargs: Any) -> Any:
+        detached = original(self, loss_dict, **kwargs)
+        bad = [k for k, v in detached.items()
+               if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            # Keep NaN out of the Trainer's running averages: they would read NaN for good.
+            logger.warning("nan_guard: trainer step %s: non-finite %s; the batch is skipped "
+                           "and left out of the averages",
+                           getattr(self, "total_steps_done", "?"),
+                           ", ".join(f"{k}={detached[k]}" for k in bad))
+            for key in bad:
+                del detached[key]
+        return detached
+    return detach_loss_dict
+
+
+def make_train_step(original: Any) -> Any:
+    from .. import _api
+
+    @functools.wraps(original)
+    def train_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        step = getattr(self, "total_steps_done", 1) - 1
+        plot_step = getattr(getattr(self, "config", None), "plot_step", 0) or 0
+        if plot_step and step % plot_step == 0 and getattr(self.args, "rank", 0) == 0:
+            scalars = {f"{patch}_{name}": float(value)
+                       for patch, counts in _api.stats().items()
+                       for name, value in counts.items()}
+            self.dashboard_logger.add_scalars("TrainingPatches", scalars, step)
+        return result
+    return train_step
+
+
+def make_remove_experiment_folder(original: Any) -> Any:
+    import os
+
+    from .. import _run
+    from .._log import logger
+
+    @functools.wraps(original)
+    def remove_experiment_folder(experiment_path: Any) -> None:
+        folder = str(experiment_path)
+        kept = [name for name in _run.OWN_FILES if os.path.exists(os.path.join(folder, name))]
+        if kept:
+            logger.warning("training-patches: kept the run folder %s (coqui removes a folder "
+                           "without checkpoints on error) because it holds %s", folder,
+                           ", ".join(kept))
+            return None
+        return original(experiment_path)
+    return remove_experiment_folder

@@ -1,0 +1,58 @@
+"""What the patches know about the run they are in: where it writes, which batch is in hand.
+
+Integrations fill this in (the coqui Trainer's ``output_path``, the batch's audio
+paths); a plain loop can call :func:`set_output_dir`, or set
+``TRAINING_PATCHES_OUTPUT_DIR``. Files the patches write (``nonfinite_events.jsonl``,
+``dropped_samples.jsonl``) go to :func:`output_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+from . import _options
+
+_lock = threading.Lock()
+_output_dir: str | None = None
+_trainer_dir: str | None = None
+batch_ids: list[str] = []  # sample identifiers of the batch being trained on
+trainer_step: int | None = None  # the trainer's own step counter, when an integration knows it
+
+# Names of the files the patches write into a run's folder (kept by the coqui integration
+# when coqui would remove a run folder that holds no checkpoint).
+OWN_FILES = ("nonfinite_events.jsonl", "dropped_samples.jsonl", "training_patches.log")
+
+
+def set_output_dir(path: str | os.PathLike[str] | None) -> None:
+    """Where this run's patch files go (None: back to the option/env default)."""
+    global _output_dir
+    _output_dir = None if path is None else os.fspath(path)
+
+
+def set_trainer_dir(path: str | os.PathLike[str] | None) -> None:
+    """The trainer's own output folder (an integration's default, below the user's choice)."""
+    global _trainer_dir
+    _trainer_dir = None if path is None else os.fspath(path)
+
+
+def output_dir() -> str | None:
+    """set_output_dir(), else TRAINING_PATCHES_OUTPUT_DIR, else the trainer's folder."""
+    return _output_dir or _options.current().output_dir or _trainer_dir or None
+
+
+def append_jsonl(name: str, record: dict[str, Any]) -> str | None:
+    """Append one JSON line to ``name`` in the output directory; return its path (None: no dir)."""
+    folder = output_dir()
+    if not folder:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    line = json.dumps(record, ensure_ascii=False, default=str)
+    with _lock, open(path, "a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path

@@ -1,0 +1,439 @@
+"""``nan_guard``: skip every optimizer step whose loss or gradients are NaN/Inf, exactly.
+
+Without a GradScaler (fp32, bf16, fp16 without a scaler) torch optimizers step on
+whatever gradients they have: one NaN loss makes the weights NaN for good. The
+guard sits in torch's global optimizer step hooks, so it covers every optimizer
+in plain loops and in the coqui Trainer:
+
+- one fused reduction decides (the norm ``clip_grad_norm_`` just computed when it
+  covered these gradients, else one ``get_total_norm``), or'ed with the loss seen
+  through :func:`observe_loss` and, optionally, a loss-spike test; under
+  ``torch.distributed`` the flag is all-reduced so every rank decides alike;
+- fused optimizers get the flag through their ``found_inf`` protocol: the kernel
+  leaves parameters, moments and step counts untouched, and the guard adds no
+  host sync (the host learns of skips when it reads the counters);
+- other optimizers cost one host sync (``.item()`` of the flag); on a bad step
+  every gradient is set to None, so the optimizer leaves each parameter, its
+  moments, its step count and its weight decay exactly as they were;
+- the LR scheduler of a skipped step does not advance (``lr_step_on_skip``);
+- each bad step appends a line to ``nonfinite_events.jsonl`` in the run's output
+  directory; the first can be replayed to name the module and the operation that
+  made the first non-finite value; after ``max_bad_steps`` consecutive bad steps
+  the run stops with :class:`NonFiniteTrainingError`, which says what to try.
+
+Steps a GradScaler protects are left to it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.nn.utils import get_total_norm
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
+
+from . import _options, _run, grad_clip, grad_scaler
+from ._counters import DeviceCounters
+from ._log import info, logger
+from ._registry import PatchSpec, Site, register
+from .integrations import coqui_trainer
+
+EVENTS_FILE = "nonfinite_events.jsonl"
+
+
+class NonFiniteTrainingError(FloatingPointError):
+    """Too many consecutive optimizer steps had non-finite loss or gradients."""
+
+
+class _State:
+    """Everything the guard remembers between steps (one per process)."""
+
+    def __init__(self) -> None:
+        self.counts = DeviceCounters("steps", "skipped", "consecutive_skips",
+                                     "nonfinite_losses", "nonfinite_grads", "spikes")
+        self.host_steps = 0  # optimizer steps seen (known on the host, no sync)
+        self.streak = 0  # consecutive skipped steps the host knows of
+        self.first_bad: dict[str, Any] | None = None
+        self.last_good_loss: torch.Tensor | None = None
+        self.pending_loss: torch.Tensor | None = None
+        self.decisions: dict[int, bool | torch.Tensor] = {}  # id(optimizer) -> skipped?
+        self.deferred: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self.names: dict[int, str] = {}  # id(parameter) -> name, from watch()
+        self.replay: Callable[[], dict[str, Any]] | None = None
+        self.replayed = False
+        self.window: torch.Tensor | None = None
+        self.window_count = 0
+        self.set_found_inf: set[int] = set()
+        self.lock = threading.Lock()
+
+
+_state = _State()
+_hooks: list[Any] = []
+
+
+# -- what integrations and plain loops tell the guard ------------------------
+
+def observe_loss(loss: torch.Tensor) -> None:
+    """Hand the guard this step's loss (no sync): a non-finite loss skips the step, and
+    the loss-spike test needs it. Integrations call it; plain loops may."""
+    _state.pending_loss = loss.detach().float().reshape(-1)[:1].squeeze(0)
+
+
+def watch(model: torch.nn.Module, prefix: str = "") -> None:
+    """Learn parameter names, so events say which gradients were non-finite."""
+    for name, param in model.named_parameters(prefix=prefix):
+        _state.names[id(param)] = name
+
+
+def set_replay(replay: Callable[[], dict[str, Any]] | None) -> None:
+    """Register how to re-run the current batch (see :func:`find_nonfinite_source`)."""
+    _state.replay = replay
+
+
+# -- the decision ----------------------------------------------------------------
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for group in optimizer.param_groups for p in group["params"]
+            if p.grad is not None]
+
+
+def _protected(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> bool:
+    """A GradScaler already decided this step (its own sync, or the fused protocol)."""
+    return (grad_scaler.stepping() or "grad_scaler" in kwargs
+            or (hasattr(optimizer, "found_inf") and id(optimizer) not in _state.set_found_inf))
+
+
+def _spike_flag(loss: torch.Tensor, opts: _options.Options) -> torch.Tensor | None:
+    if opts.spike_k <= 0:
+        return None
+    if _state.window is None or _state.window.numel() != opts.spike_window:
+        _state.window = torch.zeros(opts.spike_window, device=loss.device)
+        _state.window_count = 0
+    if _state.window_count < opts.spike_window:
+        return torch.zeros((), dtype=torch.bool, device=loss.device)
+    mean, std = _state.window.mean(), _state.window.std()
+    return loss > mean + opts.spike_k * std
+
+
+def _remember_loss(loss: torch.Tensor, bad: torch.Tensor, opts: _options.Options) -> None:
+    """Put a good step's loss into the spike window (masked with where: no sync)."""
+    if opts.spike_k <= 0 or _state.window is None:
+        return
+    slot = _state.window_count % opts.spike_window
+    _state.window[slot] = torch.where(bad, _state.window[slot], loss.to(_state.window.device))
+    _state.window_count += 1
+
+
+def _all_reduce(flag: torch.Tensor) -> torch.Tensor:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shared = flag.to(torch.float32)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        return shared > 0
+    return flag
+
+
+def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> None:
+    if _protected(optimizer, kwargs):
+        _state.pending_loss = None
+        return
+    opts = _options.current()
+    grads = _grads(optimizer)
+    loss = _state.pending_loss
+    _state.pending_loss = None
+    if not grads and loss is None:
+        return
+    device = grads[0].device if grads else loss.device  # type: ignore[union-attr]
+    norm = grad_clip.norm_for(grads) if grads else None
+    if norm is None and grads:
+        norm = get_total_norm(grads, 2.0, False, None)
+    bad_grad = (~torch.isfinite(norm)) if norm is not None else torch.zeros((), dtype=torch.bool)
+    bad_grad = bad_grad.to(device)
+    bad = bad_grad
+    bad_loss = spike = None
+    if loss is not None:
+        loss = loss.to(device)
+        bad_loss = ~torch.isfinite(loss)
+        spike = _spike_flag(loss, opts)
+        bad = bad | bad_loss if spike is None else bad | bad_loss | spike
+    bad = _all_reduce(bad)
+    _state.host_steps += 1
+    counts = _state.counts
+    counts.record_step(bad)
+    counts.add("nonfinite_grads", bad_grad)
+    if bad_loss is not None:
+        counts.add("nonfinite_losses", bad_loss)
+    if spike is not None:
+        counts.add("spikes", spike & ~bad_loss)  # type: ignore[operator]
+    if loss is not None:
+        _remember_loss(loss, bad, opts)
+
+    if optimizer.defaults.get("fused") and not hasattr(optimizer, "found_inf"):
+        # The fused kernel skips on found_inf by itself: no sync at all.
+        optimizer.found_inf = bad.to(torch.float32)  # type: ignore[attr-defined]
+        _state.set_found_inf.add(id(optimizer))
+        _state.decisions[id(optimizer)] = bad
+        _state.deferred.append((_state.host_steps, bad, bad_grad, loss))
+        if loss is not None:
+            _state.last_good_loss = torch.where(bad, _state.last_good_loss, loss) \
+                if _state.last_good_loss is not None else loss
+        if len(_state.deferred) >= opts.log_interval:
+            _settle_deferred()
+        return
+
+    skipped = bool(bad.item())  # the one host sync of a guarded step
+    _state.decisions[id(optimizer)] = skipped
+    if not skipped:
+        _state.streak = 0
+        if loss is not None:
+            _state.last_good_loss = loss
+    else:
+        _on_bad_step(optimizer, _state.host_steps, bad_grad, loss, spike)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None  # the optimizer now skips every parameter: an exact no-op
+    if _state.host_steps % opts.log_interval == 0:
+        _log_stats()
+
+
+def _post_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> None:
+    if id(optimizer) in _state.set_found_inf:
+        _state.set_found_inf.discard(id(optimizer))
+        del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+def _settle_deferred() -> None:
+    """Read the flags of fused steps (one copy) and handle their events."""
+    entries, _state.deferred = _state.deferred, []
+    if not entries:
+        return
+    flags = torch.stack([bad for _, bad, _, _ in entries]).tolist()
+    for (step, _, bad_grad, loss), skipped in zip(entries, flags):
+        if skipped:
+            _on_bad_step(None, step, bad_grad, loss, None)
+        else:
+            _state.streak = 0
+
+
+# -- a bad step: record, explain, escalate -------------------------------------
+
+def _value(tensor: torch.Tensor | None) -> float | None:
+    return None if tensor is None else float(tensor.item())
+
+
+def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
+    if optimizer is None:
+        return []
+    names = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                names.append(_state.names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}"))
+    return names
+
+
+def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: torch.Tensor,
+                 loss: torch.Tensor | None, spike: torch.Tensor | None) -> None:
+    _state.streak += 1
+    loss_value = _value(loss)
+    is_spike = bool(spike.item()) if spike is not None else False
+    nonfinite_loss = loss_value is not None and not math.isfinite(loss_value)
+    kind = "loss_spike" if is_spike and not nonfinite_loss else (
+        "nonfinite_loss" if nonfinite_loss else "nonfinite_grad")
+    scaler = grad_scaler.pending_scaler()
+    event = {
+        "step": step,
+        "trainer_step": _run.trainer_step,
+        "kind": kind,
+        "loss": loss_value,
+        "nonfinite_grads": _bad_grad_names(optimizer) if bool(bad_grad.item()) else [],
+        "scale": scaler.get_scale() if scaler is not None else None,
+        "samples": list(_run.batch_ids),
+        "consecutive": _state.streak,
+    }
+    if _state.first_bad is None or _state.streak == 1:
+        _state.first_bad = event
+    opts = _options.current()
+    if opts.replay and not _state.replayed and _state.replay is not None and not is_spike:
+        _state.replayed = True
+        event["source"] = _state.replay()
+    path = _run.append_jsonl(EVENTS_FILE, event)
+    grads = event["nonfinite_grads"]
+    what = (f"non-finite gradients in {', '.join(grads[:3])}"
+            + (f" (+{len(grads) - 3} more)" if len(grads) > 3 else "")) if grads else kind
+    logger.warning("nan_guard: step %d skipped (%s; loss=%s)%s%s%s", step, what, loss_value,
+                   f"; samples: {', '.join(event['samples'][:4])}" if event["samples"] else "",
+                   f"; source: {event['source']}" if event.get("source") else "",
+                   f"; recorded in {path}" if path else "")
+    if _state.streak >= opts.max_bad_steps:
+        _raise(step)
+
+
+def _raise(step: int) -> None:
+    first = _state.first_bad or {}
+    last_loss = _value(_state.last_good_loss)
+    samples = first.get("samples") or []
+    raise NonFiniteTrainingError(
+        f"nan_guard: {_state.streak} consecutive optimizer steps had non-finite loss or "
+        f"gradients (the limit is {_options.current().max_bad_steps}), so the run stops at step "
+        f"{step} instead of burning GPU hours. The first bad step of this streak was step "
+        f"{first.get('step')} (trainer step {first.get('trainer_step')}): "
+        f"{first.get('kind')}, loss={first.get('loss')}, non-finite gradients: "
+        f"{', '.join(first.get('nonfinite_grads') or []) or 'none found'}, loss scale: "
+        f"{first.get('scale')}; samples in that batch: {', '.join(samples) or 'unknown'}. "
+        f"The last finite loss was {last_loss}."
+        + (f" Where it started: {first['source']}." if first.get("source") else "")
+        + f" Every skipped step is in {_run.output_dir() or 'the log'}"
+        f"{'/' + EVENTS_FILE if _run.output_dir() else ''}. Try: a lower learning rate; "
+        "checking those samples (training-patches check-data); fp32 instead of fp16/bf16 (on a "
+        "T4, disable fp16); TRAINING_PATCHES_ANOMALY=1 for one run to name the operation. "
+        "TRAINING_PATCHES_MAX_BAD_STEPS raises the limit.")
+
+
+def _log_stats() -> None:
+    counts = stats()
+    info("nan_guard stats @ step %d: skipped %d of %d optimizer steps (non-finite losses %d, "
+         "non-finite gradients %d, loss spikes %d)", _state.host_steps, counts["skipped"],
+         counts["steps"], counts["nonfinite_losses"], counts["nonfinite_grads"], counts["spikes"])
+
+
+def stats() -> dict[str, int]:
+    """Counters as plain ints (settles deferred fused-step flags first)."""
+    _settle_deferred()
+    return _state.counts.read()
+
+
+def load_stats(counts: dict[str, int]) -> None:
+    _state.counts.load(counts)
+    _state.host_steps = int(counts.get("steps", 0))
+
+
+def reset() -> None:
+    """Forget counters, events and names (a new run in the same process)."""
+    global _state
+    replay = _state.replay
+    _state = _State()
+    _state.replay = replay
+
+
+# -- the LR scheduler --------------------------------------------------------------
+
+def _make_scheduler_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        decision = _state.decisions.pop(id(getattr(self, "optimizer", None)), None)
+        if isinstance(decision, torch.Tensor):
+            decision = bool(decision.item())
+        if decision and not _options.current().lr_step_on_skip:
+            logger.debug("nan_guard: LR scheduler held on a skipped step")
+            return None
+        return original(self, *args, **kwargs)
+    step.__wrapped__ = original  # type: ignore[attr-defined]
+    return step
+
+
+# -- finding the source -----------------------------------------------------------
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _nonfinite(value: Any) -> bool:
+    return any(t.is_floating_point() and not bool(torch.isfinite(t).all())
+               for t in _tensors(value))
+
+
+def find_nonfinite_source(model: torch.nn.Module,
+                          closure: Callable[[], torch.Tensor]) -> dict[str, Any]:
+    """Re-run one batch (``closure`` returns its loss) with forward hooks and anomaly mode.
+
+    Returns the first module whose input or output was non-finite and the backward
+    operation anomaly mode named. RNG state is restored, gradients are cleared: the
+    run continues as if the replay never happened. Costs one slow step: call it for
+    the first bad batch, never every step.
+    """
+    found: dict[str, Any] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def check(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            if "module" in found:
+                return
+            if _nonfinite(inputs):
+                found.update(module=name or type(model).__name__, where="input",
+                             type=type(module).__name__)
+            elif _nonfinite(output):
+                found.update(module=name or type(model).__name__, where="output",
+                             type=type(module).__name__)
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        with warnings.catch_warnings(record=True) as caught, \
+                torch.autograd.detect_anomaly(check_nan=True):
+            warnings.simplefilter("always")
+            try:
+                loss = closure()
+                if not bool(torch.isfinite(loss).all()) and "module" not in found:
+                    found.update(module="loss", where="output", type="loss")
+                loss.backward()
+            except RuntimeError as exc:
+                found["operation"] = str(exc).splitlines()[0]
+        for w in caught:
+            text = str(w.message)
+            if "Traceback of forward call" in text:
+                lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+                found["forward_call"] = lines[-1]
+                break
+    finally:
+        for handle in handles:
+            handle.remove()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        model.zero_grad(set_to_none=True)
+    return found
+
+
+# -- the patch -----------------------------------------------------------------------
+
+def _enable(options: Any) -> None:
+    _hooks.append(register_optimizer_step_pre_hook(_pre_hook))
+    _hooks.append(register_optimizer_step_post_hook(_post_hook))
+
+
+def _disable() -> None:
+    while _hooks:
+        _hooks.pop().remove()
+
+
+SPEC = register(PatchSpec(
+    name="nan_guard",
+    describe=lambda o: (
+        f"optimizer steps with NaN/Inf loss or gradients are skipped exactly (stop after "
+        f"{o.max_bad_steps} in a row" + (f"; loss spikes > {o.spike_k:g} sd skipped"
+                                        if o.spike_k > 0 else "") + ")"),
+    enable=_enable,
+    disable=_disable,
+    sites=(
+        Site("torch.optim.lr_scheduler", "LRScheduler.step", _make_scheduler_step),
+        Site(coqui_trainer.MODULE, "Trainer._compute_loss", coqui_trainer.make_compute_loss),
+        Site(coqui_trainer.MODULE, "Trainer.detach_loss_dict",
+             coqui_trainer.make_detach_loss_dict),
+        Site(coqui_trainer.MODULE, "Trainer.train_step", coqui_trainer.make_train_step),
+        Site(coqui_trainer.MODULE, "remove_experiment_folder",
+             coqui_trainer.make_remove_experiment_folder),
+    ),
+))
