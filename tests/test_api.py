@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import patches
-from patches import ConfigError, _options
+from patches import ConfigError, _options, _registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULTS = {name for name, spec in _registry.specs().items() if spec.default}
 
 
 def test_apply_reports_sites_and_revert_restores_identity(clean_patches: None) -> None:
@@ -33,7 +34,7 @@ def test_apply_reports_sites_and_revert_restores_identity(clean_patches: None) -
 def test_default_set_and_disable(clean_patches: None, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="training_patches")
     applied = patches.apply(disable="grad_clip")
-    assert set(applied) == {"autocast", "grad_scaler"}
+    assert set(applied) == DEFAULTS - {"grad_clip"}
     assert "[off] grad_clip" in caplog.text and "TRAINING_PATCHES_DISABLE" in caplog.text
     assert "[on ] grad_scaler" in caplog.text
 
@@ -109,19 +110,20 @@ def test_activation_line_applies_once_with_banner() -> None:
         "from utils import training_patches as again\n"
         "import importlib, patches\n"
         "importlib.import_module('patches.auto')\n"
-        "print(sorted(patches.applied()))\n")
+        "print(','.join(sorted(patches.applied())))\n")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['autocast', 'grad_clip', 'grad_scaler']"
+    assert set(result.stdout.strip().split(",")) == DEFAULTS
+    assert {"autocast", "grad_scaler", "grad_clip", "nan_guard"} <= DEFAULTS
     assert result.stderr.count("applying training patches") == 1
     assert "[off] anomaly" in result.stderr
 
 
 def test_activation_quiet_and_env_disable() -> None:
     result = _run("from utils import training_patches\nimport patches\n"
-                  "print(sorted(patches.applied()))\n",
+                  "print(','.join(sorted(patches.applied())))\n",
                   TRAINING_PATCHES_QUIET="1", TRAINING_PATCHES_DISABLE="autocast")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['grad_clip', 'grad_scaler']"
+    assert set(result.stdout.strip().split(",")) == DEFAULTS - {"autocast"}
     assert "applying training patches" not in result.stderr
 
 
