@@ -1,0 +1,73 @@
+"""nan_guard through the real coqui Trainer and a tiny XTTS GPTTrainer (fp32)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import patches
+from patches import nan_guard
+
+pytestmark = pytest.mark.xtts
+
+
+def poison_batch(model, at_call: int) -> list[int]:
+    """Make the text embedding output NaN for the ``at_call``-th batch (and for that same
+    batch when it is replayed), as a bad sample would. Returns the call counter."""
+    calls, state = [0], {"poisoned": None, "active": False}
+    original = model.train_step
+
+    def train_step(batch, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at_call:
+            state["poisoned"] = id(batch)
+        state["active"] = id(batch) == state["poisoned"]
+        return original(batch, *args, **kwargs)
+
+    def hook(module, inputs, output):
+        return output * float("nan") if state["active"] else output
+    model.train_step = train_step
+    model.xtts.gpt.text_embedding.register_forward_hook(hook)
+    return calls
+
+
+def test_one_nan_loss_is_skipped_and_recorded(tiny_xtts, tmp_path, clean_patches) -> None:
+    nan_guard.reset()
+    patches.apply()
+    config = tiny_xtts.make_config(tmp_path / "run", epochs=2)
+    model = tiny_xtts.make_model(config)
+    calls = poison_batch(model, 3)
+    trainer = tiny_xtts.train(config, model)
+    batches = calls[0] - 1  # the first bad batch is replayed once to find its source
+
+    assert batches == 14  # 2 epochs of 7 batches: training went on after the bad batch
+    params = list(model.parameters())
+    assert sum(not bool(torch.isfinite(p).all()) for p in params) == 0
+    stats = patches.stats()["nan_guard"]
+    assert stats["skipped"] == 1 and stats["nonfinite_losses"] == 1
+    assert stats["steps"] == batches
+
+    events_file = os.path.join(trainer.output_path, "nonfinite_events.jsonl")
+    with open(events_file) as handle:
+        events = [json.loads(line) for line in handle]
+    assert len(events) == 1
+    event = events[0]
+    assert event["kind"] == "nonfinite_loss" and event["step"] == 3
+    assert len(event["samples"]) == config.batch_size
+    assert all(path.endswith(".wav") and os.path.exists(path) for path in event["samples"])
+    assert event["source"]["module"] == "xtts.gpt.text_embedding"  # where it started
+    assert event["source"]["where"] == "output"
+    nan_guard.reset()
+
+
+def test_without_the_guard_the_same_nan_corrupts_the_model(tiny_xtts, tmp_path,
+                                                            clean_patches) -> None:
+    """The upstream fault the guard exists for (so the test above can fail)."""
+    config = tiny_xtts.make_config(tmp_path / "run", epochs=1)
+    model = tiny_xtts.make_model(config)
+    poison_batch(model, 3)
+    tiny_xtts.train(config, model)
+    assert sum(not bool(torch.isfinite(p).all()) for p in model.parameters()) > 0

@@ -1,0 +1,32 @@
+"""Under DDP every rank makes the same skip decision (gloo, 2 CPU processes)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ddp_worker import worker
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="torch.distributed is not available")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fault_on_one_rank_is_skipped_on_both(tmp_path) -> None:
+    inject = [4, 11, 12, 25]
+    mp.spawn(worker, args=(2, free_port(), str(tmp_path), inject), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
+    for result in results:
+        assert result["stats"]["skipped"] == len(inject)
+        assert result["stats"]["steps"] == 30
+        assert all(bool(torch.isfinite(p).all()) for p in result["params"])
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
