@@ -82,6 +82,33 @@ def step_ratio(amp: bool, rounds: int, steps: int, names: list[str] | None = Non
             "ratio": med["patched"] / med["unpatched"]}
 
 
+def cuda_syncs_per_step(steps: int = 20) -> str:
+    """Synchronizing calls per step reported by torch on a CUDA GPU, guard on vs off."""
+    if not torch.cuda.is_available():
+        return "not measured (no CUDA GPU on this machine)"
+    import warnings
+
+    results = {}
+    for label, names, fused in (("off", [], False), ("on, AdamW", ["nan_guard"], False),
+                                ("on, fused AdamW", ["nan_guard"], True)):
+        patches.revert()
+        if names:
+            patches.apply(names, quiet=True)
+        model = make_model().cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, capturable=not fused)
+        x = torch.randn(8, 64, 128, device="cuda")
+        block(model, opt, False, 3, (x, x))
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            block(model, opt, False, steps, (x, x))
+            torch.cuda.set_sync_debug_mode(0)
+        results[label] = sum("synchroniz" in str(w.message) for w in caught) / steps
+    patches.revert()
+    return ", ".join(f"{k}: {v:g}" for k, v in results.items())
+
+
 def import_overhead(runs: int = 7) -> float:
     code = ("import time; t=time.perf_counter(); from utils import training_patches; "
             "print(time.perf_counter()-t)")
@@ -104,10 +131,16 @@ def main() -> None:
           f" threads {torch.get_num_threads()}")
     print("| step (CPU, small transformer) | unpatched ms | patched ms | ratio |")
     print("|---|---|---|---|")
-    for label, amp in (("fp32 + clip_grad_norm_", False),
-                       ("fp16 autocast + GradScaler + clip", True)):
-        r = step_ratio(amp, args.rounds, args.steps)
+    for label, amp, names in (
+            ("fp32 + clip, all default patches", False, None),
+            ("fp32 + clip, nan_guard only", False, ["nan_guard"]),
+            ("fp32 + clip, nan_guard + grad_clip (one shared norm)", False,
+             ["nan_guard", "grad_clip"]),
+            ("fp16 autocast + GradScaler + clip, all default patches", True, None)):
+        r = step_ratio(amp, args.rounds, args.steps, names)
         print(f"| {label} | {r['unpatched_ms']:.2f} | {r['patched_ms']:.2f} | {r['ratio']:.3f} |")
+    syncs = cuda_syncs_per_step()
+    print(f"\nCUDA host syncs per guarded step (set_sync_debug_mode): {syncs}")
     print(f"\nimport utils.training_patches after torch: {import_overhead() * 1e3:.1f} ms (median)")
 
 
