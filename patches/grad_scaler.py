@@ -270,7 +270,7 @@ class SafeGradScaler(_TorchGradScaler):
             f"scale already at its floor ({self.min_scale:g}); the last step that trained was "
             f"step {self._tp_last_good_step}. Lowering the scale no longer helps: the loss or the "
             f"model produces NaN/Inf by itself. Try: a lower learning rate; checking the samples "
-            f"of these batches (training-patches check-data); fp32 or bf16 instead of fp16; "
+            f"of these batches; fp32 or bf16 instead of fp16; "
             f"TRAINING_PATCHES_ANOMALY=1 to name the operation. To allow longer streaks set "
             f"TRAINING_PATCHES_MAX_FLOOR_SKIPS (now {self.max_floor_skips})."
         )

@@ -291,8 +291,8 @@ def _raise(step: int) -> None:
         + (f" Where it started: {first['source']}." if first.get("source") else "")
         + f" Every skipped step is in {_run.output_dir() or 'the log'}"
         f"{'/' + EVENTS_FILE if _run.output_dir() else ''}. Try: a lower learning rate; "
-        "checking those samples (training-patches check-data); fp32 instead of fp16/bf16 (on a "
-        "T4, disable fp16); TRAINING_PATCHES_ANOMALY=1 for one run to name the operation. "
+        "checking those samples (`training-patches report RUN_DIR` lists them); fp32 "
+        "instead of fp16/bf16 (on a T4, disable fp16); TRAINING_PATCHES_ANOMALY=1 for one run to name the operation. "
         "TRAINING_PATCHES_MAX_BAD_STEPS raises the limit.")
 
 
