@@ -74,6 +74,13 @@ def _names(text: Any) -> tuple[str, ...]:
     return tuple(sorted({str(item).strip() for item in items if str(item).strip()}))
 
 
+def _resume_policy(text: Any) -> str:
+    value = str(text).strip().lower()
+    if value not in ("remap", "reset"):
+        raise ValueError("expected remap or reset")
+    return value
+
+
 @dataclass(frozen=True)
 class Options:
     """The resolved settings every patch reads (see TRAINING_PATCHES_README.md)."""
@@ -96,6 +103,7 @@ class Options:
     max_drop_share: float = 0.5
     output_dir: str = ""
     amharic_homophones: bool = False
+    resume_policy: str = "remap"
 
 
 # option -> (parser, example shown in errors)
@@ -120,6 +128,8 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "output_dir": (str, "a directory for the run's reports (e.g. dropped_samples.jsonl); empty "
                         "means the coqui Trainer's output folder, else the working directory"),
     "amharic_homophones": (_bool, "1 or 0"),
+    "resume_policy": (_resume_policy, "remap (keep optimizer, scheduler and scaler; grow moments "
+                                      "of resized rows) or reset (start all three fresh)"),
 }
 
 

@@ -1,0 +1,403 @@
+"""Headless XTTS v2 GPT fine-tuning from local files, with every training patch on.
+
+    python headlessXttsTrain.py --base-dir base/ --train-manifest data/train.csv \\
+        --eval-manifest data/eval.csv --language am --output-dir runs/am --preset t4
+
+Reads the base model (model.pth, config.json, dvae.pth, mel_stats.pth, vocab.json)
+and coqui-format manifests (``audio_file|text|speaker_name``); never downloads.
+Trains with the real coqui Trainer (coqui-tts 0.28, coqui-tts-trainer 0.4) and
+writes progress to ``<output-dir>/train.log``. Bad input (a missing file, an
+unknown precision) is one clear message and exit code 2, not a traceback.
+"""
+
+from utils import training_patches  # noqa: F401  the one line: patches on before anything else
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+logger = logging.getLogger("training_patches")
+
+# What each base file is for: named in the error when one is missing.
+BASE_FILES = {
+    "model": ("model.pth", "the base XTTS checkpoint whose GPT weights are fine-tuned"),
+    "config": ("config.json", "the base model's XTTS config (model sizes, audio settings)"),
+    "dvae": ("dvae.pth", "the discrete VAE that turns training audio into the GPT's audio "
+                         "tokens"),
+    "mel_stats": ("mel_stats.pth", "the mel-spectrogram normalisation statistics of the DVAE"),
+    "vocab": ("vocab.json", "the BPE tokenizer vocabulary (with the [language] token)"),
+}
+PRESETS = {
+    # A 16 GB T4: fp16 (no bf16 there), small batches, long accumulation (the coqui
+    # recipe recommends batch * accumulation >= 252), clips up to ~11.6 s, 2 workers.
+    "t4": {"precision": "fp16", "batch_size": 2, "grad_accum": 126, "max_audio_seconds": 11.6,
+           "max_text_tokens": 200, "workers": 2, "lr": 5e-6},
+}
+LOG_NAME = "train.log"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what applies)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+class UsageError(Exception):
+    """A problem with the command line or the input files (exit code 2)."""
+
+
+# -- command line -------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="headlessXttsTrain.py",
+        description="Fine-tune the XTTS v2 GPT on a new language from local files, headless, "
+                    "with training-patches on (NaN guard, safe fp16 scaler, frozen base "
+                    "vocabulary, checked checkpoints, dataset guard).",
+        formatter_class=_HelpFormatter)
+    base = parser.add_argument_group("base model (local files; nothing is downloaded)")
+    base.add_argument("--base-dir", type=Path,
+                      help="folder holding model.pth, config.json, dvae.pth, mel_stats.pth and "
+                           "vocab.json; the options below override single files")
+    for key, (name, what) in BASE_FILES.items():
+        flag = "--" + key.replace("_", "-")
+        base.add_argument(flag, type=Path, dest=f"{key}_file",
+                          help=f"{name}: {what} (default: BASE_DIR/{name})")
+    data = parser.add_argument_group("data")
+    data.add_argument("--train-manifest", type=Path,
+                      help="coqui-format manifest of the training clips: a header "
+                           "'audio_file|text|speaker_name', paths relative to its folder")
+    data.add_argument("--eval-manifest", type=Path,
+                      help="manifest of the evaluation clips (same format); none: no evaluation")
+    data.add_argument("--language", default="am",
+                      help="language code of the transcripts; it must be a [code] token of "
+                           "the vocabulary and known to coqui or registered (am is)")
+    run = parser.add_argument_group("training")
+    run.add_argument("--output-dir", type=Path, default=Path("xtts_finetune"),
+                     help="where the run folder, checkpoints, train.log and "
+                          "dropped_samples.jsonl go")
+    run.add_argument("--epochs", type=int, default=10, help="passes over the training data")
+    run.add_argument("--batch-size", type=int, default=None,
+                     help="clips per batch (default 4, or the preset's)")
+    run.add_argument("--grad-accum", type=int, default=None,
+                     help="batches accumulated per optimizer step (default 1, or the preset's)")
+    run.add_argument("--lr", type=float, default=None,
+                     help="learning rate of AdamW (default 5e-6)")
+    run.add_argument("--precision", choices=["auto", "fp16", "bf16", "fp32"], default="auto",
+                     help="auto: bf16 where the GPU supports it, fp16 with SafeGradScaler on "
+                          "GPUs without bf16 (T4), fp32 on the CPU")
+    run.add_argument("--text-loss-weight", type=float, default=0.01,
+                     help="weight of the text cross-entropy loss (coqui's "
+                          "gpt_loss_text_ce_weight)")
+    run.add_argument("--mel-loss-weight", type=float, default=1.0,
+                     help="weight of the mel (audio-token) cross-entropy loss "
+                          "(gpt_loss_mel_ce_weight)")
+    run.add_argument("--max-audio-seconds", type=float, default=None,
+                     help="longest clip trained on; longer ones are dropped and listed "
+                          "(default 11.6)")
+    run.add_argument("--max-text-tokens", type=int, default=None,
+                     help="longest transcript in tokens; longer ones are dropped and listed "
+                          "(default 200)")
+    run.add_argument("--workers", type=int, default=None,
+                     help="data-loader worker processes (default 0, or the preset's)")
+    run.add_argument("--save-step", type=int, default=1000,
+                     help="write a checkpoint every this many optimizer steps")
+    run.add_argument("--keep-checkpoints", type=int, default=3,
+                     help="how many newest checkpoints to keep")
+    run.add_argument("--resume", default=None, metavar="auto|PATH",
+                     help="'auto': continue the newest run in OUTPUT_DIR that has a checkpoint "
+                          "(a fresh start when there is none); or the run folder to continue")
+    run.add_argument("--extend-vocab", type=Path, default=None, metavar="TEXT_FILE",
+                     help="add the tokens of this language's texts to the vocabulary before "
+                          "training (needs training-patches' tokenizer tool)")
+    run.add_argument("--preset", choices=sorted(PRESETS),
+                     help="t4: fits a 16 GB T4 (fp16, batch 2 x 126 accumulation, clips up to "
+                          "11.6 s, 2 workers, lr 5e-6); explicit options win")
+    run.add_argument("--seed", type=int, default=1, help="training seed")
+    run.add_argument("--print-step", type=int, default=25,
+                     help="log a progress line every this many steps")
+    parser.add_argument("--demo", action="store_true",
+                        help="build a tiny synthetic Amharic setup in OUTPUT_DIR and fine-tune it "
+                             "on the CPU (no base files needed)")
+    return parser
+
+
+@dataclass
+class Settings:
+    """The resolved command line: files checked, preset applied, precision decided."""
+
+    files: dict[str, Path]
+    train_manifest: Path
+    eval_manifest: Path | None
+    language: str
+    output_dir: Path
+    epochs: int
+    batch_size: int
+    grad_accum: int
+    lr: float
+    precision: str
+    text_loss_weight: float
+    mel_loss_weight: float
+    max_audio_seconds: float
+    max_text_tokens: int
+    workers: int
+    save_step: int
+    keep_checkpoints: int
+    resume: str | None
+    seed: int
+    print_step: int
+
+
+def _missing(path: Path | None, what: str, flag: str) -> str:
+    where = f"{path}" if path is not None else "(not given)"
+    return f"  {flag}: {where} not found: {what}"
+
+
+def resolve(args: argparse.Namespace) -> Settings:
+    """Check every input and apply the preset; raise :class:`UsageError` on bad input."""
+    files: dict[str, Path] = {}
+    problems: list[str] = []
+    for key, (name, what) in BASE_FILES.items():
+        path = getattr(args, f"{key}_file") or (args.base_dir / name if args.base_dir else None)
+        if path is None or not Path(path).is_file():
+            problems.append(_missing(path, f"{name} is {what}",
+                                     "--" + key.replace("_", "-")))
+        else:
+            files[key] = Path(path)
+    if args.train_manifest is None or not args.train_manifest.is_file():
+        problems.append(_missing(args.train_manifest, "the training manifest "
+                                 "(audio_file|text|speaker_name)", "--train-manifest"))
+    if args.eval_manifest is not None and not args.eval_manifest.is_file():
+        problems.append(_missing(args.eval_manifest, "the evaluation manifest", "--eval-manifest"))
+    if problems:
+        raise UsageError(
+            "these input files are missing:\n" + "\n".join(problems) + "\nThis script never "
+            "downloads: put the XTTS v2 base files in one folder and pass --base-dir, or name "
+            "each file with its option (see --help).")
+    if args.extend_vocab is not None:
+        raise UsageError(
+            f"--extend-vocab {args.extend_vocab}: not available yet. training-patches' tokenizer "
+            f"tool (extend-tokenizer) has not landed in this version. Extend vocab.json with "
+            f"your own tool (new BPE tokens plus '[{args.language}]' as a special token) and "
+            f"pass it with --vocab.")
+    preset = PRESETS.get(args.preset or "", {})
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(args, name)
+        return value if value is not None else preset.get(name, default)
+
+    precision = args.precision if args.precision != "auto" else preset.get("precision", "auto")
+    for name in ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "save_step"):
+        value = pick(name, 1)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} is {value}; expected a whole number "
+                             f"of at least 1.")
+    return Settings(
+        files=files, train_manifest=args.train_manifest, eval_manifest=args.eval_manifest,
+        language=args.language, output_dir=args.output_dir, epochs=args.epochs,
+        batch_size=pick("batch_size", 4), grad_accum=pick("grad_accum", 1),
+        lr=pick("lr", 5e-6), precision=decide_precision(precision),
+        text_loss_weight=args.text_loss_weight, mel_loss_weight=args.mel_loss_weight,
+        max_audio_seconds=pick("max_audio_seconds", 11.6),
+        max_text_tokens=pick("max_text_tokens", 200), workers=pick("workers", 0),
+        save_step=args.save_step, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+        seed=args.seed, print_step=args.print_step)
+
+
+def decide_precision(requested: str) -> str:
+    """auto: bf16 where the GPU has it, fp16 (SafeGradScaler) on other GPUs, fp32 on the CPU."""
+    import torch
+
+    if requested == "auto":
+        if not torch.cuda.is_available():
+            return "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    if requested in ("fp16", "bf16") and not torch.cuda.is_available():
+        raise UsageError(f"--precision {requested} needs a CUDA GPU and none is visible; use "
+                         f"--precision fp32 (or auto) on the CPU.")
+    if requested == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError("--precision bf16: this GPU has no bf16 (a T4 has none); use fp16, "
+                         "which trains safely with training-patches' SafeGradScaler.")
+    return requested
+
+
+# -- logging ------------------------------------------------------------------
+
+def setup_logging(output_dir: Path) -> Path:
+    """``<output_dir>/train.log`` gets the patches', the Trainer's and coqui's lines."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    log_file = output_dir / LOG_NAME
+    handler = logging.FileHandler(log_file, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s",
+                                           "%Y-%m-%d %H:%M:%S"))
+    for name in ("training_patches", "trainer", "TTS"):
+        target = logging.getLogger(name)
+        target.addHandler(handler)
+        if target.level == logging.NOTSET or target.level > logging.INFO:
+            target.setLevel(logging.INFO)
+    # The dataset guard writes dropped_samples.jsonl next to train.log.
+    os.environ["TRAINING_PATCHES_OUTPUT_DIR"] = str(output_dir)
+    return log_file
+
+
+# -- the run ------------------------------------------------------------------
+
+def build_config(s: Settings) -> Any:
+    """A GPTTrainerConfig from the base config.json and the command line."""
+    from TTS.config.shared_configs import BaseDatasetConfig
+    from TTS.tts.configs.xtts_config import XttsConfig
+    from TTS.tts.layers.xtts.trainer.gpt_trainer import GPTArgs, GPTTrainerConfig
+
+    base = XttsConfig()
+    try:
+        base.load_json(str(s.files["config"]))
+    except Exception as exc:  # noqa: BLE001 - turned into one clear message
+        raise UsageError(f"--config {s.files['config']}: could not be read as an XTTS config "
+                         f"({type(exc).__name__}: {exc}). Expected the config.json that came "
+                         f"with the base model.pth.") from None
+    fields = {name: getattr(base.model_args, name) for name in GPTArgs.__dataclass_fields__
+              if hasattr(base.model_args, name)}
+    args = GPTArgs(**fields)
+    args.xtts_checkpoint = ""   # loaded after the model is built (the vocabulary may have grown)
+    args.gpt_checkpoint = ""
+    args.tokenizer_file = str(s.files["vocab"])
+    args.dvae_checkpoint = str(s.files["dvae"])
+    args.mel_norm_file = str(s.files["mel_stats"])
+    args.max_wav_length = int(s.max_audio_seconds * base.audio.sample_rate)
+    args.max_text_length = s.max_text_tokens
+    args.gpt_loss_text_ce_weight = s.text_loss_weight
+    args.gpt_loss_mel_ce_weight = s.mel_loss_weight
+    datasets = [BaseDatasetConfig(formatter="coqui", dataset_name="train",
+                                  path=str(s.train_manifest.parent),
+                                  meta_file_train=s.train_manifest.name,
+                                  meta_file_val=(str(s.eval_manifest.resolve())
+                                                 if s.eval_manifest else ""),
+                                  language=s.language)]
+    languages = list(base.languages)
+    if s.language not in languages:
+        languages.append(s.language)  # the saved config.json must list what it learned
+    mixed = s.precision in ("fp16", "bf16")
+    return GPTTrainerConfig(
+        output_path=str(s.output_dir), run_name="xtts_finetune", project_name="xtts_finetune",
+        model_args=args, audio=base.audio, languages=languages, datasets=datasets,
+        batch_size=s.batch_size, eval_batch_size=s.batch_size, epochs=s.epochs,
+        num_loader_workers=s.workers, num_eval_loader_workers=s.workers,
+        run_eval=s.eval_manifest is not None, test_delay_epochs=10 ** 6,
+        print_step=s.print_step, plot_step=10 ** 6, log_model_step=10 ** 6,
+        save_step=s.save_step, save_n_checkpoints=s.keep_checkpoints, save_checkpoints=True,
+        optimizer="AdamW", optimizer_wd_only_on_weights=True,
+        optimizer_params={"betas": [0.9, 0.96], "eps": 1e-8, "weight_decay": 1e-2},
+        lr=s.lr, lr_scheduler="MultiStepLR",
+        lr_scheduler_params={"milestones": [50000 * 18, 150000 * 18, 300000 * 18],
+                             "gamma": 0.5, "last_epoch": -1},
+        mixed_precision=mixed, precision=s.precision if mixed else "fp16",
+        training_seed=s.seed, dashboard_logger="tensorboard", test_sentences=[])
+
+
+def find_resume(output_dir: Path) -> Path | None:
+    """The newest run folder in ``output_dir`` holding a coqui checkpoint, or None."""
+    runs = []
+    for run in output_dir.glob("xtts_finetune-*"):
+        ckpts = list(run.glob("checkpoint_*.pth")) + list(run.glob("best_model*.pth"))
+        if ckpts:
+            runs.append((max(c.stat().st_mtime for c in ckpts), run))
+    return max(runs)[1] if runs else None
+
+
+def load_base_weights(model: Any, files: dict[str, Path]) -> None:
+    """Load model.pth into the GPTTrainer, growing the vocabulary when it grew."""
+    try:
+        from patches.checkpoint import load_checkpoint
+    except ImportError:
+        load_checkpoint = None
+    if load_checkpoint is not None:
+        report = load_checkpoint(files["model"], model.xtts, policy="reset", strict=False,
+                                 freeze=True)
+        logger.info("training-patches: base weights loaded from %s: %s", files["model"], report)
+        return
+    logger.info("training-patches: patches.checkpoint is not available; loading the base "
+                "weights with coqui's loader (the vocabulary must not have grown)")
+    model.load_checkpoint(model.config, str(files["model"]), strict=False)
+
+
+def train(s: Settings) -> dict[str, Any]:
+    """Build the config, the model and the coqui Trainer; fit; return a summary."""
+    import torch
+    from trainer import Trainer, TrainerArgs
+    from TTS.tts.datasets import load_tts_samples
+    from TTS.tts.layers.xtts.trainer.gpt_trainer import GPTTrainer
+
+    import patches
+    from patches.integrations import xtts_dataset
+
+    torch.manual_seed(s.seed)
+    config = build_config(s)
+    continue_path = ""
+    if s.resume:
+        found = find_resume(s.output_dir) if s.resume == "auto" else Path(s.resume)
+        if found is None:
+            logger.info("training-patches: --resume auto found no checkpoint in %s; starting "
+                        "fresh", s.output_dir)
+        elif not found.is_dir():
+            raise UsageError(f"--resume {s.resume}: no such run folder. Expected 'auto' or a "
+                             f"run folder inside {s.output_dir} holding checkpoint_*.pth.")
+        else:
+            continue_path = str(found)
+            logger.info("training-patches: resuming the run in %s", found)
+    train_samples, eval_samples = load_tts_samples(
+        config, eval_split=s.eval_manifest is not None)
+    model = GPTTrainer.init_from_config(config)
+    if not continue_path:
+        load_base_weights(model, s.files)
+    trainer = Trainer(TrainerArgs(continue_path=continue_path, grad_accum_steps=s.grad_accum),
+                      config, str(s.output_dir), model=model, train_samples=train_samples,
+                      eval_samples=eval_samples or None, parse_command_line_args=False)
+    started = time.monotonic()
+    logger.info("training-patches: training %d epochs, %d training samples, precision %s, "
+                "batch %d x %d accumulation, lr %g, run folder %s", s.epochs, len(train_samples),
+                s.precision, s.batch_size, s.grad_accum, s.lr, trainer.output_path)
+    try:
+        trainer.fit()
+    except SystemExit as exc:  # coqui's fit turns any error into sys.exit(1)
+        if exc.code not in (0, None):
+            raise RuntimeError(f"training stopped inside the coqui Trainer (exit {exc.code}); "
+                               f"see {s.output_dir / LOG_NAME}") from exc
+    dropped = xtts_dataset.log_summary()
+    stats = patches.stats()
+    result = {
+        "steps": int(trainer.total_steps_done),
+        "seconds": round(time.monotonic() - started, 1), "run_folder": str(trainer.output_path),
+        "checkpoints": sorted(p.name for p in Path(trainer.output_path).glob("*.pth")),
+        "dropped_samples": dropped["total"], "patch_stats": stats,
+    }
+    logger.info("training-patches: finished: %s", result)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.demo:
+            raise UsageError("--demo: not available yet in this version; see "
+                             "docs/guide_xtts.md for what it will do.")
+        settings = resolve(args)
+        log_file = setup_logging(settings.output_dir)
+        logger.info("training-patches: headless XTTS fine-tune; progress in %s", log_file)
+        train(settings)
+    except UsageError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""``xtts_dataset``: the XTTS dataset drops bad samples visibly and never loops.
+
+coqui-tts 0.28's ``XTTSDataset.__getitem__`` catches every exception (bare
+``except:``) and recurses into ``self[1]`` with no bound; its failures are only
+logged with ``debug_loading_failures``. When nothing can be loaded (no FFmpeg for
+torchcodec, every transcript has a character the vocabulary lacks) it never
+returns: measured, 24 GB resident and killed. A dataset in a script the tokenizer
+does not cover silently trains on nothing.
+
+The patch replaces the module binding ``XTTSDataset`` (in
+``TTS.tts.layers.xtts.trainer.dataset`` and the copy ``gpt_trainer`` imports) with
+a subclass whose ``__getitem__``:
+
+- picks samples as coqui does (same random calls), in a loop of at most
+  :data:`MAX_PICKS` picks instead of unbounded recursion;
+- records each dropped sample once, with its reason (``decode_failure``,
+  ``too_short``, ``too_long_audio``, ``too_long_text``, ``unknown_token``,
+  ``empty_text``, ...) in ``dropped_samples.jsonl`` in the run's output folder and
+  a log line (the first ones each, then every 100th with the running totals);
+- raises :class:`DatasetUnusableError` naming the share, the reasons and the
+  report when more than ``max_drop_share`` of the samples
+  (``TRAINING_PATCHES_MAX_DROP_SHARE``, default 0.5) cannot be loaded.
+
+The run's output folder is the option ``output_dir`` (``TRAINING_PATCHES_OUTPUT_DIR``)
+when set, else the folder of the newest coqui Trainer's log file, else the
+working directory. A vocabulary without the ``[lang]`` token is not a bad sample
+but a bad setup: that error (from ``xtts_language``) stops the run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .. import _options
+from .._log import info, logger
+from .._registry import PatchSpec, Site, is_enabled, register
+
+NAME = "xtts_dataset"
+SUPPORTED = "coqui-tts >= 0.27, < 0.29"
+MODULE = "TTS.tts.layers.xtts.trainer.dataset"
+REPORT_NAME = "dropped_samples.jsonl"
+# Picks per item before giving up. With half the samples bad, 100 failed picks in a
+# row happen with probability 2**-100; known-bad picks cost nothing.
+MAX_PICKS = 100
+_LOGGED_EACH = 10      # the first drops are logged one by one ...
+_LOG_EVERY = 100       # ... then every 100th, with running totals
+_UNK_ID, _STOP_ID = 1, 0  # coqui's XTTS vocabulary convention ([STOP] 0, [UNK] 1)
+
+REASONS = {
+    "decode_failure": "the audio file could not be read or decoded",
+    "too_short": "the audio is shorter than 0.5 s",
+    "too_long_audio": "the audio is longer than max_wav_length",
+    "too_long_text": "the text has more tokens than max_text_length",
+    "unknown_token": "the text has characters the vocabulary lacks ([UNK])",
+    "stop_token": "the text encodes to the [STOP] token",
+    "empty_text": "the transcript is empty",
+    "unsupported_language": "the tokenizer does not know the sample's language",
+    "load_error": "loading failed for another reason",
+}
+_HINTS = {
+    "decode_failure": "check that the files exist and that FFmpeg's shared libraries are "
+                      "installed (torchcodec needs them: apt-get install -y ffmpeg)",
+    "too_short": "remove clips shorter than 0.5 s from the manifest",
+    "too_long_audio": "split long clips or raise model_args.max_wav_length",
+    "too_long_text": "split long transcripts or raise model_args.max_text_length",
+    "unknown_token": "extend the tokenizer with the script of this language "
+                     "(training-patches extend-tokenizer) or check the language column",
+    "stop_token": "remove the [STOP] marker from the transcripts",
+    "empty_text": "fill in or remove the empty transcripts",
+    "unsupported_language": "register the language (patches.register_language) with the "
+                            "xtts_language patch applied",
+    "load_error": "see the detail of each entry",
+}
+
+
+class DatasetUnusableError(RuntimeError):
+    """More than ``max_drop_share`` of a dataset's samples cannot be loaded."""
+
+
+# -- the report ---------------------------------------------------------------
+
+_lock = threading.Lock()
+_recorded: dict[str, set[str]] = {}   # report path -> keys written by this process
+_counts: dict[str, Counter[str]] = {}  # report path -> reason -> count (this process)
+
+
+def _trainer_output_dir() -> Path | None:
+    """The folder of the newest coqui Trainer: where its ``trainer_N_log.txt`` is written."""
+    for handler in reversed(logging.getLogger("trainer").handlers):
+        path = getattr(handler, "baseFilename", "")
+        if isinstance(handler, logging.FileHandler) and re.search(
+                r"trainer_\d+_log\.txt$", path):
+            return Path(path).parent
+    return None
+
+
+def report_path() -> Path:
+    """Where dropped samples are listed now (see the module doc for the order)."""
+    chosen = _options.current().output_dir or os.environ.get(_options.env_name("output_dir"))
+    folder = Path(chosen) if chosen else (_trainer_output_dir() or Path.cwd())
+    return folder / REPORT_NAME
+
+
+def _sample_key(split: str, sample: dict[str, Any]) -> str:
+    return json.dumps([split, str(sample.get("audio_file")), str(sample.get("text")),
+                       str(sample.get("language"))], ensure_ascii=False)
+
+
+def _append_once(path: Path, key: str, entry: dict[str, Any]) -> bool:
+    """Append ``entry`` unless ``key`` is already in the file (DataLoader workers share it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+", encoding="utf-8") as handle:
+        try:
+            import fcntl
+            fcntl.flock(handle, fcntl.LOCK_EX)  # workers append to one file
+        except (ImportError, OSError):
+            pass
+        handle.seek(0)
+        for line in handle:
+            try:
+                if json.loads(line).get("key") == key:
+                    return False
+            except ValueError:
+                continue
+        handle.write(json.dumps({**entry, "key": key}, ensure_ascii=False) + "\n")
+        handle.flush()
+    return True
+
+
+def read_report(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """The entries of a ``dropped_samples.jsonl`` (the current one by default)."""
+    path = Path(path) if path is not None else report_path()
+    if not path.exists():
+        return []
+    entries = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                entries.append(json.loads(line))
+    return entries
+
+
+def summary(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Counts by split and reason of a report: ``{"total": n, "train": {...}, ...}``."""
+    entries = read_report(path)
+    result: dict[str, Any] = {"total": len(entries), "report": str(path or report_path())}
+    for entry in entries:
+        split = result.setdefault(entry.get("split", "train"), {})
+        split[entry["reason"]] = split.get(entry["reason"], 0) + 1
+    return result
+
+
+def log_summary(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Log one line with what :func:`summary` returns, and return it."""
+    result = summary(path)
+    if result["total"] == 0:
+        info("training-patches: no samples dropped")
+        return result
+    parts = []
+    for split in ("train", "eval"):
+        if split in result:
+            reasons = ", ".join(f"{r} {n}" for r, n in sorted(result[split].items()))
+            parts.append(f"{split}: {reasons}")
+    logger.warning("training-patches: %d samples dropped (%s); each is listed with its "
+                   "reason in %s", result["total"], "; ".join(parts), result["report"])
+    return result
+
+
+# -- why a sample failed ------------------------------------------------------
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def _unknown_characters(tokenizer: Any, text: str, lang: str) -> list[str]:
+    """The characters of the cleaned text that encode to [UNK] on their own."""
+    try:
+        cleaned = tokenizer.preprocess_text(text, lang.split("-")[0])
+    except Exception:  # noqa: BLE001 - only a detail for the report
+        cleaned = text
+    backend = getattr(tokenizer, "tokenizer", None)
+    if backend is None:
+        return []
+    unknown = []
+    for char in dict.fromkeys(cleaned):
+        if char != " " and _UNK_ID in backend.encode(char).ids:
+            unknown.append(char)
+    return unknown[:20]
+
+
+def _diagnose(dataset: Any, sample: dict[str, Any], exc: BaseException) -> tuple[str, str]:
+    """(reason, detail) for a sample whose ``load_item`` raised ``exc``."""
+    text = "" if sample.get("text") is None else str(sample["text"])
+    lang = str(sample.get("language", ""))
+    if not text.strip():
+        return "empty_text", "the transcript is empty"
+    try:
+        tokens = list(dataset.tokenizer.encode(text, lang))
+    except NotImplementedError as err:
+        return "unsupported_language", _first_line(err)
+    except Exception as err:  # noqa: BLE001 - any tokenizer failure is this sample's reason
+        if _is_setup_error(err):
+            raise
+        return "load_error", f"tokenizing the text failed: {_first_line(err)}"
+    if _UNK_ID in tokens:
+        chars = _unknown_characters(dataset.tokenizer, text, lang)
+        shown = " ".join(repr(c) for c in chars) or "(not found one by one)"
+        return "unknown_token", f"characters not in the vocabulary: {shown}"
+    if _STOP_ID in tokens:
+        return "stop_token", "the text encodes to the [STOP] token (id 0)"
+    dataset_module = sys.modules[type(dataset).__mro__[1].__module__]
+    try:
+        wav = dataset_module.load_audio(sample["audio_file"], dataset.sample_rate)
+    except Exception as err:  # noqa: BLE001 - any decoder failure is this sample's reason
+        return "decode_failure", _first_line(err)
+    if wav is None or wav.shape[-1] < 0.5 * dataset.sample_rate:
+        seconds = 0.0 if wav is None else wav.shape[-1] / dataset.sample_rate
+        return "too_short", f"{seconds:.2f} s of audio, at least 0.5 s needed"
+    return "load_error", _first_line(exc)
+
+
+def _is_setup_error(exc: BaseException) -> bool:
+    """Errors about the setup, not the sample (e.g. the vocabulary lacks ``[am]``)."""
+    return type(exc).__name__ == "LanguageTokenMissingError"
+
+
+def _size_problem(dataset: Any, wav: Any, tseq: Any) -> tuple[str, str] | None:
+    if wav is None:
+        return "decode_failure", "the audio loader returned nothing"
+    if dataset.max_wav_len is not None and wav.shape[-1] > dataset.max_wav_len:
+        return "too_long_audio", (f"{wav.shape[-1] / dataset.sample_rate:.2f} s of audio, "
+                                  f"max_wav_length allows {dataset.max_wav_len / dataset.sample_rate:.2f} s")
+    if dataset.max_text_len is not None and tseq.shape[0] > dataset.max_text_len:
+        return "too_long_text", (f"{tseq.shape[0]} text tokens, max_text_length allows "
+                                 f"{dataset.max_text_len}")
+    return None
+
+
+# -- the dataset --------------------------------------------------------------
+
+def _dataset_class(original: type) -> type:
+    import torch  # the dataset module imports torch already; keep ours import-free
+
+    class GuardedXTTSDataset(original):  # type: ignore[misc,valid-type]
+        __doc__ = (f"coqui's XTTSDataset with bounded retries and a report of dropped "
+                   f"samples (training-patches {NAME}).")
+
+        # -- bookkeeping ----------------------------------------------------
+
+        def _tp_state(self) -> dict[str, Any]:
+            state = self.__dict__.get("_tp")
+            if state is None:
+                state = self.__dict__["_tp"] = {"dropped": {}, "path": None}
+            return state
+
+        def _tp_total(self) -> int:
+            return max(len(self), 1)
+
+        def _tp_split(self) -> str:
+            return "eval" if self.is_eval else "train"
+
+        def _tp_drop(self, sample: dict[str, Any], sample_id: str | None, reason: str,
+                     detail: str, total: int | None = None) -> None:
+            state = self._tp_state()
+            if sample_id is not None:
+                self.failed_samples.add(sample_id)
+            key = _sample_key(self._tp_split(), sample)
+            if key in state["dropped"]:
+                return
+            state["dropped"][key] = reason
+            if state["path"] is None:
+                state["path"] = report_path()
+            path: Path = state["path"]
+            entry = {"split": self._tp_split(), "audio_file": str(sample.get("audio_file")),
+                     "text": str(sample.get("text")), "language": sample.get("language"),
+                     "reason": reason, "detail": detail, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            with _lock:
+                new = _append_once(path, key, entry)
+                counts = _counts.setdefault(str(path), Counter())
+                if new:
+                    counts[reason] += 1
+            dropped = len(state["dropped"])
+            total = self._tp_total() if total is None else total
+            if dropped <= _LOGGED_EACH or dropped % _LOG_EVERY == 0:
+                logger.warning(
+                    "training-patches: dropped %s sample %s (%s: %s); %d of %d %s samples "
+                    "dropped so far (%.0f%%), listed in %s", self._tp_split(),
+                    entry["audio_file"], reason, detail, dropped, total, self._tp_split(),
+                    100.0 * dropped / max(total, 1), path)
+            self._tp_check_share(total)
+
+        def _tp_check_share(self, total: int) -> None:
+            state = self._tp_state()
+            share = _options.current().max_drop_share
+            dropped = len(state["dropped"])
+            if dropped > share * total:
+                self._tp_raise(f"{dropped} of {total} {self._tp_split()} samples "
+                               f"({100.0 * dropped / max(total, 1):.0f}%) could not be loaded, "
+                               f"more than the limit of {100 * share:.0f}%")
+
+        def _tp_raise(self, what: str) -> None:
+            state = self._tp_state()
+            reasons = Counter(state["dropped"].values())
+            listed = ", ".join(f"{REASONS.get(r, r)} ({r}): {n}" for r, n in reasons.most_common())
+            hints = "; ".join(_HINTS[r] for r, _ in reasons.most_common() if r in _HINTS)
+            raise DatasetUnusableError(
+                f"training-patches: {what}. Reasons: {listed or 'none recorded'}. Each dropped "
+                f"sample is listed with its reason in {state['path'] or report_path()}. coqui's "
+                f"XTTS dataset would retry forever here. Expected most samples to load. What to "
+                f"do: {hints or 'check the manifest'}. To tolerate more bad samples raise "
+                f"TRAINING_PATCHES_MAX_DROP_SHARE (now {_options.current().max_drop_share:g}).")
+
+        # -- coqui's entry points ---------------------------------------------
+
+        def check_eval_samples(self) -> None:
+            if not is_enabled(NAME):
+                return super().check_eval_samples()
+            logger.info("Filtering invalid eval samples!!")
+            kept = []
+            total = len(self.samples)
+            for sample in self.samples:
+                problem = self._tp_examine(sample)
+                if len(problem) == 2:
+                    self._tp_drop(sample, None, *problem, total=total)
+                else:
+                    kept.append(sample)
+            self.samples = kept
+            logger.info("Total eval samples after filtering: %d", len(self.samples))
+            return None
+
+        def _tp_examine(self, sample: dict[str, Any]) -> Any:
+            """The loaded item's parts, or (reason, detail) why the sample is dropped."""
+            try:
+                loaded = self.load_item(sample)
+            except Exception as exc:  # noqa: BLE001 - coqui's loader raises anything
+                if _is_setup_error(exc):
+                    raise
+                return _diagnose(self, sample, exc)
+            tseq, _, wav, *_ = loaded
+            problem = _size_problem(self, wav, tseq)
+            return problem if problem is not None else loaded
+
+        def _tp_pick(self, index: int, attempt: int) -> tuple[dict[str, Any], str]:
+            if self.is_eval:
+                # coqui falls back to self[1]; the next sample in order keeps eval
+                # reproducible and cannot pick the same bad sample forever.
+                position = (index + attempt) % len(self.samples)
+                return self.samples[position], str(position)
+            lang = random.choice(list(self.samples.keys()))
+            position = random.randint(0, len(self.samples[lang]) - 1)
+            return self.samples[lang][position], f"{lang}_{position}"
+
+        def __getitem__(self, index: int) -> dict[str, Any]:
+            if not is_enabled(NAME):
+                return super().__getitem__(index)
+            for attempt in range(MAX_PICKS):
+                sample, sample_id = self._tp_pick(index, attempt)
+                if sample_id in self.failed_samples:
+                    continue
+                loaded = self._tp_examine(sample)
+                if isinstance(loaded, tuple) and len(loaded) == 2:
+                    self._tp_drop(sample, sample_id, *loaded)
+                    continue
+                return self._tp_item(loaded)
+            self._tp_raise(f"no loadable sample found in {MAX_PICKS} picks "
+                           f"({len(self._tp_state()['dropped'])} of {self._tp_total()} "
+                           f"{self._tp_split()} samples dropped so far)")
+            raise AssertionError("unreachable")
+
+        @staticmethod
+        def _tp_item(loaded: tuple[Any, ...]) -> dict[str, Any]:
+            # The dict coqui-tts 0.28's __getitem__ builds from load_item's result.
+            tseq, audiopath, wav, cond, cond_len, cond_idxs = loaded
+            return {
+                "text": tseq,
+                "text_lengths": torch.tensor(tseq.shape[0], dtype=torch.long),
+                "wav": wav,
+                "wav_lengths": torch.tensor(wav.shape[-1], dtype=torch.long),
+                "filenames": audiopath,
+                "conditioning": cond.unsqueeze(1),
+                "cond_lens": (torch.tensor(cond_len, dtype=torch.long)
+                              if cond_len is not torch.nan else torch.tensor([cond_len])),
+                "cond_idxs": (torch.tensor(cond_idxs)
+                              if cond_idxs is not torch.nan else torch.tensor([cond_idxs])),
+            }
+
+    return GuardedXTTSDataset
+
+
+_made: dict[int, type] = {}
+
+
+def _make(original: type) -> type:
+    cls = _made.get(id(original))
+    if cls is None or cls.__bases__[0] is not original:
+        cls = _made[id(original)] = _dataset_class(original)
+        cls.__module__ = __name__
+        globals()["GuardedXTTSDataset"] = cls  # found by name when workers unpickle it
+    return cls
+
+
+def _describe(options: Any) -> str:
+    return (f"XTTS dataset: at most {MAX_PICKS} picks per item, dropped samples listed in "
+            f"{REPORT_NAME}, stop when more than {100 * options.max_drop_share:.0f}% fail")
+
+
+SPEC = register(PatchSpec(
+    name=NAME,
+    describe=_describe,
+    sites=(Site(MODULE, "XTTSDataset", _make, sweep=True),),
+))

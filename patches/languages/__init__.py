@@ -1,0 +1,122 @@
+"""Languages the XTTS tokenizer does not know, registered with their text cleaner.
+
+coqui-tts 0.28's ``VoiceBpeTokenizer`` hard-codes its languages: any other code
+raises ``NotImplementedError`` in ``preprocess_text``. With the ``xtts_language``
+patch applied, a language registered here is encoded with its own cleaner and
+character limit (and the XTTS config accepts its code)::
+
+    import patches
+    patches.register_language("ti", cleaner=my_tigrinya_cleaner, char_limit=150)
+
+Amharic (``am``) is registered from the start with :func:`patches.languages.amharic.normalize`.
+Registering only fills this table; nothing upstream changes until the patch is applied.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import unicodedata
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import _options
+from .._log import info
+from . import amharic
+
+__all__ = ["Language", "register_language", "unregister_language", "get_language",
+           "registered_languages", "COQUI_LANGUAGES"]
+
+# What coqui-tts 0.28's VoiceBpeTokenizer.preprocess_text handles by itself.
+COQUI_LANGUAGES = frozenset({"ar", "cs", "de", "en", "es", "fr", "hi", "hu", "it", "ja", "ko",
+                             "nl", "pl", "pt", "ru", "tr", "zh"})
+_CODE_RE = re.compile(r"^[a-z]{2,3}$")
+
+
+@dataclass(frozen=True)
+class Language:
+    """A registered language: its code (``am``), text cleaner and character limit."""
+
+    code: str
+    cleaner: Callable[[str], str]
+    char_limit: int
+    name: str = ""
+
+
+_lock = threading.Lock()
+_languages: dict[str, Language] = {}
+
+
+def _plain_cleaner(text: str) -> str:
+    """The cleaner of a language registered without one: NFC, lowercase, single spaces."""
+    return " ".join(unicodedata.normalize("NFC", text).lower().split())
+
+
+def _amharic_cleaner(text: str) -> str:
+    # Read at call time, so TRAINING_PATCHES_AMHARIC_HOMOPHONES / apply(...) take effect.
+    return amharic.normalize(text, homophones=_options.current().amharic_homophones)
+
+
+def base_code(code: str) -> str:
+    """``am-ET`` -> ``am``: the tokenizer, like coqui's, ignores the region."""
+    return str(code).split("-")[0].strip().lower()
+
+
+def register_language(code: str, cleaner: Callable[[str], str] | None = None,
+                      char_limit: int = 250, *, name: str = "",
+                      replace: bool = False) -> Language:
+    """Teach the XTTS tokenizer a language (effective while ``xtts_language`` is applied).
+
+    ``cleaner(text) -> text`` turns raw text into what should be spoken (numbers as
+    words, abbreviations expanded ...); ``char_limit`` is the length above which
+    coqui warns that audio may be truncated and splits text at inference. The
+    vocabulary must hold ``[code]`` as a special token; encoding says so clearly if
+    it does not. Registering a code that is already registered, or one coqui
+    handles itself (``en``, ``de`` ...), needs ``replace=True``.
+    """
+    key = base_code(code)
+    if not _CODE_RE.match(key):
+        raise _options.ConfigError(
+            f"training-patches: register_language got the language code {code!r}. Expected a "
+            f"2- or 3-letter ISO 639 code such as 'am' or 'tir' (a region such as 'am-ET' is "
+            f"allowed and ignored). Pass the code your manifests use in their language column.")
+    if cleaner is not None and not callable(cleaner):
+        raise _options.ConfigError(
+            f"training-patches: register_language({key!r}) got cleaner={cleaner!r}, which is not "
+            f"callable. Expected a function taking the text and returning the cleaned text, "
+            f"or None for NFC + lowercase + single spaces.")
+    if isinstance(char_limit, bool) or not isinstance(char_limit, int) or char_limit < 1:
+        raise _options.ConfigError(
+            f"training-patches: register_language({key!r}) got char_limit={char_limit!r}. "
+            f"Expected a whole number of characters of at least 1 (coqui uses 250 for English, "
+            f"150 for Hindi).")
+    with _lock:
+        if not replace and (key in _languages or key in COQUI_LANGUAGES):
+            where = "already registered" if key in _languages else "built into coqui-tts"
+            raise _options.ConfigError(
+                f"training-patches: the language {key!r} is {where}. Pass replace=True to "
+                f"register_language to use your cleaner and limit instead.")
+        language = Language(key, cleaner or _plain_cleaner, char_limit, name)
+        _languages[key] = language
+    info("training-patches: language %r registered (char limit %d)", key, char_limit)
+    return language
+
+
+def unregister_language(code: str) -> bool:
+    """Forget a registered language; False if it was not registered."""
+    with _lock:
+        return _languages.pop(base_code(code), None) is not None
+
+
+def get_language(code: str) -> Language | None:
+    """The registered language for ``code`` (region ignored), or None."""
+    return _languages.get(base_code(code))
+
+
+def registered_languages() -> dict[str, Language]:
+    """Code -> :class:`Language` for every registered language."""
+    return dict(_languages)
+
+
+# Amharic ships registered; the registration is only an entry in the table above.
+_languages["am"] = Language("am", _amharic_cleaner, amharic.CHAR_LIMIT, "Amharic")

@@ -1,0 +1,253 @@
+"""Amharic (``am``) text normaliser for the XTTS tokenizer.
+
+XTTS reads text one BPE token at a time and learns prosody from punctuation it
+saw in training (``.`` ``,`` ``?`` ``!`` ...). Amharic text arrives in forms the
+model cannot read aloud as written: Ethiopic punctuation, digits and Ethiopic
+numerals, abbreviations with ``.`` or ``/`` inside, several letters that sound the
+same. :func:`normalize` turns a sentence into what should be *spoken*:
+
+1. Unicode NFC; zero-width characters removed, no-break spaces made plain spaces.
+2. Numeric dates (``12/05/2016``, ``12.05.2016``) read as month name, day, ``ቀን``,
+   year: Ethiopian month names, Gregorian ones when the date follows ``እ.ኤ.አ.``.
+3. Common abbreviations expanded (``ዓ.ም.`` -> ``ዓመተ ምሕረት``, ``ዶ/ር`` -> ``ዶክተር`` ...).
+4. Ethiopic numerals (``፳፻፲፮``) and Arabic digits (``2,024``, ``3.5``, ``25%``,
+   ``3ኛ``) spoken as Amharic number words (``ሁለት ሺህ ሃያ አራት``).
+5. Ethiopic punctuation mapped to the ASCII marks the tokenizer and prosody know:
+   ``።`` -> ``.``, ``፣`` -> ``,``, ``፤`` -> ``;``, ``፥`` ``፦`` -> ``:``, ``፧`` -> ``?``,
+   ``፨`` -> ``.``, the word separator ``፡`` -> a space.
+6. Optionally (``homophones=True``), letters that sound alike written one way:
+   ``ሐ`` ``ኀ`` -> ``ሀ``, ``ሠ`` -> ``ሰ``, ``ዐ`` -> ``አ``, ``ፀ`` -> ``ጸ``, in all their
+   orders (``ሑ`` -> ``ሁ``, ``ሣ`` -> ``ሳ``, ``ዓ`` -> ``ኣ`` ...). Use it only when the
+   vocabulary was built from text normalised the same way.
+7. Quotes dropped, Latin letters lowercased (as coqui's own cleaners do), spaces
+   collapsed.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+__all__ = ["normalize", "number_to_words", "ordinal_to_words", "ethiopic_to_int",
+           "normalize_homophones", "CHAR_LIMIT"]
+
+# Amharic is written in syllables (one character = consonant + vowel), so a
+# character carries about what two Latin letters do; coqui uses 150 for Hindi,
+# another abugida, and 250 for English.
+CHAR_LIMIT = 150
+
+_ONES = ["", "አንድ", "ሁለት", "ሶስት", "አራት", "አምስት", "ስድስት", "ሰባት", "ስምንት", "ዘጠኝ"]
+_TENS = ["", "አስር", "ሃያ", "ሰላሳ", "አርባ", "ሃምሳ", "ስልሳ", "ሰባ", "ሰማንያ", "ዘጠና"]
+# 11..19 are "አስራ" + the unit (አስራ አንድ), not "አስር" + the unit.
+_TEEN_PREFIX = "አስራ"
+_ZERO = "ዜሮ"
+_HUNDRED = "መቶ"
+_SCALES = [(10 ** 12, "ትሪሊዮን"), (10 ** 9, "ቢሊዮን"), (10 ** 6, "ሚሊዮን"), (1000, "ሺህ")]
+_POINT = "ነጥብ"
+_PERCENT = "በመቶ"
+_MINUS = "ሲቀነስ"
+
+_ETHIOPIC_MONTHS = ["መስከረም", "ጥቅምት", "ኅዳር", "ታኅሣሥ", "ጥር", "የካቲት", "መጋቢት",
+                    "ሚያዝያ", "ግንቦት", "ሰኔ", "ሐምሌ", "ነሐሴ", "ጳጉሜ"]
+_GREGORIAN_MONTHS = ["ጃንዩወሪ", "ፌብሩወሪ", "ማርች", "ኤፕሪል", "ሜይ", "ጁን", "ጁላይ",
+                     "ኦገስት", "ሴፕቴምበር", "ኦክቶበር", "ኖቬምበር", "ዲሴምበር"]
+_DAY = "ቀን"
+
+# Longest first: "ጠ/ሚኒስትር" must win over "ጠ/ሚ".
+_ABBREVIATIONS: list[tuple[str, str]] = sorted([
+    ("ዓ.ም.", "ዓመተ ምሕረት"), ("ዓ.ም", "ዓመተ ምሕረት"), ("ዓ/ም", "ዓመተ ምሕረት"),
+    ("ዓ.ዓ.", "ዓመተ ዓለም"), ("ዓ.ዓ", "ዓመተ ዓለም"),
+    ("እ.ኤ.አ.", "እንደ አውሮፓውያን አቆጣጠር"), ("እ.ኤ.አ", "እንደ አውሮፓውያን አቆጣጠር"),
+    ("ት/ቤት", "ትምህርት ቤት"), ("ት/ቤቶች", "ትምህርት ቤቶች"),
+    ("ም/ቤት", "ምክር ቤት"), ("መ/ቤት", "መሥሪያ ቤት"), ("ቤ/ክ", "ቤተ ክርስቲያን"),
+    ("ቤ/ክርስቲያን", "ቤተ ክርስቲያን"), ("ክ/ከተማ", "ክፍለ ከተማ"), ("ክ/ሀገር", "ክፍለ ሀገር"),
+    ("ወ/ሮ", "ወይዘሮ"), ("ወ/ሪት", "ወይዘሪት"), ("ወ/ት", "ወይዘሪት"), ("ዶ/ር", "ዶክተር"),
+    ("ፕ/ር", "ፕሮፌሰር"), ("ኢ/ር", "ኢንጂነር"), ("ጠ/ሚ", "ጠቅላይ ሚኒስትር"),
+    ("ጠ/ሚኒስትር", "ጠቅላይ ሚኒስትር"), ("ም/ጠ/ሚ", "ምክትል ጠቅላይ ሚኒስትር"),
+    ("ም/ል", "ምክትል"), ("ሆ/ል", "ሆስፒታል"), ("አ.አ.", "አዲስ አበባ"), ("አ.አ", "አዲስ አበባ"),
+    ("ኪ.ሜ.", "ኪሎ ሜትር"), ("ኪ.ሜ", "ኪሎ ሜትር"), ("ሴ.ሜ.", "ሴንቲ ሜትር"), ("ሴ.ሜ", "ሴንቲ ሜትር"),
+    ("ኪ.ግ.", "ኪሎ ግራም"), ("ኪ.ግ", "ኪሎ ግራም"), ("ሚ.ሜ", "ሚሊ ሜትር"),
+], key=lambda pair: -len(pair[0]))
+
+_ETHIOPIC_LETTER = "\u1200-\u135A"
+_ABBREVIATION_RE = re.compile(
+    f"(?<![{_ETHIOPIC_LETTER}])("
+    + "|".join(re.escape(short) for short, _ in _ABBREVIATIONS)
+    + f")(?![{_ETHIOPIC_LETTER}])")
+_ABBREVIATION_MAP = dict(_ABBREVIATIONS)
+# "X/ቤ..." with a suffix ("ት/ቤቱ", the school): the "X/" part expands, the word stays.
+_PREFIX_ABBREVIATIONS = {"ት/ቤ": "ትምህርት ቤ", "ም/ቤ": "ምክር ቤ", "መ/ቤ": "መሥሪያ ቤ"}
+_PREFIX_ABBREVIATION_RE = re.compile(
+    f"(?<![{_ETHIOPIC_LETTER}])(" + "|".join(map(re.escape, _PREFIX_ABBREVIATIONS)) + ")")
+
+_PUNCTUATION = {
+    "\u1362": ".",   # ። full stop
+    "\u1363": ",",   # ፣ comma
+    "\u1364": ";",   # ፤ semicolon
+    "\u1365": ":",   # ፥ colon
+    "\u1366": ":",   # ፦ preface colon (introduces speech or a list)
+    "\u1367": "?",   # ፧ question mark
+    "\u1368": ".",   # ፨ paragraph separator: a full pause
+    "\u1361": " ",   # ፡ word separator (old texts put it between every word)
+    "\u1360": " ",   # ፠ section mark: not spoken
+    "\u00a0": " ", "\u202f": " ",
+    "«": "", "»": "", "“": "", "”": "", "„": "", '"': "", "‹": "", "›": "",
+}
+_ZERO_WIDTH_RE = re.compile("[\u200b\u200c\u200d\u2060\ufeff]")
+
+# Ethiopic numerals: ፩..፱ (U+1369..1371) are 1..9, ፲..፺ (U+1372..137A) 10..90,
+# ፻ (U+137B) is 100, ፼ (U+137C) is 10 000.
+_ETHIOPIC_DIGITS = {chr(0x1369 + i): i + 1 for i in range(9)}
+_ETHIOPIC_DIGITS.update({chr(0x1372 + i): 10 * (i + 1) for i in range(9)})
+_ETHIOPIC_HUNDRED = "\u137b"
+_ETHIOPIC_MYRIAD = "\u137c"
+_ETHIOPIC_NUMERAL_RE = re.compile("[\u1369-\u137c]+")
+
+_DATE_RE = re.compile(
+    r"(?<![\d.])(?P<gregorian>እ\.ኤ\.አ\.?\s*)?(?P<day>\d{1,2})(?P<sep>[/.\-])(?P<month>\d{1,2})"
+    r"(?P=sep)(?P<year>\d{4})(?![\d])")
+_ORDINAL_SUFFIX_RE = re.compile(r"(\d+)\s?(ኛ)(ው|ዋ|ውን|ዋን)?")
+_GROUPED_RE = re.compile(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?![\d])")
+_DECIMAL_RE = re.compile(r"(?<![\d])(\d+)\.(\d+)(?![\d])")
+_PERCENT_RE = re.compile(r"(\d+(?:\.\d+)?)\s?%")
+_NEGATIVE_RE = re.compile(r"(?<![\w\d])-(?=\d)")
+_NUMBER_RE = re.compile(r"\d+")
+_SPACES_RE = re.compile(r"\s+")
+
+
+def _below_thousand(n: int) -> list[str]:
+    words: list[str] = []
+    hundreds, rest = divmod(n, 100)
+    if hundreds:
+        # "መቶ" alone is one hundred; "ሁለት መቶ", "ዘጠኝ መቶ" for the others.
+        words += ([_ONES[hundreds]] if hundreds > 1 else []) + [_HUNDRED]
+    tens, ones = divmod(rest, 10)
+    if tens == 1 and ones:
+        words += [_TEEN_PREFIX, _ONES[ones]]
+    else:
+        if tens:
+            words.append(_TENS[tens])
+        if ones:
+            words.append(_ONES[ones])
+    return words
+
+
+def number_to_words(n: int) -> str:
+    """A whole number in Amharic words: 25 -> ሃያ አምስት, 2024 -> ሁለት ሺህ ሃያ አራት."""
+    if n < 0:
+        return f"{_MINUS} {number_to_words(-n)}"
+    if n == 0:
+        return _ZERO
+    words: list[str] = []
+    for scale, name in _SCALES:
+        count, n = divmod(n, scale)
+        if count:
+            words += _below_thousand(count) if count < 1000 else number_to_words(count).split()
+            words.append(name)
+    words += _below_thousand(n)
+    return " ".join(words)
+
+
+def ordinal_to_words(n: int) -> str:
+    """An ordinal in Amharic: 1 -> አንደኛ, 3 -> ሶስተኛ, 9 -> ዘጠነኛ, 20 -> ሃያኛ.
+
+    The suffix ``ኛ`` follows the last word; a final consonant (the sixth order of
+    its letter, ``ት`` ``ድ`` ``ኝ`` ``ር`` ...) takes its first-order vowel: ሁለት -> ሁለተኛ.
+    """
+    words = number_to_words(n).split()
+    last = words[-1]
+    final = last[-1]
+    if final == "ህ":  # ሺህ -> ሺኛ: the silent ህ is dropped
+        last = last[:-1]
+    elif final == "ኝ":  # ዘጠኝ -> ዘጠነኛ: the palatal ኝ is spoken ነ before ኛ
+        last = last[:-1] + "ነ"
+    elif 0x1200 <= ord(final) <= 0x135A and (ord(final) - 0x1200) % 8 == 5:
+        last = last[:-1] + chr(ord(final) - 5)
+    words[-1] = last + "ኛ"
+    return " ".join(words)
+
+
+def ethiopic_to_int(numeral: str) -> int:
+    """The value of an Ethiopic numeral: ፳፻፲፮ -> 2016, ፲፪፼፴፬፻፶፮ -> 123456.
+
+    Ones and tens add up to a number below 100; ``፻`` multiplies what precedes it in
+    its group by 100 (alone it is 100); ``፼`` multiplies everything before it by
+    10 000 (alone it is 10 000; ``፻፼`` is a million, ``፼፼`` a hundred million).
+    """
+    total = group = current = 0
+    for char in numeral:
+        if char in _ETHIOPIC_DIGITS:
+            current += _ETHIOPIC_DIGITS[char]
+        elif char == _ETHIOPIC_HUNDRED:
+            group = (group + (current or 1)) * 100
+            current = 0
+        elif char == _ETHIOPIC_MYRIAD:
+            before = total + group + current
+            total = (before or 1) * 10000
+            group = current = 0
+        else:
+            raise ValueError(f"{char!r} is not an Ethiopic numeral")
+    return total + group + current
+
+
+def normalize_homophones(text: str) -> str:
+    """Write letters that sound alike one way: ሐ ኀ -> ሀ, ሠ -> ሰ, ዐ -> አ, ፀ -> ጸ (all orders)."""
+    return text.translate(_HOMOPHONES)
+
+
+def _homophone_table() -> dict[int, int]:
+    table: dict[int, int] = {}
+    # Each Ethiopic consonant has its seven vowel orders (and often a labialised
+    # eighth) at consecutive code points, so a whole series maps by offset.
+    for start, target, count in ((0x1210, 0x1200, 7),   # ሐ..ሖ -> ሀ..ሆ
+                                 (0x1280, 0x1200, 8),   # ኀ..ኇ -> ሀ..ሇ
+                                 (0x1220, 0x1230, 8),   # ሠ..ሧ -> ሰ..ሷ
+                                 (0x12D0, 0x12A0, 7),   # ዐ..ዖ -> አ..ኦ
+                                 (0x1340, 0x1338, 8)):  # ፀ..ፇ -> ጸ..ጿ
+        for i in range(count):
+            table[start + i] = target + i
+    table[0x1217] = 0x128B  # ሗ (hʷa) -> ኋ, the usual spelling of that sound
+    return table
+
+
+_HOMOPHONES = _homophone_table()
+
+
+def _expand_date(match: re.Match[str]) -> str:
+    day, month, year = int(match["day"]), int(match["month"]), int(match["year"])
+    gregorian = bool(match["gregorian"])
+    months = _GREGORIAN_MONTHS if gregorian else _ETHIOPIC_MONTHS
+    if not (1 <= day <= 31 and 1 <= month <= len(months)):
+        return match.group(0)  # not a date we can read; the numbers are read one by one
+    prefix = _ABBREVIATION_MAP["እ.ኤ.አ."] + " " if gregorian else ""
+    return f"{prefix}{months[month - 1]} {number_to_words(day)} {_DAY} {number_to_words(year)}"
+
+
+def _expand_numbers(text: str) -> str:
+    # Ethiopic numerals become digits first, so "፫ኛ" and "፳፭%" read like "3ኛ" and "25%".
+    text = _ETHIOPIC_NUMERAL_RE.sub(lambda m: str(ethiopic_to_int(m[0])), text)
+    text = _GROUPED_RE.sub(lambda m: m[0].replace(",", ""), text)
+    text = _PERCENT_RE.sub(lambda m: f"{m[1]} {_PERCENT}", text)
+    text = _ORDINAL_SUFFIX_RE.sub(lambda m: ordinal_to_words(int(m[1])) + (m[3] or ""), text)
+    text = _DECIMAL_RE.sub(
+        lambda m: f"{number_to_words(int(m[1]))} {_POINT} "
+                  + " ".join(_ONES[int(d)] if d != "0" else _ZERO for d in m[2]), text)
+    text = _NEGATIVE_RE.sub(_MINUS + " ", text)
+    return _NUMBER_RE.sub(lambda m: number_to_words(int(m[0])), text)
+
+
+def normalize(text: str, *, homophones: bool = False) -> str:
+    """Amharic text as it should be spoken, in the characters XTTS reads (see module doc)."""
+    text = unicodedata.normalize("NFC", str(text))
+    text = _ZERO_WIDTH_RE.sub("", text)
+    text = _DATE_RE.sub(_expand_date, text)
+    text = _ABBREVIATION_RE.sub(lambda m: _ABBREVIATION_MAP[m[1]], text)
+    text = _PREFIX_ABBREVIATION_RE.sub(lambda m: _PREFIX_ABBREVIATIONS[m[1]], text)
+    text = _expand_numbers(text)
+    text = "".join(_PUNCTUATION.get(char, char) for char in text)
+    if homophones:
+        text = normalize_homophones(text)
+    text = text.lower()
+    text = _SPACES_RE.sub(" ", text).strip()
+    # A mark left after a space ("ሰላም ." after a removed quote) belongs to the word.
+    return re.sub(r" ([.,;:?!])", r"\1", text)

@@ -1,0 +1,488 @@
+"""``vocab_freeze``: keep the base rows of an extended text vocabulary bit-identical.
+
+When a tokenizer grows (Amharic: 12k base + 12k new tokens), the new rows of the text
+embedding and the text head must train while the pretrained base rows stay exactly
+as they are. Zeroing the base rows' gradients is not enough: AdamW's decoupled weight
+decay moves every row whatever its gradient (XTTS exempts ``nn.Embedding`` from decay
+but not ``text_head``, a Linear), and momentum from a loaded optimizer state moves them
+too. :func:`freeze_base_vocab` does two things, which together are exact for any
+optimizer:
+
+1. a post-accumulate-grad hook on each frozen parameter zeroes the base rows of its
+   ``.grad`` (so the optimizer state of those rows stays zero and gradient norms and
+   clipping see only the rows that train);
+2. an optimizer step post-hook copies the base rows back from one stored copy after
+   every ``optimizer.step()`` of an optimizer that holds these parameters. A step a
+   GradScaler or a NaN guard skips does not change the parameters, so nothing needs
+   restoring; a step taken on non-finite gradients is undone for the base rows.
+
+Memory: one copy of the base rows per frozen tensor (embedding weight, head weight,
+head bias), taken once; no copy per step. Cost per step: one row-slice ``zero_`` per
+backward and one row-slice ``copy_`` per optimizer step.
+
+The start-text token (XTTS). XTTS's ``GPTTrainer`` grows a ``gpt_checkpoint`` by
+moving the old LAST row to the new last row, on the assumption that it is the
+start-text token ``[START]``; the vocabulary loader (:mod:`patches.checkpoint`) does
+the same. When the owning module's ``start_text_token`` is the last row (the layout
+in which that move is right), the base rows are ``0 .. base-2`` plus the last row, and
+the new rows are ``base-1 .. vocab-2``: the ``[START]`` row is pretrained, every
+training sequence begins with it, so it is FROZEN with the other base rows. Otherwise
+(IndexTTS-style models, modules named explicitly, an XTTS vocabulary whose ``[START]``
+is not last) the base rows are ``0 .. base-1``. The rule is :func:`frozen_rows` with
+:func:`start_row_is_last`; the loader uses the same one.
+
+Activation without code changes: ``TRAINING_PATCHES_BASE_VOCAB=12000`` makes every
+XTTS ``GPTTrainer`` freeze its base rows when it is built (see
+:mod:`patches.integrations.xtts_vocab`); a later ``load_state_dict`` of the model (the
+coqui Trainer's restore on resume) refreshes the stored rows from what was loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from . import _options
+from ._log import info, logger
+from ._registry import PatchSpec, register
+from .integrations import xtts_vocab
+
+TAG = "[Extended Vocab Fix]"
+
+
+class VocabFreezeError(ValueError):
+    """The base vocabulary cannot be frozen as asked (size or model not as expected)."""
+
+
+# -- the rule ----------------------------------------------------------------
+
+
+def frozen_rows(vocab_size: int, base_vocab_size: int, *,
+                start_row_last: bool = False) -> tuple[range, ...]:
+    """The row ranges that belong to the base vocabulary (to freeze).
+
+    ``vocab_size`` and ``base_vocab_size`` count rows of the text embedding. With
+    ``start_row_last`` (XTTS with ``[START]`` as the last id, see the module docstring)
+    the base vocabulary's last row, the start-text token, lives in the grown tensor's
+    last row: the base rows are ``range(0, base-1)`` and ``range(vocab-1, vocab)``.
+    """
+    if base_vocab_size < 1 or base_vocab_size > vocab_size:
+        raise VocabFreezeError(
+            f"training-patches vocab_freeze: the base vocabulary size is {base_vocab_size}, but "
+            f"the model's text embedding has {vocab_size} rows. Expected a base size between 1 "
+            f"and {vocab_size} (the number of tokens of the ORIGINAL tokenizer, e.g. 12000 for a "
+            f"12k base extended to 24k). Check TRAINING_PATCHES_BASE_VOCAB (or the "
+            f"base_vocab_size you passed) and that the model was built with the extended "
+            f"tokenizer.")
+    if start_row_last and base_vocab_size < vocab_size:
+        return (range(0, base_vocab_size - 1), range(vocab_size - 1, vocab_size))
+    return (range(0, base_vocab_size),)
+
+
+def new_rows(vocab_size: int, base_vocab_size: int, *, start_row_last: bool = False) -> range:
+    """The rows that train (the complement of :func:`frozen_rows`, always one range)."""
+    frozen_rows(vocab_size, base_vocab_size, start_row_last=start_row_last)  # validates
+    if start_row_last and base_vocab_size < vocab_size:
+        return range(base_vocab_size - 1, vocab_size - 1)
+    return range(base_vocab_size, vocab_size)
+
+
+def start_row_is_last(owner: nn.Module | None, vocab_size: int) -> bool:
+    """True when ``owner`` (the module holding the text embedding) is XTTS-like and its
+    ``start_text_token`` is the last row: the layout coqui's resize assumes."""
+    start = getattr(owner, "start_text_token", None) if owner is not None else None
+    return isinstance(start, int) and not isinstance(start, bool) and start == vocab_size - 1
+
+
+# -- finding the text embedding ------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    """One frozen tensor: ``module.<name>`` and the stored copy of its base rows."""
+
+    path: str
+    module: nn.Module
+    name: str
+    param: nn.Parameter
+    stored: torch.Tensor | None = None
+    grad_hook: Any = None
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP / DataParallel / accelerate wrappers keep the real model in .module
+    while isinstance(getattr(model, "module", None), nn.Module) and not hasattr(
+            model, "text_embedding"):
+        model = model.module
+    return model
+
+
+_SEARCH = ("", "gpt", "xtts.gpt", "model", "model.gpt")
+
+
+def _find_owner(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(path, module) of the module that owns ``text_embedding`` and ``text_head``."""
+    for path in _SEARCH:
+        try:
+            owner = model.get_submodule(path) if path else model
+        except AttributeError:
+            continue
+        if isinstance(getattr(owner, "text_embedding", None), nn.Module) and isinstance(
+                getattr(owner, "text_head", None), nn.Module):
+            return path, owner
+    return None
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def _resolve_modules(model: nn.Module, modules: Iterable[nn.Module | str]
+                     ) -> list[tuple[str, nn.Module]]:
+    names = {id(mod): name for name, mod in model.named_modules()}
+    found = []
+    for item in modules:
+        if isinstance(item, str):
+            try:
+                found.append((item, model.get_submodule(item)))
+            except AttributeError:
+                raise VocabFreezeError(
+                    f"training-patches vocab_freeze: modules= names {item!r}, which is not a "
+                    f"submodule of {type(model).__name__}. Expected dotted paths such as "
+                    f"'gpt.text_embedding' (see model.named_modules()) or the modules "
+                    f"themselves.") from None
+        elif isinstance(item, nn.Module):
+            found.append((names.get(id(item), type(item).__name__), item))
+        else:
+            raise VocabFreezeError(
+                f"training-patches vocab_freeze: modules= holds {item!r}; expected nn.Module "
+                f"objects or their dotted paths in the model.")
+    return found
+
+
+def _parent(model: nn.Module, path: str) -> nn.Module | None:
+    if "." not in path:
+        return model
+    try:
+        return model.get_submodule(path.rsplit(".", 1)[0])
+    except AttributeError:
+        return None
+
+
+def _entries(model: nn.Module, modules: Iterable[nn.Module | str] | None
+             ) -> tuple[list[_Entry], nn.Module | None]:
+    """The tensors to freeze and the module owning them (for the start-token rule)."""
+    if modules is None:
+        hit = _find_owner(model)
+        if hit is None:
+            raise VocabFreezeError(
+                f"training-patches vocab_freeze: no text embedding found in "
+                f"{type(model).__name__}. Looked for text_embedding and text_head on the model "
+                f"and on .gpt, .xtts.gpt, .model and .model.gpt (XTTS GPTTrainer, XTTS GPT, "
+                f"IndexTTS-style UnifiedVoice). Pass the modules explicitly, e.g. "
+                f"freeze_base_vocab(model, 12000, modules=['decoder.embed', 'decoder.lm_head']).")
+        path, owner = hit
+        targets = [(_join(path, "text_embedding"), owner.text_embedding),
+                   (_join(path, "text_head"), owner.text_head)]
+    else:
+        targets = _resolve_modules(model, modules)
+        if not targets:
+            raise VocabFreezeError("training-patches vocab_freeze: modules= is empty; name the "
+                                   "text embedding and the text head to freeze.")
+        owner = _parent(model, targets[0][0])
+    entries = []
+    for path, mod in targets:
+        for name in ("weight", "bias"):
+            param = mod._parameters.get(name)
+            if isinstance(param, nn.Parameter) and param.dim() >= 1:
+                entries.append(_Entry(_join(path, name), mod, name, param))
+    if not entries:
+        raise VocabFreezeError(
+            f"training-patches vocab_freeze: {', '.join(p for p, _ in targets)} hold no weight "
+            f"or bias parameter; expected nn.Embedding / nn.Linear modules of the vocabulary.")
+    rows = {entry.path: entry.param.shape[0] for entry in entries}
+    if len(set(rows.values())) != 1:
+        raise VocabFreezeError(
+            f"training-patches vocab_freeze: the vocabulary tensors disagree on the number of "
+            f"rows: {rows}. Expected the text embedding and the text head to have one row per "
+            f"token; name only those in modules=.")
+    return entries, owner
+
+
+# -- the freeze ------------------------------------------------------------------
+
+_lock = threading.RLock()
+# id(parameter) -> the freeze holding it: a second freeze of the same rows replaces the
+# first. Keyed by id (a WeakKeyDictionary would compare tensors with ==); a live freeze
+# holds its parameters, so their ids cannot be reused while an entry exists.
+_by_param: weakref.WeakValueDictionary[int, VocabFreeze] = weakref.WeakValueDictionary()
+
+
+def freeze_of(param: torch.Tensor) -> VocabFreeze | None:
+    """The active freeze of ``param``'s rows, if any."""
+    handle = _by_param.get(id(param))
+    return handle if handle is not None and not handle.released else None
+
+
+def _step_hook(ref: weakref.ReferenceType[VocabFreeze]) -> Any:
+    # Global hooks live as long as the process: hold the freeze weakly, so a model
+    # thrown away is not kept alive by them (its parameters' grad hooks hold the freeze).
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        handle = ref()
+        if handle is not None:
+            handle._after_step(optimizer, args, kwargs)
+    return hook
+
+
+class VocabFreeze:
+    """A handle on the freeze of one model's base vocabulary rows.
+
+    ``remove()`` takes every hook out (the rows train from the next step on);
+    ``refresh()`` takes the current base rows as the ones to keep (done by itself
+    after a ``load_state_dict`` of the modules); ``steps`` counts the optimizer steps
+    taken under the freeze; ``released`` tells whether it is over.
+    """
+
+    def __init__(self, entries: list[_Entry], vocab_size: int, base_vocab_size: int,
+                 start_row_last: bool, until_step: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.base_vocab_size = base_vocab_size
+        self.start_row_last = start_row_last
+        self.rows = frozen_rows(vocab_size, base_vocab_size, start_row_last=start_row_last)
+        self.until_step = until_step
+        self.steps = 0
+        self.released = False
+        self._entries = entries
+        self._ids = {id(entry.param) for entry in entries}
+        self._step_hook: Any = None
+        self._load_hooks: list[Any] = []
+        self._holders: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = (
+            weakref.WeakKeyDictionary())
+
+    # -- state ---------------------------------------------------------------
+
+    @property
+    def paths(self) -> list[str]:
+        """Dotted names of the frozen tensors."""
+        return [entry.path for entry in self._entries]
+
+    @property
+    def new_rows(self) -> range:
+        return new_rows(self.vocab_size, self.base_vocab_size, start_row_last=self.start_row_last)
+
+    def frozen_values(self) -> dict[str, torch.Tensor]:
+        """The stored base rows of each tensor (the values they are kept at)."""
+        return {entry.path: entry.stored for entry in self._entries if entry.stored is not None}
+
+    def frozen_numel(self) -> int:
+        return sum(entry.stored.numel() for entry in self._entries if entry.stored is not None)
+
+    def _base(self, tensor: torch.Tensor) -> torch.Tensor:
+        if len(self.rows) == 1:
+            return tensor[self.rows[0].start:self.rows[0].stop]
+        return torch.cat([tensor[r.start:r.stop] for r in self.rows])
+
+    def refresh(self) -> None:
+        """Store the current base rows (after a load, or to accept a deliberate edit)."""
+        with torch.no_grad():
+            for entry in self._entries:
+                current = entry.module._parameters.get(entry.name)
+                if current is not entry.param and isinstance(current, nn.Parameter):
+                    self._rehook(entry, current)
+                entry.stored = self._base(entry.param.detach()).clone()
+
+    # -- hooks ---------------------------------------------------------------
+
+    def _attach(self) -> None:
+        for entry in self._entries:
+            entry.grad_hook = entry.param.register_post_accumulate_grad_hook(self._zero_grad_rows)
+            _by_param[id(entry.param)] = self
+        owners = {id(entry.module): entry.module for entry in self._entries}
+        self._load_hooks = [mod.register_load_state_dict_post_hook(self._after_load)
+                            for mod in owners.values()]
+        self._step_hook = register_optimizer_step_post_hook(_step_hook(weakref.ref(self)))
+
+    def _rehook(self, entry: _Entry, param: nn.Parameter) -> None:
+        """The module got a new Parameter object (``load_state_dict(assign=True)``)."""
+        if entry.grad_hook is not None:
+            entry.grad_hook.remove()
+        if _by_param.get(id(entry.param)) is self:
+            del _by_param[id(entry.param)]
+        self._ids.discard(id(entry.param))
+        entry.param = param
+        self._ids.add(id(param))
+        entry.grad_hook = param.register_post_accumulate_grad_hook(self._zero_grad_rows)
+        _by_param[id(param)] = self
+        self._holders = weakref.WeakKeyDictionary()
+        logger.debug("%s %s was replaced by a new parameter; the freeze follows it", TAG,
+                     entry.path)
+
+    def _zero_grad_rows(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None or grad.is_sparse:
+            return  # sparse gradients: the restore after the step still keeps the rows exact
+        for r in self.rows:
+            grad[r.start:r.stop].zero_()
+
+    def _after_load(self, module: nn.Module, incompatible: Any) -> None:
+        # The coqui Trainer restores weights after the model (and this freeze) was built:
+        # keep what was loaded, not the rows of the fresh model.
+        self.refresh()
+        logger.debug("%s stored base rows refreshed after load_state_dict", TAG)
+
+    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        size = sum(len(group["params"]) for group in optimizer.param_groups)
+        cached = self._holders.get(optimizer)
+        if cached is not None and cached[0] == size:
+            return cached[1]
+        held = any(id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
+        self._holders[optimizer] = (size, held)
+        return held
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.released or not self._holds(optimizer):
+            return
+        with torch.no_grad():
+            for entry in self._entries:
+                stored = entry.stored
+                param = entry.param
+                if stored is None:
+                    continue
+                if stored.device != param.device or stored.dtype != param.dtype:
+                    # the model moved (.cuda(), .half()) after the freeze: move the copy once
+                    stored = entry.stored = stored.to(param.device, param.dtype)
+                start = 0
+                for r in self.rows:
+                    n = r.stop - r.start
+                    param[r.start:r.stop].copy_(stored[start:start + n])
+                    start += n
+        self.steps += 1
+        if self.until_step is not None and self.steps >= self.until_step:
+            self.remove()
+            info("%s Released the base vocabulary after %d optimizer steps: all %d rows train "
+                 "from now on", TAG, self.steps, self.vocab_size)
+
+    def remove(self) -> None:
+        """Stop freezing: take every hook out and drop the stored rows."""
+        with _lock:
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
+            for hook in self._load_hooks:
+                hook.remove()
+            self._load_hooks = []
+            for entry in self._entries:
+                if entry.grad_hook is not None:
+                    entry.grad_hook.remove()
+                    entry.grad_hook = None
+                if _by_param.get(id(entry.param)) is self:
+                    del _by_param[id(entry.param)]
+                entry.stored = None
+            self.released = True
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self.steps} steps"
+        return (f"VocabFreeze(base={self.base_vocab_size}, vocab={self.vocab_size}, "
+                f"rows={_describe(self.rows)}, {state})")
+
+
+def _describe(rows: Sequence[range]) -> str:
+    return ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
+                     for r in rows if len(r))
+
+
+def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
+                      modules: Sequence[nn.Module | str] | None = None,
+                      until_step: int | None = None,
+                      start_row_last: bool | None = None) -> VocabFreeze:
+    """Keep rows of the base vocabulary bit-identical while the new rows train.
+
+    Args:
+        model: an XTTS ``GPTTrainer`` (``model.xtts.gpt``), an XTTS ``GPT``, an
+            IndexTTS-style ``UnifiedVoice`` (``text_embedding``/``text_head``), a DDP
+            wrapper of one, or any model whose vocabulary modules are named in ``modules``.
+        base_vocab_size: rows of the original (pretrained) vocabulary, e.g. 12000.
+        modules: the embedding/head modules (objects or dotted paths); their ``weight``
+            and ``bias`` are frozen row-wise. Default: ``text_embedding`` and ``text_head``.
+        until_step: release the freeze after this many optimizer steps (two-stage
+            recipe: new rows first, then everything). Steps a GradScaler skips do not count.
+        start_row_last: whether the base vocabulary's start-text row sits in the last
+            row (XTTS); ``None`` decides with :func:`start_row_is_last`.
+
+    Returns the :class:`VocabFreeze` handle; ``handle.remove()`` ends the freeze.
+    Freezing rows already frozen replaces the earlier freeze.
+    """
+    if isinstance(base_vocab_size, bool) or not isinstance(base_vocab_size, int):
+        raise VocabFreezeError(
+            f"training-patches vocab_freeze: base_vocab_size is {base_vocab_size!r}; expected a "
+            f"whole number of base tokens such as 12000.")
+    if until_step is not None and (isinstance(until_step, bool) or int(until_step) < 1):
+        raise VocabFreezeError(
+            f"training-patches vocab_freeze: until_step is {until_step!r}; expected a whole "
+            f"number of optimizer steps of at least 1, or None to freeze for the whole run.")
+    model = _unwrap(model)
+    entries, owner = _entries(model, modules)
+    vocab_size = entries[0].param.shape[0]
+    start_last = (start_row_is_last(owner, vocab_size) if start_row_last is None
+                  else bool(start_row_last))
+    with _lock:
+        for entry in entries:
+            previous = freeze_of(entry.param)
+            if previous is not None:
+                logger.debug("%s replacing an earlier freeze of %s", TAG, entry.path)
+                previous.remove()
+        handle = VocabFreeze(entries, vocab_size, base_vocab_size, start_last,
+                             None if until_step is None else int(until_step))
+        handle.refresh()
+        handle._attach()
+    _log_start(handle, model)
+    return handle
+
+
+def _log_start(handle: VocabFreeze, model: nn.Module) -> None:
+    vocab, base = handle.vocab_size, handle.base_vocab_size
+    if base == vocab:
+        info("%s Vocabulary not extended (%d tokens = base size): all text rows frozen",
+             TAG, vocab)
+    else:
+        info("%s Detected extended vocabulary: %d tokens", TAG, vocab)
+    base_rows = _describe(handle.rows)
+    if handle.start_row_last and base < vocab:
+        base_rows += f" (row {vocab - 1} is the start-text token, kept last)"
+    info("%s Base tokens: %s (frozen)", TAG, base_rows)
+    if base < vocab:
+        info("%s New tokens: %s (trainable)", TAG, _describe([handle.new_rows]))
+    total = sum(p.numel() for p in model.parameters())
+    frozen = handle.frozen_numel()
+    until = (f", released after {handle.until_step} optimizer steps"
+             if handle.until_step is not None else "")
+    info("%s Freezing %s / %s parameters (%.1f%%) in %s: gradients zeroed, rows restored after "
+         "every optimizer step%s", TAG, f"{frozen:,}", f"{total:,}",
+         100.0 * frozen / max(total, 1), ", ".join(handle.paths), until)
+
+
+# -- the patch: activation by TRAINING_PATCHES_BASE_VOCAB ---------------------------
+
+
+def _describe_patch(opts: _options.Options) -> str:
+    base = getattr(opts, "base_vocab", None)
+    if not base:
+        return "idle: set TRAINING_PATCHES_BASE_VOCAB to freeze base text rows of XTTS models"
+    return (f"freeze text rows of the first {base} tokens in every XTTS GPTTrainer "
+            f"(gradients zeroed, rows restored after each optimizer step)")
+
+
+SPEC = register(PatchSpec(
+    name="vocab_freeze",
+    describe=_describe_patch,
+    sites=xtts_vocab.sites(),
+))
+
+__all__ = ["freeze_base_vocab", "freeze_of", "frozen_rows", "new_rows", "start_row_is_last",
+           "VocabFreeze", "VocabFreezeError"]

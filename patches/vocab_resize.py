@@ -1,0 +1,145 @@
+"""Growing a text vocabulary inside a checkpoint: the rows, the head bias, the Adam moments.
+
+When a tokenizer grows (74 -> 82 tokens, 12k -> 24k), the trained rows of the text
+embedding and of the text head must survive, and the new rows must start somewhere
+the model can use:
+
+- base rows are copied unchanged, in place;
+- XTTS keeps its start-text token in the *last* row of ``text_embedding``/``text_head``
+  when ``[START]`` is the last id of the vocabulary; then that row moves to the new
+  end (as coqui's GPTTrainer does), and the rows between are the new ones;
+- new rows follow transformers' ``resize_token_embeddings(mean_resizing=True)``: drawn
+  from a normal distribution around the mean of the old rows whose covariance is the
+  old rows' covariance times ``1e-9``; when that covariance is not positive definite
+  (fewer rows than channels, as in tiny models) the new rows are the mean plus noise
+  of ``sqrt(1e-9)`` times each channel's standard deviation. Either way a new row is the
+  mean to within about 3e-5 of one standard deviation: close to what the model already
+  predicts, never ``torch.randn`` (std 1, about 50x the model's own init);
+- new head-bias entries are drawn around the old biases' mean with ``1e-9`` of their
+  standard deviation (transformers' ``_init_added_lm_head_bias_with_mean``), not zero;
+- Adam moments of a resized parameter keep their base rows; the new rows get a first
+  moment of 0 and a second moment equal to the old rows' mean second moment, so that a
+  new row's first update is about as large as an old row's and not ``lr / eps``-sized.
+
+Everything here is a pure function of tensors; :mod:`patches.checkpoint` decides when.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# transformers scales the old rows' covariance by this before sampling new rows.
+COVARIANCE_SCALE = 1e-9
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Where the rows of a grown vocabulary come from.
+
+    ``old_rows``/``new_rows`` count rows (the start-token row included when there is one);
+    with ``start_row_last`` the old last row is the start token and moves to the new end.
+    """
+
+    old_rows: int
+    new_rows: int
+    start_row_last: bool = False
+
+    @property
+    def base_rows(self) -> int:
+        """Rows copied in place (the start-token row, if moved, is not among them)."""
+        return self.old_rows - 1 if self.start_row_last else self.old_rows
+
+    @property
+    def added(self) -> int:
+        return self.new_rows - self.old_rows
+
+    def new_row_indices(self) -> range:
+        """Indices of the rows that did not exist before, in the grown tensor."""
+        return range(self.base_rows, self.base_rows + self.added)
+
+    def kept_row_map(self) -> list[tuple[int, int]]:
+        """(old index, new index) of every old row that survives."""
+        pairs = [(i, i) for i in range(self.base_rows)]
+        if self.start_row_last:
+            pairs.append((self.old_rows - 1, self.new_rows - 1))
+        return pairs
+
+
+def _assemble(old: torch.Tensor, new_part: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    """Old base rows, then ``new_part``, then (if moved) the start-token row."""
+    pieces = [old[: plan.base_rows], new_part.to(dtype=old.dtype, device=old.device)]
+    if plan.start_row_last:
+        pieces.append(old[plan.old_rows - 1:])
+    return torch.cat(pieces, dim=0)
+
+
+def _old_base_rows(old: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    # The start token is a special row; its statistics are not the vocabulary's.
+    base = old[: plan.base_rows]
+    return base if base.shape[0] > 0 else old
+
+
+def grow_rows(old: torch.Tensor, plan: RowPlan, generator: torch.Generator) -> torch.Tensor:
+    """A 2-D weight (embedding or head) grown by mean resizing (see the module docstring)."""
+    if old.dim() != 2:
+        raise ValueError(f"grow_rows expects a 2-D weight, got shape {tuple(old.shape)}")
+    if plan.added <= 0:
+        return old.clone()
+    base = _old_base_rows(old, plan).detach().to(torch.float64)
+    mean = base.mean(dim=0)
+    centered = base - mean
+    covariance = centered.T @ centered / base.shape[0]
+    noise = torch.randn(plan.added, base.shape[1], generator=generator, dtype=torch.float64)
+    try:
+        # Cholesky succeeds exactly when the scaled covariance is positive definite,
+        # which is transformers' condition for sampling from it.
+        chol = torch.linalg.cholesky(COVARIANCE_SCALE * covariance)
+        new_part = mean + noise @ chol.T
+    except RuntimeError:
+        std = base.std(dim=0, unbiased=False) if base.shape[0] > 1 else torch.zeros_like(mean)
+        new_part = mean + noise * (COVARIANCE_SCALE ** 0.5) * std
+    return _assemble(old, new_part, plan)
+
+
+def grow_bias(old: torch.Tensor, plan: RowPlan, generator: torch.Generator) -> torch.Tensor:
+    """A 1-D head bias grown around the old biases' mean (std ``1e-9`` of theirs)."""
+    if old.dim() != 1:
+        raise ValueError(f"grow_bias expects a 1-D bias, got shape {tuple(old.shape)}")
+    if plan.added <= 0:
+        return old.clone()
+    base = _old_base_rows(old, plan).detach().to(torch.float64)
+    std = base.std(unbiased=False) if base.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    noise = torch.randn(plan.added, generator=generator, dtype=torch.float64)
+    new_part = base.mean() + noise * COVARIANCE_SCALE * std
+    return _assemble(old, new_part, plan)
+
+
+def grow_moment(old: torch.Tensor, plan: RowPlan, *, second_moment: bool) -> torch.Tensor:
+    """An optimizer moment (same shape as its parameter) grown along dim 0.
+
+    First moments (``exp_avg``, ``momentum_buffer``) start at 0 for new rows. Second
+    moments (``exp_avg_sq``, ``max_exp_avg_sq``) start at the old rows' mean, column by
+    column: with a zero second moment and a step count in the thousands, Adam's bias
+    correction is ~1 and a new row's first update would be ``lr * g / (|g|*0.03 + eps)``,
+    tens of times larger than an old row's.
+    """
+    if plan.added <= 0:
+        return old.clone()
+    if second_moment:
+        base = _old_base_rows(old, plan)
+        fill = base.to(torch.float64).mean(dim=0, keepdim=True)
+        new_part = fill.expand(plan.added, *old.shape[1:])
+    else:
+        new_part = torch.zeros((plan.added, *old.shape[1:]), dtype=old.dtype, device=old.device)
+    return _assemble(old, new_part, plan)
+
+
+def is_second_moment(state_key: str) -> bool:
+    """Adam/AdamW/RAdam/Adagrad-style second-moment buffers (squared gradients)."""
+    return "sq" in state_key or state_key in ("sum", "square_avg", "acc_delta")
+
+
+__all__ = ["RowPlan", "grow_rows", "grow_bias", "grow_moment", "is_second_moment",
+           "COVARIANCE_SCALE"]

@@ -1,0 +1,44 @@
+"""Shared fixtures: the tiny XTTS setup (real coqui-tts, local files only).
+
+Building it takes about 2 s (BPE vocab, DVAE state dict, 13 synthetic wavs), so it
+is session-scoped; tests must treat its files as read-only and train into their
+own ``tmp_path`` (``tiny.make_config(tmp_path / "run")``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# Seven Amharic characters plus the [am] language token: 74 base tokens -> 82.
+AMHARIC_NEW_TOKENS: tuple[str, ...] = ("ሰ", "ላ", "ም", "ዓ", "ለ", "እ", "ን")
+
+
+@pytest.fixture(scope="session")
+def tiny_xtts(tmp_path_factory: pytest.TempPathFactory):
+    """A :class:`patches.integrations.xtts_tiny.TinyXtts` (English, 74 tokens, 13 clips)."""
+    pytest.importorskip("TTS")
+    from patches.integrations.xtts_tiny import build_tiny_xtts
+
+    return build_tiny_xtts(tmp_path_factory.mktemp("tiny_xtts"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_xtts_extended_vocab(tiny_xtts, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An extended vocab.json for :func:`tiny_xtts`: 74 base tokens + 8 new = 82 ids.
+
+    Base ids 0..72 unchanged, new tokens at 73..80, [START] moved from 73 to 81
+    (the layout XTTS's GPTTrainer resize assumes).
+    """
+    out = tmp_path_factory.mktemp("tiny_xtts_ext") / "vocab_extended.json"
+    return tiny_xtts.extend_vocab(AMHARIC_NEW_TOKENS, out, language="am", tokens=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_xtts_mixed_manifest(tiny_xtts, tiny_xtts_extended_vocab) -> Path:
+    """A manifest whose English transcripts also use the new tokens (ids 74..80), so that
+    the new embedding rows get gradients; language stays "en" (coqui knows it)."""
+    words = ("ሰላም", "እን", "ለም", "ዓለም")
+    texts = [f"{text} {words[i % len(words)]}" for i, text in enumerate(tiny_xtts.texts)]
+    return tiny_xtts.write_manifest(texts, "metadata_mixed.csv")

@@ -1,0 +1,268 @@
+"""Crash suite: a real training process killed with SIGKILL at random moments.
+
+Half of the kills land at a random moment of training, half just after a save began
+(while the checkpoint file is being written). After every kill:
+
+- ``CheckpointManager.resume("auto")`` finds a checkpoint, it validates, and
+  ``load_checkpoint`` loads it in a fresh model (every resume succeeds);
+- no file vouched for by a manifest is torn (a torn file is never picked);
+- no checkpoint disappears unless ``keep`` newer complete ones exist, and the user's
+  own files in the folder are byte-identical;
+and at the end, every loss the killed-and-resumed processes logged equals, step by
+step and bit for bit, the loss of one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from patches.checkpoint import CheckpointManager, check_file, load_checkpoint, manifest_path
+
+torch.set_num_threads(1)
+
+TRIALS = 22
+KEEP = 3
+REPO = Path(__file__).resolve().parents[1]
+
+WORKER = r'''
+import os, random, sys
+import numpy as np
+import torch
+from torch import nn
+torch.set_num_threads(1)
+from patches import SafeGradScaler
+from patches.checkpoint import CheckpointManager, load_checkpoint
+
+VOCAB, HIDDEN = 1500, 192
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.text_embedding = nn.Embedding(VOCAB, HIDDEN)
+        self.body = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Dropout(0.1))
+        self.text_head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x):
+        return self.text_head(self.body(self.text_embedding(x)))
+
+
+def main(out, log_path, total, save_every):
+    torch.manual_seed(0); np.random.seed(0); random.seed(0)
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    scaler = SafeGradScaler("cpu", init_scale=128.0, growth_interval=5)
+    data = torch.randint(0, VOCAB, (40, 8), generator=torch.Generator().manual_seed(1))
+    manager = CheckpointManager(out, keep=%(keep)d)
+    log = open(log_path, "a", buffering=1)
+    step, epoch, pos = 0, 0, 0
+    if save_every:
+        path = manager.resume("auto")
+        if path is not None:
+            report = load_checkpoint(path, model, opt, sched, scaler)
+            step, epoch, pos = report.step, report.extra["epoch"], report.extra["pos"]
+            log.write(f"resumed {step} {path.name}\n")
+    log.write("ready\n")
+    while step < total:
+        order = np.random.RandomState(epoch).permutation(len(data))
+        while pos < len(order) and step < total:
+            batch = data[torch.from_numpy(order[pos:pos + 4])]
+            logits = model(batch)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch.reshape(-1))
+            loss = loss + random.random() * 1e-4 + float(np.random.rand()) * 1e-4
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            step += 1
+            pos += 4
+            log.write(f"loss {step} {loss.item()!r}\n")
+            if save_every and step %% save_every == 0:
+                log.write(f"save-begin {step}\n")
+                manager.save(step, model, opt, sched, scaler, epoch=epoch, pos=pos)
+                log.write(f"save-end {step}\n")
+        if pos >= len(order):
+            epoch, pos = epoch + 1, 0
+    log.write("done\n")
+    log.close()
+
+
+# A zygote: torch is imported once, every training process is a fork of this one
+# (a real process, killed with a real SIGKILL) so that 20+ trials do not pay 20+ imports.
+# One short run first: torch imports the rest of itself lazily on the first step and save.
+import tempfile
+with tempfile.TemporaryDirectory() as warm:
+    main(os.path.join(warm, "run"), os.path.join(warm, "log"), 2, 2)
+for command in sys.stdin:
+    words = command.split()
+    if words[0] == "run":
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                main(words[1], words[2], int(words[3]), int(words[4]))
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        print(pid, flush=True)
+    elif words[0] == "wait":
+        _, status = os.waitpid(int(words[1]), 0)
+        print(status, flush=True)
+''' % {"keep": KEEP}
+
+
+class Zygote:
+    """A process that imported torch once and forks one training process per run."""
+
+    def __init__(self, script: Path) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+                   TRAINING_PATCHES_QUIET="1")
+        self.proc = subprocess.Popen([sys.executable, "-W", "ignore", str(script)], env=env,
+                                     cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def run(self, out: Path, log: Path, total: int, save_every: int) -> int:
+        self.proc.stdin.write(f"run {out} {log} {total} {save_every}\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def wait(self, pid: int) -> int:
+        """The raw wait status of a child (signal number for a kill, exit code << 8)."""
+        self.proc.stdin.write(f"wait {pid}\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _lines(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def _wait_for(log: Path, start: int, predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(predicate(line) for line in _lines(log)[start:]):
+            return True
+        time.sleep(0.002)
+    raise AssertionError(f"worker did not get there in {timeout}s: {_lines(log)[start:][-5:]}")
+
+
+def _complete(out: Path) -> dict[str, int]:
+    """name -> step of checkpoints whose manifest is written (complete ones)."""
+    manager = CheckpointManager(out, keep=None)
+    return {path.name: int(path.stem.split("_")[1]) for path in manager.checkpoints()}
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_loses_or_tears_a_checkpoint(tmp_path):
+    rng = random.Random(20240607)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "run"
+    out.mkdir()
+    log = tmp_path / "train.log"
+    # The user's own files in the output folder: never touched.
+    user_files = {out / "best_by_hand.pt": b"my own", out / "notes.txt": b"do not delete",
+                  out / "ckpt_000000001.pt.bak": b"backup"}
+    for path, data in user_files.items():
+        path.write_bytes(data)
+
+    zygote = Zygote(script)
+    try:
+        _trials(zygote, rng, out, log, user_files, tmp_path)
+    finally:
+        zygote.close()
+
+
+def _trials(zygote, rng, out, log, user_files, tmp_path) -> None:
+    seen: dict[str, int] = {}
+    during_save = 0
+    resumed_from: list[int] = []
+    for trial in range(TRIALS):
+        start = len(_lines(log))
+        pid = zygote.run(out, log, total=10 ** 6, save_every=2)
+        assert _wait_for(log, start, lambda line: line == "ready")
+        if trial % 2:
+            # Aim at a save: wait for the next one to begin, then kill within its write.
+            ready_at = len(_lines(log))
+            _wait_for(log, ready_at, lambda line: line.startswith("save-begin"))
+            time.sleep(rng.uniform(0.0, 0.03))
+        else:
+            time.sleep(rng.uniform(0.0, 0.4))
+        os.kill(pid, signal.SIGKILL)
+        status = zygote.wait(pid)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+        tail = [line for line in _lines(log)[start:] if line.startswith("save-")]
+        if tail and tail[-1].startswith("save-begin"):
+            during_save += 1
+        resumed = [line for line in _lines(log)[start:] if line.startswith("resumed")]
+        if trial > 0 and seen:
+            assert resumed, f"trial {trial}: the worker did not resume although checkpoints exist"
+            resumed_from.append(int(resumed[0].split()[1]))
+            # It resumed from the newest complete checkpoint that existed before it started.
+            assert resumed_from[-1] == max(seen.values())
+
+        # Invariants after the kill.
+        complete = _complete(out)
+        for name in complete:
+            assert check_file(out / name) is None, f"trial {trial}: {name} has a manifest but is torn"
+        newest = max(complete.values(), default=None)
+        for name, step in seen.items():
+            if name not in complete:
+                newer = [s for s in complete.values() if s > step]
+                assert len(newer) >= KEEP, (
+                    f"trial {trial}: {name} disappeared with only {len(newer)} newer checkpoints")
+        seen = complete
+        for path, data in user_files.items():
+            assert path.read_bytes() == data, f"trial {trial}: {path.name} was changed"
+        chosen = CheckpointManager(out, keep=KEEP).resume("auto")
+        if newest is not None:
+            assert chosen is not None and chosen.name == f"ckpt_{newest:09d}.pt"
+            fresh = torch.nn.Module()
+            fresh.text_embedding = torch.nn.Embedding(1500, 192)
+            fresh.body = torch.nn.Sequential(torch.nn.Linear(192, 192), torch.nn.GELU(),
+                                             torch.nn.Dropout(0.1))
+            fresh.text_head = torch.nn.Linear(192, 1500)
+            report = load_checkpoint(chosen, fresh, freeze=False, restore_rng=False)
+            assert report.step == newest
+
+    assert during_save >= TRIALS // 4, f"only {during_save} kills landed during a save"
+    assert len(resumed_from) >= TRIALS - 2
+
+    # Finish the run without a kill, then replay it uninterrupted from scratch.
+    last = max(seen.values())
+    start = len(_lines(log))
+    status = zygote.wait(zygote.run(out, log, total=last + 4, save_every=2))
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert _lines(log)[-1] == "done"
+    ref_log = tmp_path / "reference.log"
+    status = zygote.wait(zygote.run(tmp_path / "ref", ref_log, total=last + 4, save_every=0))
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    reference = {int(line.split()[1]): line.split()[2] for line in _lines(ref_log)
+                 if line.startswith("loss")}
+    logged = [line.split()[1:] for line in _lines(log) if line.startswith("loss")]
+    replayed = sum(1 for step, _ in logged) - len({step for step, _ in logged})
+    assert replayed > 0  # steps lost to kills were trained again after a resume
+    for step, loss in logged:
+        assert loss == reference[int(step)], f"step {step}: {loss} != {reference[int(step)]}"
+    # Temporary files of killed saves were cleaned up by later saves (all writers are dead).
+    leftovers = [p.name for p in out.iterdir() if ".tp-tmp-" in p.name and p.name.startswith(".ckpt")]
+    assert len(leftovers) <= 1, leftovers
+    assert all(manifest_path(out / name).is_file() for name in _complete(out))
