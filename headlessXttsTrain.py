@@ -6,8 +6,14 @@
 Reads the base model (model.pth, config.json, dvae.pth, mel_stats.pth, vocab.json)
 and coqui-format manifests (``audio_file|text|speaker_name``); never downloads.
 Trains with the real coqui Trainer (coqui-tts 0.28, coqui-tts-trainer 0.4) and
-writes progress to ``<output-dir>/train.log``. Bad input (a missing file, an
-unknown precision) is one clear message and exit code 2, not a traceback.
+writes progress to ``<output-dir>/train.log`` and one JSON line per start, stop
+and end of a run to ``<output-dir>/headless_runs.jsonl``. Bad input (a missing
+file, an unknown precision) is one clear message and exit code 2, not a traceback.
+
+    python headlessXttsTrain.py --demo      # or: make demo
+
+builds a tiny synthetic Amharic setup and shows every patch at work on the CPU
+(see :mod:`patches.integrations.xtts_demo`).
 """
 
 from utils import training_patches  # noqa: F401  the one line: patches on before anything else
@@ -39,6 +45,9 @@ PRESETS = {
            "max_text_tokens": 200, "workers": 2, "lr": 5e-6},
 }
 LOG_NAME = "train.log"
+RUNS_NAME = "headless_runs.jsonl"
+DEFAULT_OUTPUT = Path("xtts_finetune")
+DEMO_OUTPUT = Path("demo_output")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -81,9 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="language code of the transcripts; it must be a [code] token of "
                            "the vocabulary and known to coqui or registered (am is)")
     run = parser.add_argument_group("training")
-    run.add_argument("--output-dir", type=Path, default=Path("xtts_finetune"),
-                     help="where the run folder, checkpoints, train.log and "
-                          "dropped_samples.jsonl go")
+    run.add_argument("--output-dir", type=Path, default=None,
+                     help="where the run folder, checkpoints, train.log, "
+                          "headless_runs.jsonl and dropped_samples.jsonl go (default: "
+                          "xtts_finetune; with --demo: demo_output)")
     run.add_argument("--epochs", type=int, default=10, help="passes over the training data")
     run.add_argument("--batch-size", type=int, default=None,
                      help="clips per batch (default 4, or the preset's)")
@@ -125,8 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--print-step", type=int, default=25,
                      help="log a progress line every this many steps")
     parser.add_argument("--demo", action="store_true",
-                        help="build a tiny synthetic Amharic setup in OUTPUT_DIR and fine-tune it "
-                             "on the CPU (no base files needed)")
+                        help="build a tiny synthetic Amharic setup in OUTPUT_DIR (a tiny base "
+                             "model trained on an English vocabulary, the vocabulary extended "
+                             "with Amharic) and fine-tune it on the CPU with a NaN injected, an "
+                             "interruption and --resume auto, then print a summary read from "
+                             "the run (no base files needed; about a minute)")
+    aids = parser.add_argument_group("testing aids (see the patches at work on your own setup)")
+    aids.add_argument("--inject-nan-step", type=int, default=None, metavar="N",
+                      help="poison the batch of trainer step N with a NaN (a forward hook adds "
+                           "NaN to the GPT's text-embedding output): the NaN guard must skip "
+                           "that optimizer step and record it in nonfinite_events.jsonl")
+    aids.add_argument("--interrupt-after-step", type=int, default=None, metavar="K",
+                      help="send this process SIGINT once the trainer has done K steps, as a "
+                           "Ctrl-C or a preemption notice would: the coqui Trainer writes a "
+                           "checkpoint and exits (code 130); continue with --resume auto")
     return parser
 
 
@@ -154,6 +176,8 @@ class Settings:
     resume: str | None
     seed: int
     print_step: int
+    inject_nan_step: int | None = None
+    interrupt_after_step: int | None = None
 
 
 def _missing(path: Path | None, what: str, flag: str) -> str:
@@ -200,16 +224,24 @@ def resolve(args: argparse.Namespace) -> Settings:
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} is {value}; expected a whole number "
                              f"of at least 1.")
+    for name in ("inject_nan_step", "interrupt_after_step"):
+        value = getattr(args, name, None)
+        if value is not None and value < (0 if name == "inject_nan_step" else 1):
+            raise UsageError(f"--{name.replace('_', '-')} is {value}; expected a trainer step "
+                             f"number (counted from 0; at least 1 for an interruption).")
     return Settings(
         files=files, train_manifest=args.train_manifest, eval_manifest=args.eval_manifest,
-        language=args.language, output_dir=args.output_dir, epochs=args.epochs,
+        language=args.language, output_dir=args.output_dir or DEFAULT_OUTPUT,
+        epochs=args.epochs,
         batch_size=pick("batch_size", 4), grad_accum=pick("grad_accum", 1),
         lr=pick("lr", 5e-6), precision=decide_precision(precision),
         text_loss_weight=args.text_loss_weight, mel_loss_weight=args.mel_loss_weight,
         max_audio_seconds=pick("max_audio_seconds", 11.6),
         max_text_tokens=pick("max_text_tokens", 200), workers=pick("workers", 0),
         save_step=args.save_step, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
-        seed=args.seed, print_step=args.print_step)
+        seed=args.seed, print_step=args.print_step,
+        inject_nan_step=getattr(args, "inject_nan_step", None),
+        interrupt_after_step=getattr(args, "interrupt_after_step", None))
 
 
 def decide_precision(requested: str) -> str:

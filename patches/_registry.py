@@ -12,9 +12,12 @@ the activation token it was made for and does nothing once that activation is
 reverted: a patch reverted before its target is imported never lands.
 
 Several patches may want one site (``autocast`` modernises the deprecated
-``torch.cuda.amp.GradScaler``; ``grad_scaler`` makes it a SafeGradScaler). Each
-site keeps a stack of layers ordered by priority; the top one is installed, and
-removing a layer reinstalls the next one or the original, first-wins, by identity.
+``torch.cuda.amp.GradScaler``; ``grad_scaler`` makes it a SafeGradScaler;
+``checkpoint`` and ``vocab_freeze`` both wrap ``GPTTrainer.__init__``). Each site
+keeps a stack of layers ordered by priority; each layer's ``make`` receives the
+layer below (the original at the bottom), so wrappers compose, and the top is
+installed. Removing a layer rebuilds the stack above the original, which is kept
+first-wins and restored by identity when the last layer goes.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class PatchSpec:
 class _Layer:
     priority: int
     patch: str
-    replacement: Any
+    make: Callable[[Any], Any]
+    replacement: Any = None
 
 
 @dataclass
@@ -91,6 +95,15 @@ class _SiteState:
 
     def top(self) -> Any:
         return self.layers[-1].replacement if self.layers else self.original
+
+    def rebuild(self) -> None:
+        """Make every layer again over the one below it, bottom to top."""
+        below = self.original
+        for layer in self.layers:
+            _replacements.pop(id(layer.replacement), None)
+            layer.replacement = layer.make(below)
+            _replacements[id(layer.replacement)] = (layer.replacement, self.original)
+            below = layer.replacement
 
 
 @dataclass
@@ -185,11 +198,9 @@ def _land(spec: PatchSpec, token: object, site: Site, module: ModuleType) -> Non
             state = _sites[site.key] = _SiteState(original=_unpatched(current))
         if any(layer.patch == spec.name for layer in state.layers):
             return
-        old_top = state.top()
-        replacement = site.make(state.original)
-        _replacements[id(replacement)] = (replacement, state.original)
-        state.layers.append(_Layer(spec.priority, spec.name, replacement))
+        state.layers.append(_Layer(spec.priority, spec.name, site.make))
         state.layers.sort(key=lambda layer: layer.priority)
+        state.rebuild()
         _rebind(site, module, current, state.top())
         activation.pending.discard(site.key)
         activation.landed.add(site.key)
@@ -212,6 +223,7 @@ def _unland(spec: PatchSpec, site: Site) -> None:
             "%s: %s was replaced by someone else after training-patches patched it; "
             "leaving their object in place", spec.name, site)
     else:
+        state.rebuild()
         _rebind(site, module, old_top, state.top())
     if not state.layers:
         del _sites[site.key]

@@ -481,6 +481,7 @@ def _describe_patch(opts: _options.Options) -> str:
 SPEC = register(PatchSpec(
     name="vocab_freeze",
     describe=_describe_patch,
+    priority=5,  # around the checkpoint patch's GPTTrainer.__init__: freeze after loading
     sites=xtts_vocab.sites(),
 ))
 

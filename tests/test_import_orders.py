@@ -14,7 +14,10 @@ import sys
 import pytest
 
 PROBE = os.path.join(os.path.dirname(__file__), "order_probe.py")
-PATCHES = ["autocast", "grad_scaler", "grad_clip", "nan_guard", "anomaly"]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from patches import _registry  # noqa: E402
+
+PATCHES = list(_registry.specs())  # every patch the library has
 ORDERS = {
     "import-then-apply": (["import", "apply"], "patched"),
     "apply-then-import": (["apply", "import"], "patched"),

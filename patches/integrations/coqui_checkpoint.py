@@ -19,8 +19,10 @@ Sites (coqui-tts-trainer 0.4, coqui-tts 0.28), all reversible through the regist
 - ``TTS...gpt_trainer.GPTTrainer.load_checkpoint``: ``xtts_checkpoint`` loads through
   the same loader (a vocabulary growth is resized instead of failing).
 
-Not hooked here: ``gpt_checkpoint`` is read inside ``GPTTrainer.__init__``, whose site
-belongs to ``vocab_freeze`` (see :func:`load_gpt_checkpoint`, the function to call there).
+- ``TTS...gpt_trainer.GPTTrainer.__init__``: ``gpt_checkpoint`` loads through the same
+  loader instead of coqui's, which pads new vocabulary rows with ``torch.randn`` (std 1,
+  about 50 times the model's own init). ``vocab_freeze`` wraps the same method; the
+  registry composes the two (this layer inside, the freeze around it).
 """
 
 from __future__ import annotations
@@ -180,6 +182,26 @@ def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
                            strict=True, key_filter=gpt_keys)
 
 
+def make_gpt_trainer_init(original: Callable[..., None]) -> Callable[..., None]:
+    """``GPTTrainer.__init__`` that loads ``gpt_checkpoint`` with :func:`load_gpt_checkpoint`."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        model_args = getattr(config, "model_args", None)
+        path = getattr(model_args, "gpt_checkpoint", "") if model_args is not None else ""
+        if not path or not _is_local(path):
+            return original(self, config, *args, **kwargs)
+        model_args.gpt_checkpoint = ""  # coqui would load it and pad new rows with randn
+        try:
+            original(self, config, *args, **kwargs)
+        finally:
+            model_args.gpt_checkpoint = path
+        report = load_gpt_checkpoint(self, _local(path))
+        info("gpt_checkpoint loaded through training-patches: %s", report.summary())
+        return None
+    return __init__
+
+
 def _describe(opts: Any) -> str:
     return (f"vocabulary-aware coqui restore (policy {opts.resume_policy}), atomic coqui saves, "
             f"continue from the newest valid checkpoint")
@@ -191,6 +213,7 @@ def sites() -> tuple[Site, ...]:
         Site(TRAINER, "get_last_checkpoint", make_get_last_checkpoint),
         Site(IO, "save_fsspec", make_save_fsspec),
         Site(GPT_TRAINER, "GPTTrainer.load_checkpoint", make_gpt_trainer_load_checkpoint),
+        Site(GPT_TRAINER, "GPTTrainer.__init__", make_gpt_trainer_init),
     )
 
 

@@ -1,0 +1,58 @@
+"""XTTS ``gpt_checkpoint`` with a grown vocabulary: coqui pads with randn, we keep and freeze."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import patches
+from patches.vocab_freeze import freeze_of
+
+pytestmark = pytest.mark.xtts
+
+
+@pytest.fixture(scope="module")
+def base_gpt(tiny_xtts, tmp_path_factory) -> str:
+    """A GPT state dict of the 74-token tiny model, trained briefly."""
+    run = tmp_path_factory.mktemp("base_gpt")
+    config = tiny_xtts.make_config(run / "run", epochs=1)
+    model = tiny_xtts.make_model(config)
+    tiny_xtts.train(config, model)
+    path = run / "gpt.pth"
+    torch.save(model.xtts.gpt.state_dict(), path)
+    return str(path)
+
+
+def build(tiny_xtts, vocab, gpt_path, tmp_path):
+    config = tiny_xtts.make_config(tmp_path / "run", vocab=vocab, gpt_checkpoint=gpt_path)
+    return tiny_xtts.make_model(config)
+
+
+def test_grown_vocab_keeps_base_rows_and_freezes_them(tiny_xtts, tiny_xtts_extended_vocab,
+                                                      base_gpt, tmp_path, clean_patches) -> None:
+    patches.apply()
+    base = torch.load(base_gpt)
+    model = build(tiny_xtts, tiny_xtts_extended_vocab, base_gpt, tmp_path)
+    emb = model.xtts.gpt.text_embedding.weight.detach()
+    old = base["text_embedding.weight"]
+    assert emb.shape[0] == 82 and old.shape[0] == 74
+    assert torch.equal(emb[:73], old[:73])  # every base token row kept
+    assert torch.equal(emb[81], old[73])  # [START] moved to the new last row
+    new = emb[73:81]
+    assert torch.isfinite(new).all()
+    # each new row sits at the old rows' mean (transformers' mean_resizing), not at random
+    assert (new - old[:73].mean(0)).norm(dim=1).max() < 1e-2
+    head = model.xtts.gpt.text_head
+    assert torch.equal(head.weight.detach()[:73], base["text_head.weight"][:73])
+    assert freeze_of(model.xtts.gpt.text_embedding.weight) is not None
+
+
+def test_upstream_pads_new_rows_with_randn(tiny_xtts, tiny_xtts_extended_vocab, base_gpt,
+                                           tmp_path, clean_patches) -> None:
+    """Without the patch, coqui's own padding: independent randn rows (std 1, about 50 times
+    a trained XTTS embedding's scale), far from anything the model learned."""
+    base = torch.load(base_gpt)
+    model = build(tiny_xtts, tiny_xtts_extended_vocab, base_gpt, tmp_path)
+    new = model.xtts.gpt.text_embedding.weight.detach()[73:81]
+    assert (new - base["text_embedding.weight"][:73].mean(0)).norm(dim=1).min() > 1.0
+    assert freeze_of(model.xtts.gpt.text_embedding.weight) is None
