@@ -37,7 +37,6 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
 from . import _options, _run, grad_clip, grad_scaler
-from ._counters import DeviceCounters
 from ._log import info, logger
 from ._registry import PatchSpec, Site, register
 from .integrations import coqui_trainer
@@ -53,15 +52,18 @@ class _State:
     """Everything the guard remembers between steps (one per process)."""
 
     def __init__(self) -> None:
-        self.counts = DeviceCounters("steps", "skipped", "consecutive_skips",
-                                     "nonfinite_losses", "nonfinite_grads", "spikes")
+        # Host counts: a good step only adds to "steps"; the rest is counted on bad steps,
+        # whose flags the host reads anyway (fused steps: when their flags are settled).
+        self.counts = dict.fromkeys(
+            ("steps", "skipped", "nonfinite_losses", "nonfinite_grads", "spikes"), 0)
         self.host_steps = 0  # optimizer steps seen (known on the host, no sync)
         self.streak = 0  # consecutive skipped steps the host knows of
         self.first_bad: dict[str, Any] | None = None
         self.last_good_loss: torch.Tensor | None = None
         self.pending_loss: torch.Tensor | None = None
         self.decisions: dict[int, bool | torch.Tensor] = {}  # id(optimizer) -> skipped?
-        self.deferred: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self.deferred: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                  torch.Tensor | None]] = []
         self.names: dict[int, str] = {}  # id(parameter) -> name, from watch()
         self.replay: Callable[[], dict[str, Any]] | None = None
         self.replayed = False
@@ -163,13 +165,7 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
         bad = bad | bad_loss if spike is None else bad | bad_loss | spike
     bad = _all_reduce(bad)
     _state.host_steps += 1
-    counts = _state.counts
-    counts.record_step(bad)
-    counts.add("nonfinite_grads", bad_grad)
-    if bad_loss is not None:
-        counts.add("nonfinite_losses", bad_loss)
-    if spike is not None:
-        counts.add("spikes", spike & ~bad_loss)  # type: ignore[operator]
+    _state.counts["steps"] += 1
     if loss is not None:
         _remember_loss(loss, bad, opts)
 
@@ -178,7 +174,7 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
         optimizer.found_inf = bad.to(torch.float32)  # type: ignore[attr-defined]
         _state.set_found_inf.add(id(optimizer))
         _state.decisions[id(optimizer)] = bad
-        _state.deferred.append((_state.host_steps, bad, bad_grad, loss))
+        _state.deferred.append((_state.host_steps, bad, bad_grad, loss, spike))
         if loss is not None:
             _state.last_good_loss = torch.where(bad, _state.last_good_loss, loss) \
                 if _state.last_good_loss is not None else loss
@@ -213,10 +209,10 @@ def _settle_deferred() -> None:
     entries, _state.deferred = _state.deferred, []
     if not entries:
         return
-    flags = torch.stack([bad for _, bad, _, _ in entries]).tolist()
-    for (step, _, bad_grad, loss), skipped in zip(entries, flags):
+    flags = torch.stack([entry[1] for entry in entries]).tolist()
+    for (step, _, bad_grad, loss, spike), skipped in zip(entries, flags):
         if skipped:
-            _on_bad_step(None, step, bad_grad, loss, None)
+            _on_bad_step(None, step, bad_grad, loss, spike)
         else:
             _state.streak = 0
 
@@ -244,6 +240,11 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
     loss_value = _value(loss)
     is_spike = bool(spike.item()) if spike is not None else False
     nonfinite_loss = loss_value is not None and not math.isfinite(loss_value)
+    counts = _state.counts
+    counts["skipped"] += 1
+    counts["nonfinite_losses"] += nonfinite_loss
+    counts["nonfinite_grads"] += bool(bad_grad.item())
+    counts["spikes"] += is_spike and not nonfinite_loss
     kind = "loss_spike" if is_spike and not nonfinite_loss else (
         "nonfinite_loss" if nonfinite_loss else "nonfinite_grad")
     scaler = grad_scaler.pending_scaler()
@@ -306,12 +307,15 @@ def _log_stats() -> None:
 def stats() -> dict[str, int]:
     """Counters as plain ints (settles deferred fused-step flags first)."""
     _settle_deferred()
-    return _state.counts.read()
+    return {**_state.counts, "consecutive_skips": _state.streak}
 
 
 def load_stats(counts: dict[str, int]) -> None:
-    _state.counts.load(counts)
-    _state.host_steps = int(counts.get("steps", 0))
+    """Restore counters saved from :func:`stats` (e.g. on resume)."""
+    for name in _state.counts:
+        _state.counts[name] = int(counts.get(name, 0))
+    _state.streak = int(counts.get("consecutive_skips", 0))
+    _state.host_steps = _state.counts["steps"]
 
 
 def reset() -> None:
