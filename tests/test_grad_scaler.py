@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from sync_count import count_host_reads
 
 from patches import LossScaleFloorError, SafeGradScaler, get_original
 
@@ -135,26 +136,13 @@ def test_state_dict_loads_both_ways_with_a_plain_grad_scaler() -> None:
     assert from_plain.stats()["skipped"] == 0
 
 
-def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count Tensor.item/tolist/__bool__ calls: the ways a step copies to the host."""
-    counter = [0]
-    for name in ("item", "tolist", "__bool__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self: torch.Tensor, *a: object, _o=original, **k: object) -> object:
-            counter[0] += 1
-            return _o(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return counter
-
-
 def test_adds_no_host_sync_beyond_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     def steps(scaler: TorchGradScaler) -> int:
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = torch.randn(4, 8), torch.randn(4, 4)
         with monkeypatch.context() as m:
-            counter = _count_syncs(m)
+            counter = count_host_reads(m)
             for step in range(20):
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from sync_count import count_host_reads
 
 import patches
 from patches import NonFiniteTrainingError, SafeGradScaler, nan_guard
@@ -215,18 +216,6 @@ def test_loss_spike_guard_skips_and_counts_separately(clean_patches: None) -> No
     nan_guard.reset()
 
 
-def _count_item_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    counter = [0]
-    for name in ("item", "tolist", "__bool__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self: torch.Tensor, *a: object, _o=original, **k: object) -> object:
-            counter[0] += 1
-            return _o(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return counter
-
-
 @pytest.mark.parametrize("fused,expected", [(False, 1), (True, 0)], ids=["one-sync", "fused"])
 def test_host_syncs_per_step(guard: str, monkeypatch: pytest.MonkeyPatch, fused: bool,
                              expected: int) -> None:
@@ -241,7 +230,7 @@ def test_host_syncs_per_step(guard: str, monkeypatch: pytest.MonkeyPatch, fused:
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
         x = torch.randn(8, 16)
         with monkeypatch.context() as m:
-            counter = _count_item_calls(m)
+            counter = count_host_reads(m)
             for _ in range(10):
                 opt.zero_grad()
                 loss = model(x).pow(2).mean()
