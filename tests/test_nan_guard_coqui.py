@@ -37,7 +37,7 @@ def poison_batch(model, at_call: int) -> list[int]:
 def test_one_nan_loss_is_skipped_and_recorded(tiny_xtts, tmp_path, clean_patches) -> None:
     nan_guard.reset()
     patches.apply()
-    config = tiny_xtts.make_config(tmp_path / "run", epochs=2)
+    config = tiny_xtts.make_config(tmp_path / "run", epochs=2, plot_step=1)
     model = tiny_xtts.make_model(config)
     calls = poison_batch(model, 3)
     trainer = tiny_xtts.train(config, model)
@@ -60,6 +60,13 @@ def test_one_nan_loss_is_skipped_and_recorded(tiny_xtts, tmp_path, clean_patches
     assert all(path.endswith(".wav") and os.path.exists(path) for path in event["samples"])
     assert event["source"]["module"] == "xtts.gpt.text_embedding"  # where it started
     assert event["source"]["where"] == "output"
+
+    # the counters reach the Trainer's dashboard (TensorBoard) every plot_step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = EventAccumulator(str(trainer.output_path))
+    board.Reload()
+    skipped = board.Scalars("TrainingPatches/nan_guard_skipped")
+    assert skipped[0].value == 0 and skipped[-1].value == 1
     nan_guard.reset()
 
 
