@@ -39,8 +39,12 @@ def set_trainer_dir(path: str | os.PathLike[str] | None) -> None:
 
 
 def output_dir() -> str | None:
-    """set_output_dir(), else TRAINING_PATCHES_OUTPUT_DIR, else the trainer's folder."""
-    return _output_dir or _options.current().output_dir or _trainer_dir or None
+    """set_output_dir(), else TRAINING_PATCHES_OUTPUT_DIR, else the trainer's folder (as an
+    integration reported it, else as the coqui Trainer's log file shows it)."""
+    from .integrations.coqui_trainer import output_dir_from_logging
+
+    return (_output_dir or _options.current().output_dir or _trainer_dir
+            or output_dir_from_logging() or None)
 
 
 def append_jsonl(name: str, record: dict[str, Any]) -> str | None:

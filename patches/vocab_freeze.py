@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn

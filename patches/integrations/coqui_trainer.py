@@ -15,6 +15,23 @@ MODULE = "trainer.trainer"
 SCALER_ATTR = "GradScaler"
 
 
+def output_dir_from_logging() -> str | None:
+    """The newest coqui Trainer's output folder: where its ``trainer_N_log.txt`` is written.
+
+    Known as soon as the Trainer is built, in DataLoader workers too (they inherit the
+    logging handlers), before any training step reports the folder.
+    """
+    import logging
+    import os
+    import re
+
+    for handler in reversed(logging.getLogger("trainer").handlers):
+        path = getattr(handler, "baseFilename", "")
+        if isinstance(handler, logging.FileHandler) and re.search(r"trainer_\d+_log\.txt$", path):
+            return os.path.dirname(path)
+    return None
+
+
 def scaler_factory(safe_cls: type, original: Any) -> Any:
     """The trainer's ``GradScaler`` binding with ``safe_cls`` in place of torch's class."""
     if isinstance(original, functools.partial):

@@ -21,8 +21,8 @@ a subclass whose ``__getitem__``:
   report when more than ``max_drop_share`` of the samples
   (``TRAINING_PATCHES_MAX_DROP_SHARE``, default 0.5) cannot be loaded.
 
-The run's output folder is the option ``output_dir`` (``TRAINING_PATCHES_OUTPUT_DIR``)
-when set, else the folder of the newest coqui Trainer's log file, else the
+The run's output folder is :func:`patches._run.output_dir` (``TRAINING_PATCHES_OUTPUT_DIR``
+when set, else the coqui Trainer's output folder), else the
 working directory. A vocabulary without the ``[lang]`` token is not a bad sample
 but a bad setup: that error (from ``xtts_language``) stops the run at once.
 """
@@ -30,10 +30,8 @@ but a bad setup: that error (from ``xtts_language``) stops the run at once.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
-import re
 import sys
 import threading
 import time
@@ -41,7 +39,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .. import _options
+from .. import _options, _run
 from .._log import info, logger
 from .._registry import PatchSpec, Site, is_enabled, register
 
@@ -94,21 +92,9 @@ _recorded: dict[str, set[str]] = {}   # report path -> keys written by this proc
 _counts: dict[str, Counter[str]] = {}  # report path -> reason -> count (this process)
 
 
-def _trainer_output_dir() -> Path | None:
-    """The folder of the newest coqui Trainer: where its ``trainer_N_log.txt`` is written."""
-    for handler in reversed(logging.getLogger("trainer").handlers):
-        path = getattr(handler, "baseFilename", "")
-        if isinstance(handler, logging.FileHandler) and re.search(
-                r"trainer_\d+_log\.txt$", path):
-            return Path(path).parent
-    return None
-
-
 def report_path() -> Path:
     """Where dropped samples are listed now (see the module doc for the order)."""
-    chosen = _options.current().output_dir or os.environ.get(_options.env_name("output_dir"))
-    folder = Path(chosen) if chosen else (_trainer_output_dir() or Path.cwd())
-    return folder / REPORT_NAME
+    return Path(_run.output_dir() or Path.cwd()) / REPORT_NAME
 
 
 def _sample_key(split: str, sample: dict[str, Any]) -> str:
