@@ -18,7 +18,7 @@ ffmpeg:
 	@scripts/ensure_ffmpeg.sh
 
 demo: setup
-	$(PY) -m patches.demo
+	$(PY) headlessXttsTrain.py --demo
 
 test: setup
 	$(PY) -m pytest -q

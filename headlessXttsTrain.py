@@ -344,8 +344,11 @@ def find_resume(output_dir: Path) -> Path | None:
     return max(runs)[1] if runs else None
 
 
-def load_base_weights(model: Any, files: dict[str, Path]) -> None:
-    """Load model.pth into the GPTTrainer, growing the vocabulary when it grew."""
+def load_base_weights(model: Any, files: dict[str, Path]) -> Any:
+    """Load model.pth into the GPTTrainer, growing the vocabulary when it grew.
+
+    Returns the loader's :class:`patches.checkpoint.LoadReport` (None with coqui's loader).
+    """
     try:
         from patches.checkpoint import load_checkpoint
     except ImportError:
@@ -353,15 +356,95 @@ def load_base_weights(model: Any, files: dict[str, Path]) -> None:
     if load_checkpoint is not None:
         report = load_checkpoint(files["model"], model.xtts, policy="reset", strict=False,
                                  freeze=True)
-        logger.info("training-patches: base weights loaded from %s: %s", files["model"], report)
-        return
+        kept = ", ".join(f"{k} {n}" for k, n in report.kept_rows.items())
+        logger.info("training-patches: base weights loaded from %s%s", files["model"],
+                    f" (vocabulary grew; trained rows kept: {kept})" if kept else "")
+        return report
     logger.info("training-patches: patches.checkpoint is not available; loading the base "
                 "weights with coqui's loader (the vocabulary must not have grown)")
     model.load_checkpoint(model.config, str(files["model"]), strict=False)
+    return None
+
+
+def base_vocab_rows(model_file: Path) -> int | None:
+    """Rows of the text embedding in the base model.pth (read memory-mapped), or None."""
+    try:
+        from patches.checkpoint import read_checkpoint
+    except ImportError:
+        return None
+    ckpt = read_checkpoint(model_file)
+    state = ckpt.get("model", ckpt)
+    for key, value in state.items():
+        if key.endswith("text_embedding.weight"):
+            return int(value.shape[0])
+    return None
+
+
+def freeze_on_resume(model: Any, files: dict[str, Path]) -> dict[str, Any] | None:
+    """Freeze the base vocabulary rows of a resumed run whose vocabulary grew.
+
+    A fresh start freezes them when the base weights load; a resume builds a new model
+    and loads the run's checkpoint instead, so the freeze is set up here, before the
+    Trainer restores the checkpoint (the freeze then keeps the restored base rows).
+    """
+    base = base_vocab_rows(files["model"])
+    rows = int(model.xtts.gpt.text_embedding.weight.shape[0])
+    if base is None or base >= rows:
+        return None
+    from patches.vocab_freeze import freeze_base_vocab
+
+    handle = freeze_base_vocab(model, base)
+    return {"base_vocab_size": base, "vocab_size": rows,
+            "frozen_rows": [[r.start, r.stop - 1] for r in handle.rows]}
+
+
+def _record(output_dir: Path, event: str, **fields: Any) -> None:
+    """One JSON line in ``<output_dir>/headless_runs.jsonl`` (what the demo summary reads)."""
+    import json
+
+    fields = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(),
+              **fields}
+    with open(output_dir / RUNS_NAME, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(fields, ensure_ascii=False, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _load_report_record(report: Any) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    freeze = getattr(report, "freeze", None)
+    return {"path": report.path, "policy": report.policy,
+            "base_vocab_size": report.base_vocab_size, "vocab_size": report.vocab_size,
+            "resized": {k: [list(old), list(new)] for k, (old, new) in report.resized.items()},
+            "kept_rows": dict(report.kept_rows), "start_row_moved": report.start_row_moved,
+            "frozen_rows": ([[r.start, r.stop - 1] for r in freeze.rows]
+                            if freeze is not None else None)}
+
+
+def inject_nan_hook(model: Any, trainer: Any, step: int) -> Any:
+    """Testing aid: add NaN to the GPT's text-embedding output in trainer step ``step``."""
+    import torch
+
+    told: list[bool] = []
+
+    def hook(module: Any, inputs: Any, output: Any) -> Any:
+        if module.training and trainer.total_steps_done == step:
+            if not told:  # the NaN guard's replay of the batch runs this hook again
+                told.append(True)
+                logger.warning("training-patches: --inject-nan-step %d: the text embedding's "
+                               "output of this batch is made NaN (testing aid)", step)
+            return output + torch.tensor(float("nan"), dtype=output.dtype,
+                                         device=output.device)
+        return output
+
+    return model.xtts.gpt.text_embedding.register_forward_hook(hook)
 
 
 def train(s: Settings) -> dict[str, Any]:
     """Build the config, the model and the coqui Trainer; fit; return a summary."""
+    import signal
+
     import torch
     from trainer import Trainer, TrainerArgs
     from TTS.tts.datasets import load_tts_samples
@@ -387,11 +470,45 @@ def train(s: Settings) -> dict[str, Any]:
     train_samples, eval_samples = load_tts_samples(
         config, eval_split=s.eval_manifest is not None)
     model = GPTTrainer.init_from_config(config)
+    report = None
+    resume_freeze = None
     if not continue_path:
-        load_base_weights(model, s.files)
+        report = load_base_weights(model, s.files)
+    else:
+        resume_freeze = freeze_on_resume(model, s.files)
+
+    def on_interrupt(trainer: Any) -> None:
+        # coqui's fit() has just written checkpoint_<step>.pth; it exits with code 130 next.
+        checkpoint = Path(trainer.output_path) / f"checkpoint_{trainer.total_steps_done}.pth"
+        logger.warning("training-patches: interrupted after step %d; %s written. Continue "
+                       "with the same command and --resume auto", trainer.total_steps_done,
+                       checkpoint)
+        _record(s.output_dir, "interrupted", run_folder=str(trainer.output_path),
+                step=int(trainer.total_steps_done),
+                checkpoint=str(checkpoint) if checkpoint.is_file() else None,
+                patch_stats=patches.stats())
+
+    callbacks: dict[str, Any] = {"on_keyboard_interrupt": on_interrupt}
+    if s.interrupt_after_step is not None:
+        def interrupt(trainer: Any) -> None:
+            if trainer.total_steps_done == s.interrupt_after_step:
+                logger.warning("training-patches: --interrupt-after-step %d: sending SIGINT to "
+                               "this process (testing aid)", s.interrupt_after_step)
+                os.kill(os.getpid(), signal.SIGINT)
+        callbacks["on_train_step_end"] = interrupt
     trainer = Trainer(TrainerArgs(continue_path=continue_path, grad_accum_steps=s.grad_accum),
                       config, str(s.output_dir), model=model, train_samples=train_samples,
-                      eval_samples=eval_samples or None, parse_command_line_args=False)
+                      eval_samples=eval_samples or None, parse_command_line_args=False,
+                      callbacks=callbacks)
+    if s.inject_nan_step is not None:
+        inject_nan_hook(model, trainer, s.inject_nan_step)
+    start_step = int(trainer.total_steps_done)
+    _record(s.output_dir, "start", run_folder=str(trainer.output_path),
+            resumed_from=trainer.args.restore_path if continue_path else None,
+            start_step=start_step, epochs=s.epochs, language=s.language,
+            vocab=str(s.files["vocab"]), train_samples=len(train_samples),
+            base_weights=_load_report_record(report), resume_freeze=resume_freeze,
+            inject_nan_step=s.inject_nan_step, interrupt_after_step=s.interrupt_after_step)
     started = time.monotonic()
     logger.info("training-patches: training %d epochs, %d training samples, precision %s, "
                 "batch %d x %d accumulation, lr %g, run folder %s", s.epochs, len(train_samples),
@@ -402,16 +519,40 @@ def train(s: Settings) -> dict[str, Any]:
         if exc.code not in (0, None):
             raise RuntimeError(f"training stopped inside the coqui Trainer (exit {exc.code}); "
                                f"see {s.output_dir / LOG_NAME}") from exc
+    final = Path(trainer.output_path) / f"checkpoint_{trainer.total_steps_done}.pth"
+    if trainer.total_steps_done > start_step and not final.exists():
+        # coqui keeps the last weights only when they are the best so far or fall on a
+        # save step: write them, so that the end of a run is never lost.
+        trainer.save_checkpoint()
     dropped = xtts_dataset.log_summary()
     stats = patches.stats()
     result = {
-        "steps": int(trainer.total_steps_done),
+        "steps": int(trainer.total_steps_done), "start_step": start_step,
         "seconds": round(time.monotonic() - started, 1), "run_folder": str(trainer.output_path),
         "checkpoints": sorted(p.name for p in Path(trainer.output_path).glob("*.pth")),
         "dropped_samples": dropped["total"], "patch_stats": stats,
     }
     logger.info("training-patches: finished: %s", result)
+    _record(s.output_dir, "finished", **result)
     return result
+
+
+def demo(args: argparse.Namespace) -> int:
+    """``--demo``: the whole story on a tiny synthetic Amharic setup (see xtts_demo)."""
+    from patches.integrations.xtts_demo import DemoError, run_demo
+
+    given = [flag for flag in ("base_dir", *(f"{k}_file" for k in BASE_FILES), "train_manifest",
+                               "eval_manifest", "resume", "extend_vocab", "preset")
+             if getattr(args, flag, None) is not None]
+    if given:
+        raise UsageError("--demo builds its own base model and data; leave out "
+                         + ", ".join("--" + g.replace("_file", "").replace("_", "-")
+                                     for g in given) + " (only --output-dir applies).")
+    try:
+        _, ok = run_demo(args.output_dir or DEMO_OUTPUT, Path(__file__).resolve())
+    except DemoError as exc:
+        raise UsageError(str(exc)) from None
+    return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -419,8 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.demo:
-            raise UsageError("--demo: not available yet in this version; see "
-                             "docs/guide_xtts.md for what it will do.")
+            return demo(args)
         settings = resolve(args)
         log_file = setup_logging(settings.output_dir)
         logger.info("training-patches: headless XTTS fine-tune; progress in %s", log_file)

@@ -268,7 +268,9 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
     grads = event["nonfinite_grads"]
     what = (f"non-finite gradients in {', '.join(grads[:3])}"
             + (f" (+{len(grads) - 3} more)" if len(grads) > 3 else "")) if grads else kind
-    logger.warning("nan_guard: step %d skipped (%s; loss=%s)%s%s%s", step, what, loss_value,
+    where = (f"trainer step {_run.trainer_step} (optimizer step {step})"
+             if _run.trainer_step is not None else f"optimizer step {step}")
+    logger.warning("nan_guard: %s skipped (%s; loss=%s)%s%s%s", where, what, loss_value,
                    f"; samples: {', '.join(event['samples'][:4])}" if event["samples"] else "",
                    f"; source: {event['source']}" if event.get("source") else "",
                    f"; recorded in {path}" if path else "")

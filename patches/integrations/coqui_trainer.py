@@ -140,7 +140,9 @@ def make_remove_experiment_folder(original: Any) -> Any:
     def remove_experiment_folder(experiment_path: Any) -> None:
         folder = str(experiment_path)
         kept = [name for name in _run.OWN_FILES if os.path.exists(os.path.join(folder, name))]
-        if kept:
+        has_checkpoint = os.path.isdir(folder) and any(
+            name.endswith(".pth") for name in os.listdir(folder))
+        if kept and not has_checkpoint:  # coqui would delete it, and our reports with it
             logger.warning("training-patches: kept the run folder %s (coqui removes a folder "
                            "without checkpoints on error) because it holds %s", folder,
                            ", ".join(kept))
