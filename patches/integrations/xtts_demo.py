@@ -335,6 +335,10 @@ def checks(s: dict[str, Any]) -> list[tuple[str, bool]]:
     ]
 
 
+
+def _fmt(loss: float | None) -> str:
+    return "none" if loss is None else f"{loss:.4f}"
+
 def format_summary(s: dict[str, Any]) -> str:
     rule = "=" * 72
     skipped = "; ".join(
@@ -357,8 +361,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"steps trained       : {s['steps_trained']} ({' + '.join(map(str, s['steps_per_phase']))}"
         f" over 2 processes; NaN guard saw {s['optimizer_steps_seen_by_guard']} optimizer steps)",
         f"losses              : {s['losses_logged']} logged, "
-        f"{'all finite' if s['losses_finite'] else 'NOT all finite'}, first {s['first_loss']}, "
-        f"last {s['last_loss']}" + (" (a skipped step's loss is left out of the log)"
+        f"{'all finite' if s['losses_finite'] else 'NOT all finite'}, first {_fmt(s['first_loss'])}, "
+        f"last {_fmt(s['last_loss'])}" + (" (a skipped step's loss is left out of the log)"
                                     if s["skipped_steps"] else ""),
         f"skipped steps       : {s['skipped_steps']} in nonfinite_events.jsonl, "
         f"{s['skipped_steps_stats']} in patches.stats() ({skipped})",
