@@ -68,18 +68,23 @@ def step_ratio(amp: bool, rounds: int, steps: int, names: list[str] | None = Non
     patches.revert()
     block(model, opt, amp, 5, data)  # warm-up
     timed: dict[str, list[float]] = {"patched": [], "unpatched": []}
+    ratios = []  # per round: the two neighbouring blocks share the machine's state
     for r in range(rounds):
         order = ["patched", "unpatched"] if r % 2 == 0 else ["unpatched", "patched"]
+        block_median = {}
         for mode in order:
             if mode == "patched":
                 patches.apply(names, quiet=True)
             else:
                 patches.revert()
-            timed[mode] += block(model, opt, amp, steps, data)
+            times = block(model, opt, amp, steps, data)
+            timed[mode] += times
+            block_median[mode] = statistics.median(times)
+        ratios.append(block_median["patched"] / block_median["unpatched"])
     patches.revert()
     med = {k: statistics.median(v) for k, v in timed.items()}
     return {"patched_ms": med["patched"] * 1e3, "unpatched_ms": med["unpatched"] * 1e3,
-            "ratio": med["patched"] / med["unpatched"]}
+            "ratio": statistics.median(ratios)}
 
 
 def cuda_syncs_per_step(steps: int = 20) -> str:
@@ -126,10 +131,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: steadier timings on a shared 2-core machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__},"
           f" threads {torch.get_num_threads()}")
-    print("| step (CPU, small transformer) | unpatched ms | patched ms | ratio |")
+    print("| step (CPU, small transformer) | unpatched ms | patched ms | ratio (median of rounds) |")
     print("|---|---|---|---|")
     for label, amp, names in (
             ("fp32 + clip, all default patches", False, None),

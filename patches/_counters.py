@@ -33,10 +33,10 @@ class DeviceCounters:
         """Add ``amount`` (a bool/int tensor on any device, or an int) without syncing."""
         if isinstance(amount, torch.Tensor):
             values = self._tensor(amount.device)
-            amount = amount.to(device=values.device, dtype=torch.int64, non_blocking=True)
+            amount = amount.to(device=values.device, non_blocking=True)
         else:
             values = self._tensor(torch.device("cpu"))
-        values[self._index[name]] += amount
+        values[self._index[name]].add_(amount)  # a view: one kernel, int64 += bool/int
 
     def read(self) -> dict[str, int]:
         """The counts as plain ints (one copy to the host)."""

@@ -32,7 +32,7 @@ _counts = DeviceCounters("nonfinite_norms")
 _host = {"calls": 0, "unscaled_first": 0}
 # The norm of the latest clip and the gradients it covered: the NaN guard reuses it, so
 # one reduction serves both the clip and the finite check.
-_last: tuple[frozenset[int], torch.Tensor] | None = None
+_last: tuple[frozenset[int], torch.Tensor] | None = None  # (gradient ids, non-finite flag)
 
 
 def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
@@ -48,19 +48,19 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
         if scaler is not None and not all(id(p) in scaler._tp_unscaled for p in with_grad):
             total = total / scaler._scale.to(total.device, non_blocking=True)
             _host["unscaled_first"] += 1
-        finite = torch.isfinite(total)
+        nonfinite = ~torch.isfinite(total)
         # A zero norm gives a clip coefficient of 1: non-finite gradients stay as they are
         # for the scaler or the NaN guard to skip, finite ones are not destroyed.
-        clip_grads_with_norm_(with_grad, max_norm, torch.where(finite, total, 0.0), foreach)
-        _counts.add("nonfinite_norms", ~finite)
+        clip_grads_with_norm_(with_grad, max_norm, total.masked_fill(nonfinite, 0.0), foreach)
+        _counts.add("nonfinite_norms", nonfinite)
     _host["calls"] += 1
     global _last
-    _last = (frozenset(id(p.grad) for p in with_grad), total)
+    _last = (frozenset(id(p.grad) for p in with_grad), nonfinite)
     return total
 
 
-def norm_for(grads: list[torch.Tensor]) -> torch.Tensor | None:
-    """The latest clip's total norm if it covered all of ``grads`` (then forgotten)."""
+def nonfinite_for(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The latest clip's non-finite flag if it covered all of ``grads`` (then forgotten)."""
     global _last
     last, _last = _last, None
     if last is None or not all(id(g) in last[0] for g in grads):

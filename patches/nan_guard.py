@@ -151,10 +151,10 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
     if not grads and loss is None:
         return
     device = grads[0].device if grads else loss.device  # type: ignore[union-attr]
-    norm = grad_clip.norm_for(grads) if grads else None
-    if norm is None and grads:
-        norm = get_total_norm(grads, 2.0, False, None)
-    bad_grad = (~torch.isfinite(norm)) if norm is not None else torch.zeros((), dtype=torch.bool)
+    bad_grad = grad_clip.nonfinite_for(grads) if grads else None
+    if bad_grad is None:
+        bad_grad = (~torch.isfinite(get_total_norm(grads, 2.0, False, None)) if grads
+                    else torch.zeros((), dtype=torch.bool, device=device))
     bad_grad = bad_grad.to(device)
     bad = bad_grad
     bad_loss = spike = None
