@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from typing import Any, Iterable
@@ -168,7 +167,3 @@ def activate() -> dict[str, list[str]]:
         _activated = True
         return result
 
-
-def env_summary() -> dict[str, str]:
-    """The TRAINING_PATCHES_* variables set in this process (for reports)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(_options.ENV_PREFIX)}
