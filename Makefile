@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[xtts,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[xtts,tools,test]'
 	touch $(STAMP)
 
 setup: $(STAMP) ffmpeg

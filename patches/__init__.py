@@ -3,19 +3,26 @@
 Importing this package changes nothing; :func:`apply` and :func:`revert` are the
 only doors. ``from utils import training_patches`` (or ``import patches.auto``)
 applies the default set once. See TRAINING_PATCHES_README.md.
+
+Layout: the generic patches (one module each) import only torch, the registry and
+each other; :mod:`patches.integrations` adds what is specific to one upstream
+(coqui Trainer, XTTS) on top of them.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Each patch module registers its PatchSpec; the order here is the banner's order.
-from . import autocast, grad_scaler, grad_clip, nan_guard, anomaly, checkpoint, vocab_freeze  # noqa: E402,F401,E501
-from .integrations import coqui_checkpoint  # noqa: E402,F401  (registers "checkpoint")
-from .integrations import xtts_language, xtts_dataset  # noqa: E402,F401
+from . import (  # noqa: E402,F401
+    autocast, grad_scaler, grad_clip, nan_guard, anomaly, checkpoint, vocab_freeze, languages,
+    dataset_guard)
+from . import integrations  # noqa: E402,F401  (registers the upstream integrations)
 from ._api import (  # noqa: E402
-    activate, applied, apply, get_original, is_applied, revert, stats)
+    activate, applied, apply, get_original, is_applied, reset_runtime_state, revert, stats,
+    status)
 from ._options import ConfigError  # noqa: E402
+from ._registry import PatchSiteError  # noqa: E402
 from .languages import register_language  # noqa: E402
 from .anomaly import enable_anomaly_detection  # noqa: E402
 from .checkpoint import (  # noqa: E402
@@ -28,11 +35,11 @@ from .nan_guard import NonFiniteTrainingError, find_nonfinite_source, observe_lo
 from ._run import set_output_dir  # noqa: E402
 
 __all__ = [
-    "apply", "revert", "applied", "is_applied", "get_original", "stats", "activate",
-    "enable_anomaly_detection", "SafeGradScaler", "LossScaleFloorError",
-    "safe_clip_grad_norm_", "ConfigError", "__version__", "register_language",
-    "load_checkpoint", "CheckpointManager", "LoadReport", "CheckpointError",
-    "UnsafeCheckpointError", "CheckpointMismatchError",
+    "apply", "revert", "applied", "is_applied", "status", "get_original", "stats", "activate",
+    "reset_runtime_state", "enable_anomaly_detection", "SafeGradScaler", "LossScaleFloorError",
+    "safe_clip_grad_norm_", "ConfigError", "PatchSiteError", "__version__",
+    "register_language", "load_checkpoint", "CheckpointManager", "LoadReport",
+    "CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError",
     "NonFiniteTrainingError", "find_nonfinite_source", "observe_loss", "set_output_dir",
     "freeze_base_vocab",
 ]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
+import os
 import sys
 import threading
 from typing import Any, Iterable
 
-from . import _options, _registry, grad_clip, grad_scaler, nan_guard
+from . import _options, _registry, _run, grad_clip, grad_scaler, nan_guard
 from ._log import logger
 
 _RULE = "=" * 72
@@ -20,53 +22,102 @@ def _as_names(names: str | Iterable[str]) -> list[str]:
 
 
 def _check_names(names: Iterable[str], source: str) -> None:
-    known = _registry.specs()
+    known = list(_registry.specs()) + list(_registry.integrations())
     unknown = [name for name in names if name not in known]
     if unknown:
+        hints = [f"{name!r} -> did you mean {close[0]!r}?" for name in unknown
+                 if (close := difflib.get_close_matches(name, known, n=1))]
         raise _options.ConfigError(
-            f"training-patches: {source} names unknown patch(es) {', '.join(unknown)}. "
-            f"Known patches: {', '.join(known)}. Check the spelling "
+            f"training-patches: {source} names unknown patch(es) {', '.join(unknown)}"
+            + (f" ({'; '.join(hints)})" if hints else "")
+            + f". Known patches: {', '.join(_registry.specs())}; known integrations: "
+            f"{', '.join(_registry.integrations())}. Check the spelling "
             f"(TRAINING_PATCHES_README.md lists what each one does).")
+
+
+def _split(names: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(patch names, integration names), in the given order."""
+    integrations = _registry.integrations()
+    names = list(names)
+    return ([n for n in names if n not in integrations], [n for n in names if n in integrations])
 
 
 def apply(names: str | Iterable[str] | None = None, **options: Any) -> dict[str, list[str]]:
     """Apply patches (the default set when ``names`` is None) with these options.
 
     Options come from keyword arguments, else ``TRAINING_PATCHES_*`` environment
-    variables, else defaults; patches named in ``disable`` stay off. Applying a
-    patch that is already applied does nothing (it is never wrapped twice).
-    Returns :func:`applied`.
+    variables, else defaults; patches and integrations named in ``disable`` stay off.
+    Applying a patch that is already applied wraps nothing twice; if its options
+    differ, only that patch's options change, and the change is logged. Options of
+    patches not named are never touched. Returns :func:`applied`.
     """
+    explicit = set(options) | {name for name in _options.OPTIONS
+                               if _options.env_name(name) in os.environ}
     opts = _options.resolve(options)
     _check_names(opts.disable, "TRAINING_PATCHES_DISABLE (or disable=)")
     specs = _registry.specs()
     if names is None:
         wanted = [n for n, s in specs.items() if s.default or (n == "anomaly" and opts.anomaly)]
+        wanted_integrations = list(_registry.integrations())
     else:
-        wanted = _as_names(names)
-        _check_names(wanted, "apply()")
+        _check_names(_as_names(names), "apply()")
+        wanted, wanted_integrations = _split(_as_names(names))
+        # naming an integration applies the generic patches it serves
+        for integ in wanted_integrations:
+            wanted += [n for n in _registry.integrations()[integ].patches() if n not in wanted]
+    first = not any(_registry.is_enabled(name) for name in specs)
+    previous = _options.current()
+    if not first:
+        opts = _options.merge(previous, opts, touched=set(wanted), explicit=explicit)
     _options.set_current(opts)
+    _registry.strict = opts.strict
+    for name in wanted_integrations:
+        if name not in opts.disable:
+            _registry.set_integration(name, True)
+    for name in _registry.integrations():
+        if name in opts.disable:
+            _registry.set_integration(name, False)
     newly: list[str] = []
     already: list[str] = []
     left_off: dict[str, str] = {}
-    for name, spec in specs.items():
-        if name not in wanted:
-            if not _registry.is_enabled(name):
-                left_off[name] = spec.off_hint or "not requested"
-            continue
-        if name in opts.disable:
-            left_off[name] = "left off by TRAINING_PATCHES_DISABLE"
-            continue
-        (newly if _registry.enable(spec, opts) else already).append(name)
+    _registry.in_apply = True
+    try:
+        version_problems = _registry.check_versions()
+        if version_problems and opts.strict:
+            _registry.in_apply = False
+            _registry._report(version_problems[0], None, ("", ""))
+        for name, spec in specs.items():
+            if name not in wanted:
+                if not _registry.is_enabled(name):
+                    left_off[name] = spec.off_hint or "not requested"
+                continue
+            if name in opts.disable:
+                left_off[name] = "left off by TRAINING_PATCHES_DISABLE"
+                continue
+            (newly if _registry.enable(spec, opts) else already).append(name)
+    finally:
+        _registry.in_apply = False
+    if already and not first:
+        _log_option_changes(previous, opts, already)
     if newly:
-        _banner(newly, left_off, opts)
+        _banner(newly, left_off, opts, version_problems)
     elif already:
         logger.debug("training-patches: already applied: %s", ", ".join(already))
     return applied()
 
 
+def _log_option_changes(before: _options.Options, after: _options.Options,
+                        patch_names: list[str]) -> None:
+    for name in patch_names:
+        changed = [f"{field} {getattr(before, field)!r} -> {getattr(after, field)!r}"
+                   for field in _options.fields_of(name)
+                   if getattr(before, field) != getattr(after, field)]
+        if changed:
+            logger.info("training-patches: %s options changed: %s", name, ", ".join(changed))
+
+
 def revert(names: str | Iterable[str] | None = None) -> list[str]:
-    """Take patches back out (all applied ones when ``names`` is None).
+    """Take patches (or integrations) back out (every applied patch when ``names`` is None).
 
     Every replaced object is restored by identity; a patch whose target module
     was never imported simply never lands. Returns the names reverted.
@@ -74,30 +125,70 @@ def revert(names: str | Iterable[str] | None = None) -> list[str]:
     specs = _registry.specs()
     targets = list(specs) if names is None else _as_names(names)
     _check_names(targets, "revert()")
-    done = [name for name in reversed(targets) if _registry.disable(specs[name])]
+    patch_names, integration_names = _split(targets)
+    done = [name for name in integration_names if _registry.set_integration(name, False)]
+    done += [name for name in reversed(patch_names) if _registry.disable(specs[name])]
+    if names is None:
+        for name in _registry.integrations():
+            _registry.set_integration(name, True)  # the next apply() starts with all of them
     if done:
-        logger.info("training-patches: reverted %s", ", ".join(reversed(done)))
-    return list(reversed(done))
+        logger.info("training-patches: reverted %s", ", ".join(done))
+    return [name for name in integration_names if name in done] + \
+        [name for name in patch_names if name in done]
 
 
 def applied() -> dict[str, list[str]]:
-    """Applied patch name -> where it is installed (sites still waiting for an import are
-    listed with ``(on import)``)."""
+    """Applied patch name -> where it is installed. Sites still waiting for an import are
+    listed with ``(on import)``; sites that could not land with ``(NOT APPLIED: why)``."""
     result: dict[str, list[str]] = {}
     for name, spec in _registry.specs().items():
         if not _registry.is_enabled(name):
             continue
         landed, pending = _registry.landed_sites(name)
         where = landed + [f"{site} (on import)" for site in pending]
+        where += [f"{p.where} (NOT APPLIED: {p.kind})" for p in _registry.problems(name)
+                  if p.kind in ("missing", "failed")]
         result[name] = where or [spec.describe(_options.current())]
     return result
 
 
+def status(name: str) -> dict[str, Any]:
+    """The state of one patch or integration: ``state`` is ``applied``, ``degraded`` (some
+    site missing or failed, or an unsupported upstream version), ``waiting`` (nothing
+    imported yet) or ``off``; with the landed and pending sites and the problems."""
+    _check_names([name], "status()")
+    problems = _registry.problems(name)
+    if name in _registry.integrations():
+        integ = _registry.integrations()[name]
+        landed = sorted(str(s) for s in integ.sites
+                        if str(s) in _registry.landed_sites(s.patch)[0])
+        pending = sorted(str(s) for s in integ.sites
+                         if str(s) in _registry.landed_sites(s.patch)[1])
+        on = _registry.is_enabled(name)
+    else:
+        landed, pending = _registry.landed_sites(name)
+        on = _registry.is_enabled(name)
+    if not on:
+        state = "degraded" if any(p.kind == "requires" for p in problems) else "off"
+    elif problems:
+        state = "degraded"
+    elif not landed and pending:
+        state = "waiting"
+    else:
+        state = "applied"
+    return {"name": name, "state": state, "landed": landed, "pending": pending,
+            "problems": [p.message for p in problems]}
+
+
 def is_applied(name: str) -> bool:
-    """True once the patch is applied and in effect somewhere (not only waiting)."""
+    """True once the patch (or integration) is applied, in effect somewhere, and whole: a
+    patch with a missing or failed site, or an unsupported upstream, is ``degraded`` (see
+    :func:`status`) and answers False."""
     _check_names([name], "is_applied()")
-    if not _registry.is_enabled(name):
+    if not _registry.is_enabled(name) or _registry.problems(name):
         return False
+    if name in _registry.integrations():
+        return True
     spec = _registry.specs()[name]
     return not spec.sites or bool(_registry.landed_sites(name)[0])
 
@@ -127,33 +218,83 @@ def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
     nan_guard.load_stats(state.get("nan_guard", {}))
 
 
-def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options) -> None:
+def reset_runtime_state() -> None:
+    """Forget every counter, event and per-run setting the patches keep in this process.
+
+    What ``revert()`` does not touch: the guard's counters and replay, the clip's counts,
+    the scaler the clip is watching, the run context (output folder, batch, step), and
+    what integrations remember (the dataset guard's record of what it wrote). Tests call
+    it between cases; a script that runs two trainings in one process may call it
+    between them.
+    """
+    _run.reset()
+    for spec in _registry.specs().values():
+        if spec.reset is not None:
+            spec.reset()
+    for integ in _registry.integrations().values():
+        if integ.reset is not None:
+            integ.reset()
+
+
+def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
+            version_problems: list[_registry.Problem]) -> None:
     from . import __version__
 
-    level = logging.DEBUG if opts.quiet else logging.INFO
+    problems = [p for name in newly for p in _registry.problems(name)
+                if p.kind != "version"] + version_problems
+    # A banner that carries a WARNING is logged as one: quiet mode must not hide it.
+    level = logging.WARNING if problems else (logging.DEBUG if opts.quiet else logging.INFO)
     specs = _registry.specs()
-    width = max(len(name) for name in specs)
+    width = max(len(name) for name in list(specs) + list(_registry.integrations()))
     lines = [_RULE, f"training-patches {__version__}: applying training patches", _RULE]
     for name in newly:
-        lines.append(f"  [on ] {name:<{width}}  {specs[name].describe(opts)}")
+        mark = "[on!]" if _registry.problems(name) else "[on ]"
+        if any(p.kind == "requires" for p in _registry.problems(name)):
+            mark = "[OFF]"
+        lines.append(f"  {mark} {name:<{width}}  {specs[name].describe(opts)}")
     for name, why in left_off.items():
         lines.append(f"  [off] {name:<{width}}  {why}")
+    for name, integ in _registry.integrations().items():
+        version = _registry._distribution_version(integ.distribution)
+        if _registry.integration_off(name):
+            lines.append(f"  [off] {name:<{width}}  left off by TRAINING_PATCHES_DISABLE")
+        elif version is None:
+            lines.append(f"  [ - ] {name:<{width}}  {integ.distribution} not installed")
+        else:
+            lines.append(f"  [int] {name:<{width}}  {integ.distribution} {version} "
+                         f"({integ.supported}): {integ.describe}")
+    for problem in problems:
+        lines.append(f"  WARNING {problem.patch}: {problem.message}")
     lines += [_RULE, "Options: " + ", ".join(
         f"{field}={getattr(opts, field)!r}" for field in _options.OPTIONS), _RULE]
     logger.log(level, "\n".join(lines))
 
 
+class _FallbackHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Shows our records on stderr only while nobody has configured logging.
+
+    Records still propagate: once the user configures the root logger (usually after the
+    first-line import), their handlers get our records and this one steps aside.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        super().emit(record)
+
+
 def _ensure_visible() -> None:
     """Show our INFO lines when nobody configured logging (the banner must be seen)."""
+    if any(isinstance(h, _FallbackHandler) for h in logger.handlers):
+        return
     if logger.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _FallbackHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s training_patches: %(message)s",
                                            "%H:%M:%S"))
     logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 
 def activate() -> dict[str, list[str]]:
@@ -166,4 +307,3 @@ def activate() -> dict[str, list[str]]:
         result = apply()
         _activated = True
         return result
-

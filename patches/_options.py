@@ -7,6 +7,7 @@ variable, the value found and what is expected.
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -40,6 +41,13 @@ def _positive_int(text: Any) -> int:
     value = int(text)
     if value < 1:
         raise ValueError("expected a whole number of at least 1")
+    return value
+
+
+def _window(text: Any) -> int:
+    value = _positive_int(text)
+    if value < 2:
+        raise ValueError("expected a whole number of at least 2")
     return value
 
 
@@ -104,6 +112,7 @@ class Options:
     output_dir: str = ""
     amharic_homophones: bool = False
     resume_policy: str = "remap"
+    strict: bool = False
 
 
 # option -> (parser, example shown in errors)
@@ -120,7 +129,7 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "base_vocab": (_base_vocab, "a whole number of base tokens, e.g. 12000 (0 or empty = off)"),
     "max_bad_steps": (_positive_int, "a whole number of steps of at least 1, e.g. 25"),
     "spike_k": (_nonnegative_float, "a number of standard deviations, e.g. 6 (0 = off)"),
-    "spike_window": (_positive_int, "a whole number of steps of at least 2, e.g. 100"),
+    "spike_window": (_window, "a whole number of steps of at least 2, e.g. 100"),
     "lr_step_on_skip": (_bool, "1 or 0"),
     "replay": (_bool, "1 or 0"),
     "max_drop_share": (_share, "a fraction above 0 and at most 1, e.g. 0.5 (stop when more "
@@ -130,7 +139,26 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "amharic_homophones": (_bool, "1 or 0"),
     "resume_policy": (_resume_policy, "remap (keep optimizer, scheduler and scaler; grow moments "
                                       "of resized rows) or reset (start all three fresh)"),
+    "strict": (_bool, "1 or 0 (1: a patch site that is missing, fails, or sits in an "
+                      "unsupported upstream version is an error instead of a warning)"),
 }
+
+# The patch each option belongs to (None: the whole library). Applying one patch sets only
+# its own options and the library-wide ones given explicitly; see :func:`merge`.
+OWNERS: dict[str, tuple[str, ...]] = {
+    "anomaly": ("anomaly",),
+    "init_scale": ("grad_scaler",), "growth_interval": ("grad_scaler",),
+    "hysteresis": ("grad_scaler",), "min_scale": ("grad_scaler",),
+    "max_floor_skips": ("grad_scaler",), "log_interval": ("grad_scaler", "nan_guard"),
+    "base_vocab": ("vocab_freeze",),
+    "max_bad_steps": ("nan_guard",), "spike_k": ("nan_guard",), "spike_window": ("nan_guard",),
+    "lr_step_on_skip": ("nan_guard",), "replay": ("nan_guard",),
+    "max_drop_share": ("dataset_guard",), "amharic_homophones": ("languages",),
+    "resume_policy": ("checkpoint",),
+}
+
+# TRAINING_PATCHES_* variables that are not options but are read by the library.
+OTHER_ENV: set[str] = set()
 
 
 def env_name(option: str) -> str:
@@ -151,11 +179,82 @@ def _parse(option: str, value: Any, source: str) -> Any:
         ) from None
 
 
+def fields_of(patch: str) -> list[str]:
+    """The options that belong to one patch."""
+    return [option for option, owners in OWNERS.items() if patch in owners]
+
+
+def merge(current: Options, new: Options, *, touched: set[str], explicit: set[str]) -> Options:
+    """``current`` with the options of the ``touched`` patches taken from ``new``, and the
+    library-wide options taken from ``new`` only where they were given explicitly."""
+    changes = {}
+    for option in OPTIONS:
+        owners = OWNERS.get(option)
+        if (owners is None and option in explicit) or (owners and touched & set(owners)):
+            changes[option] = getattr(new, option)
+    return replace(current, **changes)
+
+
+def _check_unknown_env(environ: Mapping[str, str]) -> None:
+    known = {env_name(option) for option in OPTIONS} | OTHER_ENV
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    raise ConfigError(
+        f"training-patches: unknown environment variable(s) {', '.join(hints)}. "
+        f"training-patches reads only these: {', '.join(sorted(known))}. A misspelled "
+        f"variable would silently leave its setting at the default, so this is an error: "
+        f"fix the name or unset it.")
+
+
+def _check_together(options: Options, source: Mapping[str, str]) -> None:
+    """Cross-field rules: values each valid alone, unusable together."""
+    def name(option: str) -> str:
+        return source.get(option, f"the option {option}=")
+
+    if options.min_scale > options.init_scale:
+        raise ConfigError(
+            f"training-patches: {name('min_scale')} is {options.min_scale!r}, above "
+            f"{name('init_scale')} {options.init_scale!r}. Expected the loss-scale floor at or "
+            f"below the initial scale (the defaults are 6.1e-05 and 1024). Lower the floor or "
+            f"raise the initial scale.")
+    if options.spike_k > 0 and options.spike_window < 2:
+        raise ConfigError(
+            f"training-patches: {name('spike_window')} is {options.spike_window!r}; the loss "
+            f"spike test needs a standard deviation, so expected a window of at least 2 steps "
+            f"(default 100). Raise it, or turn the spike test off with spike_k=0.")
+    if options.output_dir:
+        path = options.output_dir
+        probe = path
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe.rstrip(os.sep)) or ("." if not os.path.isabs(probe)
+                                                              else os.sep)
+        problem = None
+        if os.path.exists(path) and not os.path.isdir(path):
+            problem = "is a file, not a folder"
+        elif probe and not os.access(probe, os.W_OK | os.X_OK):
+            problem = f"cannot be written ({probe} is not writable)"
+        if problem:
+            raise ConfigError(
+                f"training-patches: {name('output_dir')} is {path!r}, which {problem}. Expected a "
+                f"folder where the run's reports (nonfinite_events.jsonl, dropped_samples.jsonl) "
+                f"can be written. Point it at a writable folder, or unset it to use the "
+                f"trainer's output folder.")
+
+
 def resolve(overrides: Mapping[str, Any] | None = None,
             environ: Mapping[str, str] | None = None) -> Options:
-    """Keyword overrides first, then ``TRAINING_PATCHES_*`` variables, then defaults."""
+    """Keyword overrides first, then ``TRAINING_PATCHES_*`` variables, then defaults.
+
+    Unknown options and unknown ``TRAINING_PATCHES_*`` variables are errors (with a
+    did-you-mean), and so are values that cannot be used together."""
     overrides = dict(overrides or {})
     environ = os.environ if environ is None else environ
+    _check_unknown_env(environ)
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
         raise ConfigError(
@@ -164,13 +263,16 @@ def resolve(overrides: Mapping[str, Any] | None = None,
             f"described in TRAINING_PATCHES_README.md."
         )
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for option in OPTIONS:
         if option in overrides:
             values[option] = _parse(option, overrides[option], f"the option {option}=")
         elif env_name(option) in environ:
-            values[option] = _parse(
-                option, environ[env_name(option)], f"the environment variable {env_name(option)}")
-    return replace(Options(), **values)
+            sources[option] = f"the environment variable {env_name(option)}"
+            values[option] = _parse(option, environ[env_name(option)], sources[option])
+    options = replace(Options(), **values)
+    _check_together(options, sources)
+    return options
 
 
 _current = Options()
@@ -186,4 +288,5 @@ def set_current(options: Options) -> None:
     _current = options
 
 
-__all__ = ["ConfigError", "Options", "OPTIONS", "resolve", "current", "env_name"]
+__all__ = ["ConfigError", "Options", "OPTIONS", "OWNERS", "resolve", "merge", "fields_of",
+           "current", "env_name"]

@@ -23,6 +23,7 @@ first-wins and restored by identity when the last layer goes.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 import sys
 import threading
@@ -50,13 +51,16 @@ class Site:
     ``make(original)`` builds the replacement from the unpatched object. With
     ``sweep`` the replacement is also installed in every already-imported module
     (outside torch) that holds the original under the same name, and taken back
-    out of them on revert.
+    out of them on revert. An integration's site names the generic ``patch`` it
+    serves and, in ``lost``, what goes unprotected when the site cannot land.
     """
 
     module: str
     attr: str
     make: Callable[[Any], Any]
     sweep: bool = False
+    patch: str = ""
+    lost: str = ""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -68,7 +72,12 @@ class Site:
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """What one patch changes. ``describe(options)`` gives its banner line."""
+    """What one generic patch changes. ``describe(options)`` gives its banner line.
+
+    ``requires()`` lists what the patch needs and this process lacks (e.g. a private
+    torch name); anything listed keeps the patch off, loudly. ``reset()`` forgets the
+    patch's runtime state (counters, events) between runs in one process.
+    """
 
     name: str
     describe: Callable[[Any], str]
@@ -78,6 +87,39 @@ class PatchSpec:
     enable: Callable[[Any], None] | None = None
     disable: Callable[[], None] | None = None
     off_hint: str = ""
+    requires: Callable[[], list[str]] | None = None
+    reset: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Integration:
+    """What one upstream package adds to the generic patches, as OpenTelemetry
+    instrumentors do: its sites (each serving one generic patch), the distribution and
+    the versions it was written for (a PEP 440 specifier, checked at apply time)."""
+
+    name: str
+    distribution: str
+    supported: str
+    sites: tuple[Site, ...]
+    describe: str = ""
+    reset: Callable[[], None] | None = None
+
+    def patches(self) -> list[str]:
+        return sorted({site.patch for site in self.sites})
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A part of a patch that is not in effect, and what that leaves unprotected."""
+
+    patch: str
+    kind: str  # "missing" | "failed" | "version" | "requires"
+    where: str
+    message: str
+
+
+class PatchSiteError(RuntimeError):
+    """A patch site is missing, failed, or its upstream version is unsupported (strict mode)."""
 
 
 @dataclass
@@ -111,30 +153,133 @@ class _Activation:
     token: object
     landed: set[tuple[str, str]] = field(default_factory=set)
     pending: set[tuple[str, str]] = field(default_factory=set)
+    problems: dict[tuple[str, str], Problem] = field(default_factory=dict)
 
 
 _lock = threading.RLock()
 _specs: dict[str, PatchSpec] = {}
+_integrations: dict[str, Integration] = {}
+_integrations_off: set[str] = set()
 _active: dict[str, _Activation] = {}
 _sites: dict[tuple[str, str], _SiteState] = {}
+# Problems found outside any activation (an unsupported upstream version).
+_version_problems: dict[str, Problem] = {}
 # id(replacement) -> (replacement, original): keeps the replacement alive so the id
 # is never reused, and lets a copy of a replacement be traced back to the original.
 _replacements: dict[int, tuple[Any, Any]] = {}
+_requires_problems: dict[str, Problem] = {}
+# Set by the API from the options: problems raise instead of warning.
+strict = False
+# True while apply() runs: problems found then go into its banner instead of their own line.
+in_apply = False
 
 
 def register(spec: PatchSpec) -> PatchSpec:
-    """Declare a patch (done once by each patch module when :mod:`patches` loads)."""
+    """Declare a generic patch (done once by each patch module when :mod:`patches` loads)."""
     with _lock:
         _specs[spec.name] = spec
     return spec
+
+
+def register_integration(integration: Integration) -> Integration:
+    """Declare an upstream integration (done by each module in :mod:`patches.integrations`)."""
+    with _lock:
+        _integrations[integration.name] = integration
+    return integration
 
 
 def specs() -> dict[str, PatchSpec]:
     return dict(_specs)
 
 
+def integrations() -> dict[str, Integration]:
+    return dict(_integrations)
+
+
 def is_enabled(name: str) -> bool:
+    """True while the patch (or the integration) is applied and not left off."""
+    if name in _integrations:
+        return name not in _integrations_off and any(
+            site.patch in _active for site in _integrations[name].sites)
     return name in _active
+
+
+def sites_of(name: str) -> tuple[Site, ...]:
+    """Every site of a patch: its own and those its integrations contribute (all of them,
+    left off or not); for an integration, its sites."""
+    if name in _integrations:
+        return _integrations[name].sites
+    own = _specs[name].sites
+    return own + tuple(site for integ in _integrations.values() for site in integ.sites
+                       if site.patch == name)
+
+
+def _wanted_sites(spec: PatchSpec) -> list[tuple[Site, str | None]]:
+    """(site, integration name or None) this patch lands now."""
+    found: list[tuple[Site, str | None]] = [(site, None) for site in spec.sites]
+    for integ in _integrations.values():
+        if integ.name in _integrations_off:
+            continue
+        found += [(site, integ.name) for site in integ.sites if site.patch == spec.name]
+    return found
+
+
+def _distribution_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions() -> list[Problem]:
+    """Each integration whose upstream is installed at a version outside its range."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    problems = []
+    for integ in _integrations.values():
+        version = _distribution_version(integ.distribution)
+        if version is None or integ.name in _integrations_off:
+            _version_problems.pop(integ.name, None)
+            continue
+        try:
+            ok = Version(version) in SpecifierSet(integ.supported)
+        except InvalidVersion:
+            ok = False
+        if ok:
+            _version_problems.pop(integ.name, None)
+            continue
+        problem = Problem(
+            ", ".join(integ.patches()), "version", integ.name,
+            f"{integ.distribution} {version} is installed; integration {integ.name} supports "
+            f"{integ.distribution} {integ.supported}. Its sites are applied where they exist, "
+            f"but behaviour inside {integ.distribution} is unverified")
+        _version_problems[integ.name] = problem
+        problems.append(problem)
+    return problems
+
+
+def _report(problem: Problem, activation: _Activation | None, key: tuple[str, str]) -> None:
+    """Record a problem; log it as a WARNING (it is also in the banner); raise when strict."""
+    if activation is not None:
+        activation.problems[key] = problem
+    if not in_apply:  # during apply() the banner carries it
+        logger.warning("training-patches WARNING: %s: %s", problem.patch, problem.message)
+    if strict:
+        raise PatchSiteError(
+            f"training-patches (TRAINING_PATCHES_STRICT=1): {problem.patch}: {problem.message}. "
+            f"Install a supported version, or leave the patch or integration off with "
+            f"TRAINING_PATCHES_DISABLE, or unset TRAINING_PATCHES_STRICT to run degraded.")
+
+
+def _site_problem(spec: PatchSpec, site: Site, integration: str | None, kind: str,
+                  detail: str) -> Problem:
+    owner = f"integration {integration}" if integration else f"patch {spec.name}"
+    dist = _integrations[integration].distribution if integration else "torch"
+    version = _distribution_version(dist) or "?"
+    lost = site.lost or f"what {spec.name} does at this site"
+    return Problem(spec.name, kind, str(site),
+                   f"{site} {detail} ({dist} {version}, {owner}); therefore NOT protected: {lost}")
 
 
 def _unpatched(value: Any) -> Any:
@@ -183,26 +328,43 @@ def _rebind(site: Site, module: ModuleType, old: Any, new: Any) -> None:
             logger.debug("rebound %s.%s (%s)", mod_name, site.attr, site)
 
 
-def _land(spec: PatchSpec, token: object, site: Site, module: ModuleType) -> None:
+def _land(spec: PatchSpec, token: object, site: Site, integration: str | None,
+          module: ModuleType) -> None:
+    # Runs inside wrapt's post-import hook, i.e. inside the user's own ``import``: a
+    # failure here must never break that import (unless strict mode asks for it).
     with _lock:
         activation = _active.get(spec.name)
         if activation is None or activation.token is not token:
             return  # reverted (or re-applied) since this hook was registered
+        if integration is not None and integration in _integrations_off:
+            activation.pending.discard(site.key)
+            return
+        activation.pending.discard(site.key)
         current = _current(site, module)
         if current is _MISSING:
-            activation.pending.discard(site.key)
-            logger.debug("%s: %s does not exist in this version; skipped", spec.name, site)
+            _report(_site_problem(spec, site, integration, "missing",
+                                  "does not exist in this version"), activation, site.key)
             return
         state = _sites.get(site.key)
+        created = state is None
         if state is None:
             state = _sites[site.key] = _SiteState(original=_unpatched(current))
         if any(layer.patch == spec.name for layer in state.layers):
             return
         state.layers.append(_Layer(spec.priority, spec.name, site.make))
         state.layers.sort(key=lambda layer: layer.priority)
-        state.rebuild()
+        try:
+            state.rebuild()
+        except Exception as exc:  # noqa: BLE001 - any failure: leave the original in place
+            state.layers = [layer for layer in state.layers if layer.patch != spec.name]
+            state.rebuild()
+            if created and not state.layers:
+                del _sites[site.key]
+            _report(_site_problem(spec, site, integration, "failed",
+                                  f"could not be patched ({type(exc).__name__}: {exc}); the "
+                                  f"original is left in place"), activation, site.key)
+            return
         _rebind(site, module, current, state.top())
-        activation.pending.discard(site.key)
         activation.landed.add(site.key)
 
 
@@ -230,33 +392,96 @@ def _unland(spec: PatchSpec, site: Site) -> None:
 
 
 def enable(spec: PatchSpec, options: Any) -> bool:
-    """Apply one patch; False if it was already applied (never wraps twice)."""
+    """Apply one patch; False if it was already applied (never wraps twice).
+
+    A patch whose ``requires()`` lists something missing stays off, with a problem
+    recorded (see :func:`problems`); True is still returned so the caller reports it.
+    """
     with _lock:
         if spec.name in _active:
             return False
+        missing = spec.requires() if spec.requires is not None else []
+        if missing:
+            problem = Problem(spec.name, "requires", spec.name,
+                              f"NOT APPLIED: this process lacks {', '.join(missing)}")
+            _requires_problems[spec.name] = problem
+            _report(problem, None, ("", spec.name))
+            return True
+        _requires_problems.pop(spec.name, None)
         token = object()
         activation = _active[spec.name] = _Activation(token=token)
-        activation.pending.update(site.key for site in spec.sites)
+        wanted = _wanted_sites(spec)
+        activation.pending.update(site.key for site, _ in wanted)
         if spec.enable is not None:
             spec.enable(options)
-    for site in spec.sites:
+    for site, integration in wanted:
         wrapt.register_post_import_hook(
-            functools.partial(_land, spec, token, site), site.module)
+            functools.partial(_land, spec, token, site, integration), site.module)
     return True
 
 
 def disable(spec: PatchSpec) -> bool:
     """Revert one patch; False if it was not applied."""
     with _lock:
+        _requires_problems.pop(spec.name, None)
         activation = _active.pop(spec.name, None)
         if activation is None:
             return False
-        for site in spec.sites:
+        for site in sites_of(spec.name):
             if site.key in activation.landed:
                 _unland(spec, site)
         if spec.disable is not None:
             spec.disable()
     return True
+
+
+def set_integration(name: str, on: bool) -> bool:
+    """Turn one integration on or off for every applied patch; False if nothing changed."""
+    with _lock:
+        integ = _integrations[name]
+        if on == (name not in _integrations_off):
+            return False
+        if not on:
+            _integrations_off.add(name)
+            _version_problems.pop(name, None)
+            for site in integ.sites:
+                activation = _active.get(site.patch)
+                if activation is None:
+                    continue
+                activation.problems.pop(site.key, None)
+                activation.pending.discard(site.key)
+                if site.key in activation.landed:
+                    _unland(_specs[site.patch], site)
+                    activation.landed.discard(site.key)
+            return True
+        _integrations_off.discard(name)
+        for site in integ.sites:
+            activation = _active.get(site.patch)
+            if activation is None:
+                continue
+            activation.pending.add(site.key)
+            wrapt.register_post_import_hook(
+                functools.partial(_land, _specs[site.patch], activation.token, site, name),
+                site.module)
+        return True
+
+
+def integration_off(name: str) -> bool:
+    return name in _integrations_off
+
+
+def problems(name: str | None = None) -> list[Problem]:
+    """What is not in effect: of one patch or integration, or of everything applied."""
+    with _lock:
+        found = list(_requires_problems.values()) + list(_version_problems.values())
+        for activation in _active.values():
+            found += list(activation.problems.values())
+    if name is None:
+        return found
+    if name in _integrations:
+        keys = {str(site) for site in _integrations[name].sites}
+        return [p for p in found if p.where in keys or p.where == name]
+    return [p for p in found if p.patch == name or name in p.patch.split(", ")]
 
 
 def landed_sites(name: str) -> tuple[list[str], list[str]]:

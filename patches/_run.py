@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from . import _options
 
@@ -38,13 +38,24 @@ def set_trainer_dir(path: str | os.PathLike[str] | None) -> None:
     _trainer_dir = None if path is None else os.fspath(path)
 
 
+_dir_providers: list[Callable[[], str | None]] = []
+
+
+def register_dir_provider(provider: Callable[[], str | None]) -> None:
+    """An integration's way to tell where its trainer writes (asked last, newest first)."""
+    if provider not in _dir_providers:
+        _dir_providers.append(provider)
+
+
 def output_dir() -> str | None:
     """set_output_dir(), else TRAINING_PATCHES_OUTPUT_DIR, else the trainer's folder (as an
-    integration reported it, else as the coqui Trainer's log file shows it)."""
-    from .integrations.coqui_trainer import output_dir_from_logging
-
-    return (_output_dir or _options.current().output_dir or _trainer_dir
-            or output_dir_from_logging() or None)
+    integration reported it, or as a registered provider finds it)."""
+    found = _output_dir or _options.current().output_dir or _trainer_dir
+    for provider in reversed(_dir_providers):
+        if found:
+            break
+        found = provider()
+    return found or None
 
 
 def append_jsonl(name: str, record: dict[str, Any]) -> str | None:
@@ -60,3 +71,10 @@ def append_jsonl(name: str, record: dict[str, Any]) -> str | None:
         handle.flush()
         os.fsync(handle.fileno())
     return path
+
+
+def reset() -> None:
+    """Forget the output folders, the batch in hand and the trainer step."""
+    global _output_dir, _trainer_dir, trainer_step
+    _output_dir = _trainer_dir = trainer_step = None
+    batch_ids.clear()

@@ -27,14 +27,28 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.amp.grad_scaler as _torch_grad_scaler
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from . import _options
 from ._counters import DeviceCounters
 from ._log import info, logger
 from ._registry import PatchSpec, Site, register
-from .integrations import coqui_trainer
+
+# The private torch names SafeGradScaler relies on. A torch that lacks one leaves only
+# this patch off (loudly, see ``_missing_private_names``), never ``import patches``.
+_PRIVATE = (
+    ("torch.amp.grad_scaler", "_refresh_per_optimizer_state"),
+    ("torch", "_amp_update_scale_"),
+    ("torch.amp.GradScaler", "_maybe_opt_step"),
+    ("torch.amp.GradScaler", "_check_scale_growth_tracker"),
+)
+
+
+def _missing_private_names() -> list[str]:
+    owners = {"torch.amp.grad_scaler": _torch_grad_scaler, "torch": torch,
+              "torch.amp.GradScaler": _TorchGradScaler}
+    return [f"{owner}.{name}" for owner, name in _PRIVATE if not hasattr(owners[owner], name)]
 
 STATE_KEY = "training_patches"
 
@@ -164,7 +178,7 @@ class SafeGradScaler(_TorchGradScaler):
         host_found = (any(self._tp_found_host)
                       if len(self._tp_found_host) == stepped else None)
         self._tp_found_host.clear()
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(_torch_grad_scaler._refresh_per_optimizer_state)
 
         if self._tp_mirror is None and host_found is not None:
             self._tp_mirror = self._read_device_state()  # only after a stretch it could not follow
@@ -343,6 +357,13 @@ def latest_scaler() -> SafeGradScaler | None:
     return _latest() if _latest is not None else None
 
 
+def reset() -> None:
+    """Forget which scaler is pending and which ran last."""
+    global _pending, _latest
+    _pending = _latest = None
+    _stepping.active = False
+
+
 def stats() -> dict[str, float]:
     scaler = latest_scaler()
     return scaler.stats() if scaler is not None else {}
@@ -358,7 +379,7 @@ SPEC = register(PatchSpec(
         Site("torch", "GradScaler", lambda original: SafeGradScaler, sweep=True),
         Site("torch.amp", "GradScaler", lambda original: SafeGradScaler),
         Site("torch.cuda.amp", "GradScaler", lambda original: CudaSafeGradScaler, sweep=True),
-        Site(coqui_trainer.MODULE, coqui_trainer.SCALER_ATTR,
-             lambda original: coqui_trainer.scaler_factory(SafeGradScaler, original)),
     ),
+    requires=_missing_private_names,
+    reset=reset,
 ))

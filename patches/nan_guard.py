@@ -39,7 +39,6 @@ from torch.optim.optimizer import (
 from . import _options, _run, grad_clip, grad_scaler
 from ._log import info, logger
 from ._registry import PatchSpec, Site, register
-from .integrations import coqui_trainer
 
 EVENTS_FILE = "nonfinite_events.jsonl"
 
@@ -320,12 +319,13 @@ def load_stats(counts: dict[str, int]) -> None:
     _state.host_steps = _state.counts["steps"]
 
 
-def reset() -> None:
+def reset(keep_replay: bool = True) -> None:
     """Forget counters, events and names (a new run in the same process)."""
     global _state
     replay = _state.replay
     _state = _State()
-    _state.replay = replay
+    if keep_replay:
+        _state.replay = replay
 
 
 # -- the LR scheduler --------------------------------------------------------------
@@ -434,12 +434,8 @@ SPEC = register(PatchSpec(
     enable=_enable,
     disable=_disable,
     sites=(
-        Site("torch.optim.lr_scheduler", "LRScheduler.step", _make_scheduler_step),
-        Site(coqui_trainer.MODULE, "Trainer._compute_loss", coqui_trainer.make_compute_loss),
-        Site(coqui_trainer.MODULE, "Trainer.detach_loss_dict",
-             coqui_trainer.make_detach_loss_dict),
-        Site(coqui_trainer.MODULE, "Trainer.train_step", coqui_trainer.make_train_step),
-        Site(coqui_trainer.MODULE, "remove_experiment_folder",
-             coqui_trainer.make_remove_experiment_folder),
+        Site("torch.optim.lr_scheduler", "LRScheduler.step", _make_scheduler_step,
+             lost="the LR scheduler advances on skipped steps"),
     ),
+    reset=lambda: reset(keep_replay=False),
 ))

@@ -33,7 +33,7 @@ is not last) the base rows are ``0 .. base-1``. The rule is :func:`frozen_rows` 
 
 Activation without code changes: ``TRAINING_PATCHES_BASE_VOCAB=12000`` makes every
 XTTS ``GPTTrainer`` freeze its base rows when it is built (see
-:mod:`patches.integrations.xtts_vocab`); a later ``load_state_dict`` of the model (the
+:mod:`patches.integrations.xtts_gpt`); a later ``load_state_dict`` of the model (the
 coqui Trainer's restore on resume) refreshes the stored rows from what was loaded.
 """
 
@@ -51,7 +51,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import _options
 from ._log import info, logger
 from ._registry import PatchSpec, register
-from .integrations import xtts_vocab
 
 TAG = "[Extended Vocab Fix]"
 
@@ -230,14 +229,35 @@ def freeze_of(param: torch.Tensor) -> VocabFreeze | None:
     return handle if handle is not None and not handle.released else None
 
 
-def _step_hook(ref: weakref.ReferenceType[VocabFreeze]) -> Any:
-    # Global hooks live as long as the process: hold the freeze weakly, so a model
-    # thrown away is not kept alive by them (its parameters' grad hooks hold the freeze).
-    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        handle = ref()
-        if handle is not None:
-            handle._after_step(optimizer, args, kwargs)
-    return hook
+# Every live freeze, held weakly: a model thrown away takes its freeze with it. One global
+# optimizer step post-hook serves them all (registered with the first freeze and kept: it
+# costs an empty loop, and removing it could happen inside torch's loop over the hooks),
+# so 100 models frozen in turn leave one hook, not 100.
+_live: weakref.WeakSet[VocabFreeze] = weakref.WeakSet()
+_global_hook: Any = None
+
+
+def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for handle in list(_live):
+        handle._after_step(optimizer, args, kwargs)
+
+
+def _track(handle: VocabFreeze) -> None:
+    global _global_hook
+    with _lock:
+        _live.add(handle)
+        if _global_hook is None:
+            _global_hook = register_optimizer_step_post_hook(_after_any_step)
+
+
+def _untrack(handle: VocabFreeze) -> None:
+    with _lock:
+        _live.discard(handle)
+
+
+def live_freezes() -> list[VocabFreeze]:
+    """The freezes in effect now (for tests and reports)."""
+    return [handle for handle in list(_live) if not handle.released]
 
 
 class VocabFreeze:
@@ -260,7 +280,6 @@ class VocabFreeze:
         self.released = False
         self._entries = entries
         self._ids = {id(entry.param) for entry in entries}
-        self._step_hook: Any = None
         self._load_hooks: list[Any] = []
         self._holders: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = (
             weakref.WeakKeyDictionary())
@@ -299,14 +318,26 @@ class VocabFreeze:
 
     # -- hooks ---------------------------------------------------------------
 
+    def _grad_hook(self) -> Any:
+        # torch keeps tensor hooks alive from C++, where the garbage collector cannot see a
+        # cycle through them: hold the freeze weakly. The modules' load-state-dict hooks
+        # (plain Python references) keep it alive exactly as long as the model.
+        ref = weakref.ref(self)
+
+        def zero_base_rows(param: torch.Tensor) -> None:
+            handle = ref()
+            if handle is not None:
+                handle._zero_grad_rows(param)
+        return zero_base_rows
+
     def _attach(self) -> None:
         for entry in self._entries:
-            entry.grad_hook = entry.param.register_post_accumulate_grad_hook(self._zero_grad_rows)
+            entry.grad_hook = entry.param.register_post_accumulate_grad_hook(self._grad_hook())
             _by_param[id(entry.param)] = self
         owners = {id(entry.module): entry.module for entry in self._entries}
         self._load_hooks = [mod.register_load_state_dict_post_hook(self._after_load)
                             for mod in owners.values()]
-        self._step_hook = register_optimizer_step_post_hook(_step_hook(weakref.ref(self)))
+        _track(self)
 
     def _rehook(self, entry: _Entry, param: nn.Parameter) -> None:
         """The module got a new Parameter object (``load_state_dict(assign=True)``)."""
@@ -317,7 +348,7 @@ class VocabFreeze:
         self._ids.discard(id(entry.param))
         entry.param = param
         self._ids.add(id(param))
-        entry.grad_hook = param.register_post_accumulate_grad_hook(self._zero_grad_rows)
+        entry.grad_hook = param.register_post_accumulate_grad_hook(self._grad_hook())
         _by_param[id(param)] = self
         self._holders = weakref.WeakKeyDictionary()
         logger.debug("%s %s was replaced by a new parameter; the freeze follows it", TAG,
@@ -371,9 +402,7 @@ class VocabFreeze:
     def remove(self) -> None:
         """Stop freezing: take every hook out and drop the stored rows."""
         with _lock:
-            if self._step_hook is not None:
-                self._step_hook.remove()
-                self._step_hook = None
+            _untrack(self)
             for hook in self._load_hooks:
                 hook.remove()
             self._load_hooks = []
@@ -473,16 +502,15 @@ def _log_start(handle: VocabFreeze, model: nn.Module) -> None:
 def _describe_patch(opts: _options.Options) -> str:
     base = getattr(opts, "base_vocab", None)
     if not base:
-        return "idle: set TRAINING_PATCHES_BASE_VOCAB to freeze base text rows of XTTS models"
-    return (f"freeze text rows of the first {base} tokens in every XTTS GPTTrainer "
-            f"(gradients zeroed, rows restored after each optimizer step)")
+        return "idle: set TRAINING_PATCHES_BASE_VOCAB to freeze the base text rows"
+    return (f"freeze text rows of the first {base} tokens (gradients zeroed, rows restored "
+            f"after each optimizer step)")
 
 
 SPEC = register(PatchSpec(
     name="vocab_freeze",
     describe=_describe_patch,
     priority=5,  # around the checkpoint patch's GPTTrainer.__init__: freeze after loading
-    sites=xtts_vocab.sites(),
 ))
 
 __all__ = ["freeze_base_vocab", "freeze_of", "frozen_rows", "new_rows", "start_row_is_last",

@@ -1,1 +1,8 @@
-"""What is specific to one upstream (coqui Trainer, XTTS, ...): names, call sites, versions."""
+"""Upstream integrations: what is specific to one upstream package (its names, call sites
+and supported versions), contributed to the generic patches through the registry.
+
+Each module declares one :class:`patches._registry.Integration`. Importing an
+integration never imports its upstream: sites land through post-import hooks.
+"""
+
+from . import coqui_trainer, xtts_dataset, xtts_gpt, xtts_language  # noqa: F401

@@ -1,16 +1,42 @@
-"""coqui-tts-trainer (package ``trainer``, 0.4): the names it binds and calls.
+"""Integration ``coqui_trainer``: coqui-tts-trainer (package ``trainer``, 0.4).
 
-``trainer/trainer.py`` binds ``GradScaler = functools.partial(torch.GradScaler,
-device="cuda")`` at its own import time, so patching torch's names alone does not
-reach it; it calls ``torch.nn.utils.clip_grad_norm_`` by attribute at call time.
+What it adds to the generic patches, site by site:
+
+- ``grad_scaler``: ``trainer/trainer.py`` binds ``GradScaler = functools.partial(
+  torch.GradScaler, device="cuda")`` at its own import time, so patching torch's names
+  alone does not reach it; that binding becomes a SafeGradScaler partial. (It calls
+  ``torch.nn.utils.clip_grad_norm_`` by attribute at call time: ``grad_clip`` needs
+  nothing here.)
+- ``nan_guard``: the batch's loss is handed to the guard before backward
+  (``Trainer._compute_loss``), NaN losses are kept out of the running averages
+  (``Trainer.detach_loss_dict``), the counters go to TensorBoard (``Trainer.train_step``)
+  and a run folder holding our reports is kept on error (``remove_experiment_folder``).
+- ``checkpoint``: restore, save and continue (:mod:`.coqui_checkpoint`).
+
+The run folder is known from the Trainer's log file as soon as the Trainer is built
+(see :func:`output_dir_from_logging`), registered with :mod:`patches._run`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import math
+import os
+import re
 from typing import Any
 
-SUPPORTED = "coqui-tts-trainer >= 0.3, < 0.5"
+import torch
+
+from .. import _api, _run, nan_guard
+from .._log import logger
+from .._registry import Integration, Site, register_integration
+from ..grad_scaler import SafeGradScaler
+from . import coqui_checkpoint
+
+NAME = "coqui_trainer"
+DISTRIBUTION = "coqui-tts-trainer"
+SUPPORTED = ">=0.3,<0.5"
 MODULE = "trainer.trainer"
 SCALER_ATTR = "GradScaler"
 
@@ -21,10 +47,6 @@ def output_dir_from_logging() -> str | None:
     Known as soon as the Trainer is built, in DataLoader workers too (they inherit the
     logging handlers), before any training step reports the folder.
     """
-    import logging
-    import os
-    import re
-
     for handler in reversed(logging.getLogger("trainer").handlers):
         path = getattr(handler, "baseFilename", "")
         if isinstance(handler, logging.FileHandler) and re.search(r"trainer_\d+_log\.txt$", path):
@@ -32,11 +54,11 @@ def output_dir_from_logging() -> str | None:
     return None
 
 
-def scaler_factory(safe_cls: type, original: Any) -> Any:
-    """The trainer's ``GradScaler`` binding with ``safe_cls`` in place of torch's class."""
+def scaler_factory(original: Any) -> Any:
+    """The trainer's ``GradScaler`` binding with SafeGradScaler in place of torch's class."""
     if isinstance(original, functools.partial):
-        return functools.partial(safe_cls, *original.args, **original.keywords)
-    return functools.partial(safe_cls, device="cuda")
+        return functools.partial(SafeGradScaler, *original.args, **original.keywords)
+    return functools.partial(SafeGradScaler, device="cuda")
 
 
 # -- NaN guard: what the Trainer's step hands the guard ---------------------------------
@@ -64,10 +86,6 @@ def sample_ids(batch: Any) -> list[str]:
 
 
 def make_compute_loss(original: Any) -> Any:
-    import torch
-
-    from .. import _run, nan_guard
-
     watched: set[int] = set()
 
     @functools.wraps(original)
@@ -92,10 +110,6 @@ def make_compute_loss(original: Any) -> Any:
 
 
 def make_detach_loss_dict(original: Any) -> Any:
-    import math
-
-    from .._log import logger
-
     @functools.wraps(original)
     def detach_loss_dict(self: Any, loss_dict: Any, **kwargs: Any) -> Any:
         detached = original(self, loss_dict, **kwargs)
@@ -114,8 +128,6 @@ def make_detach_loss_dict(original: Any) -> Any:
 
 
 def make_train_step(original: Any) -> Any:
-    from .. import _api
-
     @functools.wraps(original)
     def train_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
@@ -131,11 +143,6 @@ def make_train_step(original: Any) -> Any:
 
 
 def make_remove_experiment_folder(original: Any) -> Any:
-    import os
-
-    from .. import _run
-    from .._log import logger
-
     @functools.wraps(original)
     def remove_experiment_folder(experiment_path: Any) -> None:
         folder = str(experiment_path)
@@ -149,3 +156,40 @@ def make_remove_experiment_folder(original: Any) -> Any:
             return None
         return original(experiment_path)
     return remove_experiment_folder
+
+
+_run.register_dir_provider(output_dir_from_logging)
+
+INTEGRATION = register_integration(Integration(
+    name=NAME,
+    distribution=DISTRIBUTION,
+    supported=SUPPORTED,
+    describe="SafeGradScaler in the Trainer, NaN losses seen before backward, atomic saves "
+             "and vocabulary-aware restore",
+    sites=(
+        Site(MODULE, SCALER_ATTR, scaler_factory, patch="grad_scaler",
+             lost="the coqui Trainer builds torch's GradScaler (initial scale 65536, no skip "
+                  "counters, no loss-scale floor)"),
+        Site(MODULE, "Trainer._compute_loss", make_compute_loss, patch="nan_guard",
+             lost="a NaN loss of a coqui batch is not seen before backward, and events carry "
+                  "no sample ids or trainer step"),
+        Site(MODULE, "Trainer.detach_loss_dict", make_detach_loss_dict, patch="nan_guard",
+             lost="a NaN loss stays in the coqui Trainer's running averages"),
+        Site(MODULE, "Trainer.train_step", make_train_step, patch="nan_guard",
+             lost="the patches' counters do not reach TensorBoard"),
+        Site(MODULE, "remove_experiment_folder", make_remove_experiment_folder,
+             patch="nan_guard",
+             lost="coqui deletes a failed run's folder, with the reports that explain it"),
+        Site(MODULE, "Trainer.restore_model", coqui_checkpoint.make_restore_model,
+             patch="checkpoint",
+             lost="restore_path/continue_path drop every trained row when the vocabulary "
+                  "grew, and restore a scheduler that no longer matches the optimizer"),
+        Site(MODULE, "get_last_checkpoint", coqui_checkpoint.make_get_last_checkpoint,
+             patch="checkpoint",
+             lost="continue_path resumes from the newest file name even when it is torn"),
+        Site(coqui_checkpoint.IO, "save_fsspec", coqui_checkpoint.make_save_fsspec,
+             patch="checkpoint",
+             lost="coqui checkpoints are written in place, not atomically: a kill during a "
+                  "save leaves a torn file"),
+    ),
+))

@@ -29,24 +29,25 @@ but a bad setup: that error (from ``xtts_language``) stops the run at once.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .. import _options, _run
-from .._log import info, logger
-from .._registry import PatchSpec, Site, is_enabled, register
+from .. import _options
+from .._log import logger
+from .._registry import Integration, Site, is_enabled, register_integration
+from ..dataset_guard import (  # noqa: F401  (re-exported: the XTTS guard's public names)
+    REPORT_NAME, DatasetUnusableError, log_summary, read_report, record_drop, report_path,
+    sample_key, summary)
 
 NAME = "xtts_dataset"
-SUPPORTED = "coqui-tts >= 0.27, < 0.29"
+DISTRIBUTION = "coqui-tts"
+SUPPORTED = ">=0.27,<0.29"
 MODULE = "TTS.tts.layers.xtts.trainer.dataset"
-REPORT_NAME = "dropped_samples.jsonl"
 # Picks per item before giving up. With half the samples bad, 100 failed picks in a
 # row happen with probability 2**-100; known-bad picks cost nothing.
 MAX_PICKS = 100
@@ -80,89 +81,6 @@ _HINTS = {
     "load_error": "see the detail of each entry",
 }
 
-
-class DatasetUnusableError(RuntimeError):
-    """More than ``max_drop_share`` of a dataset's samples cannot be loaded."""
-
-
-# -- the report ---------------------------------------------------------------
-
-_lock = threading.Lock()
-_recorded: dict[str, set[str]] = {}   # report path -> keys written by this process
-_counts: dict[str, Counter[str]] = {}  # report path -> reason -> count (this process)
-
-
-def report_path() -> Path:
-    """Where dropped samples are listed now (see the module doc for the order)."""
-    return Path(_run.output_dir() or Path.cwd()) / REPORT_NAME
-
-
-def _sample_key(split: str, sample: dict[str, Any]) -> str:
-    return json.dumps([split, str(sample.get("audio_file")), str(sample.get("text")),
-                       str(sample.get("language"))], ensure_ascii=False)
-
-
-def _append_once(path: Path, key: str, entry: dict[str, Any]) -> bool:
-    """Append ``entry`` unless ``key`` is already in the file (DataLoader workers share it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+", encoding="utf-8") as handle:
-        try:
-            import fcntl
-            fcntl.flock(handle, fcntl.LOCK_EX)  # workers append to one file
-        except (ImportError, OSError):
-            pass
-        handle.seek(0)
-        for line in handle:
-            try:
-                if json.loads(line).get("key") == key:
-                    return False
-            except ValueError:
-                continue
-        handle.write(json.dumps({**entry, "key": key}, ensure_ascii=False) + "\n")
-        handle.flush()
-    return True
-
-
-def read_report(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
-    """The entries of a ``dropped_samples.jsonl`` (the current one by default)."""
-    path = Path(path) if path is not None else report_path()
-    if not path.exists():
-        return []
-    entries = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                entries.append(json.loads(line))
-    return entries
-
-
-def summary(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Counts by split and reason of a report: ``{"total": n, "train": {...}, ...}``."""
-    entries = read_report(path)
-    result: dict[str, Any] = {"total": len(entries), "report": str(path or report_path())}
-    for entry in entries:
-        split = result.setdefault(entry.get("split", "train"), {})
-        split[entry["reason"]] = split.get(entry["reason"], 0) + 1
-    return result
-
-
-def log_summary(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Log one line with what :func:`summary` returns, and return it."""
-    result = summary(path)
-    if result["total"] == 0:
-        info("training-patches: no samples dropped")
-        return result
-    parts = []
-    for split in ("train", "eval"):
-        if split in result:
-            reasons = ", ".join(f"{r} {n}" for r, n in sorted(result[split].items()))
-            parts.append(f"{split}: {reasons}")
-    logger.warning("training-patches: %d samples dropped (%s); each is listed with its "
-                   "reason in %s", result["total"], "; ".join(parts), result["report"])
-    return result
-
-
-# -- why a sample failed ------------------------------------------------------
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
@@ -261,7 +179,7 @@ def _dataset_class(original: type) -> type:
             state = self._tp_state()
             if sample_id is not None:
                 self.failed_samples.add(sample_id)
-            key = _sample_key(self._tp_split(), sample)
+            key = sample_key(self._tp_split(), sample)
             if key in state["dropped"]:
                 return
             state["dropped"][key] = reason
@@ -271,11 +189,7 @@ def _dataset_class(original: type) -> type:
             entry = {"split": self._tp_split(), "audio_file": str(sample.get("audio_file")),
                      "text": str(sample.get("text")), "language": sample.get("language"),
                      "reason": reason, "detail": detail, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-            with _lock:
-                new = _append_once(path, key, entry)
-                counts = _counts.setdefault(str(path), Counter())
-                if new:
-                    counts[reason] += 1
+            record_drop(path, key, entry)
             dropped = len(state["dropped"])
             total = self._tp_total() if total is None else total
             if dropped <= _LOGGED_EACH or dropped % _LOG_EVERY == 0:
@@ -396,13 +310,12 @@ def _make(original: type) -> type:
     return cls
 
 
-def _describe(options: Any) -> str:
-    return (f"XTTS dataset: at most {MAX_PICKS} picks per item, dropped samples listed in "
-            f"{REPORT_NAME}, stop when more than {100 * options.max_drop_share:.0f}% fail")
-
-
-SPEC = register(PatchSpec(
+INTEGRATION = register_integration(Integration(
     name=NAME,
-    describe=_describe,
-    sites=(Site(MODULE, "XTTSDataset", _make, sweep=True),),
+    distribution=DISTRIBUTION,
+    supported=SUPPORTED,
+    describe=f"XTTS dataset: at most {MAX_PICKS} picks per item, every dropped sample listed",
+    sites=(Site(MODULE, "XTTSDataset", _make, sweep=True, patch="dataset_guard",
+                lost="XTTSDataset retries a bad sample forever (unbounded recursion) and "
+                     "drops samples without a word"),),
 ))

@@ -1,4 +1,5 @@
-"""``xtts_language``: the XTTS tokenizer and model accept registered languages.
+"""Integration ``xtts_language`` (patch ``languages``): the XTTS tokenizer and model accept
+registered languages.
 
 coqui-tts 0.28 cannot train or speak a language it does not list:
 
@@ -26,10 +27,11 @@ from typing import Any
 
 from .. import languages
 from .._log import info, logger
-from .._registry import PatchSpec, Site, is_enabled, register
+from .._registry import Integration, Site, is_enabled, register_integration
 
 NAME = "xtts_language"
-SUPPORTED = "coqui-tts >= 0.27, < 0.29"
+DISTRIBUTION = "coqui-tts"
+SUPPORTED = ">=0.27,<0.29"
 TOKENIZER_MODULE = "TTS.tts.layers.xtts.tokenizer"
 MODEL_MODULE = "TTS.tts.models.xtts"
 
@@ -185,17 +187,18 @@ def _cached(factory: Any, public_name: str) -> Any:
     return make
 
 
-def _describe(options: Any) -> str:
-    codes = ", ".join(sorted(languages.registered_languages())) or "none"
-    return f"XTTS tokenizer and config accept registered languages ({codes})"
-
-
-SPEC = register(PatchSpec(
+INTEGRATION = register_integration(Integration(
     name=NAME,
-    describe=_describe,
+    distribution=DISTRIBUTION,
+    supported=SUPPORTED,
+    describe="the XTTS tokenizer and model accept registered languages",
     sites=(
         Site(TOKENIZER_MODULE, "VoiceBpeTokenizer",
-             _cached(_tokenizer_class, "LanguageAwareTokenizer"), sweep=True),
-        Site(MODEL_MODULE, "Xtts", _cached(_model_class, "LanguageAwareXtts"), sweep=True),
+             _cached(_tokenizer_class, "LanguageAwareTokenizer"), sweep=True,
+             patch="languages",
+             lost="the XTTS tokenizer raises NotImplementedError for registered languages"),
+        Site(MODEL_MODULE, "Xtts", _cached(_model_class, "LanguageAwareXtts"), sweep=True,
+             patch="languages",
+             lost="Xtts.synthesize refuses registered languages (test sentences, inference)"),
     ),
 ))

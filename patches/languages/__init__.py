@@ -22,6 +22,7 @@ from typing import Callable
 
 from .. import _options
 from .._log import info
+from .._registry import PatchSpec, register
 from . import amharic
 
 __all__ = ["Language", "register_language", "unregister_language", "get_language",
@@ -120,3 +121,11 @@ def registered_languages() -> dict[str, Language]:
 
 # Amharic ships registered; the registration is only an entry in the table above.
 _languages["am"] = Language("am", _amharic_cleaner, amharic.CHAR_LIMIT, "Amharic")
+
+
+def _describe(options: object) -> str:
+    codes = ", ".join(sorted(_languages)) or "none"
+    return f"registered languages ({codes}) are accepted by the tokenizers of the integrations"
+
+
+SPEC = register(PatchSpec(name="languages", describe=_describe))

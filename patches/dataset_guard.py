@@ -1,0 +1,133 @@
+"""``dataset_guard``: samples a dataset cannot load are dropped visibly, never in silence.
+
+The generic half of the dataset guard: where dropped samples are listed
+(``dropped_samples.jsonl`` in the run's output folder, :func:`patches._run.output_dir`,
+else the working directory), how each is recorded once (DataLoader workers append to
+one file under a lock), and the error that stops a run when more than
+``max_drop_share`` of the samples fail. An integration (XTTS: :mod:`patches.integrations.
+xtts_dataset`) decides what a bad sample is and calls :func:`record_drop`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from . import _run
+from ._log import info, logger
+from ._registry import PatchSpec, register
+
+REPORT_NAME = "dropped_samples.jsonl"
+
+
+class DatasetUnusableError(RuntimeError):
+    """More than ``max_drop_share`` of a dataset's samples cannot be loaded."""
+
+
+# -- the report ---------------------------------------------------------------
+
+_lock = threading.Lock()
+_recorded: dict[str, set[str]] = {}   # report path -> keys written by this process
+_counts: dict[str, Counter[str]] = {}  # report path -> reason -> count (this process)
+
+
+def reset() -> None:
+    """Forget what this process wrote (a new run, or the next test)."""
+    with _lock:
+        _recorded.clear()
+        _counts.clear()
+
+
+def report_path() -> Path:
+    """Where dropped samples are listed now (see the module doc for the order)."""
+    return Path(_run.output_dir() or Path.cwd()) / REPORT_NAME
+
+
+def sample_key(split: str, sample: dict[str, Any]) -> str:
+    return json.dumps([split, str(sample.get("audio_file")), str(sample.get("text")),
+                       str(sample.get("language"))], ensure_ascii=False)
+
+
+def record_drop(path: Path, key: str, entry: dict[str, Any]) -> bool:
+    """Append one dropped sample to the report unless ``key`` is already there; count it."""
+    with _lock:
+        new = _append_once(path, key, entry)
+        if new:
+            _counts.setdefault(str(path), Counter())[str(entry.get("reason"))] += 1
+    return new
+
+
+def _append_once(path: Path, key: str, entry: dict[str, Any]) -> bool:
+    """Append ``entry`` unless ``key`` is already in the file (DataLoader workers share it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+", encoding="utf-8") as handle:
+        try:
+            import fcntl
+            fcntl.flock(handle, fcntl.LOCK_EX)  # workers append to one file
+        except (ImportError, OSError):
+            pass
+        handle.seek(0)
+        for line in handle:
+            try:
+                if json.loads(line).get("key") == key:
+                    return False
+            except ValueError:
+                continue
+        handle.write(json.dumps({**entry, "key": key}, ensure_ascii=False) + "\n")
+        handle.flush()
+    return True
+
+
+def read_report(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """The entries of a ``dropped_samples.jsonl`` (the current one by default)."""
+    path = Path(path) if path is not None else report_path()
+    if not path.exists():
+        return []
+    entries = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                entries.append(json.loads(line))
+    return entries
+
+
+def summary(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Counts by split and reason of a report: ``{"total": n, "train": {...}, ...}``."""
+    entries = read_report(path)
+    result: dict[str, Any] = {"total": len(entries), "report": str(path or report_path())}
+    for entry in entries:
+        split = result.setdefault(entry.get("split", "train"), {})
+        split[entry["reason"]] = split.get(entry["reason"], 0) + 1
+    return result
+
+
+def log_summary(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Log one line with what :func:`summary` returns, and return it."""
+    result = summary(path)
+    if result["total"] == 0:
+        info("training-patches: no samples dropped")
+        return result
+    parts = []
+    for split in ("train", "eval"):
+        if split in result:
+            reasons = ", ".join(f"{r} {n}" for r, n in sorted(result[split].items()))
+            parts.append(f"{split}: {reasons}")
+    logger.warning("training-patches: %d samples dropped (%s); each is listed with its "
+                   "reason in %s", result["total"], "; ".join(parts), result["report"])
+    return result
+
+
+# -- why a sample failed ------------------------------------------------------
+
+
+
+def _describe(options: Any) -> str:
+    return (f"dropped samples listed in {REPORT_NAME}; stop when more than "
+            f"{100 * options.max_drop_share:.0f}% of a dataset fails")
+
+
+SPEC = register(PatchSpec(name="dataset_guard", describe=_describe, reset=reset))

@@ -1,0 +1,129 @@
+"""Integration ``xtts_gpt``: XTTS's ``GPTTrainer`` (coqui-tts 0.28) loads and freezes
+through training-patches.
+
+Sites, all on ``TTS.tts.layers.xtts.trainer.gpt_trainer.GPTTrainer``:
+
+- ``__init__`` (patch ``checkpoint``): ``gpt_checkpoint`` loads through the
+  vocabulary-aware loader instead of coqui's, which pads new vocabulary rows with
+  ``torch.randn`` (std 1, about 50 times the model's own init).
+- ``__init__`` (patch ``vocab_freeze``): with ``TRAINING_PATCHES_BASE_VOCAB`` set, the
+  base rows of every GPTTrainer are frozen once it is built. The registry composes the
+  two layers (the loader inside, the freeze around it), so the stored base rows are the
+  loaded ones. Every start and every resume builds a fresh GPTTrainer, so the freeze
+  comes back by itself on resume; weights the coqui Trainer restores later go through
+  ``load_state_dict``, which the freeze watches.
+- ``load_checkpoint`` (patch ``checkpoint``): ``xtts_checkpoint`` loads through the same
+  loader (a vocabulary growth is resized instead of failing).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+from .. import _options
+from .._log import info
+from .._registry import Integration, Site, is_enabled, register_integration
+from ..checkpoint import load_checkpoint
+from ..vocab_freeze import freeze_base_vocab
+from .coqui_checkpoint import is_local, local_path
+
+NAME = "xtts_gpt"
+DISTRIBUTION = "coqui-tts"
+SUPPORTED = ">=0.24,<0.29"
+GPT_TRAINER = "TTS.tts.layers.xtts.trainer.gpt_trainer"
+# Keys of a GPTTrainer state dict that XTTS itself drops when loading xtts_checkpoint.
+_XTTS_IGNORED = ("torch_mel_spectrogram_style_encoder", "torch_mel_spectrogram_dvae", "dvae")
+
+
+def _xtts_state_filter(key: str) -> bool:
+    return key.split(".")[0] not in _XTTS_IGNORED
+
+
+def make_gpt_trainer_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GPTTrainer.load_checkpoint`` (``xtts_checkpoint``) through :func:`load_checkpoint`."""
+
+    @functools.wraps(original)
+    def gpt_trainer_load_checkpoint(self: Any, config: Any, checkpoint_path: Any, *,
+                                    eval: bool = False, strict: bool = True,  # noqa: A002
+                                    **kwargs: Any) -> Any:
+        if not is_local(checkpoint_path) or not local_path(checkpoint_path).is_file():
+            return original(self, config, checkpoint_path, eval=eval, strict=strict, **kwargs)
+        # XTTS drops the DVAE and mel-spectrogram keys of GPTTrainer checkpoints and loads
+        # into self.xtts; the loader aligns the "xtts." prefix by itself.
+        load_checkpoint(local_path(checkpoint_path), self.xtts, strict=strict, restore_rng=False,
+                        key_filter=_xtts_state_filter)
+        if eval:
+            self.xtts.gpt.init_gpt_for_inference(kv_cache=self.args.kv_cache, use_deepspeed=False)
+            self.eval()
+        return None
+
+    return gpt_trainer_load_checkpoint
+
+
+def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
+                        freeze: bool = True) -> Any:
+    """What ``GPTTrainer.__init__`` does with ``gpt_checkpoint``, through the loader.
+
+    Accepts a bare GPT state dict or a coqui Trainer checkpoint (keys ``xtts.gpt.*``);
+    a grown vocabulary is mean-resized (not ``torch.randn``). Returns the LoadReport.
+    """
+    def gpt_keys(key: str) -> bool:
+        # a coqui Trainer checkpoint holds the whole GPTTrainer: keep xtts.gpt.* only
+        return key.startswith("xtts.gpt.") or not key.startswith(("xtts.", *_XTTS_IGNORED))
+
+    return load_checkpoint(path, gpt_trainer.xtts.gpt, restore_rng=False, freeze=freeze,
+                           strict=True, key_filter=gpt_keys)
+
+
+def make_gpt_trainer_init(original: Callable[..., None]) -> Callable[..., None]:
+    """``GPTTrainer.__init__`` that loads ``gpt_checkpoint`` with :func:`load_gpt_checkpoint`."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        model_args = getattr(config, "model_args", None)
+        path = getattr(model_args, "gpt_checkpoint", "") if model_args is not None else ""
+        if not path or not is_local(path):
+            return original(self, config, *args, **kwargs)
+        model_args.gpt_checkpoint = ""  # coqui would load it and pad new rows with randn
+        try:
+            original(self, config, *args, **kwargs)
+        finally:
+            model_args.gpt_checkpoint = path
+        report = load_gpt_checkpoint(self, local_path(path))
+        info("gpt_checkpoint loaded through training-patches: %s", report.summary())
+        return None
+    return __init__
+
+
+
+def make_freezing_init(original: Callable[..., None]) -> Callable[..., None]:
+    """``GPTTrainer.__init__`` that freezes the base rows when ``base_vocab`` is set."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        base = _options.current().base_vocab
+        if base and is_enabled("vocab_freeze"):
+            freeze_base_vocab(self, base)
+
+    return __init__
+
+
+INTEGRATION = register_integration(Integration(
+    name=NAME,
+    distribution=DISTRIBUTION,
+    supported=SUPPORTED,
+    describe="gpt_checkpoint/xtts_checkpoint through the vocabulary-aware loader; "
+             "TRAINING_PATCHES_BASE_VOCAB freezes every GPTTrainer",
+    sites=(
+        Site(GPT_TRAINER, "GPTTrainer.__init__", make_gpt_trainer_init, patch="checkpoint",
+             lost="gpt_checkpoint pads new vocabulary rows with torch.randn (std 1)"),
+        Site(GPT_TRAINER, "GPTTrainer.load_checkpoint", make_gpt_trainer_load_checkpoint,
+             patch="checkpoint",
+             lost="xtts_checkpoint fails on a grown vocabulary instead of resizing it"),
+        Site(GPT_TRAINER, "GPTTrainer.__init__", make_freezing_init, patch="vocab_freeze",
+             lost="TRAINING_PATCHES_BASE_VOCAB does not freeze XTTS GPTTrainer models"),
+    ),
+))
