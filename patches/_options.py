@@ -106,7 +106,7 @@ class Options:
     max_bad_steps: int = 25
     spike_k: float = 0.0
     spike_window: int = 100
-    lr_step_on_skip: bool = False
+    lr_step_on_skip: bool = True
     replay: bool = True
     max_drop_share: float = 0.5
     output_dir: str = ""

@@ -18,6 +18,10 @@ from . import _options
 _lock = threading.Lock()
 _output_dir: str | None = None
 _trainer_dir: str | None = None
+_checkpoint_dir: str | None = None
+# Where reports go when no run folder is known at all (a plain loop before its first save).
+DEFAULT_DIR = "training_patches"
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors")
 batch_ids: list[str] = []  # sample identifiers of the batch being trained on
 trainer_step: int | None = None  # the trainer's own step counter, when an integration knows it
 
@@ -55,14 +59,26 @@ def output_dir() -> str | None:
         if found:
             break
         found = provider()
-    return found or None
+    return found or _checkpoint_dir or None
 
 
-def append_jsonl(name: str, record: dict[str, Any]) -> str | None:
-    """Append one JSON line to ``name`` in the output directory; return its path (None: no dir)."""
-    folder = output_dir()
-    if not folder:
-        return None
+def saw_checkpoint(path: str | os.PathLike[str]) -> None:
+    """A checkpoint is being written to ``path``: its folder is the run's, unless a better
+    one is known (a plain loop tells us nothing else)."""
+    global _checkpoint_dir
+    text = os.fspath(path)
+    if text.endswith(CHECKPOINT_SUFFIXES) and "://" not in text:
+        _checkpoint_dir = os.path.dirname(os.path.abspath(text))
+
+
+def report_dir() -> str:
+    """:func:`output_dir`, else ``./training_patches`` (absolute): reports always have a home."""
+    return output_dir() or os.path.abspath(DEFAULT_DIR)
+
+
+def append_jsonl(name: str, record: dict[str, Any]) -> str:
+    """Append one JSON line to ``name`` in :func:`report_dir`; return the file's path."""
+    folder = report_dir()
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, name)
     line = json.dumps(record, ensure_ascii=False, default=str)
@@ -75,6 +91,6 @@ def append_jsonl(name: str, record: dict[str, Any]) -> str | None:
 
 def reset() -> None:
     """Forget the output folders, the batch in hand and the trainer step."""
-    global _output_dir, _trainer_dir, trainer_step
-    _output_dir = _trainer_dir = trainer_step = None
+    global _output_dir, _trainer_dir, _checkpoint_dir, trainer_step
+    _output_dir = _trainer_dir = _checkpoint_dir = trainer_step = None
     batch_ids.clear()

@@ -44,7 +44,7 @@ def reset() -> None:
 
 def report_path() -> Path:
     """Where dropped samples are listed now (see the module doc for the order)."""
-    return Path(_run.output_dir() or Path.cwd()) / REPORT_NAME
+    return Path(_run.report_dir()) / REPORT_NAME
 
 
 def sample_key(split: str, sample: dict[str, Any]) -> str:

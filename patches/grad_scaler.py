@@ -42,6 +42,7 @@ _PRIVATE = (
     ("torch", "_amp_update_scale_"),
     ("torch.amp.GradScaler", "_maybe_opt_step"),
     ("torch.amp.GradScaler", "_check_scale_growth_tracker"),
+    ("torch.amp.grad_scaler", "OptState"),
 )
 
 
@@ -137,6 +138,21 @@ class SafeGradScaler(_TorchGradScaler):
         if self._enabled:
             self._tp_unscaled.update(
                 id(p) for group in optimizer.param_groups for p in group["params"])
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if self._enabled and not any(p.grad is not None for group in optimizer.param_groups
+                                     for p in group["params"]):
+            # Every micro-batch of this step was left out (non-finite losses): torch's
+            # GradScaler would assert "No inf checks were recorded". Count it as skipped.
+            state = self._per_optimizer_states[id(optimizer)]
+            if not state["found_inf_per_device"]:
+                scale = self._check_scale_growth_tracker("step")[0]
+                state["found_inf_per_device"][scale.device] = torch.ones(
+                    (), dtype=torch.float32, device=scale.device)
+                state["stage"] = _torch_grad_scaler.OptState.STEPPED
+                self._tp_found_host.append(True)
+                return None
+        return super().step(optimizer, *args, **kwargs)
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
                         *args: Any, **kwargs: Any) -> Any:

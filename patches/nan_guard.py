@@ -15,7 +15,18 @@ in plain loops and in the coqui Trainer:
 - other optimizers cost one host sync (``.item()`` of the flag); on a bad step
   every gradient is set to None, so the optimizer leaves each parameter, its
   moments, its step count and its weight decay exactly as they were;
-- the LR scheduler of a skipped step does not advance (``lr_step_on_skip``);
+- with gradient accumulation (steps of more than one backward), each micro-batch's
+  loss is checked before its backward (``Tensor.backward``; one host read, where the
+  trainer usually reads the loss for its log anyway): a non-finite micro-batch adds
+  nothing to the accumulated gradient and the step uses the others. Without
+  accumulation nothing is read there: the step-level check below decides;
+- step accounting: by default the LR scheduler still steps on a skipped step
+  (``lr_step_on_skip=1``), so the trainer's own step counter, the scheduler and the step
+  in its checkpoints stay equal and a resume finds the LR the schedule expects; with
+  ``lr_step_on_skip=0`` the scheduler is held and lags by ``stats()["skipped"]``;
+- events go to the run's folder (:func:`patches._run.report_dir`: the folder set by
+  the user or the trainer, else the folder of the checkpoints being saved, else
+  ``./training_patches``), and every warning names the file;
 - each bad step appends a line to ``nonfinite_events.jsonl`` in the run's output
   directory; the first can be replayed to name the module and the operation that
   made the first non-finite value; after ``max_bad_steps`` consecutive bad steps
@@ -26,7 +37,9 @@ Steps a GradScaler protects are left to it.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import threading
 import warnings
 from typing import Any, Callable
@@ -54,7 +67,8 @@ class _State:
         # Host counts: a good step only adds to "steps"; the rest is counted on bad steps,
         # whose flags the host reads anyway (fused steps: when their flags are settled).
         self.counts = dict.fromkeys(
-            ("steps", "skipped", "nonfinite_losses", "nonfinite_grads", "spikes"), 0)
+            ("steps", "skipped", "nonfinite_losses", "nonfinite_grads", "spikes",
+             "skipped_micro_batches"), 0)
         self.host_steps = 0  # optimizer steps seen (known on the host, no sync)
         self.streak = 0  # consecutive skipped steps the host knows of
         self.first_bad: dict[str, Any] | None = None
@@ -69,6 +83,13 @@ class _State:
         self.window: torch.Tensor | None = None
         self.window_count = 0
         self.set_found_inf: set[int] = set()
+        # Gradient accumulation: scalar backward calls since the last optimizer step. When
+        # steps take more than one, each loss is checked before its backward (one host read),
+        # so a non-finite micro-batch is left out instead of dropping the whole step.
+        self.backwards = 0
+        self.accumulating = False  # the last step took more than one backward
+        self.accumulation_hint = False  # an integration said steps accumulate
+        self.events_path: str | None = None
         self.lock = threading.Lock()
 
 
@@ -82,6 +103,12 @@ def observe_loss(loss: torch.Tensor) -> None:
     """Hand the guard this step's loss (no sync): a non-finite loss skips the step, and
     the loss-spike test needs it. Integrations call it; plain loops may."""
     _state.pending_loss = loss.detach().float().reshape(-1)[:1].squeeze(0)
+
+
+def expect_accumulation(steps: int) -> None:
+    """Tell the guard that optimizer steps accumulate ``steps`` micro-batches (an
+    integration knows it from its config; plain loops are learned from their first step)."""
+    _state.accumulation_hint = steps > 1
 
 
 def watch(model: torch.nn.Module, prefix: str = "") -> None:
@@ -140,6 +167,8 @@ def _all_reduce(flag: torch.Tensor) -> torch.Tensor:
 
 def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> None:
+    _state.accumulating = _state.backwards > 1
+    _state.backwards = 0
     if _protected(optimizer, kwargs):
         _state.pending_loss = None
         return
@@ -222,15 +251,41 @@ def _value(tensor: torch.Tensor | None) -> float | None:
     return None if tensor is None else float(tensor.item())
 
 
+def _learn_names(params: list[torch.Tensor]) -> None:
+    """Name parameters by their module path, from the model that holds them.
+
+    The guard is not told about the model in a plain loop. Only when a bad step needs
+    names does it look for it: among the live ``nn.Module`` objects, the one holding
+    the most of these parameters (the root model) names them. That costs one scan of
+    the garbage collector's objects at a bad step (rare) and nothing per step, where a
+    global module hook would cost a call on every forward of every module.
+    """
+    import gc
+
+    wanted = {id(p) for p in params if id(p) not in _state.names}
+    if not wanted:
+        return
+    best: tuple[int, torch.nn.Module] | None = None
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter asks __class__ of lazy deprecated proxies
+        if issubclass(type(obj), torch.nn.Module):
+            held = sum(1 for p in obj.parameters() if id(p) in wanted)
+            if held and (best is None or held > best[0] or
+                         (held == best[0] and len(obj._modules) > len(best[1]._modules))):
+                best = (held, obj)
+    if best is not None:
+        watch(best[1])
+
+
 def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
     if optimizer is None:
         return []
-    names = []
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                names.append(_state.names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}"))
-    return names
+    bad = [(g, i, p) for g, group in enumerate(optimizer.param_groups)
+           for i, p in enumerate(group["params"])
+           if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    _learn_names([p for _, _, p in bad])
+    return [_state.names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
+            for g, i, p in bad]
 
 
 def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: torch.Tensor,
@@ -264,15 +319,16 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
         _state.replayed = True
         event["source"] = _state.replay()
     path = _run.append_jsonl(EVENTS_FILE, event)
+    _state.events_path = path
     grads = event["nonfinite_grads"]
     what = (f"non-finite gradients in {', '.join(grads[:3])}"
             + (f" (+{len(grads) - 3} more)" if len(grads) > 3 else "")) if grads else kind
     where = (f"trainer step {_run.trainer_step} (optimizer step {step})"
              if _run.trainer_step is not None else f"optimizer step {step}")
-    logger.warning("nan_guard: %s skipped (%s; loss=%s)%s%s%s", where, what, loss_value,
+    logger.warning("nan_guard: %s skipped: the whole optimizer step (%s; loss=%s)%s%s; "
+                   "recorded in %s", where, what, loss_value,
                    f"; samples: {', '.join(event['samples'][:4])}" if event["samples"] else "",
-                   f"; source: {event['source']}" if event.get("source") else "",
-                   f"; recorded in {path}" if path else "")
+                   f"; source: {event['source']}" if event.get("source") else "", path)
     if _state.streak >= opts.max_bad_steps:
         _raise(step)
 
@@ -291,8 +347,8 @@ def _raise(step: int) -> None:
         f"{first.get('scale')}; samples in that batch: {', '.join(samples) or 'unknown'}. "
         f"The last finite loss was {last_loss}."
         + (f" Where it started: {first['source']}." if first.get("source") else "")
-        + f" Every skipped step is in {_run.output_dir() or 'the log'}"
-        f"{'/' + EVENTS_FILE if _run.output_dir() else ''}. Try: a lower learning rate; "
+        + f" Every skipped step is in {_run.report_dir()}/{EVENTS_FILE}. Try: a lower "
+        "learning rate; "
         "checking those samples (`training-patches report RUN_DIR` lists them); fp32 "
         "instead of fp16/bf16 (on a T4, disable fp16); TRAINING_PATCHES_ANOMALY=1 for one run to name the operation. "
         "TRAINING_PATCHES_MAX_BAD_STEPS raises the limit.")
@@ -326,6 +382,63 @@ def reset(keep_replay: bool = True) -> None:
     _state = _State()
     if keep_replay:
         _state.replay = replay
+
+
+# -- micro-batches: a non-finite loss adds nothing to the accumulated gradient -------
+
+def _on_bad_micro_batch(loss: torch.Tensor) -> None:
+    counts = _state.counts
+    counts["nonfinite_losses"] += 1
+    counts["skipped_micro_batches"] += 1
+    value = float(loss.detach().float().reshape(-1)[0])
+    if _state.pending_loss is not None and not bool(torch.isfinite(_state.pending_loss)):
+        _state.pending_loss = None  # this loss was the one observed: it is dealt with here
+    event = {
+        "step": _state.host_steps + 1,
+        "trainer_step": _run.trainer_step,
+        "kind": "nonfinite_loss",
+        "micro_batch": True,
+        "action": "left out of the accumulated gradient; the optimizer step uses the others",
+        "loss": value,
+        "samples": list(_run.batch_ids),
+    }
+    opts = _options.current()
+    if opts.replay and not _state.replayed and _state.replay is not None:
+        _state.replayed = True
+        event["source"] = _state.replay()
+    path = _run.append_jsonl(EVENTS_FILE, event)
+    _state.events_path = path
+    where = (f"trainer step {_run.trainer_step}" if _run.trainer_step is not None
+             else f"a micro-batch of optimizer step {event['step']}")
+    logger.warning("nan_guard: %s: non-finite loss (%s); this micro-batch is left out of the "
+                   "accumulated gradient and the optimizer step uses the others%s%s; "
+                   "recorded in %s", where, value,
+                   f"; samples: {', '.join(event['samples'][:4])}" if event["samples"] else "",
+                   f"; source: {event['source']}" if event.get("source") else "", path)
+
+
+def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None,
+                 create_graph: bool = False, inputs: Any = None) -> Any:
+        if gradient is None and self.numel() == 1 and self.requires_grad:
+            _state.backwards += 1
+            if ((_state.accumulating or _state.accumulation_hint)
+                    and not bool(torch.isfinite(self.detach()).all())):
+                _on_bad_micro_batch(self)
+                return None
+        return original(self, gradient, retain_graph, create_graph, inputs)
+    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    backward.__doc__ = original.__doc__
+    return backward
+
+
+def _make_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(f, (str, os.PathLike)):
+            _run.saw_checkpoint(f)
+        return original(obj, f, *args, **kwargs)
+    return save
 
 
 # -- the LR scheduler --------------------------------------------------------------
@@ -435,7 +548,12 @@ SPEC = register(PatchSpec(
     disable=_disable,
     sites=(
         Site("torch.optim.lr_scheduler", "LRScheduler.step", _make_scheduler_step,
-             lost="the LR scheduler advances on skipped steps"),
+             lost="TRAINING_PATCHES_LR_STEP_ON_SKIP=0 cannot hold the LR scheduler"),
+        Site("torch._tensor", "Tensor.backward", _make_backward,
+             lost="with gradient accumulation a non-finite micro-batch drops the whole step"),
+        Site("torch", "save", _make_save,
+             lost="events of a plain loop go to ./training_patches/, not its checkpoint folder"),
+        Site("torch.serialization", "save", _make_save),
     ),
     reset=lambda: reset(keep_replay=False),
 ))

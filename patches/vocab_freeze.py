@@ -46,7 +46,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
 from . import _options
 from ._log import info, logger
@@ -97,6 +98,51 @@ def start_row_is_last(owner: nn.Module | None, vocab_size: int) -> bool:
     ``start_text_token`` is the last row: the layout coqui's resize assumes."""
     start = getattr(owner, "start_text_token", None) if owner is not None else None
     return isinstance(start, int) and not isinstance(start, bool) and start == vocab_size - 1
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def has_slot_row(owner: nn.Module | None, rows: int) -> bool:
+    """True for the IndexTTS ``UnifiedVoice`` layout: ``number_text_tokens * types + 1``
+    rows, the last one an extra slot that is no token of the tokenizer."""
+    tokens = getattr(owner, "number_text_tokens", None) if owner is not None else None
+    types = getattr(owner, "types", 1) if owner is not None else 1
+    return _whole(tokens) and _whole(types) and rows == tokens * types + 1 and \
+        not start_row_is_last(owner, rows)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How the rows of a text embedding map to tokens.
+
+    ``last_row_kept``: the last row belongs to the base model and stays last when the
+    vocabulary grows (XTTS's ``[START]`` when it is the last id; IndexTTS's extra slot).
+    ``extra_rows``: rows that are no token of the tokenizer (IndexTTS: 1), so a base of
+    N tokens is N + extra_rows rows.
+    """
+
+    name: str
+    last_row_kept: bool = False
+    extra_rows: int = 0
+
+    def base_rows(self, base_tokens: int) -> int:
+        return base_tokens + self.extra_rows
+
+
+PLAIN = RowLayout("plain")
+XTTS_START_LAST = RowLayout("xtts, [START] last", last_row_kept=True)
+INDEXTTS_SLOT = RowLayout("indextts, +1 slot last", last_row_kept=True, extra_rows=1)
+
+
+def row_layout(owner: nn.Module | None, rows: int) -> RowLayout:
+    """The :class:`RowLayout` of the module that owns ``text_embedding``/``text_head``."""
+    if start_row_is_last(owner, rows):
+        return XTTS_START_LAST
+    if has_slot_row(owner, rows):
+        return INDEXTTS_SLOT
+    return PLAIN
 
 
 # -- finding the text embedding ------------------------------------------------
@@ -242,12 +288,27 @@ def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
         handle._after_step(optimizer, args, kwargs)
 
 
-def _track(handle: VocabFreeze) -> None:
-    global _global_hook
+def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for handle in list(_live):
+        handle._follow_swaps()
+
+
+_global_pre_hook: Any = None
+
+
+def _ensure_global_hooks() -> None:
+    # Never called from inside an optimizer step: torch iterates its hook dicts there.
+    global _global_hook, _global_pre_hook
     with _lock:
-        _live.add(handle)
         if _global_hook is None:
             _global_hook = register_optimizer_step_post_hook(_after_any_step)
+            _global_pre_hook = register_optimizer_step_pre_hook(_before_any_step)
+
+
+def _track(handle: VocabFreeze) -> None:
+    with _lock:
+        _live.add(handle)
+        _ensure_global_hooks()
 
 
 def _untrack(handle: VocabFreeze) -> None:
@@ -270,7 +331,10 @@ class VocabFreeze:
     """
 
     def __init__(self, entries: list[_Entry], vocab_size: int, base_vocab_size: int,
-                 start_row_last: bool, until_step: int | None) -> None:
+                 start_row_last: bool, until_step: int | None,
+                 root: nn.Module | None = None, layout: RowLayout = PLAIN) -> None:
+        self.layout = layout
+        self._root = weakref.ref(root) if root is not None else None
         self.vocab_size = vocab_size
         self.base_vocab_size = base_vocab_size
         self.start_row_last = start_row_last
@@ -367,6 +431,37 @@ class VocabFreeze:
         self.refresh()
         logger.debug("%s stored base rows refreshed after load_state_dict", TAG)
 
+    def _follow_swaps(self) -> None:
+        """A trainer may swap in new embedding/head modules after the freeze (an extended
+        vocabulary loaded by hand): follow the module at its path, before the step."""
+        root = self._root() if self._root is not None else None
+        if root is None or self.released:
+            return
+        for entry in self._entries:
+            module_path = entry.path.rsplit(".", 1)[0] if "." in entry.path else ""
+            try:
+                current = root.get_submodule(module_path) if module_path else root
+            except AttributeError:
+                continue
+            param = current._parameters.get(entry.name)
+            if current is entry.module or not isinstance(param, nn.Parameter):
+                continue
+            entry.module = current
+            self._rehook(entry, param)
+            self._load_hooks.append(current.register_load_state_dict_post_hook(self._after_load))
+            rows = param.shape[0]
+            if rows != self.vocab_size:
+                self.vocab_size = rows
+                self.rows = frozen_rows(rows, self.base_vocab_size,
+                                        start_row_last=self.start_row_last)
+            logger.info("%s %s was replaced by a new module after the freeze; the freeze "
+                        "follows it (%d rows, base rows %s frozen)", TAG, module_path, rows,
+                        _describe(self.rows))
+            with torch.no_grad():
+                entry.stored = self._base(param.detach()).clone()
+                if param.grad is not None:  # this step's backward ran before the hook
+                    self._zero_grad_rows(param)
+
     def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
         size = sum(len(group["params"]) for group in optimizer.param_groups)
         cached = self._holders.get(optimizer)
@@ -436,7 +531,9 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
         model: an XTTS ``GPTTrainer`` (``model.xtts.gpt``), an XTTS ``GPT``, an
             IndexTTS-style ``UnifiedVoice`` (``text_embedding``/``text_head``), a DDP
             wrapper of one, or any model whose vocabulary modules are named in ``modules``.
-        base_vocab_size: rows of the original (pretrained) vocabulary, e.g. 12000.
+        base_vocab_size: tokens of the original (pretrained) tokenizer, e.g. 12000. For
+            XTTS tokens and rows are the same; an IndexTTS ``UnifiedVoice`` has one extra
+            slot row after its tokens (see :func:`row_layout`), which is kept last and frozen.
         modules: the embedding/head modules (objects or dotted paths); their ``weight``
             and ``bias`` are frozen row-wise. Default: ``text_embedding`` and ``text_head``.
         until_step: release the freeze after this many optimizer steps (two-stage
@@ -458,8 +555,11 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
     model = _unwrap(model)
     entries, owner = _entries(model, modules)
     vocab_size = entries[0].param.shape[0]
-    start_last = (start_row_is_last(owner, vocab_size) if start_row_last is None
-                  else bool(start_row_last))
+    layout = row_layout(owner, vocab_size) if modules is None else PLAIN
+    if start_row_last is not None:
+        layout = RowLayout("explicit", last_row_kept=bool(start_row_last))
+    start_last = layout.last_row_kept
+    base_vocab_size = layout.base_rows(base_vocab_size)
     with _lock:
         for entry in entries:
             previous = freeze_of(entry.param)
@@ -467,7 +567,8 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
                 logger.debug("%s replacing an earlier freeze of %s", TAG, entry.path)
                 previous.remove()
         handle = VocabFreeze(entries, vocab_size, base_vocab_size, start_last,
-                             None if until_step is None else int(until_step))
+                             None if until_step is None else int(until_step), root=model,
+                             layout=layout)
         handle.refresh()
         handle._attach()
     _log_start(handle, model)
@@ -482,7 +583,9 @@ def _log_start(handle: VocabFreeze, model: nn.Module) -> None:
     else:
         info("%s Detected extended vocabulary: %d tokens", TAG, vocab)
     base_rows = _describe(handle.rows)
-    if handle.start_row_last and base < vocab:
+    if handle.layout is INDEXTTS_SLOT:
+        base_rows += f" (row {vocab - 1} is the model's extra slot, no token; kept last)"
+    elif handle.start_row_last and base < vocab:
         base_rows += f" (row {vocab - 1} is the start-text token, kept last)"
     info("%s Base tokens: %s (frozen)", TAG, base_rows)
     if base < vocab:
@@ -503,14 +606,75 @@ def _describe_patch(opts: _options.Options) -> str:
     base = getattr(opts, "base_vocab", None)
     if not base:
         return "idle: set TRAINING_PATCHES_BASE_VOCAB to freeze the base text rows"
-    return (f"freeze text rows of the first {base} tokens (gradients zeroed, rows restored "
-            f"after each optimizer step)")
+    return (f"freeze text rows of the first {base} tokens of every model trained (XTTS, "
+            f"IndexTTS UnifiedVoice, any with text_embedding/text_head; gradients zeroed, rows "
+            f"restored after each optimizer step)")
+
+
+def _roots_of(params: set[int]) -> list[nn.Module]:
+    """The outermost live modules holding any of ``params`` that own a text embedding.
+
+    Found by one scan of the garbage collector's objects, once per optimizer (at its
+    first step): a plain loop never tells the library which model it trains.
+    """
+    import gc
+
+    found: list[nn.Module] = []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), nn.Module) and _find_owner(obj) is not None:
+            owner_path, owner = _find_owner(obj)  # type: ignore[misc]
+            if any(id(p) in params for p in owner.text_embedding.parameters()):
+                found.append(obj)
+    # keep the outermost: a module whose own owner is inside another found one is inner
+    inner = {id(sub) for model in found for sub in model.modules() if sub is not model}
+    return [model for model in found if id(model) not in inner]
+
+
+_seen_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_discovery_hook: Any = None
+
+
+def _discover(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """``TRAINING_PATCHES_BASE_VOCAB`` on any model: at each optimizer's first step, freeze
+    the base rows of every model it trains that has a text embedding and head (XTTS,
+    IndexTTS ``UnifiedVoice``, ...), unless they are frozen already. Every start and every
+    resume builds a new optimizer, so the freeze comes back by itself."""
+    base = _options.current().base_vocab
+    if not base or optimizer in _seen_optimizers:
+        return
+    _seen_optimizers.add(optimizer)
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in _roots_of(params):
+        hit = _find_owner(model)
+        if hit is None or freeze_of(hit[1].text_embedding.weight) is not None:
+            continue
+        handle = freeze_base_vocab(model, base)
+        with torch.no_grad():  # this step's backward ran before the freeze existed
+            for entry in handle._entries:
+                if entry.param.grad is not None:
+                    handle._zero_grad_rows(entry.param)
+
+
+def _enable(options: Any) -> None:
+    global _discovery_hook
+    _ensure_global_hooks()  # before discovery: a freeze made inside a step adds no hook
+    if _discovery_hook is None:
+        _discovery_hook = register_optimizer_step_pre_hook(_discover)
+
+
+def _disable() -> None:
+    global _discovery_hook
+    if _discovery_hook is not None:
+        _discovery_hook.remove()
+        _discovery_hook = None
 
 
 SPEC = register(PatchSpec(
     name="vocab_freeze",
     describe=_describe_patch,
     priority=5,  # around the checkpoint patch's GPTTrainer.__init__: freeze after loading
+    enable=_enable,
+    disable=_disable,
 ))
 
 __all__ = ["freeze_base_vocab", "freeze_of", "frozen_rows", "new_rows", "start_row_is_last",

@@ -54,6 +54,18 @@ def test_amharic_encodes_with_its_cleaner(am_tiny, language_patch) -> None:
     assert tokenizer.char_limits["am"] == 150  # Xtts.inference indexes it when splitting
 
 
+def test_iso_639_3_code_is_the_same_language(am_tiny, language_patch) -> None:
+    from TTS.tts.layers.xtts.tokenizer import VoiceBpeTokenizer
+
+    from patches.languages import get_language
+
+    assert get_language("amh") is get_language("am")
+    tokenizer = VoiceBpeTokenizer(am_tiny.vocab)  # holds [am], not [amh]
+    text = "ዛሬ 25 ተማሪዎች ወደ ቤተ መጻሕፍት ሄዱ።"
+    assert tokenizer.encode(text, "amh") == tokenizer.encode(text, "am")
+    assert tokenizer.char_limits["amh"] == tokenizer.char_limits["am"]
+
+
 def test_other_unknown_languages_still_refused(am_tiny, language_patch) -> None:
     from TTS.tts.layers.xtts.tokenizer import VoiceBpeTokenizer
 

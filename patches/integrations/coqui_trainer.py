@@ -93,6 +93,7 @@ def make_compute_loss(original: Any) -> Any:
         _run.set_trainer_dir(getattr(self, "output_path", None))
         _run.batch_ids = sample_ids(batch)
         _run.trainer_step = getattr(self, "total_steps_done", None)
+        nan_guard.expect_accumulation(int(getattr(self, "grad_accum_steps", 1) or 1))
         if id(self.model) not in watched:
             watched.add(id(self.model))
             nan_guard.watch(self.model)
@@ -117,8 +118,9 @@ def make_detach_loss_dict(original: Any) -> Any:
                if isinstance(v, float) and not math.isfinite(v)]
         if bad:
             # Keep NaN out of the Trainer's running averages: they would read NaN for good.
-            logger.warning("nan_guard: trainer step %s: non-finite %s; the batch is skipped "
-                           "and left out of the averages",
+            logger.warning("nan_guard: trainer step %s: non-finite %s; left out of the "
+                           "Trainer's running averages (what happened to the step is logged "
+                           "by nan_guard)",
                            getattr(self, "total_steps_done", "?"),
                            ", ".join(f"{k}={detached[k]}" for k in bad))
             for key in bad:

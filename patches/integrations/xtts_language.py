@@ -68,6 +68,28 @@ class _CharLimits(dict):
         return super().get(key, default)
 
 
+def _is_special(backend: Any, token: str) -> bool:
+    token_id = backend.token_to_id(token)
+    return token_id is not None and backend.encode(token).ids == [token_id]
+
+
+def language_token_code(tokenizer: Any, given: str, language: languages.Language,
+                        vocab_file: Any = None) -> str:
+    """The code whose ``[code]`` token the vocabulary holds: the one the data names (``amh``),
+    else the registered code or an alias (``am``). Raises
+    :class:`LanguageTokenMissingError` when the vocabulary has none of them."""
+    backend = tokenizer.tokenizer
+    candidates = [languages.base_code(given)] + [c for c in language.codes
+                                                 if c != languages.base_code(given)]
+    if backend is None:
+        return candidates[0]  # coqui's own error (no vocabulary loaded) is clearer here
+    for code in candidates:
+        if _is_special(backend, f"[{code}]"):
+            return code
+    _check_language_token(tokenizer, language.code, vocab_file)
+    return language.code
+
+
 def _check_language_token(tokenizer: Any, code: str, vocab_file: Any) -> None:
     """Raise :class:`LanguageTokenMissingError` unless ``[code]`` encodes as one special token."""
     token = f"[{code}]"
@@ -75,7 +97,7 @@ def _check_language_token(tokenizer: Any, code: str, vocab_file: Any) -> None:
     if backend is None:
         return  # coqui's own error (no vocabulary loaded) is clearer than ours here
     token_id = backend.token_to_id(token)
-    if token_id is not None and backend.encode(token).ids == [token_id]:
+    if _is_special(backend, token):
         return
     vocab = backend.get_vocab()
     found = sorted(t for t in vocab if len(t) <= 8 and t.startswith("[") and t.endswith("]")
@@ -102,7 +124,7 @@ def _tokenizer_class(original: type) -> type:
         def __init__(self, vocab_file: Any = None, *args: Any, **kwargs: Any) -> None:
             super().__init__(vocab_file, *args, **kwargs)
             self._tp_vocab_file = vocab_file
-            self._tp_checked: set[str] = set()
+            self._tp_codes: dict[str, str] = {}  # code in the data -> code of its [token]
             self.char_limits = _CharLimits(self.char_limits)
 
         def check_input_length(self, txt: str, lang: str) -> None:
@@ -124,9 +146,12 @@ def _tokenizer_class(original: type) -> type:
 
         def encode(self, txt: str, lang: str) -> list[int]:
             language = _active_language(lang)
-            if language is not None and language.code not in self._tp_checked:
-                _check_language_token(self, language.code, self._tp_vocab_file)
-                self._tp_checked.add(language.code)
+            if language is not None:
+                code = self._tp_codes.get(lang)
+                if code is None:
+                    code = self._tp_codes[lang] = language_token_code(
+                        self, lang, language, self._tp_vocab_file)
+                lang = code  # coqui writes f"[{lang}]" in front of the text
             return super().encode(txt, lang)
 
     return LanguageAwareTokenizer

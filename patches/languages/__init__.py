@@ -42,6 +42,12 @@ class Language:
     cleaner: Callable[[str], str]
     char_limit: int
     name: str = ""
+    aliases: tuple[str, ...] = ()  # other codes of the same language (ISO 639-3: "amh")
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        """Every code that names this language, the registered one first."""
+        return (self.code, *self.aliases)
 
 
 _lock = threading.Lock()
@@ -64,7 +70,7 @@ def base_code(code: str) -> str:
 
 
 def register_language(code: str, cleaner: Callable[[str], str] | None = None,
-                      char_limit: int = 250, *, name: str = "",
+                      char_limit: int = 250, *, name: str = "", aliases: tuple[str, ...] = (),
                       replace: bool = False) -> Language:
     """Teach the XTTS tokenizer a language (effective while ``xtts_language`` is applied).
 
@@ -73,9 +79,19 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
     coqui warns that audio may be truncated and splits text at inference. The
     vocabulary must hold ``[code]`` as a special token; encoding says so clearly if
     it does not. Registering a code that is already registered, or one coqui
-    handles itself (``en``, ``de`` ...), needs ``replace=True``.
+    handles itself (``en``, ``de`` ...), needs ``replace=True``. ``aliases`` are other
+    codes of the same language (the ISO 639-3 ``amh`` for ``am``): manifests, the
+    tokenizer and the headless CLI accept each of them as this language.
     """
     key = base_code(code)
+    alias_keys = tuple(base_code(alias) for alias in aliases)
+    for alias in (key, *alias_keys):
+        if not _CODE_RE.match(alias):
+            raise _options.ConfigError(
+                f"training-patches: register_language got the language code {alias!r}. "
+                f"Expected a 2- or 3-letter ISO 639 code such as 'am' or 'tir' (a region such "
+                f"as 'am-ET' is allowed and ignored). Pass the code your manifests use in "
+                f"their language column.")
     if not _CODE_RE.match(key):
         raise _options.ConfigError(
             f"training-patches: register_language got the language code {code!r}. Expected a "
@@ -97,7 +113,7 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
             raise _options.ConfigError(
                 f"training-patches: the language {key!r} is {where}. Pass replace=True to "
                 f"register_language to use your cleaner and limit instead.")
-        language = Language(key, cleaner or _plain_cleaner, char_limit, name)
+        language = Language(key, cleaner or _plain_cleaner, char_limit, name, alias_keys)
         _languages[key] = language
     info("training-patches: language %r registered (char limit %d)", key, char_limit)
     return language
@@ -110,8 +126,12 @@ def unregister_language(code: str) -> bool:
 
 
 def get_language(code: str) -> Language | None:
-    """The registered language for ``code`` (region ignored), or None."""
-    return _languages.get(base_code(code))
+    """The registered language for ``code`` or one of its aliases (region ignored), or None."""
+    key = base_code(code)
+    found = _languages.get(key)
+    if found is None:
+        found = next((lang for lang in _languages.values() if key in lang.aliases), None)
+    return found
 
 
 def registered_languages() -> dict[str, Language]:
@@ -120,7 +140,7 @@ def registered_languages() -> dict[str, Language]:
 
 
 # Amharic ships registered; the registration is only an entry in the table above.
-_languages["am"] = Language("am", _amharic_cleaner, amharic.CHAR_LIMIT, "Amharic")
+_languages["am"] = Language("am", _amharic_cleaner, amharic.CHAR_LIMIT, "Amharic", ("amh",))
 
 
 def _describe(options: object) -> str:
