@@ -89,6 +89,7 @@ class _State:
         self.backwards = 0
         self.accumulating = False  # the last step took more than one backward
         self.accumulation_hint = False  # an integration said steps accumulate
+        self.loss_from_backward = False  # pending_loss came from Tensor.backward
         self.events_path: str | None = None
         self.lock = threading.Lock()
 
@@ -101,8 +102,10 @@ _hooks: list[Any] = []
 
 def observe_loss(loss: torch.Tensor) -> None:
     """Hand the guard this step's loss (no sync): a non-finite loss skips the step, and
-    the loss-spike test needs it. Integrations call it; plain loops may."""
+    the loss-spike test needs it. Integrations call it; plain loops need not (the loss
+    is seen when it is backpropagated), but may."""
     _state.pending_loss = loss.detach().float().reshape(-1)[:1].squeeze(0)
+    _state.loss_from_backward = False
 
 
 def expect_accumulation(steps: int) -> None:
@@ -288,6 +291,18 @@ def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
             for g, i, p in bad]
 
 
+def _optimizer_step(optimizer: torch.optim.Optimizer | None) -> int | None:
+    """The step this optimizer is taking, counted by its own state (restored on resume, so
+    it follows a plain loop's own step counter where no integration reports one)."""
+    if optimizer is None:
+        return None
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if step is not None:
+            return int(step.item() if isinstance(step, torch.Tensor) else step) + 1
+    return _state.host_steps
+
+
 def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: torch.Tensor,
                  loss: torch.Tensor | None, spike: torch.Tensor | None) -> None:
     _state.streak += 1
@@ -304,7 +319,8 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
     scaler = grad_scaler.pending_scaler()
     event = {
         "step": step,
-        "trainer_step": _run.trainer_step,
+        "trainer_step": (_run.trainer_step if _run.trainer_step is not None
+                         else _optimizer_step(optimizer)),
         "kind": kind,
         "loss": loss_value,
         "nonfinite_grads": _bad_grad_names(optimizer) if bool(bad_grad.item()) else [],
@@ -422,6 +438,10 @@ def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
                  create_graph: bool = False, inputs: Any = None) -> Any:
         if gradient is None and self.numel() == 1 and self.requires_grad:
             _state.backwards += 1
+            if _state.pending_loss is None or _state.loss_from_backward:
+                # no observe_loss() call: the loss being backpropagated is the one to record
+                observe_loss(self)
+                _state.loss_from_backward = True
             if ((_state.accumulating or _state.accumulation_hint)
                     and not bool(torch.isfinite(self.detach()).all())):
                 _on_bad_micro_batch(self)
