@@ -113,6 +113,7 @@ class Options:
     amharic_homophones: bool = False
     resume_policy: str = "remap"
     strict: bool = False
+    clip_unscale_first: bool = False
 
 
 # option -> (parser, example shown in errors)
@@ -139,6 +140,9 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "amharic_homophones": (_bool, "1 or 0"),
     "resume_policy": (_resume_policy, "remap (keep optimizer, scheduler and scaler; grow moments "
                                       "of resized rows) or reset (start all three fresh)"),
+    "clip_unscale_first": (_bool, "1 or 0 (1: clip_grad_norm_ on gradients a SafeGradScaler has "
+                                  "not unscaled yet treats max_norm as a limit on the true "
+                                  "gradients; 0: clips them as torch does)"),
     "strict": (_bool, "1 or 0 (1: a patch site that is missing, fails, or sits in an "
                       "unsupported upstream version is an error instead of a warning)"),
 }
@@ -154,7 +158,7 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "max_bad_steps": ("nan_guard",), "spike_k": ("nan_guard",), "spike_window": ("nan_guard",),
     "lr_step_on_skip": ("nan_guard",), "replay": ("nan_guard",),
     "max_drop_share": ("dataset_guard",), "amharic_homophones": ("languages",),
-    "resume_policy": ("checkpoint",),
+    "resume_policy": ("checkpoint",), "clip_unscale_first": ("grad_clip",),
 }
 
 # TRAINING_PATCHES_* variables that are not options but are read by the library.

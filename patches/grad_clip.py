@@ -1,18 +1,64 @@
-"""``grad_clip``: ``clip_grad_norm_`` that clips the true gradients and survives NaN/Inf.
+"""``grad_clip``: ``clip_grad_norm_`` that survives NaN/Inf and, if asked, unscales first.
 
-torch's ``clip_grad_norm_`` has two traps in mixed precision training:
+torch's ``clip_grad_norm_`` turns every finite gradient into NaN or zero when the total
+norm is non-finite (its clip coefficient is then NaN or 0). The replacement computes
+the total norm once and, when it is NaN or Inf, leaves the gradients untouched, counts
+it on the device (no sync) and returns it, so the step can be skipped (the scaler does
+so for fp16, the NaN guard otherwise). With a finite norm it clips exactly as torch
+does: same norm, same coefficient, bit-identical gradients.
 
-- called between ``scaler.scale(loss).backward()`` and ``scaler.step()`` without
-  ``scaler.unscale_(optimizer)``, it clips the *scaled* gradients, so the
-  threshold is off by the loss scale;
-- with a non-finite total norm its clip coefficient is NaN or 0, which turns
-  every finite gradient into NaN or zero.
+Clipping under a loss scaler
+----------------------------
+Between ``scaler.scale(loss).backward()`` and ``scaler.step()`` the gradients are the
+true gradients times the loss scale ``S``. Two call patterns reach ``clip_grad_norm_``
+there:
 
-The replacement computes the total norm once; when a SafeGradScaler scaled the
-loss and these gradients were not unscaled yet, it divides that norm by the
-scale (scaled gradients clipped by the true norm's coefficient are the true
-clipped gradients, scaled). A non-finite norm leaves the gradients untouched,
-is counted on the device (no sync) and is returned, so the step can be skipped.
+- the idiom PyTorch tests and documents, ``clip_grad_norm_(params, max_norm *
+  scaler.get_scale())``: ``max_norm`` is already scaled, and torch's arithmetic
+  (scaled norm against scaled limit) is right;
+- a trainer that forgot ``scaler.unscale_(optimizer)``: ``max_norm`` is meant for the
+  true gradients, torch compares it with a norm ``S`` times too large, and the step
+  is shrunk about ``S`` times (``S`` is 1024 and more).
+
+No rule can tell these apart from the arguments. The call is the same
+``clip_grad_norm_(params, x)`` with the same gradients; only the caller knows whether
+``x`` is ``m * S`` or ``m``, and every ``x`` is both (``m = x / S`` or ``m = x``). The two
+readings give clip coefficients ``S`` times apart and agree only when ``S == 1``.
+The candidates fail on ordinary runs:
+
+- "``x`` is within a tolerance of ``k * S``": ``x = 0.2 * S`` (PyTorch's own test) and
+  ``x = 0.2`` with ``S = 1`` are the same numbers as a forgotten ``unscale_`` with a
+  limit of ``0.2 * S`` or ``0.2``; any ``x`` is some ``k * S``;
+- "compare the scaled norm with ``x * S``": that *is* the forgotten-``unscale_``
+  reading; for the idiom it never clips (the limit becomes ``m * S**2``), which is
+  the fault PyTorch's ``test_grad_scaling_clipping`` caught;
+- "``get_scale()`` was read since ``scale()``": the idiom may read the scale before the
+  forward pass, and trainers read it for their logs (coqui logs ``amp_scaler``); it is
+  also a host sync to watch.
+
+So the rule is an option, off by default:
+
+- ``clip_unscale_first`` off (the default): gradients that a SafeGradScaler has not
+  unscaled yet are clipped as torch clips them, with the ``max_norm`` given, and the
+  norm returned is the norm of what was clipped. Both PyTorch idioms work unchanged:
+  ``unscale_`` then ``clip_grad_norm_(params, max_norm)``, and
+  ``clip_grad_norm_(params, max_norm * scaler.get_scale())`` on scaled gradients.
+  The first such call of a process logs one WARNING that explains the trap and the
+  option, and ``stats()["scaled_clips"]`` counts them.
+- ``clip_unscale_first`` on (``TRAINING_PATCHES_CLIP_UNSCALE_FIRST=1``, for a trainer
+  that clips without ``unscale_``): exact rule: when a SafeGradScaler has scaled a
+  loss and not yet run ``update()``, every gradient of a parameter that no
+  ``scaler.unscale_(optimizer)`` of this iteration covered is taken as scaled by that
+  scaler's current scale. Its norm is divided by the scale (one device division, no
+  sync; unscaled and still-scaled gradients combine into the true total norm),
+  ``max_norm`` is a limit on the true gradients and the true norm is returned.
+  Scaled gradients clipped by the true coefficient are the true clipped gradients,
+  scaled, so ``scaler.step`` then unscales them to what an fp32 loop would have.
+  The PyTorch idiom ``max_norm * scaler.get_scale()`` does not clip in this mode: do
+  not combine the two. ``stats()["unscaled_first"]`` counts these calls.
+
+A plain ``torch.amp.GradScaler`` (``grad_scaler`` patch off) never says whether it
+scaled, so with it the clip is torch's whatever the option.
 """
 
 from __future__ import annotations
@@ -23,31 +69,79 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from . import grad_scaler
+from . import _options, grad_scaler
 from ._counters import DeviceCounters
+from ._log import logger
 from ._registry import PatchSpec, Site, register
 
 # Only the non-finite flag lives on the device; the other counts are known on the host.
 _counts = DeviceCounters("nonfinite_norms")
-_host = {"calls": 0, "unscaled_first": 0}
+_host = {"calls": 0, "unscaled_first": 0, "scaled_clips": 0}
 # The norm of the latest clip and the gradients it covered: the NaN guard reuses it, so
 # one reduction serves both the clip and the finite check.
 _last: tuple[frozenset[int], torch.Tensor] | None = None  # (gradient ids, non-finite flag)
+_warned_scaled = False  # the one-per-process warning about clipping scaled gradients
+
+
+def unscale_first() -> bool:
+    """Whether ``max_norm`` limits the true gradients of a pending SafeGradScaler."""
+    # Read defensively: the option may be missing from an older Options.
+    return bool(getattr(_options.current(), "clip_unscale_first", False))
+
+
+def _warn_scaled_once(max_norm: float) -> None:
+    global _warned_scaled
+    if _warned_scaled:
+        return
+    _warned_scaled = True
+    logger.warning(
+        "grad_clip: clip_grad_norm_(max_norm=%g) ran on gradients a SafeGradScaler has not "
+        "unscaled yet (they are the true gradients times the loss scale). They are clipped as "
+        "torch clips them: max_norm is compared with the scaled norm. If you passed "
+        "max_norm * scaler.get_scale(), that is what you want and nothing needs doing. If "
+        "max_norm is meant for the true gradients, call scaler.unscale_(optimizer) before "
+        "clip_grad_norm_, or set TRAINING_PATCHES_CLIP_UNSCALE_FIRST=1 (then max_norm always "
+        "limits the true gradients). Logged once per process; stats()['grad_clip']"
+        "['scaled_clips'] counts these calls.", max_norm)
+
+
+def _true_norm(unscaled: list[torch.Tensor], scaled: list[torch.Tensor],
+               scale: torch.Tensor, norm_type: float, foreach: bool | None) -> torch.Tensor:
+    """The total norm of the true gradients: the scaled ones divided by ``scale``."""
+    total = get_total_norm(scaled, norm_type, False, foreach)
+    total = total / scale.to(total.device, non_blocking=True)
+    if unscaled:
+        # The p-norm of the two partial p-norms is the p-norm of all the gradients.
+        part = get_total_norm(unscaled, norm_type, False, foreach)
+        total = get_total_norm([part, total.to(part.device)], norm_type, False, foreach)
+    return total
 
 
 def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                          norm_type: float = 2.0, foreach: bool | None = None) -> torch.Tensor:
-    """Clip gradients by their true total norm; return it (non-finite norms clip nothing)."""
+    """Clip gradients by their total norm and return it; a non-finite norm clips nothing.
+
+    With the ``clip_unscale_first`` option on, gradients a SafeGradScaler has not
+    unscaled yet count by their true (unscaled) size: see the module docstring.
+    """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return torch.tensor(0.0)
     with torch.no_grad():
-        total = get_total_norm([p.grad for p in with_grad], norm_type, False, foreach)
         scaler = grad_scaler.pending_scaler()
-        if scaler is not None and not all(id(p) in scaler._tp_unscaled for p in with_grad):
-            total = total / scaler._scale.to(total.device, non_blocking=True)
+        still_scaled = ([] if scaler is None
+                        else [p for p in with_grad if id(p) not in scaler._tp_unscaled])
+        if still_scaled and unscale_first():
+            unscaled = [p.grad for p in with_grad if id(p) in scaler._tp_unscaled]
+            total = _true_norm(unscaled, [p.grad for p in still_scaled], scaler._scale,
+                               norm_type, foreach)
             _host["unscaled_first"] += 1
+        else:
+            total = get_total_norm([p.grad for p in with_grad], norm_type, False, foreach)
+            if still_scaled:
+                _host["scaled_clips"] += 1
+                _warn_scaled_once(max_norm)
         nonfinite = ~torch.isfinite(total)
         # A zero norm gives a clip coefficient of 1: non-finite gradients stay as they are
         # for the scaler or the NaN guard to skip, finite ones are not destroyed.
@@ -90,12 +184,27 @@ def load_stats(counts: dict[str, int]) -> None:
         _host[name] = int(counts.get(name, 0))
 
 
+def reset() -> None:
+    """Forget the counts, the latest clip's flag and whether the warning was logged."""
+    global _last, _warned_scaled
+    load_stats({})
+    _last = None
+    _warned_scaled = False
+
+
+def _describe(options: Any) -> str:
+    text = "clip_grad_norm_ leaves gradients intact on a non-finite norm"
+    if getattr(options, "clip_unscale_first", False):
+        text += "; max_norm limits the true gradients before a SafeGradScaler unscales them"
+    return text
+
+
 SPEC = register(PatchSpec(
     name="grad_clip",
-    describe=lambda o: "clip_grad_norm_ unscales first and leaves gradients intact on a "
-                       "non-finite norm",
+    describe=_describe,
     sites=(
         Site("torch.nn.utils", "clip_grad_norm_", _make, sweep=True),
         Site("torch.nn.utils.clip_grad", "clip_grad_norm_", _make),
     ),
+    reset=reset,
 ))

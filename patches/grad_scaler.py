@@ -62,6 +62,17 @@ _latest: weakref.ref[SafeGradScaler] | None = None
 _stepping = threading.local()
 
 
+# Called at the end of every scaler iteration (update()), stepped or skipped: a skipped
+# step runs no optimizer hook, and the NaN guard counts backward calls between steps.
+_boundary_listeners: list[Any] = []
+
+
+def on_iteration_end(callback: Any) -> None:
+    """Call ``callback()`` after every SafeGradScaler ``update()`` (once per registration)."""
+    if callback not in _boundary_listeners:
+        _boundary_listeners.append(callback)
+
+
 class LossScaleFloorError(FloatingPointError):
     """Gradients stayed non-finite with the loss scale already at its floor."""
 
@@ -174,6 +185,8 @@ class SafeGradScaler(_TorchGradScaler):
         if _pending is not None and _pending() is self:
             _pending = None
         self._tp_unscaled.clear()
+        for listener in _boundary_listeners:
+            listener()
         if new_scale is not None:
             super().update(new_scale)
             self._tp_mirror = None

@@ -168,10 +168,16 @@ def _all_reduce(flag: torch.Tensor) -> torch.Tensor:
     return flag
 
 
-def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> None:
+def _step_boundary() -> None:
+    """An optimizer step (taken, or skipped by a scaler): did it take several backwards?"""
     _state.accumulating = _state.backwards > 1
     _state.backwards = 0
+
+
+def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> None:
+    if not grad_scaler.stepping():  # a scaler's step: its update() marks the boundary
+        _step_boundary()
     if _protected(optimizer, kwargs):
         _state.pending_loss = None
         return
@@ -549,6 +555,7 @@ def find_nonfinite_source(model: torch.nn.Module,
 # -- the patch -----------------------------------------------------------------------
 
 def _enable(options: Any) -> None:
+    grad_scaler.on_iteration_end(_step_boundary)
     _hooks.append(register_optimizer_step_pre_hook(_pre_hook))
     _hooks.append(register_optimizer_step_post_hook(_post_hook))
 

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Run upstream test suites plain and with training-patches on, and compare them test by test.
+
+Two suites (docs/compatibility.md has the results and how to get the sources):
+
+- PyTorch's GradScaler tests of ``test/test_torch.py`` on the CPU: every test whose name
+  has ``grad_scal``, ``gradscaler`` or ``params_invalidated`` (29 on a CPU-only machine; the
+  ``-k test_grad_scaling`` subset is 19 of them);
+- coqui-tts-trainer 0.4.0's own suite (``trainer/`` doctests and ``tests/``), offline:
+  a small synthetic MNIST in the IDX format stands in for the download its tests make.
+
+Each suite runs three times in fresh processes: plain; with a pytest plugin that calls
+``patches.apply()`` before any test module is imported; with a plugin that does
+``import patches.auto`` (the one import line). Outcomes are read from JUnit XML and
+compared per test: the script exits 1 when a patched run differs from the plain one.
+
+Usage (from the repository root, with the project's venv; not part of ``make test``)::
+
+    .venv/bin/python scripts/run_upstream_suites.py \\
+        --pytorch-test ../pytorch/test/test_torch.py \\
+        --coqui-trainer ../coqui-ai-Trainer            # a checkout of tag v0.4.0
+
+Extra test dependencies (expecttest; torchvision and accelerate for coqui's tests) are
+installed with ``pip install --target`` into the scratch folder, never into the venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TORCH_SELECTION = "grad_scal or gradscaler or params_invalidated"
+MODES = ("plain", "apply", "auto")
+
+PLUGINS = {
+    "plain": """
+        import json, os, sys
+
+        def pytest_sessionfinish(session, exitstatus):
+            with open(os.environ["TP_UPSTREAM_EVIDENCE"], "w") as f:
+                json.dump({"patches_imported": "patches" in sys.modules}, f)
+    """,
+    "apply": """
+        import json, os
+        import patches
+
+        patches.apply()
+
+        def pytest_sessionfinish(session, exitstatus):
+            _evidence()
+
+        def _evidence():
+            from patches import _registry
+            names = list(_registry.specs()) + list(_registry.integrations())
+            with open(os.environ["TP_UPSTREAM_EVIDENCE"], "w") as f:
+                json.dump({"applied": patches.applied(), "stats": patches.stats(),
+                           "state": {n: patches.status(n)["state"] for n in names}},
+                          f, default=str, indent=1)
+    """,
+}
+PLUGINS["auto"] = PLUGINS["apply"].replace("import patches\n\n        patches.apply()",
+                                           "import patches\n        import patches.auto")
+
+
+def ensure_extras(python: str, scratch: Path, packages: list[str]) -> Path:
+    """Install what the upstream tests need into scratch/extra (not into the venv)."""
+    extra = scratch / "extra"
+    env = dict(os.environ, PYTHONPATH=str(extra))
+    missing = [p for p in packages
+               if subprocess.run([python, "-c", f"import {p.split('==')[0]}"], env=env,
+                                 capture_output=True).returncode != 0]
+    if missing:
+        torch_version = subprocess.run(
+            [python, "-c", "import torch; print(torch.__version__.split('+')[0])"],
+            capture_output=True, text=True, check=True).stdout.strip()
+        print(f"installing {', '.join(missing)} into {extra} (torch {torch_version})")
+        subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                        str(extra), *missing], check=True)
+    return extra
+
+
+def write_synthetic_mnist(root: Path, seed: int = 0) -> None:
+    """MNIST/raw/*-ubyte files torchvision's MNIST(download=True) accepts as present.
+
+    512 training and 256 test images; each class is a faint block at its own place on
+    noise, so a small MLP learns it over a few epochs (coqui's tests assert that the loss
+    falls from one fit() to the next)."""
+    import numpy as np
+
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for prefix, count in (("train", 512), ("t10k", 256)):
+        labels = rng.integers(0, 10, count).astype(np.uint8)
+        images = rng.integers(0, 200, (count, 28, 28)).astype(np.int32)
+        for i, k in enumerate(labels):
+            row, col = 2 + (k // 5) * 12, 1 + (k % 5) * 5
+            images[i, row:row + 10, col:col + 5] += 30
+        images = np.clip(images, 0, 255).astype(np.uint8)
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
+            struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(
+            struct.pack(">II", 2049, count) + labels.tobytes())
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    """test id -> passed / failed / error / skipped, from pytest's JUnit XML."""
+    result = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        test = f"{case.get('classname')}::{case.get('name')}"
+        kinds = [child.tag for child in case]
+        outcome = ("failed" if "failure" in kinds else "error" if "error" in kinds
+                   else "skipped" if "skipped" in kinds else "passed")
+        result[test] = outcome
+    return result
+
+
+def run_suite(python: str, name: str, args: list[str], cwd: Path, scratch: Path,
+              pythonpath: list[Path]) -> dict[str, dict[str, str]]:
+    plugins = scratch / "plugins"
+    plugins.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for mode in MODES:
+        (plugins / f"tp_{mode}.py").write_text(textwrap.dedent(PLUGINS[mode]).lstrip())
+        junit = scratch / f"{name}-{mode}.xml"
+        evidence = scratch / f"{name}-{mode}-evidence.json"
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=os.pathsep.join(str(p) for p in [plugins, *pythonpath, REPO]),
+                   TP_UPSTREAM_EVIDENCE=str(evidence),
+                   TRAINING_PATCHES_OUTPUT_DIR=str(scratch / f"{name}-{mode}-reports"))
+        command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", f"tp_{mode}",
+                   f"--junitxml={junit}", *args]
+        print(f"\n== {name} [{mode}]: {' '.join(command)}", flush=True)
+        proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+        (scratch / f"{name}-{mode}.log").write_text(proc.stdout + proc.stderr)
+        print("\n".join(proc.stdout.strip().splitlines()[-1:]))
+        if not junit.exists():
+            sys.exit(f"{name} [{mode}] produced no results; see {scratch / f'{name}-{mode}.log'}")
+        results[mode] = outcomes(junit)
+    return results
+
+
+def summarize(name: str, results: dict[str, dict[str, str]]) -> bool:
+    plain = results["plain"]
+    same = True
+    print(f"\n{name}: {'mode':<6} passed failed error skipped")
+    for mode in MODES:
+        counts = {k: list(results[mode].values()).count(k)
+                  for k in ("passed", "failed", "error", "skipped")}
+        print(f"{name}: {mode:<6} {counts['passed']:>6} {counts['failed']:>6} "
+              f"{counts['error']:>5} {counts['skipped']:>7}")
+        if mode == "plain":
+            continue
+        for test in sorted(set(plain) | set(results[mode])):
+            if plain.get(test) != results[mode].get(test):
+                same = False
+                print(f"  DIFFERS [{mode}] {test}: plain {plain.get(test)}, "
+                      f"patched {results[mode].get(test)}")
+    return same
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pytorch-test", type=Path,
+                        help="pytorch's test/test_torch.py (or a file of its GradScaler tests)")
+    parser.add_argument("--coqui-trainer", type=Path,
+                        help="a checkout of idiap/coqui-ai-Trainer at tag v0.4.0")
+    parser.add_argument("--scratch", type=Path, default=Path("/tmp/training-patches-upstream"),
+                        help="where results, logs and test-only packages go")
+    parser.add_argument("--python", default=sys.executable, help="the venv's python")
+    opts = parser.parse_args()
+    if not opts.pytorch_test and not opts.coqui_trainer:
+        parser.error("give --pytorch-test, --coqui-trainer or both")
+    opts.scratch.mkdir(parents=True, exist_ok=True)
+    same = True
+
+    if opts.pytorch_test:
+        test = opts.pytorch_test.resolve()
+        extra = ensure_extras(opts.python, opts.scratch, ["expecttest"])
+        selection = f"({TORCH_SELECTION}) and cpu"
+        results = run_suite(opts.python, "pytorch", [str(test), "-k", selection],
+                            test.parent, opts.scratch, [extra])
+        same &= summarize("pytorch", results)
+        subset = {mode: {t: o for t, o in r.items()
+                         if t.rsplit("::", 1)[-1].startswith("test_grad_scaling")}
+                  for mode, r in results.items()}
+        same &= summarize("pytorch -k test_grad_scaling", subset)
+
+    if opts.coqui_trainer:
+        source = opts.coqui_trainer.resolve()
+        torch_version = subprocess.run(
+            [opts.python, "-c", "import torch; print(torch.__version__.split('+')[0])"],
+            capture_output=True, text=True, check=True).stdout.strip()
+        minor = int(torch_version.split(".")[1])
+        extra = ensure_extras(opts.python, opts.scratch,
+                              [f"torchvision==0.{minor + 15}.*", "accelerate"])
+        data = opts.scratch / "coqui-data"
+        write_synthetic_mnist(data)
+        results = run_suite(opts.python, "coqui-trainer",
+                            ["--rootdir", str(source), str(source / "trainer"),
+                             str(source / "tests")],
+                            data, opts.scratch, [extra])
+        same &= summarize("coqui-trainer", results)
+
+    print(f"\nlogs, JUnit XML and evidence (patches applied, their stats) in {opts.scratch}")
+    print("SAME results plain and patched" if same else "RESULTS DIFFER (see above)")
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    main()
