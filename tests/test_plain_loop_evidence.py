@@ -19,7 +19,11 @@ pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_state():
+def _fresh_state(monkeypatch: pytest.MonkeyPatch):
+    # a plain loop: no coqui Trainer log file left behind by other tests names a folder
+    from patches import _run
+
+    monkeypatch.setattr(_run, "_dir_providers", [])
     patches.reset_runtime_state()
     yield
     patches.reset_runtime_state()
