@@ -7,6 +7,16 @@ from typing import Iterator
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _fresh_runtime_state() -> Iterator[None]:
+    """Every test starts with no counters, events or run folder left by another."""
+    import patches
+
+    patches.reset_runtime_state()
+    yield
+    patches.reset_runtime_state()
+
+
 @pytest.fixture
 def clean_patches() -> Iterator[None]:
     """Start with no patch applied and revert whatever the test applied."""

@@ -141,7 +141,24 @@ def test_a_skipped_step_changes_nothing(guard: str, make_opt) -> None:
     assert patches.stats()["nan_guard"]["skipped"] == 1
 
 
-def test_scheduler_holds_on_a_skipped_step(guard: str) -> None:
+def test_scheduler_follows_the_trainers_count_by_default(guard: str) -> None:
+    """The default rule: a skipped step is still a step of the trainer, so the scheduler's
+    count equals the loop's own step counter (a resume finds the LR its schedule expects)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(4):
+        opt.zero_grad()
+        loss = model(torch.randn(2, 16)).sum()
+        (loss * float("nan") if step == 1 else loss).backward()
+        opt.step()
+        sched.step()
+    assert nan_guard.stats()["skipped"] == 1
+    assert sched.last_epoch == 4 and opt.param_groups[0]["lr"] == 0.5 ** 4
+
+
+def test_scheduler_holds_on_a_skipped_step_when_asked(guard: str) -> None:
+    patches.apply(["nan_guard"], lr_step_on_skip=False)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

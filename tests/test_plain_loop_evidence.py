@@ -135,11 +135,12 @@ def test_without_the_micro_batch_check_the_whole_step_is_dropped(
     """The control: the same NaN with the backward check off costs the whole step."""
     monkeypatch.chdir(tmp_path)
     patches.apply()
-    # the guard without its Tensor.backward site
-    monkeypatch.setattr(torch.Tensor, "backward",
-                        patches.get_original("torch._tensor", "Tensor.backward"))
-    model = Tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _accumulate(model, opt, 4, 4, poison=(2, 2), leave_out=None)
+    # the guard without its Tensor.backward site (undone before the patches are reverted)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "backward",
+                  patches.get_original("torch._tensor", "Tensor.backward"))
+        model = Tiny()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _accumulate(model, opt, 4, 4, poison=(2, 2), leave_out=None)
     stats = nan_guard.stats()
     assert stats["skipped"] == 1 and stats["skipped_micro_batches"] == 0
