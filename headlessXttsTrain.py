@@ -13,7 +13,7 @@ file, an unknown precision) is one clear message and exit code 2, not a tracebac
     python headlessXttsTrain.py --demo      # or: make demo
 
 builds a tiny synthetic Amharic setup and shows every patch at work on the CPU
-(see :mod:`patches.integrations.xtts_demo`).
+(see :mod:`demo.xtts_demo`).
 """
 
 from utils import training_patches  # noqa: F401  the one line: patches on before anything else
@@ -539,7 +539,7 @@ def train(s: Settings) -> dict[str, Any]:
 
 def demo(args: argparse.Namespace) -> int:
     """``--demo``: the whole story on a tiny synthetic Amharic setup (see xtts_demo)."""
-    from patches.integrations.xtts_demo import DemoError, run_demo
+    from demo.xtts_demo import DemoError, run_demo
 
     given = [flag for flag in ("base_dir", *(f"{k}_file" for k in BASE_FILES), "train_manifest",
                                "eval_manifest", "resume", "extend_vocab", "preset")

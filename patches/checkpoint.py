@@ -1006,6 +1006,17 @@ class CheckpointManager:
         return None
 
 
+# The generic ``checkpoint`` patch: the loader and the manager above are its API; its sites
+# come from the integrations (the coqui Trainer's restore/save/continue, XTTS's
+# gpt_checkpoint/xtts_checkpoint).
+from ._registry import PatchSpec, register  # noqa: E402
+
+SPEC = register(PatchSpec(
+    name="checkpoint",
+    describe=lambda o: (f"vocabulary-aware restore (policy {o.resume_policy}), atomic saves, "
+                        f"continue from the newest valid checkpoint"),
+))
+
 __all__ = [
     "load_checkpoint", "LoadReport", "CheckpointManager", "CheckpointError",
     "UnsafeCheckpointError", "CheckpointMismatchError", "read_checkpoint", "check_file",

@@ -17,9 +17,9 @@ AMHARIC_NEW_TOKENS: tuple[str, ...] = ("ሰ", "ላ", "ም", "ዓ", "ለ", "እ",
 
 @pytest.fixture(scope="session")
 def tiny_xtts(tmp_path_factory: pytest.TempPathFactory):
-    """A :class:`patches.integrations.xtts_tiny.TinyXtts` (English, 74 tokens, 13 clips)."""
+    """A :class:`demo.xtts_tiny.TinyXtts` (English, 74 tokens, 13 clips)."""
     pytest.importorskip("TTS")
-    from patches.integrations.xtts_tiny import build_tiny_xtts
+    from demo.xtts_tiny import build_tiny_xtts
 
     return build_tiny_xtts(tmp_path_factory.mktemp("tiny_xtts"), seed=0)
 

@@ -30,7 +30,7 @@ def am_bad(tmp_path_factory: pytest.TempPathFactory):
     """Tiny Amharic setup plus a manifest of 8 good and 5 bad samples."""
     import soundfile as sf
 
-    from patches.integrations.xtts_tiny import SAMPLE_RATE, build_tiny_xtts, speech_like
+    from demo.xtts_tiny import SAMPLE_RATE, build_tiny_xtts, speech_like
 
     tiny = build_tiny_xtts(tmp_path_factory.mktemp("am_bad"), language="am",
                            texts=AMHARIC_TEXTS, n_samples=8, vocab_size=200,

@@ -74,7 +74,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
 def test_second_demo_replaces_only_its_own_folder(tmp_path: Path) -> None:
     """What a second ``make demo`` does first: a folder with the demo's marker is emptied,
     any other non-empty folder is refused untouched."""
-    from patches.integrations.xtts_demo import MARKER, DemoError, prepare_folder
+    from demo.xtts_demo import MARKER, DemoError, prepare_folder
 
     demo = tmp_path / "demo_output"
     prepare_folder(demo)

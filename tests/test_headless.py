@@ -93,7 +93,7 @@ def test_tiny_amharic_finetune_and_resume_auto(tmp_path: Path) -> None:
     import torch
 
     import patches
-    from patches.integrations.xtts_tiny import build_tiny_xtts
+    from demo.xtts_tiny import build_tiny_xtts
     from patches.languages.amharic import normalize
     from test_xtts_language import AMHARIC_TEXTS
 

@@ -29,7 +29,7 @@ AMHARIC_TEXTS = (
 @pytest.fixture(scope="module")
 def am_tiny(tmp_path_factory: pytest.TempPathFactory):
     """A tiny XTTS setup whose BPE vocabulary was trained on normalised Amharic, with [am]."""
-    from patches.integrations.xtts_tiny import build_tiny_xtts
+    from demo.xtts_tiny import build_tiny_xtts
 
     return build_tiny_xtts(tmp_path_factory.mktemp("am_tiny"), language="am",
                            texts=AMHARIC_TEXTS, n_samples=5, vocab_size=200,

@@ -15,7 +15,7 @@ def test_files_and_vocab_layout(tiny_xtts, tiny_xtts_extended_vocab) -> None:
     import soundfile as sf
     from tokenizers import Tokenizer
 
-    from patches.integrations.xtts_tiny import vocab_size_of
+    from demo.xtts_tiny import vocab_size_of
 
     base = Tokenizer.from_file(str(tiny_xtts.vocab))
     assert base.token_to_id("[STOP]") == 0 and base.token_to_id("[UNK]") == 1

@@ -130,13 +130,3 @@ def make_get_last_checkpoint(original: Callable[[Any], tuple[str, str]]
 
     get_last_checkpoint._training_patch = PATCH  # type: ignore[attr-defined]
     return get_last_checkpoint
-
-
-# TEMPORARY (moves to patches/checkpoint/__init__.py once the package split lands).
-from .._registry import PatchSpec as _PatchSpec, register as _register  # noqa: E402
-
-SPEC = _register(_PatchSpec(
-    name="checkpoint",
-    describe=lambda o: (f"vocabulary-aware restore (policy {o.resume_policy}), atomic saves, "
-                        f"continue from the newest valid checkpoint"),
-))

@@ -1,29 +1,25 @@
-"""A one-minute CPU demo of the patches at work: ``python -m patches.demo``.
+"""A one-minute CPU demo of the patches at work: ``python -m demo.cpu_demo``.
 
 Trains a small transformer in fp16 autocast on the CPU with the trainer-style code
-most fine-tuning scripts have (a GradScaler built with defaults, clipping without
-unscaling), with overflows injected at known steps, and prints what the patches
-did. Every figure in the summary is read from the run.
+most fine-tuning scripts have (a GradScaler built with defaults, clipping), with
+overflows injected at known steps, and prints what the patches did. Every figure in
+the summary is read from the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-from utils import training_patches  # noqa: E402,F401  the one line a trainer adds
-
-import torch  # noqa: E402
-
-import patches  # noqa: E402
+import patches
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Activate the patches (what the one import line does), then train and summarise."""
+    patches.activate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--inject", type=int, nargs="*", default=[12, 13, 40],
@@ -48,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         if step in args.inject:
             loss = loss * float("inf")  # an fp16 overflow, as a T4 produces it
         scaler.scale(loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # no unscale_: the patch handles it
+        scaler.unscale_(opt)  # then clip the true gradients (torch's documented order)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(opt)
         scaler.update()
     stats = patches.stats()
@@ -60,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"steps: {stats['grad_scaler']['steps']}, skipped: {stats['grad_scaler']['skipped']} "
           f"(overflows injected at {sorted(args.inject)})")
     print(f"loss scale: started {initial_scale:g}, now {stats['grad_scaler']['scale']:g}")
-    print(f"clip calls: {stats['grad_clip']['calls']}, unscaled first: "
-          f"{stats['grad_clip']['unscaled_first']}, non-finite norms survived: "
+    print(f"clip calls: {stats['grad_clip']['calls']}, clips of still-scaled gradients: "
+          f"{stats['grad_clip']['scaled_clips']}, non-finite norms survived: "
           f"{stats['grad_clip']['nonfinite_norms']}")
     print(f"loss: {losses[0]:.4f} -> {losses[-1]:.4f}; every parameter finite: {finite}")
     print(f"time: {time.time() - start:.1f} s")

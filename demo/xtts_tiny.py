@@ -2,7 +2,7 @@
 
 Usage::
 
-    from patches.integrations.xtts_tiny import build_tiny_xtts
+    from demo.xtts_tiny import build_tiny_xtts
     tiny = build_tiny_xtts(tmp_path / "tiny")                  # vocab, DVAE, mel stats, wavs, manifest
     ext = tiny.extend_vocab(["ሰላም ዓለም"], tmp_path / "ext.json")  # base ids kept, new rows appended
     config = tiny.make_config(tmp_path / "run", epochs=1)       # GPTTrainerConfig; overrides by name
