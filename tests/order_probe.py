@@ -69,7 +69,7 @@ def do_import(patch: str) -> None:
         importlib.import_module("probe_user_module")
         importlib.import_module("probe_user_cpu")
         importlib.import_module("trainer.trainer")
-        for site in _registry.specs()[patch].sites:
+        for site in _registry.sites_of(patch):
             importlib.import_module(site.module)
 
 
@@ -130,7 +130,7 @@ def check_user_module(patch: str, patched: bool) -> None:
     user = sys.modules.get("probe_user_module")
     if user is None:
         return
-    spec_keys = {site.key for site in _registry.specs()[patch].sites}
+    spec_keys = {site.key for site in _registry.sites_of(patch)}
     names = [(user, name, key) for name, key in USER_NAMES.items()]
     names.append((sys.modules["probe_user_cpu"], "autocast", ("torch.cpu.amp", "autocast")))
     for module, name, key in names:

@@ -2,7 +2,8 @@
 
 Each case runs in a fresh interpreter (tests/order_probe.py), as dd-trace-py does:
 import-then-apply, apply-then-import, apply-apply-import (no double wrap),
-import-apply-revert-apply, revert-before-import, and import-apply-revert.
+import-apply-revert-apply, revert-before-import, import-apply-revert, apply-import-apply,
+import-apply-apply and import-apply-revert-revert.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ ORDERS = {
     "import-apply-revert-apply": (["import", "apply", "revert", "apply"], "patched"),
     "revert-before-import": (["apply", "revert", "import"], "original"),
     "import-apply-revert": (["import", "apply", "revert"], "original"),
+    "apply-import-apply": (["apply", "import", "apply"], "patched"),
+    "import-apply-apply": (["import", "apply", "apply"], "patched"),
+    "import-apply-revert-revert": (["import", "apply", "revert", "revert"], "original"),
 }
 
 
