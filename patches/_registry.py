@@ -224,6 +224,7 @@ def _wanted_sites(spec: PatchSpec) -> list[tuple[Site, str | None]]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def _distribution_version(distribution: str) -> str | None:
     try:
         return importlib.metadata.version(distribution)
