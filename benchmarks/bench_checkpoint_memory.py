@@ -6,8 +6,11 @@ the process's resident memory before the load (model and optimizer already built
 Each measurement runs in a fresh subprocess: import torch and patches, build the model
 and the (empty) optimizer, reset the kernel's high-water mark (``/proc/self/clear_refs``
 ``5``), take ``VmRSS``, load, and read ``VmHWM``; ``ru_maxrss`` is reported beside it.
-Compared: ``patches.load_checkpoint`` (``torch.load(mmap=True, weights_only=True)``) and
-the usual ``torch.load(weights_only=True)`` + ``load_state_dict`` of both states.
+Compared: ``patches.load_checkpoint`` (``torch.load(mmap=True, weights_only=True)``, the
+SHA-256 of the manifest verified and every tensor checked for NaN/Inf before anything is
+touched), the same with those checks off (``verify_hash=False, allow_nonfinite=True``),
+and the usual ``torch.load(weights_only=True)`` + ``load_state_dict`` of both states.
+Each line also gives the load's wall time (the checks read the file once more).
 
 Run: ``.venv/bin/python benchmarks/bench_checkpoint_memory.py [--vocab 24000] [--hidden 1024]``
 """
@@ -22,6 +25,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,18 +76,23 @@ def measure(path: str, vocab: int, hidden: int, layers: int, how: str) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status("VmRSS")
     ru_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
     if how == "load_checkpoint":
         load_checkpoint(path, model, optimizer, freeze=False)
+    elif how == "load_checkpoint-unchecked":
+        load_checkpoint(path, model, optimizer, freeze=False, verify_hash=False,
+                        allow_nonfinite=True)
     else:
         state = torch.load(path, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"][0])
         del state
+    seconds = time.perf_counter() - start
     peak = _status("VmHWM")
     ru_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"how": how, "rss_before": before, "peak": peak, "peak_delta": peak - before,
             "ru_maxrss_delta": ru_after - max(ru_before, before),
-            "rss_after_delta": _status("VmRSS") - before}
+            "rss_after_delta": _status("VmRSS") - before, "seconds": seconds}
 
 
 def main() -> None:
@@ -104,7 +113,7 @@ def main() -> None:
               f"python {platform.python_version()}")
         print(f"checkpoint: vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
               f"AdamW state: {size / 2**20:.1f} MiB")
-        for how in ("load_checkpoint", "torch.load+load_state_dict"):
+        for how in ("load_checkpoint", "load_checkpoint-unchecked", "torch.load+load_state_dict"):
             out = subprocess.run(
                 [sys.executable, "-W", "ignore", __file__, "--vocab", str(args.vocab),
                  "--hidden", str(args.hidden), "--layers", str(args.layers),
@@ -115,7 +124,7 @@ def main() -> None:
             print(f"{how:28s} peak +{result['peak_delta'] / 2**20:7.1f} MiB = "
                   f"{result['peak_delta'] / size:.2f}x file  (ru_maxrss +"
                   f"{result['ru_maxrss_delta'] / 2**20:.1f} MiB, after +"
-                  f"{result['rss_after_delta'] / 2**20:.1f} MiB)")
+                  f"{result['rss_after_delta'] / 2**20:.1f} MiB), {result['seconds']:.2f} s")
 
 
 if __name__ == "__main__":

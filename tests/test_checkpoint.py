@@ -8,10 +8,10 @@ or deleted behind their back, and losses that continue exactly after a resume.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
-import os
 import pickle
 import random
 from pathlib import Path
@@ -397,6 +397,9 @@ def test_manager_writes_manifest_latest_and_prunes_only_its_own(tmp_path):
     assert manifest["step"] == 40 and manifest["vocab_size"] == 20 and manifest["amp"] is False
     assert manifest["param_shapes"]["text_head.weight"] == [20, HIDDEN]
     assert manifest["bytes"] == (out / "ckpt_000000040.pt").stat().st_size
+    # The hash is taken while writing (the file is not read back): it must be the file's.
+    assert manifest["sha256"] == hashlib.sha256((out / "ckpt_000000040.pt").read_bytes()).hexdigest()
+    assert manifest["generation"] == 3 and manifest["nonfinite"] == []
     assert not [p for p in out.iterdir() if ".tp-tmp-" in p.name]
 
 

@@ -106,7 +106,7 @@ def make_get_last_checkpoint(original: Callable[[Any], tuple[str, str]]
         last, best = original(path)
         if not is_local(path):
             return last, best
-        problem = check_file(local_path(last), verify_hash=False)
+        problem = check_file(local_path(last))
         if problem is None:
             return last, best
         folder = local_path(path)
@@ -115,11 +115,11 @@ def make_get_last_checkpoint(original: Callable[[Any], tuple[str, str]]
             key=lambda p: int(p.stem.rsplit("_", 1)[-1]) if p.stem.rsplit("_", 1)[-1].isdigit()
             else -1, reverse=True)
         for candidate in candidates:
-            if check_file(candidate, verify_hash=False) is None:
+            if check_file(candidate) is None:
                 logger.warning(
                     "training-patches: %s %s; continuing from %s instead (the damaged file is "
                     "left on disk)", last, problem, candidate)
-                if check_file(local_path(best), verify_hash=False) is not None:
+                if check_file(local_path(best)) is not None:
                     best = str(candidate)
                 return str(candidate), best
         raise CheckpointError(

@@ -1,0 +1,515 @@
+"""Is this file a checkpoint, and can it be read without running code?
+
+File checks (size, zip directory, torch's legacy magic number, the manifest and its
+schema), pickle inspection without unpickling (:mod:`pickletools`), the checkpoints a
+:class:`~patches.checkpoint.manager.CheckpointManager` wrote (newest = highest
+generation), and the one-paragraph diagnosis of a failed ``torch.load`` that names the
+newest valid checkpoint beside the file. Nothing here unpickles anything except
+``torch.load(weights_only=True)`` in :func:`read_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickletools
+import re
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from .._log import info
+from .atomic import TMP_MARK as _TMP_MARK
+from .errors import CheckpointError, UnsafeCheckpointError
+
+logger = logging.getLogger("training_patches")
+
+FORMAT = "training-patches-checkpoint/1"
+MANIFEST_SUFFIX = ".manifest.json"
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar")
+# A manifest is a few kilobytes (one shape per tensor); anything this large is not one.
+MAX_MANIFEST_BYTES = 64 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A manifest that passed the schema (see :func:`parse_manifest`).
+
+    ``generation`` orders saves by when they were written (None: written before
+    generations existed; older than any with one). ``nonfinite`` names the tensors that
+    held NaN/Inf when saved (None: not recorded).
+    """
+
+    file: str
+    step: int
+    bytes: int
+    sha256: str
+    generation: int | None = None
+    nonfinite: tuple[str, ...] | None = None
+    vocab_size: int | None = None
+    data: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def order(self) -> tuple[int, int]:
+        """Sort key, newest last: the generation, then the step (for old manifests)."""
+        return (-1 if self.generation is None else self.generation, self.step)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def parse_manifest(data: Any) -> Manifest:
+    """A :class:`Manifest` from parsed JSON; ``ValueError`` (short reason) when the shape is
+    wrong. Required: ``format`` (this library's), ``file`` (a name), ``step`` and
+    ``bytes`` (whole numbers >= 0), ``sha256`` (64 hex digits). Optional, checked when
+    present: ``generation`` (whole number >= 0), ``nonfinite`` (list of names),
+    ``vocab_size`` (whole number or null), ``param_shapes`` (name -> list of sizes),
+    ``amp`` (true/false), ``written_by`` and ``time`` (text)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"it is a JSON {type(data).__name__}, expected an object")
+    if data.get("format") != FORMAT:
+        raise ValueError(f"'format' is {_shown(data.get('format'))}, expected {FORMAT!r}")
+    for name in ("file", "step", "bytes", "sha256"):
+        if name not in data:
+            raise ValueError(f"it has no {name!r}")
+    if not isinstance(data["file"], str) or not data["file"] or "/" in data["file"]:
+        raise ValueError(f"'file' is {_shown(data['file'])}, expected a file name")
+    for name in ("step", "bytes"):
+        if not _is_count(data[name]):
+            raise ValueError(f"{name!r} is {_shown(data[name])}, expected a whole number >= 0")
+    if not isinstance(data["sha256"], str) or not _SHA256.fullmatch(data["sha256"]):
+        raise ValueError(f"'sha256' is {_shown(data['sha256'])}, expected 64 hex digits")
+    generation = data.get("generation")
+    if generation is not None and not _is_count(generation):
+        raise ValueError(f"'generation' is {_shown(generation)}, expected a whole number >= 0")
+    nonfinite = data.get("nonfinite")
+    if nonfinite is not None and (not isinstance(nonfinite, list)
+                                  or not all(isinstance(n, str) for n in nonfinite)):
+        raise ValueError(f"'nonfinite' is {_shown(nonfinite)}, expected a list of names")
+    vocab = data.get("vocab_size")
+    if vocab is not None and not _is_count(vocab):
+        raise ValueError(f"'vocab_size' is {_shown(vocab)}, expected a whole number or null")
+    shapes = data.get("param_shapes")
+    if shapes is not None and (not isinstance(shapes, dict) or not all(
+            isinstance(v, list) and all(_is_count(d) for d in v) for v in shapes.values())):
+        raise ValueError("'param_shapes' is not an object of name -> list of sizes")
+    if "amp" in data and not isinstance(data["amp"], bool):
+        raise ValueError(f"'amp' is {_shown(data['amp'])}, expected true or false")
+    for name in ("written_by", "time"):
+        if name in data and not isinstance(data[name], str):
+            raise ValueError(f"{name!r} is {_shown(data[name])}, expected text")
+    return Manifest(file=data["file"], step=data["step"], bytes=data["bytes"],
+                    sha256=data["sha256"], generation=generation,
+                    nonfinite=tuple(nonfinite) if nonfinite is not None else None,
+                    vocab_size=vocab, data=data)
+
+
+def manifest_path(checkpoint: str | os.PathLike[str]) -> Path:
+    """Where the manifest of ``checkpoint`` is: ``<name>.manifest.json`` beside it."""
+    path = Path(checkpoint)
+    return path.with_name(path.name + MANIFEST_SUFFIX)
+
+
+def read_manifest(checkpoint: str | os.PathLike[str]) -> tuple[Manifest | None, str | None]:
+    """(manifest, None) when a valid one is beside ``checkpoint``; (None, None) when there is
+    none; (None, reason) when there is one that is not valid. Never raises."""
+    man = manifest_path(checkpoint)
+    try:
+        if not man.is_file():
+            return None, None
+        size = man.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            return None, f"it is {size} bytes, far more than a manifest"
+        data = json.loads(man.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"it cannot be read as JSON ({str(exc)[:120]})"
+    try:
+        return parse_manifest(data), None
+    except ValueError as exc:
+        return None, str(exc)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _step_from_name(path: Path) -> int | None:
+    found = re.findall(r"(\d+)", path.stem)
+    return int(found[-1]) if found else None
+
+
+# What the first pickle of torch's legacy (pre-1.6) format may contain: its magic number.
+_MAGIC_OPS = {"PROTO", "FRAME", "LONG1", "LONG4", "LONG", "INT", "BININT", "MEMOIZE", "STOP"}
+
+
+def _legacy_problem(path: Path) -> str | None:
+    """Why a file starting with a pickle opcode is not torch's legacy format (None if it is).
+
+    torch's legacy ``torch.save`` starts with a small pickle of its magic number; read
+    with :mod:`pickletools` (nothing runs). Random bytes starting with 0x80 fail here.
+    """
+    try:
+        with open(path, "rb") as handle, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pickletools warns on odd escapes in junk
+            ops: list[tuple[str, Any]] = []
+            for opcode, arg, _ in pickletools.genops(handle):
+                ops.append((opcode.name, arg))
+                if opcode.name == "STOP" or len(ops) > 8:
+                    break
+    except Exception:  # noqa: BLE001 - any parse failure means "not a pickle"
+        return "is not a torch checkpoint (it starts like a pickle but is not one)"
+    names = {name for name, _ in ops}
+    if names <= _MAGIC_OPS and any(arg == torch.serialization.MAGIC_NUMBER for _, arg in ops):
+        return None
+    return ("is a plain pickle, not a file written by torch.save (torch's magic number is "
+            "missing)")
+
+
+def _zip_crc_problem(path: Path) -> str | None:
+    """Read every record of a torch zip archive and check the CRC-32 torch stored for it
+    (about 2.5 GB/s); a damaged local header shows up here too. Records saved without a
+    CRC (torch's ``compute_crc32=False`` writes 0) are read but not compared."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                if member.CRC == 0 and member.file_size:
+                    member.CRC = None  # no CRC was written: zipfile then skips the compare
+                with archive.open(member) as handle:
+                    while handle.read(1 << 22):
+                        pass
+    except Exception as exc:  # noqa: BLE001 - zipfile raises many types on damage
+        return f"is damaged: a record does not match its CRC-32 or header ({str(exc)[:160]})"
+    return None
+
+
+def _check(path: Path, verify_hash: bool) -> tuple[str, str] | None:
+    """(kind, reason) of the first problem of ``path``, or None (see :func:`check_file`)."""
+    try:
+        if not path.is_file():
+            return "missing", "does not exist"
+        size = path.stat().st_size
+    except OSError as exc:
+        return "missing", f"cannot be read ({exc})"
+    if size == 0:
+        return "empty", "is empty (0 bytes)"
+    manifest, invalid = read_manifest(path)
+    if invalid is not None:
+        return "manifest", (f"has a manifest {manifest_path(path).name} that is not valid: "
+                            f"{invalid}")
+    if manifest is not None:
+        if manifest.bytes != size:
+            return "size", f"has {size} bytes but its manifest says {manifest.bytes}"
+        if verify_hash and _sha256(path) != manifest.sha256:
+            return "hash", ("does not match the SHA-256 in its manifest (changed or damaged "
+                            "on disk)")
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+        if head.startswith(b"PK"):
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    if not any(name.endswith("data.pkl") for name in archive.namelist()):
+                        return "format", ("is a zip archive but not a torch checkpoint (no "
+                                          "data.pkl inside)")
+            except Exception as exc:  # noqa: BLE001 - zipfile raises many types on damage
+                return "format", f"is a truncated or damaged torch zip archive ({exc})"
+            if verify_hash and manifest is None:
+                problem = _zip_crc_problem(path)
+                if problem is not None:
+                    return "crc", problem
+            return None
+    except OSError as exc:
+        return "missing", f"cannot be read ({exc})"
+    if head[:1] == b"\x80":
+        problem = _legacy_problem(path)
+        return None if problem is None else ("format", problem)
+    return "format", f"is not a torch checkpoint (starts with bytes {head!r})"
+
+
+def check_file(path: str | os.PathLike[str], *, verify_hash: bool = True) -> str | None:
+    """Why ``path`` is not a loadable checkpoint, or None when it looks complete.
+
+    With a manifest beside it (written last by :class:`CheckpointManager`) the manifest
+    must pass its schema, the size must match and, with ``verify_hash``, the SHA-256.
+    Without one, the file must be a zip archive whose directory (written at the very
+    end) is intact and, with ``verify_hash``, whose records match the CRC-32s torch
+    stored; or torch's legacy format (its magic number first). Nothing is unpickled
+    here; this never raises.
+    """
+    found = _check(Path(path), verify_hash)
+    return None if found is None else found[1]
+
+
+def manager_checkpoints(folder: str | os.PathLike[str],
+                        exclude: str | os.PathLike[str] | None = None,
+                        ) -> list[tuple[Path, Manifest]]:
+    """Checkpoints in ``folder`` that a :class:`CheckpointManager` wrote, newest first.
+
+    Only a file with a valid manifest naming it counts (the file itself is not checked
+    here); newest means the highest generation (the last written). Symlinks, temporary
+    files and everything else in the folder are ignored.
+    """
+    folder = Path(folder)
+    skip = Path(exclude).absolute() if exclude is not None else None
+    found: list[tuple[tuple[int, int], float, Path, Manifest]] = []
+    try:
+        entries = list(folder.iterdir()) if folder.is_dir() else []
+    except OSError:
+        return []
+    for entry in entries:
+        if (_TMP_MARK in entry.name or not entry.name.endswith(CHECKPOINT_SUFFIXES)
+                or (skip is not None and entry.absolute() == skip)):
+            continue
+        try:
+            if (entry.is_symlink() or not entry.is_file()
+                    or manifest_path(entry).is_symlink()):
+                continue
+            manifest, _ = read_manifest(entry)
+            if manifest is None or manifest.file != entry.name:
+                continue
+            found.append((manifest.order(), entry.stat().st_mtime, entry, manifest))
+        except OSError:
+            continue
+    found.sort(key=lambda item: (item[0], item[1]), reverse=True)
+    return [(entry, manifest) for _, _, entry, manifest in found]
+
+
+def newest_valid_beside(path: str | os.PathLike[str]) -> Path | None:
+    """The newest other checkpoint in the same folder that a manager wrote, that passes
+    :func:`check_file` (hash included) and held no NaN/Inf when saved."""
+    path = Path(path)
+    for candidate, manifest in manager_checkpoints(path.parent, exclude=path):
+        if manifest.nonfinite:
+            continue
+        if check_file(candidate) is None:
+            return candidate
+    return None
+
+
+def _what_to_do(path: Path) -> str:
+    beside = newest_valid_beside(path)
+    if beside is not None:
+        return (f"The newest valid checkpoint beside it is {beside}: resume from that one "
+                f"(CheckpointManager.resume('auto') picks it by itself). {path} was left as it is.")
+    return (f"No other valid checkpoint was found in {path.parent}. {path} was left as it is; "
+            "restore it from a copy or start from the base model.")
+
+
+# --------------------------------------------------------------------------- pickles
+
+
+def _pickle_globals(data: bytes) -> list[str]:
+    """The globals a pickle would import, read with pickletools (nothing is executed)."""
+    names: list[str] = []
+    strings: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pickletools warns on odd escapes in junk
+        ops = list(pickletools.genops(data))
+    for opcode, arg, _ in ops:
+        if opcode.name == "GLOBAL":
+            names.append(str(arg).replace(" ", "."))
+        elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+            names.append(f"{strings[-2]}.{strings[-1]}")
+        elif isinstance(arg, str):
+            strings.append(arg)
+    return names
+
+
+_BENIGN_GLOBALS = ("torch.", "collections.OrderedDict", "_codecs.encode", "builtins.set",
+                   "builtins.frozenset", "numpy.")
+
+
+def _foreign_globals(path: Path) -> list[str]:
+    """Globals the file's pickle would import beyond tensors and containers (not run)."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+                data = archive.read(name)
+        else:
+            data = path.read_bytes()
+        found = _pickle_globals(data)
+    except Exception:  # noqa: BLE001 - not a readable pickle: reported as garbage instead
+        return []
+    return sorted({g for g in found if not g.startswith(_BENIGN_GLOBALS)})
+
+
+def _unsafe_error(path: Path, unsafe: list[str]) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"training-patches: refused to load {path}: unpickling it would import and run "
+        f"{', '.join(unsafe[:5])}, which a checkpoint of weights never needs. It was not "
+        f"loaded and none of its code ran (torch.load with weights_only=True). If you made "
+        f"this file yourself from trusted code, re-save only tensors and plain values "
+        f"(model.state_dict(), optimizer.state_dict()). {_what_to_do(path)}")
+
+
+def _diagnose(path: Path, exc: BaseException) -> CheckpointError:
+    """Turn torch.load's failure into one paragraph naming the file and the way out."""
+    text = str(exc)
+    unsafe = _foreign_globals(path) if "Weights only load failed" in text else []
+    if not unsafe and "Weights only load failed" in text:
+        named = re.search(r"GLOBAL ([\w.]+)", text)
+        unsafe = [named.group(1)] if named else []
+    if unsafe:
+        return _unsafe_error(path, unsafe)
+    reason = check_file(path, verify_hash=False) or f"cannot be read by torch.load ({text[:200]})"
+    if "Weights only load failed" in text and reason.startswith("cannot be read"):
+        reason = "is not a checkpoint torch can read (random bytes or another format)"
+    return CheckpointError(
+        f"training-patches: cannot load the checkpoint {path}: the file {reason}. Expected a "
+        f"complete file written by torch.save. A save interrupted half-way leaves such a file. "
+        f"{_what_to_do(path)}")
+
+
+def _problem_error(path: Path, kind: str, reason: str) -> CheckpointError:
+    """The paragraph for a file that failed :func:`check_file` before torch.load."""
+    man = manifest_path(path)
+    if kind == "missing":
+        return CheckpointError(f"training-patches: the checkpoint {path} {reason}. "
+                               f"{_what_to_do(path)}")
+    if kind == "hash":
+        return CheckpointError(
+            f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
+            f"Expected exactly the bytes its manifest {man.name} vouches for; a file changed "
+            f"after it was saved, damaged on disk or in a copy does not match. Nothing was "
+            f"loaded. {_what_to_do(path)} If you changed it on purpose and trust it, load it "
+            f"with verify_hash=False (the size is still checked) or move the manifest away.")
+    if kind == "crc":
+        return CheckpointError(
+            f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
+            f"Expected every record to match the CRC-32 torch.save stored for it; a file "
+            f"damaged on disk or in a copy does not. Nothing was loaded. {_what_to_do(path)} "
+            f"If you trust it, load it with verify_hash=False.")
+    if kind == "manifest":
+        return CheckpointError(
+            f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
+            f"Expected the JSON manifest CheckpointManager writes (format {FORMAT!r}, with "
+            f"'file', 'step', 'bytes' and 'sha256'); without a valid one the file cannot be "
+            f"verified. Nothing was loaded. {_what_to_do(path)} If you trust the file, move "
+            f"{man.name} away and load it again.")
+    return CheckpointError(
+        f"training-patches: cannot load the checkpoint {path}: the file {reason}. Expected a "
+        f"complete file written by torch.save; a save interrupted half-way leaves such a "
+        f"file. {_what_to_do(path)}")
+
+
+def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
+                    verify_hash: bool = True) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)``, memory-mapped when the file is a zip archive.
+
+    With a manifest beside the file, its schema and the file's size are checked, and
+    with ``verify_hash`` (the default) its SHA-256: a file that changed after it was
+    saved is refused. Without a manifest, ``verify_hash`` checks the CRC-32 of every
+    record of the zip archive instead. ``verify_hash=False`` skips both (for speed) and
+    logs that it did. Raises :class:`UnsafeCheckpointError` for a file that needs code to unpickle and
+    :class:`CheckpointError` for a missing, empty, truncated, changed or foreign file;
+    both name the newest valid checkpoint beside it.
+    """
+    path = Path(path)
+    found = _check(path, verify_hash)
+    if found is not None:
+        kind, reason = found
+        if kind == "format":
+            unsafe = _foreign_globals(path)
+            if unsafe:
+                raise _unsafe_error(path, unsafe)
+        raise _problem_error(path, kind, reason)
+    if not verify_hash:
+        info("training-patches: the %s of %s was not checked (verify_hash=False)",
+             "SHA-256" if manifest_path(path).is_file() else "CRC-32", path)
+    use_mmap = mmap and zipfile.is_zipfile(path)
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+        raise _diagnose(path, exc) from exc
+    if not isinstance(loaded, Mapping):
+        raise CheckpointError(
+            f"training-patches: {path} holds a {type(loaded).__name__}, not a dict of states. "
+            f"Expected a dict with 'model' (a state dict) or a state dict itself. "
+            f"{_what_to_do(path)}")
+    return dict(loaded)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def iter_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted name, tensor) for every tensor in nested dicts, lists and tuples."""
+    stack: list[tuple[str, Any]] = [(prefix, tree)]
+    seen: set[int] = set()
+    while stack:
+        name, item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield name, item
+        elif isinstance(item, (Mapping, list, tuple)):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            pairs = item.items() if isinstance(item, Mapping) else enumerate(item)
+            for key, value in pairs:
+                stack.append((f"{name}.{key}" if name else str(key), value))
+
+
+# Elements per chunk of the finite check: isfinite makes temporaries as large as its input
+# (abs, two masks): a 24k x 1024 embedding checked at once would cost ~150 MB of host
+# memory on top of the checkpoint; small chunks keep a load at ~1.0x the file's size.
+_CHUNK = {"cpu": 1 << 16}
+_CHUNK_OTHER = 1 << 24
+
+
+def _has_bad(tensor: torch.Tensor, nan_only: bool) -> torch.Tensor:
+    """A 0-d bool tensor on the tensor's device: does it hold NaN (or, unless ``nan_only``,
+    +-Inf)? Checked in chunks, with no host read."""
+    flat = tensor.reshape(-1)
+    bad = torch.zeros((), dtype=torch.bool, device=tensor.device)
+    for chunk in flat.split(_CHUNK.get(tensor.device.type, _CHUNK_OTHER)):
+        found = torch.isnan(chunk).any() if nan_only else ~torch.isfinite(chunk).all()
+        bad = bad | found
+    return bad
+
+
+def nonfinite_flags(named: list[tuple[str, torch.Tensor, bool]]) -> list[str]:
+    """Names of the tensors that are not finite: ``(name, tensor, nan_only)`` each, where
+    ``nan_only`` lets +-Inf pass (buffers such as attention masks hold -inf on purpose).
+
+    One host read per device, not one per tensor.
+    """
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor, nan_only in named:
+        if tensor.is_meta or not (tensor.is_floating_point() or tensor.is_complex()):
+            continue
+        if tensor.numel() == 0:
+            continue
+        by_device.setdefault(tensor.device, []).append((name, _has_bad(tensor, nan_only)))
+    names: list[str] = []
+    for flags in by_device.values():
+        values = torch.stack([bad for _, bad in flags]).tolist()
+        names += [name for (name, _), value in zip(flags, values) if value]
+    return sorted(names)
+
+
+__all__ = ["check_file", "read_checkpoint", "read_manifest", "parse_manifest", "Manifest",
+           "manifest_path", "manager_checkpoints", "newest_valid_beside", "FORMAT",
+           "MANIFEST_SUFFIX", "CHECKPOINT_SUFFIXES"]

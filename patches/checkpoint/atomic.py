@@ -1,0 +1,227 @@
+"""Files that are either complete or absent, and a full disk said in one paragraph.
+
+A temporary file in the same folder is written, flushed and fsynced, renamed over the
+target with ``os.replace`` and the folder is fsynced (Lightning's ``_atomic_save`` idea).
+Free space is checked before a large write, and a write that runs out of space
+(``ENOSPC``/``EDQUOT``, which torch reports as ``[enforce fail at inline_container.cc]``)
+becomes a :class:`~patches.checkpoint.errors.DiskFullError` naming the folder, the bytes
+needed and the bytes free.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .errors import DiskFullError
+
+# Marks the temporary files of an atomic write; with the writer's pid after it.
+TMP_MARK = ".tp-tmp-"
+# Errors that mean "no room": the disk is full or the user's quota is spent.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# Bytes beyond the tensors' own: zip headers and alignment per record, pickle, manifest.
+_BASE_SLACK = 1 << 20
+_PER_TENSOR_SLACK = 1024
+
+
+@dataclass(frozen=True)
+class Written:
+    """A completed atomic write: where, how many bytes, and their SHA-256 (when asked)."""
+
+    path: Path
+    size: int
+    sha256: str | None
+
+
+class _Sink:
+    """The file handed to the writer: counts and (optionally) hashes what is written and
+    keeps the ``OSError`` a failed write raised (torch turns it into a RuntimeError)."""
+
+    def __init__(self, handle: Any, digest: Any) -> None:
+        self._handle = handle
+        self._digest = digest
+        self.size = 0
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            written = self._handle.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        if self._digest is not None:
+            self._digest.update(data)
+        self.size += memoryview(data).nbytes
+        return written
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    # No fileno(): torch's legacy format would then write storages to the descriptor
+    # directly, past the count and the hash.
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. Windows: folders cannot be opened; os.replace is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_free(folder: str | os.PathLike[str]) -> int | None:
+    """Bytes free for this user in ``folder`` (``shutil.disk_usage``), None if unknown."""
+    try:
+        return int(shutil.disk_usage(folder).free)
+    except (OSError, ValueError):
+        return None
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "an unknown number of bytes"
+    return f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB)"
+
+
+def disk_full_error(path: Path, needed: int, free: int | None, *,
+                    written: int | None = None) -> DiskFullError:
+    """The one paragraph for a save that does not fit (before or during the write)."""
+    folder = path.parent
+    if written is None:
+        what = (f"training-patches: not enough free space to write {path.name} in {folder}: "
+                f"this save needs about {_size(needed)} and the folder has {_size(free)} free. "
+                f"Nothing was written")
+    else:
+        what = (f"training-patches: the disk filled up while writing {path.name} in {folder}: "
+                f"the system reported no space left after {_size(written)}; this save needs "
+                f"about {_size(needed)} and the folder now has {_size(free)} free. The partial "
+                f"file was removed")
+    return DiskFullError(
+        f"{what}, and the files already in {folder} are unchanged. Free space there (delete "
+        f"old runs or checkpoints, or keep fewer with CheckpointManager(keep=...)), or write "
+        f"to a folder on a larger disk, then save again.",
+        folder=str(folder), needed=needed, free=free)
+
+
+def ensure_free_space(path: str | os.PathLike[str], needed: int) -> None:
+    """Raise :class:`DiskFullError` when ``path``'s folder has fewer than ``needed`` bytes."""
+    path = Path(path)
+    free = disk_free(path.parent)
+    if free is not None and free < needed:
+        raise disk_full_error(path, needed, free)
+
+
+def estimate_bytes(obj: Any) -> int:
+    """About how many bytes ``torch.save(obj)`` writes: every storage once, plus slack."""
+    seen_storages: set[tuple[str, int, int]] = set()
+    seen_objects: set[int] = set()
+    total = _BASE_SLACK
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            total += _PER_TENSOR_SLACK
+            try:
+                storage = item.untyped_storage()
+                key = (str(item.device), storage.data_ptr(), storage.nbytes())
+                if key[1] == 0 or key not in seen_storages:
+                    seen_storages.add(key)
+                    total += storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # sparse and other layouts
+                total += item.element_size() * item.numel()
+        elif isinstance(item, (dict, list, tuple, set, frozenset)):
+            if id(item) in seen_objects:
+                continue
+            seen_objects.add(id(item))
+            values = list(item.items()) if isinstance(item, dict) else list(item)
+            stack.extend(values)
+            total += 16 * len(values)
+        elif isinstance(item, (str, bytes)):
+            total += len(item)
+        else:
+            total += 16
+    return total
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], *,
+                     digest: bool = False, needed: int | None = None) -> Written:
+    """:func:`atomic_write` that also returns the size and (``digest``) SHA-256 written.
+
+    The hash is taken from the bytes as they are written, so the file is not read back.
+    ``needed`` (the estimated size) goes into the paragraph of a full disk.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The pid in the name tells a stale temporary file (its writer was killed) from one
+    # being written right now by another process: see CheckpointManager._sweep_temp.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}{os.getpid()}-", dir=path.parent)
+    sink: _Sink | None = None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            sink = _Sink(handle, hashlib.sha256() if digest else None)
+            write(sink)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        error = sink.error if sink is not None and sink.error is not None else exc
+        if isinstance(error, OSError) and error.errno in _NO_SPACE:
+            written = sink.size if sink is not None else 0
+            raise disk_full_error(path, max(needed or 0, written), disk_free(path.parent),
+                                  written=written) from exc
+        raise
+    _fsync_dir(path.parent)
+    size = sink.size
+    sha = sink._digest.hexdigest() if sink._digest is not None else None
+    return Written(path, size, sha)
+
+
+def atomic_write(path: str | os.PathLike[str], write: Any) -> Path:
+    """Write ``path`` through ``write(file)`` so that it is either complete or absent.
+
+    A temporary file in the same folder is written, flushed and fsynced, renamed over
+    ``path`` with ``os.replace`` and the folder is fsynced; on any error the temporary
+    file is removed and ``path`` keeps its previous content. A full disk raises
+    :class:`~patches.checkpoint.errors.DiskFullError`.
+    """
+    return write_atomically(path, write).path
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str], *, check_space: bool = True,
+                      **kwargs: Any) -> Path:
+    """``torch.save`` that never leaves a torn file at ``path`` (see :func:`atomic_write`).
+
+    With ``check_space`` the folder's free space is compared with the estimated size
+    first (:class:`~patches.checkpoint.errors.DiskFullError` before a byte is written).
+    ``kwargs`` go to ``torch.save``.
+    """
+    needed = estimate_bytes(obj)
+    if check_space:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        ensure_free_space(path, needed)
+    return write_atomically(path, lambda handle: torch.save(obj, handle, **kwargs),
+                            needed=needed).path
+
+
+def atomic_text(path: Path, text: str) -> None:
+    """A small text file written with :func:`atomic_write` (UTF-8)."""
+    atomic_write(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+__all__ = ["atomic_write", "atomic_torch_save", "atomic_text", "write_atomically",
+           "estimate_bytes", "ensure_free_space", "disk_free", "Written", "TMP_MARK"]

@@ -1,0 +1,345 @@
+"""``load_checkpoint``: read, validate, plan, then change the model, optimizer, scheduler
+and scaler together, and the :class:`LoadReport` of what it did."""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .._log import info
+from ._validate import _what_to_do, read_checkpoint
+from .errors import CheckpointError, CheckpointMismatchError
+from .optimizer import (_as_list, _check_plain_state, _detach_from_file, _remap_optimizer_state,
+                        _restart_scaler, _restart_scheduler, restore_optimizer, snapshot_optimizer)
+from .plan import _MODEL_KEYS, _Plan, _plan_model, check_finite
+from .rng import capture_rng_state, restore_rng_state
+
+logger = logging.getLogger("training_patches")
+
+POLICIES = ("remap", "reset")
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_checkpoint` did.
+
+    ``step`` is the step to resume at: the checkpoint's step under ``remap``, 0 under
+    ``reset``. ``resized`` maps each grown tensor to (old shape, new shape);
+    ``kept_rows`` counts the trained rows copied unchanged into each of them.
+    """
+
+    path: str
+    policy: str
+    step: int
+    epoch: int | None = None
+    resized: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    kept_rows: dict[str, int] = field(default_factory=dict)
+    base_vocab_size: int | None = None
+    vocab_size: int | None = None
+    start_row_moved: bool = False
+    loaded: list[str] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)
+    reset: list[str] = field(default_factory=list)
+    optimizer_moments_resized: list[str] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    rng_restored: bool = False
+    runtime_state_restored: bool = False
+    freeze: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    checkpoint: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def vocab_grew(self) -> bool:
+        return bool(self.resized)
+
+    def summary(self) -> str:
+        """One paragraph for the log."""
+        parts = [f"loaded {self.path} (step {self.step}, policy {self.policy})"]
+        if self.resized:
+            parts.append(
+                f"vocabulary {self.base_vocab_size} -> {self.vocab_size} rows: " + ", ".join(
+                    f"{name} {list(old)}->{list(new)} ({self.kept_rows[name]} trained rows kept)"
+                    for name, (old, new) in self.resized.items()))
+            if self.start_row_moved:
+                parts.append("start-text token row moved to the new last row")
+        if self.restored:
+            parts.append("restored: " + ", ".join(self.restored))
+        if self.reset:
+            parts.append("fresh: " + ", ".join(self.reset))
+        if self.optimizer_moments_resized:
+            parts.append(f"optimizer moments resized for {len(self.optimizer_moments_resized)} "
+                         "parameter(s) (new rows: first moment 0, second moment = old rows' mean)")
+        if self.missing_keys or self.unexpected_keys:
+            parts.append(f"not in checkpoint: {len(self.missing_keys)} key(s); "
+                         f"not in model: {len(self.unexpected_keys)} key(s) (strict=False)")
+        return "; ".join(parts)
+
+
+def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
+    value = meta.get("step")
+    if value is None:
+        return 0
+    try:
+        if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
+                value.numel() != 1 or value.is_floating_point() or value.is_meta)):
+            raise TypeError
+        step = operator.index(value.item() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError, RuntimeError):
+        step = -1
+    if step < 0:
+        raise CheckpointError(
+            f"training-patches: cannot load {path}: its 'step' is {str(value)[:40]!r}, expected a "
+            f"whole number >= 0. The file is not a checkpoint this library or the coqui Trainer "
+            f"wrote, or it was changed. Nothing was loaded. {_what_to_do(path)}")
+    return step
+
+
+def _runtime_state(ours: Any) -> dict[str, dict[str, float]] | None:
+    """The saved runtime counters when they have the shape ``runtime_state()`` writes."""
+    runtime = ours.get("runtime") if isinstance(ours, Mapping) else None
+    if not isinstance(runtime, Mapping):
+        return None
+    for part in runtime.values():
+        if not isinstance(part, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                for k, v in part.items()):
+            return None
+    return {str(k): dict(v) for k, v in runtime.items()}
+
+
+def _restore_dict(obj: Any, saved: dict[str, Any]) -> None:
+    obj.__dict__.clear()
+    obj.__dict__.update(saved)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    *,
+    policy: str = "remap",
+    freeze: bool = True,
+    strict: bool = True,
+    restore_rng: bool | None = None,
+    vocab_modules: Sequence[str] = (),
+    start_token_row: str | bool = "auto",
+    mmap: bool = True,
+    seed: int = 0,
+    key_filter: Callable[[str], bool] | None = None,
+    verify_hash: bool = True,
+    allow_nonfinite: bool = False,
+) -> LoadReport:
+    """Load ``path`` into ``model`` (and the optimizer, scheduler, scaler) safely, all or
+    nothing.
+
+    Args:
+        path: a checkpoint written by :class:`CheckpointManager`, the coqui Trainer, or
+            ``torch.save(model.state_dict())``.
+        model: the model to fill; its text vocabulary may be larger than the checkpoint's.
+        optimizer, scheduler, scaler: one object or a list of them (coqui keeps lists).
+        policy: ``"remap"`` keeps the optimizer state (moments of grown parameters are
+            grown), the scheduler and the scaler; ``"reset"`` starts all three fresh, the
+            scheduler at step 0 with its warmup, and resumes at step 0. Never a mix.
+        freeze: after a vocabulary growth, freeze the base rows (``patches.vocab_freeze``).
+        strict: refuse keys present on one side only (shape mismatches are always refused).
+        restore_rng: restore the saved RNG states (default: yes under ``remap``).
+        vocab_modules: names of further modules whose rows are the vocabulary.
+        start_token_row: ``"auto"`` (XTTS: move the last row when it is the start token),
+            True or False.
+        mmap: memory-map the file instead of reading it into memory.
+        seed: seed of the noise of new rows (the result is reproducible).
+        key_filter: keep only the checkpoint's model keys for which it returns True
+            (e.g. drop the DVAE of an XTTS GPTTrainer checkpoint).
+        verify_hash: with a manifest beside the file, check its SHA-256 (the size is
+            always checked). False skips the hash for speed and logs that it did.
+        allow_nonfinite: load NaN/Inf weights and optimizer moments (refused by default;
+            buffers may always hold +-Inf, as attention masks do).
+
+    Every tensor is validated before anything is touched: present, with data (not
+    meta), the planned shape and kind of dtype, and finite. A refused load leaves the
+    model, optimizer, scheduler, scaler and RNG exactly as they were.
+
+    Raises:
+        UnsafeCheckpointError, CheckpointError, CheckpointMismatchError: before anything
+        was changed.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"load_checkpoint: policy must be one of {POLICIES}, got {policy!r}")
+    path = Path(path)
+    ckpt = read_checkpoint(path, mmap=mmap, verify_hash=verify_hash)
+    plan = _plan_model(path, ckpt, model, strict=strict, vocab_modules=vocab_modules,
+                       start_token_row=start_token_row, seed=seed, key_filter=key_filter)
+    if not allow_nonfinite:
+        check_finite(path, plan, model)
+    # A bare state dict has no step, optimizer, ... (its keys are tensor names).
+    bare = not any(isinstance(ckpt.get(k), Mapping) for k in _MODEL_KEYS)
+    meta: Mapping[str, Any] = {} if bare else ckpt
+    optimizers = _as_list(optimizer)
+    schedulers = [s for s in _as_list(scheduler) if s is not None]
+    saved_opts = _as_list(meta.get("optimizer"))
+    saved_scheds = _as_list(meta.get("scheduler"))
+    saved_scaler = meta.get("scaler")
+    extra = meta.get("extra")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise CheckpointError(
+            f"training-patches: cannot load {path}: its 'extra' is a {type(extra).__name__}, "
+            f"expected a dict (what CheckpointManager.save(**extra) writes). Nothing was loaded. "
+            f"{_what_to_do(path)}")
+    report = LoadReport(path=str(path), policy=policy, step=_step_of(path, meta),
+                        epoch=meta.get("epoch") if isinstance(meta.get("epoch"), int)
+                        and not isinstance(meta.get("epoch"), bool) else None,
+                        extra=dict(extra or {}), checkpoint=ckpt)
+
+    # Decide and validate everything before changing anything: a refusal leaves the
+    # user's objects as they were.
+    effective = policy
+    remapped: list[dict[str, Any]] = []
+    if policy == "remap" and optimizers:
+        if not saved_opts:
+            effective = "reset"  # nothing to keep: the matched set starts fresh together
+            info("training-patches: %s has no optimizer state; optimizer, scheduler and scaler "
+                 "start fresh together", path)
+        elif len(saved_opts) != len(optimizers):
+            raise CheckpointMismatchError(
+                f"training-patches: {path} holds the state of {len(saved_opts)} optimizer(s), "
+                f"{len(optimizers)} were given. Nothing was loaded. Pass the same optimizers, or "
+                f"use policy='reset' to start the optimizer, scheduler and scaler fresh.")
+        else:
+            names = {id(p): n for n, p in model.named_parameters()}
+            for saved, opt in zip(saved_opts, optimizers):
+                state, resized = _remap_optimizer_state(path, saved, opt, names, plan,
+                                                        allow_nonfinite=allow_nonfinite)
+                remapped.append(state)
+                report.optimizer_moments_resized += [r for r in resized
+                                                     if r not in report.optimizer_moments_resized]
+    if effective == "remap" and schedulers and saved_scheds:
+        if len(saved_scheds) < len(schedulers):
+            raise CheckpointMismatchError(
+                f"training-patches: {path} holds {len(saved_scheds)} scheduler state(s), "
+                f"{len(schedulers)} schedulers were given. Nothing was loaded. Use policy='reset'.")
+        for state, sched in zip(saved_scheds, schedulers):
+            _check_plain_state(path, "scheduler", state, sched)
+    scaler_on = scaler is not None and getattr(scaler, "_enabled", True)
+    if effective == "remap" and scaler_on and saved_scaler:
+        _check_plain_state(path, "scaler", saved_scaler, scaler)
+    if restore_rng is None:
+        restore_rng = effective == "remap"
+    rng = meta.get("rng") if restore_rng and isinstance(meta.get("rng"), Mapping) else None
+    runtime = _runtime_state(meta.get("training_patches")) if effective == "remap" else None
+    if effective == "remap" and isinstance(meta.get("training_patches"), Mapping) and runtime is None:
+        logger.warning("training-patches: the runtime counters saved in %s are not in the shape "
+                       "this version writes; they were not restored", path)
+
+    # Apply, with an undo for each change: if torch still refuses something, everything
+    # that was changed is put back before the error is raised.
+    undo: list[Callable[[], None]] = []
+    model_touched = False
+    try:
+        if effective == "remap":
+            for state, opt in zip(remapped, optimizers):
+                snap = snapshot_optimizer(opt)
+                undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
+                opt.load_state_dict(state)
+                _detach_from_file(opt.state)
+            if optimizers:
+                report.restored.append("optimizer")
+            if schedulers and saved_scheds:
+                for state, sched in zip(saved_scheds, schedulers):
+                    undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
+                    sched.load_state_dict(dict(state))
+                report.restored.append("scheduler")
+            elif schedulers:
+                report.reset.append("scheduler (not in the checkpoint)")
+            if scaler_on:
+                if saved_scaler:
+                    snap_scaler = scaler.state_dict()
+                    if snap_scaler:
+                        undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
+                    scaler.load_state_dict(dict(saved_scaler))
+                    report.restored.append("scaler")
+                else:
+                    report.reset.append("scaler (not in the checkpoint)")
+        else:
+            for opt in optimizers:
+                snap = snapshot_optimizer(opt)
+                undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
+                opt.state = defaultdict(dict)
+                for group in opt.param_groups:
+                    if "initial_lr" in group:
+                        group["lr"] = group["initial_lr"]
+            for sched in schedulers:
+                undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
+                _restart_scheduler(sched)
+            if scaler is not None:
+                snap_scaler = scaler.state_dict() if getattr(scaler, "_enabled", False) else None
+                if snap_scaler:
+                    undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
+                _restart_scaler(scaler)
+            report.reset += [name for name, objs in
+                             (("optimizer", optimizers), ("scheduler", schedulers),
+                              ("scaler", [scaler] if scaler is not None else [])) if objs]
+            report.step = 0
+        if rng is not None:
+            undo.append(lambda s=capture_rng_state(): restore_rng_state(s))
+            restore_rng_state(rng)
+            report.rng_restored = True
+        if runtime is not None:
+            from .. import _api
+
+            undo.append(lambda s=_api.runtime_state(): _api.load_runtime_state(s))
+            _api.load_runtime_state(runtime)
+            report.runtime_state_restored = True
+        # The model last: everything it could refuse was checked above.
+        model_touched = True
+        missing, unexpected = model.load_state_dict(plan.state, strict=False)
+    except Exception as exc:  # noqa: BLE001 - put everything back, then one clear error
+        for step_back in reversed(undo):
+            try:
+                step_back()
+            except Exception:  # noqa: BLE001 - keep undoing the rest
+                logger.exception("training-patches: could not undo part of a refused load")
+        what = ("The optimizer, scheduler, scaler and RNG were put back as they were, but the "
+                "model's weights may be partly changed: build the model again before retrying."
+                if model_touched else "Nothing was changed.")
+        raise CheckpointError(
+            f"training-patches: cannot load {path}: torch refused part of it after it passed "
+            f"every check ({type(exc).__name__}: {str(exc)[:300]}). {what} "
+            f"{_what_to_do(path)}") from exc
+    report.missing_keys = sorted(set(missing) | set(plan.missing))
+    report.unexpected_keys = list(plan.unexpected)
+    report.loaded.append("model")
+    if plan.rows is not None:
+        report.resized = dict(plan.resized)
+        report.kept_rows = {key: plan.rows.base_rows + int(plan.rows.start_row_last)
+                            for key in plan.resized}
+        report.base_vocab_size, report.vocab_size = plan.rows.old_rows, plan.rows.new_rows
+        report.start_row_moved = plan.rows.start_row_last
+    report.policy = effective if policy == "remap" else policy
+    if plan.rows is not None and freeze:
+        report.freeze = _enable_freeze(model, plan, vocab_modules)
+    info("training-patches: %s", report.summary())
+    return report
+
+
+def _enable_freeze(model: torch.nn.Module, plan: _Plan, vocab_modules: Sequence[str]) -> Any:
+    """Freeze the base rows of the grown vocabulary (lazy: vocab_freeze may be absent)."""
+    try:
+        from .. import vocab_freeze
+    except ImportError:
+        logger.warning(
+            "training-patches: the vocabulary grew from %d to %d rows but patches.vocab_freeze is "
+            "not available, so the base rows are not frozen.", plan.rows.old_rows, plan.rows.new_rows)
+        return None
+    modules = sorted({key.rsplit(".", 1)[0] for key in plan.resized})
+    return vocab_freeze.freeze_base_vocab(model, plan.rows.old_rows, modules=modules,
+                                          start_row_last=plan.rows.start_row_last)

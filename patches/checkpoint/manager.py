@@ -1,0 +1,315 @@
+"""``CheckpointManager``: atomic, self-describing checkpoints in one folder, pruning of
+its own files only, and the newest valid one back for a resume.
+
+Newest means the last written: every save gets the next *generation* (stored in its
+manifest), and pruning and ``resume("auto")`` go by it, never by the step number. A
+save below the newest step (after resuming from an older checkpoint) starts a new
+branch, which is then the newest. Only files whose valid manifest names them are
+candidates, and only those are ever pruned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .._log import info
+from ._validate import (FORMAT, MANIFEST_SUFFIX, Manifest, _sha256, _what_to_do, check_file,
+                        iter_tensors, manager_checkpoints, manifest_path, nonfinite_flags,
+                        read_manifest)
+from .atomic import TMP_MARK as _TMP_MARK
+from .atomic import atomic_text as _atomic_text
+from .atomic import disk_free, disk_full_error, ensure_free_space, estimate_bytes, write_atomically
+from .errors import CheckpointError, DiskFullError
+from .optimizer import _as_list
+from .rng import capture_rng_state
+
+logger = logging.getLogger("training_patches")
+
+LATEST = "latest"
+
+
+def _vocab_size(state: Mapping[str, torch.Tensor]) -> int | None:
+    for key, value in state.items():
+        if key.endswith("text_embedding.weight"):
+            return int(value.shape[0])
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _as_step(step: Any) -> int:
+    """A step number: a whole number >= 0 (ints, numpy ints, 0-d integer tensors)."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(f"CheckpointManager.save: step must be a whole number, got {step!r}"
+                        ) from None
+    if value < 0:
+        raise ValueError(f"CheckpointManager.save: step must be >= 0, got {value}")
+    return value
+
+
+class CheckpointManager:
+    """Atomic, self-describing checkpoints in ``output_dir``, and the newest valid one back.
+
+    Files: ``ckpt_<step>.pt``, its manifest ``ckpt_<step>.pt.manifest.json`` (written
+    last: a checkpoint without one is incomplete, and is never chosen or deleted) and
+    ``latest`` (the name of the last save). The ``keep`` most recently written complete
+    checkpoints are kept (by generation, not by step); only files this class wrote (with
+    its valid manifest, named by its pattern) are ever pruned; ``keep=None`` prunes
+    nothing. The file a save returns always exists afterwards.
+    """
+
+    PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
+
+    def __init__(self, output_dir: str | os.PathLike[str], keep: int | None = 3,
+                 prefix: str = "ckpt") -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"CheckpointManager: keep must be at least 1 or None, got {keep}")
+        self.output_dir = Path(output_dir)
+        self.keep = keep
+        self.prefix = prefix
+        self.pattern = re.compile(rf"^{re.escape(prefix)}_(\d+)\.pt$")
+
+    def path_for(self, step: int) -> Path:
+        """The file of ``step``'s checkpoint (it may not exist)."""
+        return self.output_dir / f"{self.prefix}_{step:09d}.pt"
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
+             scheduler: Any = None, scaler: Any = None, **extra: Any) -> Path:
+        """Write the checkpoint of ``step``; returns its path once it is complete.
+
+        ``extra`` (e.g. ``epoch=``, ``batch_in_epoch=``, the data position) must be
+        tensors or plain values; it comes back as ``LoadReport.extra``.
+
+        The folder's free space is checked first: :class:`DiskFullError` (nothing
+        written) when the estimated size does not fit, and the same error, with the
+        partial files removed, when the disk fills during the write. A save that fails
+        leaves none of its files behind and the other checkpoints as they were.
+        """
+        from .. import __version__, _api
+
+        step = _as_step(step)
+        model_state = model.state_dict()
+        optimizer_states = [o.state_dict() for o in _as_list(optimizer)]
+        payload = {
+            "format": FORMAT,
+            "step": step,
+            "model": model_state,
+            "optimizer": optimizer_states or None,
+            "scheduler": [s.state_dict() for s in _as_list(scheduler) if s is not None] or None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": capture_rng_state(),
+            "training_patches": {"version": __version__, "runtime": _api.runtime_state()},
+            "extra": extra,
+        }
+        if isinstance(extra.get("epoch"), int):
+            payload["epoch"] = extra["epoch"]
+        path = self.path_for(step)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._sweep_temp()
+        needed = estimate_bytes(payload)
+        ensure_free_space(path, needed)
+        nonfinite = self._nonfinite(model, model_state, optimizer_states)
+        generation = self._next_generation()
+        written = write_atomically(path, lambda handle: torch.save(payload, handle),
+                                   digest=True, needed=needed)
+        try:
+            size, sha = written.size, written.sha256
+            if path.stat().st_size != size:  # torch wrote out of order: hash the file itself
+                size, sha = path.stat().st_size, _sha256(path)
+            manifest = {
+                "format": FORMAT,
+                "written_by": f"training-patches {__version__} CheckpointManager",
+                "file": path.name,
+                "step": step,
+                "generation": generation,
+                "bytes": size,
+                "sha256": sha,
+                "nonfinite": nonfinite,
+                "vocab_size": _vocab_size(model_state),
+                "param_shapes": {k: list(v.shape) for k, v in model_state.items()},
+                "amp": bool(scaler is not None and getattr(scaler, "_enabled", False)),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            _atomic_text(manifest_path(path), json.dumps(manifest, indent=1))
+        except BaseException as exc:
+            # The checkpoint is ours and has no manifest of its own: remove it (and a
+            # manifest of an earlier save of this step, which no longer describes it).
+            manifest_path(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+            if isinstance(exc, DiskFullError):
+                raise disk_full_error(path, needed, disk_free(self.output_dir),
+                                      written=written.size) from exc
+            raise
+        self._point_latest(path)
+        info("training-patches: checkpoint step %d written to %s", step, path)
+        self._prune(keep_path=path)
+        return path
+
+    @staticmethod
+    def _nonfinite(model: torch.nn.Module, model_state: Mapping[str, torch.Tensor],
+                   optimizer_states: list[Mapping[str, Any]]) -> list[str]:
+        """Names of NaN/Inf tensors, by the loader's rule (parameters and optimizer
+        moments finite, buffers free of NaN); recorded so that resume can pass over them."""
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        named = [(f"model.{k}", v, k not in params) for k, v in model_state.items()
+                 if isinstance(v, torch.Tensor)]
+        for index, state in enumerate(optimizer_states):
+            named += [(f"optimizer.{index}.state.{name}", value, False)
+                      for name, value in iter_tensors(state.get("state", {}))]
+        bad = nonfinite_flags(named)
+        if bad:
+            logger.warning(
+                "training-patches: the checkpoint being saved holds NaN or Inf in %d tensor(s) "
+                "(%s); it is written, but resume('auto') will pass over it and load_checkpoint "
+                "refuses it unless allow_nonfinite=True", len(bad), ", ".join(bad[:5]))
+        return bad
+
+    def _next_generation(self) -> int:
+        generations = [m.generation for _, m in manager_checkpoints(self.output_dir)
+                       if m.generation is not None]
+        return max(generations, default=-1) + 1
+
+    def _point_latest(self, path: Path) -> None:
+        latest = self.output_dir / LATEST
+        try:
+            _atomic_text(latest, path.name + "\n")
+        except (OSError, CheckpointError) as exc:
+            # The checkpoint is complete; a stale pointer would name an older (or pruned) file.
+            try:
+                latest.unlink(missing_ok=True)
+            except OSError:
+                pass
+            logger.warning("training-patches: %s is saved, but %s could not be updated (%s); "
+                           "resume('auto') does not need it", path, latest, exc)
+
+    def _sweep_temp(self) -> None:
+        """Remove temporary files of this manager's saves whose writer is dead (killed).
+
+        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>-...``) are touched;
+        a live writer's file (its pid still runs) is left alone.
+        """
+        if not self.output_dir.is_dir():
+            return
+        mark = re.compile(rf"^\.{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
+                          rf"{re.escape(_TMP_MARK)}(\d+)-")
+        for entry in self.output_dir.iterdir():
+            match = mark.match(entry.name)
+            if match is None:
+                continue
+            pid = int(match.group(1))
+            if pid != os.getpid() and _pid_alive(pid):
+                continue
+            entry.unlink(missing_ok=True)
+            logger.debug("training-patches: removed %s, left by an interrupted save", entry.name)
+
+    def _own(self) -> list[tuple[Path, Manifest]]:
+        """Complete checkpoints this manager wrote (valid manifest, its name pattern),
+        oldest first by generation."""
+        owned = [(path, manifest) for path, manifest in manager_checkpoints(self.output_dir)
+                 if self.pattern.match(path.name)]
+        return owned[::-1]
+
+    def _prune(self, keep_path: Path | None = None) -> None:
+        if self.keep is None:
+            return
+        owned = self._own()
+        for path, manifest in owned[: max(len(owned) - self.keep, 0)]:
+            if keep_path is not None and path == keep_path:
+                continue
+            try:
+                # Manifest first: an interrupted prune leaves an incomplete checkpoint, never
+                # a manifest that vouches for a missing file.
+                manifest_path(path).unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                logger.warning("training-patches: could not remove the old checkpoint %s (%s)",
+                               path, exc)
+                continue
+            logger.debug("training-patches: pruned checkpoint step %d generation %s (%s)",
+                         manifest.step, manifest.generation, path)
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints written by this manager, oldest first by generation (the
+        order they were written; not hash-checked)."""
+        return [path for path, _ in self._own()]
+
+    def resume(self, which: str | int | os.PathLike[str] = "auto", *,
+               verify_hash: bool = True, allow_nonfinite: bool = False) -> Path | None:
+        """The checkpoint to resume from, or None when there is none yet.
+
+        ``"auto"``: the most recently written checkpoint in ``output_dir`` (highest
+        generation) whose manifest and file validate and that held no NaN/Inf when it was
+        saved (unless ``allow_nonfinite``); torn, damaged or non-finite ones are passed
+        over with a warning and left on disk. Files without a valid manifest (other
+        models, interrupted saves) are never chosen. A step number or a path: that
+        checkpoint, which must validate.
+        """
+        if which != "auto":
+            path = self.path_for(which) if isinstance(which, int) else Path(which)
+            problem = check_file(path, verify_hash=verify_hash)
+            if problem is not None:
+                raise CheckpointError(
+                    f"training-patches: cannot resume from {path}: the file {problem}. "
+                    f"{_what_to_do(path)}")
+            return path
+        skipped: list[str] = []
+        for candidate, manifest in manager_checkpoints(self.output_dir):
+            problem = check_file(candidate, verify_hash=verify_hash)
+            if problem is None and manifest.nonfinite and not allow_nonfinite:
+                problem = (f"held NaN or Inf when it was saved "
+                           f"({', '.join(manifest.nonfinite[:3])})")
+            if problem is None:
+                if skipped:
+                    logger.warning(
+                        "training-patches: resuming from %s; passed over newer checkpoint(s) that "
+                        "cannot be used (left on disk): %s", candidate, "; ".join(skipped))
+                self._note_unfinished()
+                return candidate
+            skipped.append(f"{candidate.name} {problem}")
+        self._note_unfinished()
+        if skipped:
+            logger.warning("training-patches: no valid checkpoint in %s to resume from: %s",
+                           self.output_dir, "; ".join(skipped))
+        return None
+
+    def _note_unfinished(self) -> None:
+        """Say which files named like this manager's were not considered, and why."""
+        if not self.output_dir.is_dir():
+            return
+        notes = []
+        for entry in sorted(self.output_dir.iterdir()):
+            if not self.pattern.match(entry.name):
+                continue
+            manifest, invalid = read_manifest(entry)
+            if manifest is None and invalid is None:
+                notes.append(f"{entry.name} has no manifest (its save did not complete, or "
+                             f"another program wrote it)")
+            elif invalid is not None:
+                notes.append(f"{entry.name} has a manifest that is not valid ({invalid})")
+        if notes:
+            logger.warning("training-patches: not considered for resuming (left on disk): %s",
+                           "; ".join(notes))
+
+
+__all__ = ["CheckpointManager", "LATEST"]

@@ -1,0 +1,239 @@
+"""The optimizer, scheduler and scaler as one matched set: the saved optimizer state
+remapped onto a grown vocabulary (moments grown, see :mod:`patches.vocab_resize`), or all
+three restarted together."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .. import vocab_resize
+from ._validate import nonfinite_flags
+from .errors import CheckpointError, CheckpointMismatchError
+from .plan import _Plan
+
+
+def _as_list(obj: Any) -> list[Any]:
+    if obj is None:
+        return []
+    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+
+
+def _not_a_state(path: Path, what: str) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"training-patches: the optimizer state in {path} is not an optimizer state_dict "
+        f"({what}; expected 'state' and 'param_groups' as torch writes them). Nothing was "
+        f"loaded. Use policy='reset' to start the optimizer, scheduler and scaler fresh.")
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_meta and bool(torch.isfinite(value).all())
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_group(path: Path, index: int, saved: Mapping[Any, Any], group: Mapping[str, Any]) -> None:
+    """The saved hyperparameters have the types of this optimizer's (finite numbers where it
+    has numbers): torch would accept anything and fail later, at step()."""
+    for key, current in group.items():
+        if key in ("params", "param_names", "initial_lr") or key not in saved:
+            continue
+        value = saved[key]
+        if isinstance(current, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(current, (int, float, torch.Tensor)):
+            ok = _is_number(value)
+        elif isinstance(current, (tuple, list)):
+            ok = (isinstance(value, (tuple, list)) and len(value) == len(current)
+                  and all(_is_number(v) for v in value))
+        else:
+            continue
+        if not ok:
+            raise _not_a_state(path, f"group {index} has {key}={str(value)[:40]!r} where this "
+                                     f"optimizer has {current!r}")
+
+
+def _remap_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimizer,
+                           names: dict[int, str], plan: _Plan, *, allow_nonfinite: bool = False,
+                           ) -> tuple[dict[str, Any], list[str]]:
+    """The saved optimizer state with resized moments, validated against ``optimizer``.
+
+    Validated before anything changes: the structure torch writes, the hyperparameters'
+    types, every moment's shape (grown ones included), data (not meta) and, unless
+    ``allow_nonfinite``, finite values.
+    """
+    if not isinstance(saved, Mapping):
+        raise _not_a_state(path, f"found a {type(saved).__name__}")
+    groups = saved.get("param_groups")
+    states = saved.get("state")
+    if not isinstance(groups, list) or not isinstance(states, Mapping):
+        raise _not_a_state(path, "'state' or 'param_groups' is missing")
+    for group in groups:
+        if (not isinstance(group, Mapping) or not isinstance(group.get("params"), list)
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])):
+            raise _not_a_state(path, "a parameter group without a list of parameter ids")
+    ids = [i for group in groups for i in group["params"]]
+    if len(set(ids)) != len(ids):
+        raise _not_a_state(path, "a parameter id appears twice")
+    stray = [key for key in states if key not in set(ids)]
+    if stray or not all(isinstance(entry, Mapping) for entry in states.values()):
+        raise _not_a_state(path, f"state for unknown parameter ids {stray[:5]}" if stray
+                           else "a parameter's state is not a dict")
+    current = optimizer.param_groups
+    saved_counts = [len(g["params"]) for g in groups]
+    current_counts = [len(g["params"]) for g in current]
+    if saved_counts != current_counts:
+        raise CheckpointMismatchError(
+            f"training-patches: the optimizer state in {path} has parameter groups of sizes "
+            f"{saved_counts}, this optimizer has {current_counts}: it was built for other "
+            f"parameters (frozen modules or a different model). Nothing was loaded. Build the "
+            f"optimizer the same way, or use policy='reset' to start the optimizer, scheduler and "
+            f"scaler fresh.")
+    for index, (saved_group, group) in enumerate(zip(groups, current)):
+        _check_group(path, index, saved_group, group)
+    new_state: dict[Any, Any] = {}
+    resized_names: list[str] = []
+    problems: list[str] = []
+    empty: list[str] = []
+    checked: list[tuple[str, torch.Tensor, bool]] = []
+    for saved_group, group in zip(groups, current):
+        for index, param in zip(saved_group["params"], group["params"]):
+            entry = states.get(index)
+            if entry is None:
+                continue
+            name = names.get(id(param), f"parameter #{index}")
+            grown = plan.resized.get(name)
+            fixed: dict[str, Any] = {}
+            for skey, value in entry.items():
+                if isinstance(value, torch.Tensor) and (value.is_meta
+                                                        or value.layout != torch.strided):
+                    empty.append(f"{name}.{skey}")
+                    continue
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    fixed[skey] = value
+                elif tuple(value.shape) == tuple(param.shape):
+                    fixed[skey] = value
+                elif grown is not None and tuple(value.shape) == grown[0] and plan.rows is not None:
+                    # through the module: tests swap grow_moment to show its effect
+                    fixed[skey] = vocab_resize.grow_moment(
+                        value, plan.rows,
+                        second_moment=vocab_resize.is_second_moment(skey)).to(value.dtype)
+                    if name not in resized_names:
+                        resized_names.append(name)
+                else:
+                    problems.append(f"{name}.{skey}: saved {list(value.shape)}, "
+                                    f"parameter {list(param.shape)}")
+                if isinstance(fixed.get(skey), torch.Tensor):
+                    checked.append((f"{name}.{skey}", fixed[skey], False))
+                elif isinstance(value, float) and not math.isfinite(value):
+                    problems.append(f"{name}.{skey}: {value}")
+            new_state[index] = fixed
+    if empty:
+        raise CheckpointError(
+            f"training-patches: refused to load {path}: {len(empty)} optimizer tensor(s) hold "
+            f"no data ({', '.join(empty[:5])}): saved from the 'meta' device or in a layout "
+            f"torch cannot restore. Nothing was loaded. Use policy='reset' to start the "
+            f"optimizer, scheduler and scaler fresh.")
+    if problems:
+        raise CheckpointMismatchError(
+            f"training-patches: the optimizer state in {path} does not fit the parameters: "
+            f"{'; '.join(problems[:6])}. torch would accept it and fail later, at step(). "
+            f"Nothing was loaded. Use policy='reset' to start the optimizer, scheduler and scaler "
+            f"fresh.")
+    if not allow_nonfinite:
+        bad = nonfinite_flags(checked)
+        if bad:
+            raise CheckpointError(
+                f"training-patches: refused to load {path}: the optimizer state holds NaN or Inf "
+                f"in {len(bad)} tensor(s) ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}). "
+                f"Expected finite moments; every step from them would be NaN. Nothing was "
+                f"loaded. Use policy='reset' to keep the weights and start the optimizer, "
+                f"scheduler and scaler fresh, or pass allow_nonfinite=True to load it anyway.")
+    return {"state": new_state, "param_groups": groups}, resized_names
+
+
+def _check_plain_state(path: Path, what: str, saved: Any, obj: Any) -> None:
+    """A scheduler's or scaler's saved state is a dict whose values have the types of the
+    object's own attributes (finite numbers where it has numbers)."""
+    if not isinstance(saved, Mapping) or not all(isinstance(k, str) for k in saved):
+        raise CheckpointMismatchError(
+            f"training-patches: the {what} state in {path} is a {type(saved).__name__}, not a "
+            f"state_dict. Nothing was loaded. Use policy='reset' to start the optimizer, "
+            f"scheduler and scaler fresh.")
+    own = dict(getattr(obj, "__dict__", {}))
+    if what == "scaler" and hasattr(obj, "state_dict") and getattr(obj, "_enabled", True):
+        own = {**own, **dict(obj.state_dict())}
+    for key, value in saved.items():
+        current = own.get(key)
+        if isinstance(current, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(current, (int, float)):
+            ok = _is_number(value)
+        elif isinstance(current, list) and key in ("base_lrs", "_last_lr"):
+            ok = isinstance(value, list) and len(value) == len(current) and all(
+                _is_number(v) for v in value)
+        else:
+            continue
+        if not ok or (key == "scale" and float(value) <= 0):
+            raise CheckpointMismatchError(
+                f"training-patches: the {what} state in {path} has {key}={str(value)[:40]!r} "
+                f"where the {what} has {current!r}. Nothing was loaded. Use policy='reset' to "
+                f"start the optimizer, scheduler and scaler fresh.")
+
+
+def snapshot_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """What :func:`restore_optimizer` needs to undo a ``load_state_dict`` or a reset: the
+    state and group objects (load_state_dict replaces them) and each group's values."""
+    groups = optimizer.param_groups
+    return optimizer.state, groups, [dict(group) for group in groups]
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer,
+                      snapshot: tuple[Any, Any, list[dict[str, Any]]]) -> None:
+    state, groups, values = snapshot
+    for group, saved in zip(groups, values):
+        group.clear()
+        group.update(saved)
+    optimizer.state = state
+    optimizer.param_groups = groups
+
+
+def _detach_from_file(state: Mapping[Any, Any]) -> None:
+    """Rewrite memory-mapped optimizer tensors in place, bit for bit.
+
+    They stay in the checkpoint's private mapping, but each page becomes the process's
+    own copy: a later in-place rewrite of that file cannot change or fault them, and the
+    memory is counted once (no second copy as ``clone()`` would make).
+    """
+    for entry in state.values():
+        for value in entry.values():
+            if (isinstance(value, torch.Tensor) and value.numel() > 0 and value.device.type == "cpu"
+                    and value.is_contiguous()):
+                value.view(-1).view(torch.uint8).bitwise_or_(0)
+
+
+def _restart_scheduler(scheduler: Any) -> None:
+    """Back to step 0 of its schedule (warmup included), as a freshly built scheduler."""
+    optimizer = getattr(scheduler, "optimizer", None)
+    base = getattr(scheduler, "base_lrs", None)
+    if optimizer is not None and base is not None:
+        for group, lr in zip(optimizer.param_groups, base):
+            group["lr"] = lr
+    if hasattr(scheduler, "last_epoch"):
+        scheduler.last_epoch = -1
+    if hasattr(scheduler, "_initial_step"):
+        scheduler._initial_step()
+    elif hasattr(scheduler, "step"):
+        scheduler.step()
+
+
+def _restart_scaler(scaler: Any) -> None:
+    if not getattr(scaler, "_enabled", False):
+        return
+    scaler.load_state_dict({
+        "scale": float(scaler._init_scale), "growth_factor": scaler._growth_factor,
+        "backoff_factor": scaler._backoff_factor, "growth_interval": scaler._growth_interval,
+        "_growth_tracker": 0})

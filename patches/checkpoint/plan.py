@@ -1,0 +1,232 @@
+"""What goes where: checkpoint keys matched to the model's, the vocabulary plan and the
+decision to grow (never shrink) the text vocabulary. Pure: nothing here changes the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from ..vocab_resize import RowPlan, grow_bias, grow_rows
+from ._validate import _what_to_do, nonfinite_flags
+from .errors import CheckpointError, CheckpointMismatchError
+
+# Parameter names (last two components) that carry the text vocabulary along dim 0.
+VOCAB_SUFFIXES = ("text_embedding.weight", "text_head.weight", "text_head.bias")
+# Prefixes a checkpoint's keys may carry relative to the model (DDP, torch.compile,
+# coqui's GPTTrainer, Lightning).
+_KNOWN_PREFIXES = ("module.", "_orig_mod.", "xtts.", "model.")
+# Where a checkpoint keeps the model's state dict (else it is the state dict itself).
+_MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
+
+
+def _model_state(ckpt: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    for key in _MODEL_KEYS:
+        if isinstance(ckpt.get(key), Mapping):
+            state = ckpt[key]
+            break
+    else:
+        state = ckpt
+    tensors = {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise CheckpointError(
+            f"training-patches: {path} has no model weights: expected a 'model' entry holding a "
+            f"state dict (or a state dict itself); found the keys {sorted(map(str, ckpt))[:10]}. "
+            f"{_what_to_do(path)}")
+    return dict(tensors)
+
+
+def _align_keys(ckpt_keys: Iterable[str], model_keys: Iterable[str]) -> dict[str, str]:
+    """model key -> checkpoint key, allowing one prefix difference (``module.``, ``xtts.``)."""
+    ckpt_keys = list(ckpt_keys)
+    model_set = set(model_keys)
+    transforms: list[tuple[str, str]] = [("", "")]
+    firsts = {k.split(".", 1)[0] + "." for k in ckpt_keys if "." in k}
+    firsts |= {".".join(k.split(".")[:2]) + "." for k in ckpt_keys if k.count(".") >= 2}
+    model_firsts = {k.split(".", 1)[0] + "." for k in model_set if "." in k}
+    transforms += [(p, "") for p in firsts | set(_KNOWN_PREFIXES)]
+    transforms += [("", q) for q in model_firsts | set(_KNOWN_PREFIXES)]
+    best: dict[str, str] = {}
+    for strip, add in transforms:
+        mapping: dict[str, str] = {}
+        for key in ckpt_keys:
+            if strip and not key.startswith(strip):
+                continue
+            target = add + key[len(strip):]
+            if target in model_set:
+                mapping[target] = key
+        if len(mapping) > len(best):
+            best = mapping
+    return best
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    if tensor.dtype == torch.bool:
+        return "bool"
+    if tensor.is_complex():
+        return "complex"
+    return "floating" if tensor.is_floating_point() else "integer"
+
+
+def _check_tensor_kinds(path: Path, source: Mapping[str, torch.Tensor], aligned: Mapping[str, str],
+                        target: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor to load holds data (not meta), is a plain dense tensor, and its dtype can
+    be copied into the model's (a float into a float, an integer into an integer)."""
+    empty, layout, kinds = [], [], []
+    for key, ckpt_key in aligned.items():
+        value = source[ckpt_key]
+        if value.is_meta:
+            empty.append(ckpt_key)
+        elif value.layout != torch.strided or value.is_quantized:
+            layout.append(f"{ckpt_key} ({value.layout})")
+        elif _kind(value) != _kind(target[key]):
+            kinds.append(f"{ckpt_key}: checkpoint {value.dtype}, model {target[key].dtype}")
+    if empty:
+        raise CheckpointError(
+            f"training-patches: refused to load {path}: {len(empty)} tensor(s) hold no data "
+            f"({', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}): they were saved from "
+            f"a model on the 'meta' device (built without weights). Expected every tensor to "
+            f"hold its values. Nothing was loaded. Save the checkpoint again from a model whose "
+            f"weights exist. {_what_to_do(path)}")
+    if layout or kinds:
+        found = layout + kinds
+        raise CheckpointMismatchError(
+            f"training-patches: refused to load {path}: {len(found)} tensor(s) do not fit the "
+            f"model's ({'; '.join(found[:5])}{'; ...' if len(found) > 5 else ''}). Expected dense "
+            f"tensors of the model's kind of dtype (floating point into floating point, integer "
+            f"into integer). Nothing was loaded. Build the model with the configuration the "
+            f"checkpoint was trained with.")
+
+
+def check_finite(path: Path, plan: "_Plan", model: torch.nn.Module) -> None:
+    """Refuse NaN/Inf in what would be loaded: parameters must be finite; buffers must not
+    hold NaN (an attention mask may hold -inf on purpose)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    bad = nonfinite_flags([(f"{plan.aligned.get(key, key)}", value, key not in params)
+                           for key, value in plan.state.items()])
+    if bad:
+        raise CheckpointError(
+            f"training-patches: refused to load {path}: {len(bad)} tensor(s) hold NaN or Inf "
+            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}). Expected finite weights; "
+            f"training from these gives NaN losses. Nothing was loaded. {_what_to_do(path)} "
+            f"To load it anyway (e.g. to inspect it), pass allow_nonfinite=True.")
+
+
+def _is_vocab_key(key: str, vocab_modules: Sequence[str]) -> bool:
+    if any(key.endswith(suffix) for suffix in VOCAB_SUFFIXES):
+        return True
+    return any(key in (f"{name}.weight", f"{name}.bias") for name in vocab_modules)
+
+
+def _owner(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
+    try:
+        return model.get_submodule(key.rsplit(".", 1)[0]) if "." in key else model
+    except AttributeError:
+        return None
+
+
+def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
+                    ckpt: Mapping[str, Any], setting: str | bool) -> bool:
+    """Whether the vocabulary's last row is XTTS's start-text token (and so must move).
+
+    ``"auto"``: yes when the module owning the text embedding is an XTTS GPT (it has a
+    ``start_text_token``) and that token is the new vocabulary's last id; a coqui
+    checkpoint's config then confirms it for the old vocabulary when it records it.
+    """
+    if isinstance(setting, bool):
+        return setting
+    for key in keys:
+        # "gpt.text_embedding.weight" -> the module "gpt", which owns the start token
+        owner_path = key.rsplit(".", 2)[0] if key.count(".") >= 2 else ""
+        owner = _owner(model, owner_path + ".x") if owner_path else model
+        start = getattr(owner, "start_text_token", None)
+        if isinstance(start, int):
+            if start != new_rows - 1:
+                return False
+            config = ckpt.get("config")
+            args = config.get("model_args") if isinstance(config, Mapping) else None
+            old_start = args.get("gpt_start_text_token") if isinstance(args, Mapping) else None
+            old_rows = args.get("gpt_number_text_tokens") if isinstance(args, Mapping) else None
+            if isinstance(old_start, int) and isinstance(old_rows, int):
+                return old_start == old_rows - 1
+            return True
+    return False
+
+
+@dataclass
+class _Plan:
+    aligned: dict[str, str]
+    state: dict[str, torch.Tensor]
+    resized: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    rows: RowPlan | None
+    missing: list[str]
+    unexpected: list[str]
+
+
+def _plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
+                strict: bool, vocab_modules: Sequence[str], start_token_row: str | bool,
+                seed: int, key_filter: Callable[[str], bool] | None = None) -> _Plan:
+    source = _model_state(ckpt, path)
+    if key_filter is not None:
+        source = {k: v for k, v in source.items() if key_filter(k)}
+    target = model.state_dict()
+    aligned = _align_keys(source, target)
+    missing = sorted(set(target) - set(aligned))
+    unexpected = sorted(set(source) - set(aligned.values()))
+    vocab: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    wrong: list[str] = []
+    for key, ckpt_key in aligned.items():
+        old, new = tuple(source[ckpt_key].shape), tuple(target[key].shape)
+        if old == new:
+            continue
+        if (_is_vocab_key(key, vocab_modules) and len(old) == len(new) and old[1:] == new[1:]
+                and len(old) >= 1):
+            vocab[key] = (old, new)
+        else:
+            wrong.append(f"{key}: checkpoint {list(old)}, model {list(new)}")
+    _check_tensor_kinds(path, source, aligned, target)
+    if wrong:
+        raise CheckpointMismatchError(
+            f"training-patches: the checkpoint {path} does not fit this model: "
+            f"{len(wrong)} tensor(s) have other shapes ({'; '.join(wrong[:6])}"
+            f"{'; ...' if len(wrong) > 6 else ''}). Only a grown text vocabulary "
+            f"(rows of {', '.join(VOCAB_SUFFIXES)}) is adapted; anything else means a different "
+            f"model configuration. Nothing was loaded (no partial load). Build the model with the "
+            f"configuration the checkpoint was trained with.")
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(
+            f"training-patches: the checkpoint {path} does not fit this model: "
+            f"{len(missing)} model key(s) are not in it ({', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}) and {len(unexpected)} of its keys are not in "
+            f"the model ({', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}). "
+            f"Nothing was loaded. Use the model class and configuration it was trained with, or "
+            f"pass strict=False to load the keys that match.")
+    rows: RowPlan | None = None
+    state: dict[str, torch.Tensor] = {key: source[ck] for key, ck in aligned.items()}
+    if vocab:
+        olds = {old[0] for old, _ in vocab.values()}
+        news = {new[0] for _, new in vocab.values()}
+        if len(olds) != 1 or len(news) != 1:
+            raise CheckpointMismatchError(
+                f"training-patches: the vocabulary tensors of {path} disagree: "
+                + "; ".join(f"{k}: checkpoint {list(o)}, model {list(n)}" for k, (o, n) in vocab.items())
+                + ". Expected the text embedding and text head to have the same number of rows. "
+                  "Nothing was loaded.")
+        old_rows, new_rows = olds.pop(), news.pop()
+        if new_rows < old_rows:
+            raise CheckpointMismatchError(
+                f"training-patches: the model's vocabulary ({new_rows} rows) is smaller than the "
+                f"checkpoint's ({old_rows} rows, {path}). Shrinking would throw away trained rows, "
+                f"so nothing was loaded. Use the tokenizer the checkpoint was trained with (or an "
+                f"extension of it).")
+        move = _start_row_last(model, list(vocab), new_rows, ckpt, start_token_row)
+        rows = RowPlan(old_rows, new_rows, start_row_last=move)
+        generator = torch.Generator().manual_seed(seed)
+        for key in vocab:
+            old = state[key]
+            grown = grow_bias(old, rows, generator) if old.dim() == 1 else grow_rows(old, rows, generator)
+            state[key] = grown.to(dtype=target[key].dtype)
+    return _Plan(aligned, state, vocab, rows, missing, unexpected)

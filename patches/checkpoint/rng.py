@@ -1,0 +1,55 @@
+"""RNG states (torch, CUDA, numpy, python) in types ``torch.load(weights_only=True)`` accepts."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Mapping
+
+import torch
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """torch, CUDA, numpy and python RNG states in types ``weights_only`` accepts."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "python": _to_plain(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional for the library
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+    return state
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _to_tuple(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_to_tuple(v) for v in value)
+    return value
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Undo :func:`capture_rng_state` (parts that are absent are left alone)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "python" in state:
+        random.setstate(_to_tuple(state["python"]))
+    if "numpy" in state:
+        import numpy as np
+
+        saved = state["numpy"]
+        np.random.set_state((saved["kind"], saved["keys"].numpy().astype("uint32"),
+                             saved["pos"], saved["has_gauss"], saved["cached"]))
+
+
+__all__ = ["capture_rng_state", "restore_rng_state"]
