@@ -95,3 +95,45 @@ def test_the_freeze_follows_modules_swapped_after_it() -> None:
     assert (after[:BASE] - before[:BASE]).abs().max().item() == 0.0
     assert (after[BASE:BASE + NEW] - before[BASE:BASE + NEW]).abs().max().item() > 0
     assert vocab_freeze.freeze_of(model.text_embedding.weight) is not None
+
+
+def _train_ids(model: nn.Module, opt: torch.optim.Optimizer, tokens: int, steps: int) -> None:
+    for _ in range(steps):
+        ids = torch.randint(0, tokens, (4, 12))
+        loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("base_known", [True, False])
+def test_resume_after_growth_freezes_the_base_not_the_trained_new_rows(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, base_known: bool) -> None:
+    """IndexTTS shape: 40 base tokens, a checkpoint already trained on 48 (8 Amharic rows),
+    resumed into a tokenizer of 56. The 8 trained Amharic rows must keep training."""
+    if base_known:
+        monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", str(BASE))
+    patches.apply()
+    torch.manual_seed(0)
+    trained = UnifiedVoiceLike(BASE + NEW)
+    opt = torch.optim.AdamW(trained.parameters(), lr=1e-2, weight_decay=0.01)
+    _train_ids(trained, opt, BASE + NEW, 4)
+    path = patches.CheckpointManager(tmp_path / "run").save(4, trained, opt)
+    for handle in vocab_freeze.live_freezes():
+        handle.remove()
+    grown = UnifiedVoiceLike(BASE + 2 * NEW)
+    grown_opt = torch.optim.AdamW(grown.parameters(), lr=1e-2, weight_decay=0.01)
+    report = patches.load_checkpoint(path, grown, grown_opt, policy="remap", restore_rng=False)
+    assert report.freeze is not None
+    before = grown.text_embedding.weight.detach().clone()
+    _train_ids(grown, grown_opt, BASE + 2 * NEW, 4)
+    after = grown.text_embedding.weight.detach()
+    moved = (after - before).abs().amax(dim=1)
+    assert moved[:BASE].max().item() == 0.0  # the base tokens: bit-identical
+    assert moved[-1].item() == 0.0  # the +1 slot, kept last
+    amharic_trained = moved[BASE:BASE + NEW]
+    if base_known:
+        assert (amharic_trained > 0).all()  # the rows trained before the growth train on
+    else:
+        assert (amharic_trained == 0).all()  # unknown base: every old row frozen (logged)
+    assert (moved[BASE + NEW:BASE + 2 * NEW] > 0).all()

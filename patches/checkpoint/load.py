@@ -341,5 +341,32 @@ def _enable_freeze(model: torch.nn.Module, plan: _Plan, vocab_modules: Sequence[
             "not available, so the base rows are not frozen.", plan.rows.old_rows, plan.rows.new_rows)
         return None
     modules = sorted({key.rsplit(".", 1)[0] for key in plan.resized})
-    return vocab_freeze.freeze_base_vocab(model, plan.rows.old_rows, modules=modules,
+    base_rows = _base_rows(model, plan, modules)
+    return vocab_freeze.freeze_base_vocab(model, base_rows, modules=modules,
                                           start_row_last=plan.rows.start_row_last)
+
+
+def _base_rows(model: torch.nn.Module, plan: _Plan, modules: Sequence[str]) -> int:
+    """Rows of the BASE vocabulary to freeze after a growth: not every row of the checkpoint
+    (rows already trained for the new language keep training), but the first
+    ``TRAINING_PATCHES_BASE_VOCAB`` tokens (in the model's row layout), else the base of a
+    freeze already on these modules, else, when neither is known, every old row (logged)."""
+    from .. import _options, vocab_freeze
+
+    old_rows = plan.rows.old_rows
+    owner_path = modules[0].rsplit(".", 1)[0] if "." in modules[0] else ""
+    owner = model.get_submodule(owner_path) if owner_path else model
+    tokens = _options.current().base_vocab
+    if tokens:
+        rows = vocab_freeze.row_layout(owner, plan.rows.new_rows).base_rows(tokens)
+        return min(rows, old_rows)
+    for name in modules:
+        for param in model.get_submodule(name).parameters():
+            handle = vocab_freeze.freeze_of(param)
+            if handle is not None:
+                return min(handle.base_vocab_size, old_rows)
+    logger.info("training-patches: the base vocabulary size is not known, so all %d rows of "
+                "the checkpoint are frozen; set TRAINING_PATCHES_BASE_VOCAB to the tokens of "
+                "the original tokenizer to let rows trained for the new language train on",
+                old_rows)
+    return old_rows

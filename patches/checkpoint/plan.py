@@ -130,7 +130,8 @@ def _owner(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
 
 def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
                     ckpt: Mapping[str, Any], setting: str | bool) -> bool:
-    """Whether the vocabulary's last row is XTTS's start-text token (and so must move).
+    """Whether the vocabulary's last row must stay last when it grows: XTTS's start-text
+    token, or IndexTTS's extra slot row.
 
     ``"auto"``: yes when the module owning the text embedding is an XTTS GPT (it has a
     ``start_text_token``) and that token is the new vocabulary's last id; a coqui
@@ -142,6 +143,10 @@ def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
         # "gpt.text_embedding.weight" -> the module "gpt", which owns the start token
         owner_path = key.rsplit(".", 2)[0] if key.count(".") >= 2 else ""
         owner = _owner(model, owner_path + ".x") if owner_path else model
+        from ..vocab_freeze import has_slot_row
+
+        if has_slot_row(owner, new_rows):
+            return True  # IndexTTS UnifiedVoice: its extra slot row stays last
         start = getattr(owner, "start_text_token", None)
         if isinstance(start, int):
             if start != new_rows - 1:
