@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import _options
 
@@ -94,3 +94,21 @@ def reset() -> None:
     global _output_dir, _trainer_dir, _checkpoint_dir, trainer_step
     _output_dir = _trainer_dir = _checkpoint_dir = trainer_step = None
     batch_ids.clear()
+
+
+def live_modules() -> Iterator[Any]:
+    """Every live ``torch.nn.Module``, from one scan of the garbage collector's objects.
+
+    How the patches find the model of a plain loop, which never names it: only when it is
+    needed (a bad step's parameter names; an optimizer's first step under
+    ``TRAINING_PATCHES_BASE_VOCAB``), never per step, where a global module hook would cost
+    a call on every forward of every module.
+    """
+    import gc
+
+    import torch
+
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter asks __class__ of lazy deprecated proxies
+        if issubclass(type(obj), torch.nn.Module):
+            yield obj

@@ -263,25 +263,19 @@ def _value(tensor: torch.Tensor | None) -> float | None:
 def _learn_names(params: list[torch.Tensor]) -> None:
     """Name parameters by their module path, from the model that holds them.
 
-    The guard is not told about the model in a plain loop. Only when a bad step needs
-    names does it look for it: among the live ``nn.Module`` objects, the one holding
-    the most of these parameters (the root model) names them. That costs one scan of
-    the garbage collector's objects at a bad step (rare) and nothing per step, where a
-    global module hook would cost a call on every forward of every module.
+    The guard is not told about the model in a plain loop: when a bad step needs names,
+    the live module holding the most of these parameters (the root model) names them
+    (:func:`patches._run.live_modules`).
     """
-    import gc
-
     wanted = {id(p) for p in params if id(p) not in _state.names}
     if not wanted:
         return
     best: tuple[int, torch.nn.Module] | None = None
-    for obj in gc.get_objects():
-        # type(), not isinstance(): the latter asks __class__ of lazy deprecated proxies
-        if issubclass(type(obj), torch.nn.Module):
-            held = sum(1 for p in obj.parameters() if id(p) in wanted)
-            if held and (best is None or held > best[0] or
-                         (held == best[0] and len(obj._modules) > len(best[1]._modules))):
-                best = (held, obj)
+    for module in _run.live_modules():
+        held = sum(1 for p in module.parameters() if id(p) in wanted)
+        if held and (best is None or held > best[0] or
+                     (held == best[0] and len(module._modules) > len(best[1]._modules))):
+            best = (held, module)
     if best is not None:
         watch(best[1])
 

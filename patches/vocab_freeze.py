@@ -49,7 +49,7 @@ from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
-from . import _options
+from . import _options, _run
 from ._log import info, logger
 from ._registry import PatchSpec, register
 
@@ -614,17 +614,14 @@ def _describe_patch(opts: _options.Options) -> str:
 def _roots_of(params: set[int]) -> list[nn.Module]:
     """The outermost live modules holding any of ``params`` that own a text embedding.
 
-    Found by one scan of the garbage collector's objects, once per optimizer (at its
-    first step): a plain loop never tells the library which model it trains.
+    Found once per optimizer, at its first step (:func:`patches._run.live_modules`): a
+    plain loop never tells the library which model it trains.
     """
-    import gc
-
     found: list[nn.Module] = []
-    for obj in gc.get_objects():
-        if issubclass(type(obj), nn.Module) and _find_owner(obj) is not None:
-            owner_path, owner = _find_owner(obj)  # type: ignore[misc]
-            if any(id(p) in params for p in owner.text_embedding.parameters()):
-                found.append(obj)
+    for module in _run.live_modules():
+        hit = _find_owner(module)
+        if hit is not None and any(id(p) in params for p in hit[1].text_embedding.parameters()):
+            found.append(module)
     # keep the outermost: a module whose own owner is inside another found one is inner
     inner = {id(sub) for model in found for sub in model.modules() if sub is not model}
     return [model for model in found if id(model) not in inner]
