@@ -415,6 +415,25 @@ def _problem_error(path: Path, kind: str, reason: str) -> CheckpointError:
         f"file. {_what_to_do(path)}")
 
 
+def _numpy_data_globals() -> list[Any]:
+    """numpy's data-only constructors, allowed under torch's weights-only unpickler.
+
+    Trainers save numpy arrays and scalars in their own checkpoints (``np.random.get_state()``
+    in ``latest.pth``). These rebuild arrays, scalars and dtypes from bytes and run no code
+    of the file's choosing; anything else still needs code and is refused.
+    """
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    core = getattr(np, "_core", None) or np.core
+    allowed: list[Any] = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray,
+                          np.dtype]
+    for code in ("?", "b", "B", "h", "H", "i", "I", "l", "L", "q", "Q", "e", "f", "d", "g"):
+        allowed.append(type(np.dtype(code)))
+    return allowed
+
+
 def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
                     verify_hash: bool = True) -> dict[str, Any]:
     """``torch.load(path, weights_only=True)``, memory-mapped when the file is a zip archive.
@@ -441,7 +460,8 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
              "SHA-256" if manifest_path(path).is_file() else "CRC-32", path)
     use_mmap = mmap and zipfile.is_zipfile(path)
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+        with torch.serialization.safe_globals(_numpy_data_globals()):
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
         raise _diagnose(path, exc) from exc
     if not isinstance(loaded, Mapping):
