@@ -162,7 +162,9 @@ OWNERS: dict[str, tuple[str, ...]] = {
 }
 
 # TRAINING_PATCHES_* variables that are not options but are read by the library.
-OTHER_ENV: set[str] = set()
+OTHER_ENV: set[str] = {
+    "TRAINING_PATCHES_LAUNCHED",  # set by `training-patches run` in the processes it starts
+}
 
 
 def env_name(option: str) -> str:

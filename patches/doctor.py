@@ -1,0 +1,75 @@
+"""``training-patches doctor``: what this machine can train with, and what is missing."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes.util
+import importlib.metadata
+import os
+import sys
+
+OK, WARN, FAIL = "ok  ", "warn", "FAIL"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def doctor_checks() -> list[tuple[str, str, str]]:
+    """(status, what, detail) for each thing a fine-tune needs."""
+    import torch
+
+    checks: list[tuple[str, str, str]] = []
+    checks.append((OK, "python", sys.version.split()[0]))
+    checks.append((OK, "torch", torch.__version__))
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            name = torch.cuda.get_device_name(i)
+            major, minor = torch.cuda.get_device_capability(i)
+            bf16 = torch.cuda.is_bf16_supported()
+            precision = "bf16" if bf16 else "fp16 with SafeGradScaler (no bf16 on this GPU)"
+            checks.append((OK, f"cuda:{i}", f"{name}, compute {major}.{minor}, "
+                                            f"use {precision}"))
+    else:
+        checks.append((WARN, "cuda", "no CUDA GPU: training runs on the CPU in fp32 (demo and "
+                                     "tests only; a real fine-tune needs a GPU)"))
+    for dist, why in (("wrapt", "patching"), ("numpy", "data"), ("sentencepiece", "tokenizers"),
+                      ("coqui-tts", "XTTS (extra 'xtts')"),
+                      ("coqui-tts-trainer", "the coqui Trainer"),
+                      ("torchaudio", "audio (extra 'xtts')"), ("torchcodec", "audio decoding"),
+                      ("six", "imported by coqui-tts, not declared by it")):
+        version = _version(dist)
+        required = dist in ("wrapt", "numpy", "sentencepiece")
+        status = OK if version else (FAIL if required else WARN)
+        checks.append((status, dist, version or f"missing: needed for {why}"))
+    ffmpeg = ctypes.util.find_library("avutil")
+    checks.append((OK if ffmpeg else WARN, "ffmpeg",
+                   ffmpeg or "FFmpeg shared libraries missing: audio cannot be decoded "
+                             "(Debian/Ubuntu: apt-get install ffmpeg)"))
+    import patches
+
+    applied = patches.applied()
+    checks.append((OK, "patches", ", ".join(applied) if applied else
+                   "none applied in this process (the trainer applies them with "
+                   "`from utils import training_patches`)"))
+    env = {k: v for k, v in os.environ.items() if k.startswith("TRAINING_PATCHES_")}
+    if env:
+        checks.append((OK, "settings", ", ".join(f"{k}={v}" for k, v in sorted(env.items()))))
+    return checks
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    checks = doctor_checks()
+    width = max(len(what) for _, what, _ in checks)
+    for status, what, detail in checks:
+        print(f"[{status}] {what:<{width}}  {detail}")
+    return 1 if any(status == FAIL for status, _, _ in checks) else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``doctor`` to the ``training-patches`` command."""
+    sub.add_parser("doctor", help="check this machine for what a fine-tune needs"
+                   ).set_defaults(handler=_doctor)
