@@ -242,8 +242,10 @@ def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
 
     problems = [p for name in newly for p in _registry.problems(name)
                 if p.kind != "version"] + version_problems
-    # A banner that carries a WARNING is logged as one: quiet mode must not hide it.
-    level = logging.WARNING if problems else (logging.DEBUG if opts.quiet else logging.INFO)
+    # A banner that carries a WARNING is logged as one: quiet mode must not hide it. Helper
+    # processes (DataLoader workers, torchrun ranks other than 0) show only a warning one.
+    quiet = opts.quiet or _helper_process()
+    level = logging.WARNING if problems else (logging.DEBUG if quiet else logging.INFO)
     specs = _registry.specs()
     width = max(len(name) for name in list(specs) + list(_registry.integrations()))
     lines = [_RULE, f"training-patches {__version__}: applying training patches", _RULE]
@@ -268,6 +270,15 @@ def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
     lines += [_RULE, "Options: " + ", ".join(
         f"{field}={getattr(opts, field)!r}" for field in _options.OPTIONS), _RULE]
     logger.log(level, "\n".join(lines))
+
+
+def _helper_process() -> bool:
+    """A process started by the trainer's own (spawned DataLoader workers) or a torchrun
+    rank other than 0: the main process has shown the banner already."""
+    import multiprocessing
+
+    return (multiprocessing.parent_process() is not None
+            or os.environ.get("RANK", "0") not in ("", "0"))
 
 
 class _FallbackHandler(logging.StreamHandler):  # type: ignore[type-arg]

@@ -67,6 +67,17 @@ class RowPlan:
         return pairs
 
 
+def truncate_rows(old: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    """``old`` with its last ids removed (``plan.added < 0``): the rows ``0 .. new-1`` (the
+    kept last row, XTTS's ``[START]`` or IndexTTS's slot, stays last). Weights, biases and
+    optimizer moments alike."""
+    keep = plan.new_rows - 1 if plan.start_row_last else plan.new_rows
+    pieces = [old[:keep]]
+    if plan.start_row_last:
+        pieces.append(old[plan.old_rows - 1:])
+    return torch.cat(pieces, dim=0).clone()
+
+
 def _assemble(old: torch.Tensor, new_part: torch.Tensor, plan: RowPlan) -> torch.Tensor:
     """Old base rows, then ``new_part``, then (if moved) the start-token row."""
     pieces = [old[: plan.base_rows], new_part.to(dtype=old.dtype, device=old.device)]
@@ -85,7 +96,9 @@ def grow_rows(old: torch.Tensor, plan: RowPlan, generator: torch.Generator) -> t
     """A 2-D weight (embedding or head) grown by mean resizing (see the module docstring)."""
     if old.dim() != 2:
         raise ValueError(f"grow_rows expects a 2-D weight, got shape {tuple(old.shape)}")
-    if plan.added <= 0:
+    if plan.added < 0:
+        return truncate_rows(old, plan)
+    if plan.added == 0:
         return old.clone()
     base = _old_base_rows(old, plan).detach().to(torch.float64)
     mean = base.mean(dim=0)
@@ -107,7 +120,9 @@ def grow_bias(old: torch.Tensor, plan: RowPlan, generator: torch.Generator) -> t
     """A 1-D head bias grown around the old biases' mean (std ``1e-9`` of theirs)."""
     if old.dim() != 1:
         raise ValueError(f"grow_bias expects a 1-D bias, got shape {tuple(old.shape)}")
-    if plan.added <= 0:
+    if plan.added < 0:
+        return truncate_rows(old, plan)
+    if plan.added == 0:
         return old.clone()
     base = _old_base_rows(old, plan).detach().to(torch.float64)
     std = base.std(unbiased=False) if base.numel() > 1 else torch.zeros((), dtype=torch.float64)
@@ -125,7 +140,9 @@ def grow_moment(old: torch.Tensor, plan: RowPlan, *, second_moment: bool) -> tor
     correction is ~1 and a new row's first update would be ``lr * g / (|g|*0.03 + eps)``,
     tens of times larger than an old row's.
     """
-    if plan.added <= 0:
+    if plan.added < 0:
+        return truncate_rows(old, plan)
+    if plan.added == 0:
         return old.clone()
     if second_moment:
         base = _old_base_rows(old, plan)
@@ -141,5 +158,5 @@ def is_second_moment(state_key: str) -> bool:
     return "sq" in state_key or state_key in ("sum", "square_avg", "acc_delta")
 
 
-__all__ = ["RowPlan", "grow_rows", "grow_bias", "grow_moment", "is_second_moment",
+__all__ = ["RowPlan", "truncate_rows", "grow_rows", "grow_bias", "grow_moment", "is_second_moment",
            "COVARIANCE_SCALE"]

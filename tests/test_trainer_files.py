@@ -46,3 +46,24 @@ def test_a_code_running_pickle_is_still_refused(tmp_path: Path) -> None:
                tmp_path / "evil.pth")
     with pytest.raises(patches.UnsafeCheckpointError, match="os.system|posix.system"):
         patches.load_checkpoint(tmp_path / "evil.pth", torch.nn.Linear(2, 2))
+
+
+class LegacyConfig:
+    """A trainer's own config object, pickled into its old checkpoints."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+def test_trusted_true_loads_a_users_legacy_object_pickle_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = torch.nn.Linear(3, 3)
+    torch.save({"model": model.state_dict(), "config": LegacyConfig(0.1)}, tmp_path / "old.pth")
+    fresh = torch.nn.Linear(3, 3)
+    with pytest.raises(patches.UnsafeCheckpointError, match="LegacyConfig"):
+        patches.load_checkpoint(tmp_path / "old.pth", fresh)  # refused by default
+    assert not torch.equal(fresh.weight, model.weight)
+    caplog.set_level("WARNING", logger="training_patches")
+    patches.load_checkpoint(tmp_path / "old.pth", fresh, trusted=True, restore_rng=False)
+    assert torch.equal(fresh.weight, model.weight)
+    assert "trusted=True" in caplog.text and "old.pth" in caplog.text

@@ -137,3 +137,36 @@ def test_resume_after_growth_freezes_the_base_not_the_trained_new_rows(
     else:
         assert (amharic_trained == 0).all()  # unknown base: every old row frozen (logged)
     assert (moved[BASE + NEW:BASE + 2 * NEW] > 0).all()
+
+
+def test_a_shrink_is_explained_in_tokens_and_truncated_only_on_request(tmp_path) -> None:
+    """IndexTTS shape: a checkpoint of 48 tokens (49 rows) into a tokenizer of 44 tokens."""
+    patches.apply()
+    torch.manual_seed(0)
+    trained = UnifiedVoiceLike(BASE + NEW)
+    opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+    _train_ids(trained, opt, BASE + NEW, 2)
+    path = patches.CheckpointManager(tmp_path / "run").save(2, trained, opt)
+    small = UnifiedVoiceLike(BASE + 4)
+    small_opt = torch.optim.AdamW(small.parameters(), lr=1e-2)
+    before = small.text_embedding.weight.detach().clone()
+    with pytest.raises(patches.CheckpointMismatchError) as refused:
+        patches.load_checkpoint(path, small, small_opt, restore_rng=False)
+    message = str(refused.value)
+    assert "tokenizer has 44 tokens" in message and "trained with 48: 4 token(s) fewer" in message
+    assert "ids 44..47" in message and "truncate=True" in message
+    assert torch.equal(small.text_embedding.weight, before) and not small_opt.state
+
+    report = patches.load_checkpoint(path, small, small_opt, restore_rng=False, truncate=True)
+    old = trained.text_embedding.weight
+    new = small.text_embedding.weight
+    assert torch.equal(new[:BASE + 4], old[:BASE + 4])  # tokens 0..43 kept in place
+    assert torch.equal(new[-1], old[-1])  # the +1 slot stays last
+    assert torch.equal(small.text_head.bias, torch.cat([trained.text_head.bias[:BASE + 4],
+                                                        trained.text_head.bias[-1:]]))
+    moment = small_opt.state[small.text_embedding.weight]["exp_avg_sq"]
+    saved = opt.state[trained.text_embedding.weight]["exp_avg_sq"]
+    assert torch.equal(moment, torch.cat([saved[:BASE + 4], saved[-1:]]))
+    assert report.freeze is None and "truncated on request" in report.summary()
+    _train_ids(small, small_opt, BASE + 4, 1)  # and it trains on
+    assert torch.isfinite(small.text_embedding.weight).all()

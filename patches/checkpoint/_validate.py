@@ -435,7 +435,7 @@ def _numpy_data_globals() -> list[Any]:
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
-                    verify_hash: bool = True) -> dict[str, Any]:
+                    verify_hash: bool = True, trusted: bool = False) -> dict[str, Any]:
     """``torch.load(path, weights_only=True)``, memory-mapped when the file is a zip archive.
 
     With a manifest beside the file, its schema and the file's size are checked, and
@@ -445,9 +445,16 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
     logs that it did. Raises :class:`UnsafeCheckpointError` for a file that needs code to unpickle and
     :class:`CheckpointError` for a missing, empty, truncated, changed or foreign file;
     both name the newest valid checkpoint beside it.
+
+    ``trusted=True`` is for a user's own legacy files whose pickle holds objects (a
+    config class, an argparse Namespace): it unpickles with ``weights_only=False``, which
+    runs whatever code the file names, and logs a WARNING saying so. Never use it on a
+    file you did not make.
     """
     path = Path(path)
     found = _check(path, verify_hash)
+    if found is not None and trusted and found[0] == "format" and _foreign_globals(path):
+        found = None  # only the pickle's globals were in the way, and the user vouched
     if found is not None:
         kind, reason = found
         if kind == "format":
@@ -459,9 +466,14 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
         info("training-patches: the %s of %s was not checked (verify_hash=False)",
              "SHA-256" if manifest_path(path).is_file() else "CRC-32", path)
     use_mmap = mmap and zipfile.is_zipfile(path)
+    if trusted:
+        logger.warning("training-patches: loading %s with trusted=True: its pickle may import "
+                       "and run code (%s); the weights-only rules are off for this file only",
+                       path, ", ".join(_foreign_globals(path)[:5]) or "none found")
     try:
         with torch.serialization.safe_globals(_numpy_data_globals()):
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+            loaded = torch.load(path, map_location="cpu", weights_only=not trusted,
+                                mmap=use_mmap)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
         raise _diagnose(path, exc) from exc
     if not isinstance(loaded, Mapping):

@@ -65,7 +65,9 @@ class LoadReport:
         parts = [f"loaded {self.path} (step {self.step}, policy {self.policy})"]
         if self.resized:
             parts.append(
-                f"vocabulary {self.base_vocab_size} -> {self.vocab_size} rows: " + ", ".join(
+                f"vocabulary {self.base_vocab_size} -> {self.vocab_size} rows"
+                f"{' (truncated on request)' if self.vocab_size < self.base_vocab_size else ''}: "
+                + ", ".join(
                     f"{name} {list(old)}->{list(new)} ({self.kept_rows[name]} trained rows kept)"
                     for name, (old, new) in self.resized.items()))
             if self.start_row_moved:
@@ -138,6 +140,8 @@ def load_checkpoint(
     key_filter: Callable[[str], bool] | None = None,
     verify_hash: bool = True,
     allow_nonfinite: bool = False,
+    trusted: bool = False,
+    truncate: bool = False,
 ) -> LoadReport:
     """Load ``path`` into ``model`` (and the optimizer, scheduler, scaler) safely, all or
     nothing.
@@ -164,6 +168,12 @@ def load_checkpoint(
             always checked). False skips the hash for speed and logs that it did.
         allow_nonfinite: load NaN/Inf weights and optimizer moments (refused by default;
             buffers may always hold +-Inf, as attention masks do).
+        truncate: when the model's vocabulary is SMALLER than the checkpoint's because the
+            last token ids were removed, drop exactly those rows (and their optimizer
+            moments) instead of refusing; the error without it says which ids they are.
+        trusted: for your own legacy files whose pickle holds objects: unpickle with
+            ``weights_only=False`` (it can run code), logged as a WARNING. Numpy RNG
+            states and scalars load without it.
 
     Every tensor is validated before anything is touched: present, with data (not
     meta), the planned shape and kind of dtype, and finite. A refused load leaves the
@@ -176,9 +186,10 @@ def load_checkpoint(
     if policy not in POLICIES:
         raise ValueError(f"load_checkpoint: policy must be one of {POLICIES}, got {policy!r}")
     path = Path(path)
-    ckpt = read_checkpoint(path, mmap=mmap, verify_hash=verify_hash)
+    ckpt = read_checkpoint(path, mmap=mmap, verify_hash=verify_hash, trusted=trusted)
     plan = _plan_model(path, ckpt, model, strict=strict, vocab_modules=vocab_modules,
-                       start_token_row=start_token_row, seed=seed, key_filter=key_filter)
+                       start_token_row=start_token_row, seed=seed, key_filter=key_filter,
+                       truncate=truncate)
     if not allow_nonfinite:
         check_finite(path, plan, model)
     # A bare state dict has no step, optimizer, ... (its keys are tensor names).
@@ -320,12 +331,12 @@ def load_checkpoint(
     report.loaded.append("model")
     if plan.rows is not None:
         report.resized = dict(plan.resized)
-        report.kept_rows = {key: plan.rows.base_rows + int(plan.rows.start_row_last)
+        report.kept_rows = {key: min(plan.rows.old_rows, plan.rows.new_rows)
                             for key in plan.resized}
         report.base_vocab_size, report.vocab_size = plan.rows.old_rows, plan.rows.new_rows
         report.start_row_moved = plan.rows.start_row_last
     report.policy = effective if policy == "remap" else policy
-    if plan.rows is not None and freeze:
+    if plan.rows is not None and plan.rows.added > 0 and freeze:
         report.freeze = _enable_freeze(model, plan, vocab_modules)
     info("training-patches: %s", report.summary())
     return report

@@ -171,9 +171,32 @@ class _Plan:
     unexpected: list[str]
 
 
+def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],
+                  rows: RowPlan) -> CheckpointMismatchError:
+    """A smaller vocabulary, explained in the tokens users count (not rows)."""
+    from ..vocab_freeze import row_layout
+
+    owner_path = keys[0].rsplit(".", 2)[0] if keys[0].count(".") >= 2 else ""
+    owner = _owner(model, owner_path + ".x") if owner_path else model
+    layout = row_layout(owner, rows.new_rows)
+    old_tokens = rows.old_rows - layout.extra_rows
+    new_tokens = rows.new_rows - layout.extra_rows
+    first = rows.new_rows - 1 if rows.start_row_last and not layout.extra_rows else new_tokens
+    last = first + (old_tokens - new_tokens) - 1
+    return CheckpointMismatchError(
+        f"training-patches: the model's tokenizer has {new_tokens} tokens and the checkpoint "
+        f"{path} was trained with {old_tokens}: {old_tokens - new_tokens} token(s) fewer "
+        f"(text embedding rows {rows.new_rows} vs {rows.old_rows}, layout "
+        f"'{layout.name}'). Loading would throw away the trained rows of those tokens, so "
+        f"nothing was loaded. Use the tokenizer the checkpoint was trained with, or an "
+        f"extension of it. If you removed the last token ids (ids {first}..{last} of the "
+        f"checkpoint) on purpose, load with truncate=True to drop exactly those rows.")
+
+
 def _plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
                 strict: bool, vocab_modules: Sequence[str], start_token_row: str | bool,
-                seed: int, key_filter: Callable[[str], bool] | None = None) -> _Plan:
+                seed: int, key_filter: Callable[[str], bool] | None = None,
+                truncate: bool = False) -> _Plan:
     source = _model_state(ckpt, path)
     if key_filter is not None:
         source = {k: v for k, v in source.items() if key_filter(k)}
@@ -221,14 +244,10 @@ def _plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
                 + ". Expected the text embedding and text head to have the same number of rows. "
                   "Nothing was loaded.")
         old_rows, new_rows = olds.pop(), news.pop()
-        if new_rows < old_rows:
-            raise CheckpointMismatchError(
-                f"training-patches: the model's vocabulary ({new_rows} rows) is smaller than the "
-                f"checkpoint's ({old_rows} rows, {path}). Shrinking would throw away trained rows, "
-                f"so nothing was loaded. Use the tokenizer the checkpoint was trained with (or an "
-                f"extension of it).")
         move = _start_row_last(model, list(vocab), new_rows, ckpt, start_token_row)
         rows = RowPlan(old_rows, new_rows, start_row_last=move)
+        if new_rows < old_rows and not truncate:
+            raise _shrink_error(path, model, list(vocab), rows)
         generator = torch.Generator().manual_seed(seed)
         for key in vocab:
             old = state[key]
