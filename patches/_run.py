@@ -30,6 +30,27 @@ trainer_step: int | None = None  # the trainer's own step counter, when an integ
 OWN_FILES = ("nonfinite_events.jsonl", "dropped_samples.jsonl", "training_patches.log")
 
 
+# Batch keys that name samples (coqui XTTS: ``filenames``; other loaders: paths or ids).
+SAMPLE_KEYS = ("filenames", "audio_file", "audio_files", "audio_paths", "wav_file", "wav_files",
+               "paths", "audio_unique_name", "utt_ids", "utt_id", "sample_ids", "keys",
+               "item_idxs")
+
+
+def sample_ids(batch: Any) -> list[str]:
+    """Identifiers of the samples in a batch: a dict's first list of names under one of
+    :data:`SAMPLE_KEYS` (tensors, such as token ids, are never taken for names)."""
+    if not isinstance(batch, dict):
+        return []
+    for key in SAMPLE_KEYS:
+        value = batch.get(key)
+        if isinstance(value, (list, tuple)) and value and not any(
+                hasattr(v, "shape") for v in value[:1]):
+            return [str(v) for v in value]
+        if isinstance(value, str):
+            return [value]
+    return []
+
+
 def set_output_dir(path: str | os.PathLike[str] | None) -> None:
     """Where this run's patch files go (None: back to the option/env default)."""
     global _output_dir

@@ -91,6 +91,7 @@ class _State:
         self.accumulation_hint = False  # an integration said steps accumulate
         self.loss_from_backward = False  # pending_loss came from Tensor.backward
         self.events_path: str | None = None
+        self.replaying = False  # find_nonfinite_source is re-running a batch
         self.lock = threading.Lock()
 
 
@@ -436,7 +437,8 @@ def _on_bad_micro_batch(loss: torch.Tensor) -> None:
 def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None,
                  create_graph: bool = False, inputs: Any = None) -> Any:
-        if gradient is None and self.numel() == 1 and self.requires_grad:
+        if gradient is None and self.numel() == 1 and self.requires_grad and \
+                not _state.replaying:
             _state.backwards += 1
             if _state.pending_loss is None or _state.loss_from_backward:
                 # no observe_loss() call: the loss being backpropagated is the one to record
@@ -459,6 +461,16 @@ def _make_save(original: Callable[..., Any]) -> Callable[..., Any]:
             _run.saw_checkpoint(f)
         return original(obj, f, *args, **kwargs)
     return save
+
+
+def _make_next(original: Callable[..., Any]) -> Callable[..., Any]:
+    # A plain loop's batches name their samples for the guard's events, with no extra call.
+    @functools.wraps(original)
+    def __next__(self: Any) -> Any:
+        batch = original(self)
+        _run.batch_ids = _run.sample_ids(batch)
+        return batch
+    return __next__
 
 
 # -- the LR scheduler --------------------------------------------------------------
@@ -517,6 +529,13 @@ def find_nonfinite_source(model: torch.nn.Module,
         return check
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
+    # Under gradient accumulation the other micro-batches' gradients are in .grad: the
+    # replay must neither add to them nor clear them.
+    params = list(model.parameters())
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    _state.replaying = True
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
@@ -542,7 +561,9 @@ def find_nonfinite_source(model: torch.nn.Module,
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        model.zero_grad(set_to_none=True)
+        for p, grad in zip(params, kept):
+            p.grad = grad
+        _state.replaying = False
     return found
 
 
@@ -575,6 +596,8 @@ SPEC = register(PatchSpec(
         Site("torch", "save", _make_save,
              lost="events of a plain loop go to ./training_patches/, not its checkpoint folder"),
         Site("torch.serialization", "save", _make_save),
+        Site("torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__", _make_next,
+             lost="events of a plain loop name no samples"),
     ),
     reset=lambda: reset(keep_replay=False),
 ))

@@ -85,10 +85,18 @@ class LoadReport:
         return "; ".join(parts)
 
 
+# Where checkpoints keep their step: ours and coqui's "step"; plain loops often
+# "global_step" (IndexTTS, transformers-style loops) or "iteration".
+STEP_KEYS = ("step", "global_step", "iteration")
+# Where they keep RNG states: ours "rng"; trainers' own files often "rng_state".
+RNG_KEYS = ("rng", "rng_state")
+
+
 def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
-    value = meta.get("step")
-    if value is None:
+    key = next((k for k in STEP_KEYS if meta.get(k) is not None), None)
+    if key is None:
         return 0
+    value = meta[key]
     try:
         if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
                 value.numel() != 1 or value.is_floating_point() or value.is_meta)):
@@ -98,7 +106,7 @@ def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
         step = -1
     if step < 0:
         raise CheckpointError(
-            f"training-patches: cannot load {path}: its 'step' is {str(value)[:40]!r}, expected a "
+            f"training-patches: cannot load {path}: its {key!r} is {str(value)[:40]!r}, expected a "
             f"whole number >= 0. The file is not a checkpoint this library or the coqui Trainer "
             f"wrote, or it was changed. Nothing was loaded. {_what_to_do(path)}")
     return step
@@ -245,7 +253,8 @@ def load_checkpoint(
         _check_plain_state(path, "scaler", saved_scaler, scaler)
     if restore_rng is None:
         restore_rng = effective == "remap"
-    rng = meta.get("rng") if restore_rng and isinstance(meta.get("rng"), Mapping) else None
+    rng = next((meta[k] for k in RNG_KEYS if isinstance(meta.get(k), Mapping)), None)
+    rng = rng if restore_rng else None
     runtime = _runtime_state(meta.get("training_patches")) if effective == "remap" else None
     if effective == "remap" and isinstance(meta.get("training_patches"), Mapping) and runtime is None:
         logger.warning("training-patches: the runtime counters saved in %s are not in the shape "

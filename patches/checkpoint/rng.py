@@ -48,8 +48,11 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         import numpy as np
 
         saved = state["numpy"]
-        np.random.set_state((saved["kind"], saved["keys"].numpy().astype("uint32"),
-                             saved["pos"], saved["has_gauss"], saved["cached"]))
+        if isinstance(saved, (tuple, list)):  # a trainer's own np.random.get_state()
+            np.random.set_state(tuple(saved))
+        else:
+            np.random.set_state((saved["kind"], saved["keys"].numpy().astype("uint32"),
+                                 saved["pos"], saved["has_gauss"], saved["cached"]))
 
 
 __all__ = ["capture_rng_state", "restore_rng_state"]

@@ -68,30 +68,13 @@ def scaler_factory(original: Any) -> Any:
 # which deletes a run folder holding no .pth file: with it the reports that explain
 # the failure.
 
-SAMPLE_KEYS = ("filenames", "audio_file", "audio_files", "wav_file", "wav_files",
-               "audio_unique_name", "item_idxs")
-
-
-def sample_ids(batch: Any) -> list[str]:
-    """Identifiers of the samples in a batch (XTTS: ``filenames``, the audio paths)."""
-    if not isinstance(batch, dict):
-        return []
-    for key in SAMPLE_KEYS:
-        value = batch.get(key)
-        if isinstance(value, (list, tuple)) and value:
-            return [str(v) for v in value]
-        if isinstance(value, str):
-            return [value]
-    return []
-
-
 def make_compute_loss(original: Any) -> Any:
     watched: set[int] = set()
 
     @functools.wraps(original)
     def _compute_loss(self: Any, batch: Any, criterion: Any, optimizer_idx: Any) -> Any:
         _run.set_trainer_dir(getattr(self, "output_path", None))
-        _run.batch_ids = sample_ids(batch)
+        _run.batch_ids = _run.sample_ids(batch)
         _run.trainer_step = getattr(self, "total_steps_done", None)
         nan_guard.expect_accumulation(int(getattr(self, "grad_accum_steps", 1) or 1))
         if id(self.model) not in watched:
