@@ -16,7 +16,7 @@ __version__ = "0.2.0"
 # Each patch module registers its PatchSpec; the order here is the banner's order.
 from . import (  # noqa: E402,F401
     autocast, grad_scaler, grad_clip, nan_guard, anomaly, checkpoint, vocab_freeze, languages,
-    dataset_guard)
+    dataset_guard, oom_guard)
 from . import integrations  # noqa: E402,F401  (registers the upstream integrations)
 from ._api import (  # noqa: E402
     activate, applied, apply, get_original, is_applied, reset_runtime_state, revert, stats,
@@ -33,6 +33,7 @@ from .grad_scaler import LossScaleFloorError, SafeGradScaler  # noqa: E402
 from .vocab_freeze import freeze_base_vocab  # noqa: E402
 from .nan_guard import NonFiniteTrainingError, find_nonfinite_source, observe_loss  # noqa: E402
 from ._run import set_output_dir  # noqa: E402
+from .oom_guard import OutOfMemoryTrainingError, skip_on_oom  # noqa: E402
 
 __all__ = [
     "apply", "revert", "applied", "is_applied", "status", "get_original", "stats", "activate",
@@ -41,5 +42,5 @@ __all__ = [
     "register_language", "load_checkpoint", "CheckpointManager", "LoadReport",
     "CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError", "DiskFullError",
     "NonFiniteTrainingError", "find_nonfinite_source", "observe_loss", "set_output_dir",
-    "freeze_base_vocab",
+    "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom",
 ]

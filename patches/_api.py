@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any, Iterable
 
-from . import _options, _registry, _run, grad_clip, grad_scaler, nan_guard
+from . import _options, _registry, _run, grad_clip, grad_scaler, nan_guard, oom_guard
 from ._log import logger
 
 _RULE = "=" * 72
@@ -201,7 +201,7 @@ def get_original(module: Any, attr: str) -> Any:
 def stats() -> dict[str, dict[str, float]]:
     """Counters of the runtime patches as plain numbers (reading them syncs once)."""
     return {"grad_scaler": grad_scaler.stats(), "grad_clip": grad_clip.stats(),
-            "nan_guard": nan_guard.stats()}
+            "nan_guard": nan_guard.stats(), "oom_guard": oom_guard.stats()}
 
 
 def runtime_state() -> dict[str, dict[str, int]]:

@@ -114,6 +114,7 @@ class Options:
     resume_policy: str = "remap"
     strict: bool = False
     clip_unscale_first: bool = False
+    max_oom_skips: int = 3
 
 
 # option -> (parser, example shown in errors)
@@ -143,6 +144,7 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "clip_unscale_first": (_bool, "1 or 0 (1: clip_grad_norm_ on gradients a SafeGradScaler has "
                                   "not unscaled yet treats max_norm as a limit on the true "
                                   "gradients; 0: clips them as torch does)"),
+    "max_oom_skips": (_positive_int, "a whole number of batches of at least 1, e.g. 3"),
     "strict": (_bool, "1 or 0 (1: a patch site that is missing, fails, or sits in an "
                       "unsupported upstream version is an error instead of a warning)"),
 }
@@ -159,6 +161,7 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "lr_step_on_skip": ("nan_guard",), "replay": ("nan_guard",),
     "max_drop_share": ("dataset_guard",), "amharic_homophones": ("languages",),
     "resume_policy": ("checkpoint",), "clip_unscale_first": ("grad_clip",),
+    "max_oom_skips": ("oom_guard",),
 }
 
 # TRAINING_PATCHES_* variables that are not options but are read by the library.

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .. import _api, _run, nan_guard
+from .. import _api, _run, nan_guard, oom_guard
 from .._log import logger
 from .._registry import Integration, Site, register_integration
 from ..grad_scaler import SafeGradScaler
@@ -127,6 +127,25 @@ def make_train_step(original: Any) -> Any:
     return train_step
 
 
+def make_oom_train_step(original: Any) -> Any:
+    """One batch that runs out of GPU memory is skipped (``oom_guard``); coqui's epoch loop
+    already skips a step whose ``train_step`` returns no outputs."""
+    @functools.wraps(original)
+    def train_step(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = original(self, batch, *args, **kwargs)
+        except oom_guard.OOM_ERRORS as exc:
+            optimizers = self.optimizer if isinstance(self.optimizer, list) else [self.optimizer]
+            audio = getattr(getattr(self, "config", None), "audio", None)
+            oom_guard.on_oom(exc, batch, [o for o in optimizers if o is not None],
+                             step=getattr(self, "total_steps_done", None),
+                             sample_rate=getattr(audio, "sample_rate", None))
+            return None, None
+        oom_guard.on_success()
+        return result
+    return train_step
+
+
 def make_remove_experiment_folder(original: Any) -> Any:
     @functools.wraps(original)
     def remove_experiment_folder(experiment_path: Any) -> None:
@@ -162,6 +181,8 @@ INTEGRATION = register_integration(Integration(
              lost="a NaN loss stays in the coqui Trainer's running averages"),
         Site(MODULE, "Trainer.train_step", make_train_step, patch="nan_guard",
              lost="the patches' counters do not reach TensorBoard"),
+        Site(MODULE, "Trainer.train_step", make_oom_train_step, patch="oom_guard",
+             lost="one batch that runs out of GPU memory ends the run"),
         Site(MODULE, "remove_experiment_folder", make_remove_experiment_folder,
              patch="nan_guard",
              lost="coqui deletes a failed run's folder, with the reports that explain it"),
