@@ -48,6 +48,7 @@ def _events(folder: Path) -> list[dict]:
 
 BASE_TOKENS = 74  # the tiny base vocabulary: 73 tokens, then [START] last
 NAN_AT = 3  # the micro-batch (of 16 accumulated) whose loss comes out NaN
+GROWN_TOKENS = ("ሀ", "ሁ", "ሂ", "ሃ", "ሄ")  # a second growth: 82 -> 87 ids
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +67,13 @@ def xtts_base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.save({"model": model.xtts.state_dict()}, tiny.root / "model.pth")
     ext = tiny.extend_vocab(AMHARIC_NEW_TOKENS, root / "vocab_am.json", language="am",
                             tokens=True)
+    from demo.xtts_tiny import extend_vocab
+    grown = extend_vocab(ext, GROWN_TOKENS, root / "vocab_am_grown.json", tokens=True)
     words = ("ሰላም", "እን", "ለም", "ዓለም")
     manifest = tiny.write_manifest(
         [f"{text} {words[i % 4]}" for i, text in enumerate(tiny.texts)], "train_am.csv")
-    return {"base": tiny.root, "vocab": ext, "manifest": manifest, "root": root}
+    return {"base": tiny.root, "vocab": ext, "grown": grown, "manifest": manifest,
+            "root": root}
 
 
 def _xtts_project(tmp_path: Path, *, regular_utils: bool = False,
@@ -88,10 +92,11 @@ def _xtts_project(tmp_path: Path, *, regular_utils: bool = False,
 
 
 def _run_xtts(project: Path, base: dict[str, Path], out: Path, *, launcher: bool = False,
-              pythonpath: str | None = None, **env: str) -> dict:
+              pythonpath: str | None = None, vocab: str = "vocab",
+              extra: tuple[str, ...] = ("--grad-accum", "16"), **env: str) -> dict:
     argv = [sys.executable, "headlessXttsTrain.py", "--base-dir", str(base["base"]),
-            "--vocab", str(base["vocab"]), "--train-csv", str(base["manifest"]),
-            "--language", "amh", "--out", str(out), "--grad-accum", "16"]
+            "--vocab", str(base[vocab]), "--train-csv", str(base["manifest"]),
+            "--language", "amh", "--out", str(out), *extra]
     environment = _env(TRAINING_PATCHES_BASE_VOCAB=str(BASE_TOKENS), **env)
     if pythonpath is not None:
         environment["PYTHONPATH"] = pythonpath
@@ -176,6 +181,66 @@ def test_xtts_a_nan_micro_batch_is_exactly_the_run_without_it(xtts_base, tmp_pat
     assert differ == []
     assert not torch.equal(guarded["gpt.gpt.h.0.mlp.c_fc.weight"],
                            start["gpt.gpt.h.0.mlp.c_fc.weight"])  # the step did happen
+
+
+@pytest.mark.parametrize("loader", ["patches", "upstream"])
+def test_xtts_continue_after_growth_keeps_every_row_and_the_lr_schedule(xtts_base, tmp_path,
+                                                                         loader) -> None:
+    """The project's own resume (coqui ``continue_path``) after the vocabulary grew
+    82 -> 87 ids: the rows trained in the first run are kept in place, the base rows stay
+    bit-identical to model.pth, the Amharic rows train on, and the restored LR is the
+    MultiStepLR schedule's at the restored optimizer step (one NaN micro-batch in the
+    first run included)."""
+    project = _xtts_project(tmp_path)
+    # the control: coqui's own restore (the checkpoint patch off) loses the trained rows
+    off = {"TRAINING_PATCHES_DISABLE": "checkpoint"} if loader == "upstream" else {}
+    accum, clips = 4, 20
+    first = _run_xtts(project, xtts_base, tmp_path / "first", pythonpath=str(REPO),
+                      extra=("--grad-accum", str(accum), "--lr-milestones", "2,4",
+                             "--save-step", str(clips)),
+                      CLIENT_NAN_MICRO_BATCH="3")
+    run_dir = Path(first["run_dir"])
+    steps = clips // accum  # optimizer steps in the first run: the NaN micro-batch costs none
+    assert first["stats"]["nan_guard"]["skipped"] == 0
+    assert first["scheduler_epoch"] == steps
+    trained = torch.load(tmp_path / "first" / "final_xtts.pth")
+    grown = _run_xtts(project, xtts_base, tmp_path / "grown", pythonpath=str(REPO),
+                      vocab="grown",
+                      extra=("--grad-accum", str(accum), "--lr-milestones", "2,4",
+                             "--epochs", "2", "--continue-path", str(run_dir)), **off)
+    start = grown["start"]
+    rows = torch.load(tmp_path / "grown" / "start_text_rows.pth")
+    base_state = torch.load(xtts_base["base"] / "model.pth")["model"]
+    final = torch.load(tmp_path / "grown" / "final_xtts.pth")
+    from conftest import AMHARIC_NEW_TOKENS
+    amharic = slice(BASE_TOKENS - 1, BASE_TOKENS + len(AMHARIC_NEW_TOKENS))  # + [am]
+    # the seed-style check: the LR is the schedule's at the restored step
+    lr_matches = (start["scheduler_epoch"] == steps == start["optimizer_steps"]
+                  and start["lr"] == pytest.approx(5e-4 * 0.5 ** sum(m <= steps for m in (2, 4)),
+                                                   rel=1e-12))
+    kept = all(torch.equal(rows[key][:-len(GROWN_TOKENS) - 1], trained[name][:-1])
+               and torch.equal(rows[key][-1], trained[name][-1])
+               for key, name in (("text_embedding", "gpt.text_embedding.weight"),
+                                 ("text_head", "gpt.text_head.weight")))
+    if loader == "upstream":
+        # coqui's partial load drops the grown text tensors (the rows of the first run are
+        # gone) and, with the optimizer not loaded, the schedule starts again at 0
+        assert start["scheduler_epoch"] == 0 and not lr_matches and not kept
+        return
+    assert lr_matches, start
+    assert grown["scheduler_epoch"] == 2 * steps
+    assert kept  # every trained row in place, [START] moved to the new last row
+    for name in ("gpt.text_embedding.weight", "gpt.text_head.weight"):
+        assert final[name].shape[0] == trained[name].shape[0] + len(GROWN_TOKENS)
+        # base rows bit-identical to model.pth at the end of both runs
+        assert torch.equal(final[name][:BASE_TOKENS - 1], base_state[name][:BASE_TOKENS - 1])
+        # the Amharic rows trained in the first run (moved from the project's mean init)
+        # train on in the second; the old loader froze every row of the checkpoint
+        begun = rows["text_embedding" if "embedding" in name else "text_head"]
+        init = base_state[name][:BASE_TOKENS - 1].mean(dim=0)
+        trained_first = (trained[name][amharic] != init).any(1)
+        trained_again = (final[name][amharic] != begun[amharic]).any(1)
+        assert trained_first.sum() >= 4 and torch.equal(trained_again, trained_first), name
 
 
 # -- the IndexTTS2-style loop -------------------------------------------------------------

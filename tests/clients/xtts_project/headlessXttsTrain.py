@@ -37,6 +37,38 @@ def _fault_hooks(nan_at, zero_at, record):
     return hook
 
 
+def _one(value):
+    """coqui keeps a list when the model returns several optimizers/schedulers."""
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def _start_probe(record, out, inner):
+    """At the first training step (after coqui restored a run): what the trainer resumed
+    with (its step, the scheduler's count, the LR) and the text rows it starts from."""
+    def hook(model):
+        if inner is not None:
+            inner(model)
+        original = model.on_train_step_start
+
+        def on_train_step_start(trainer):
+            if "start" not in record:
+                scheduler, optimizer = _one(trainer.scheduler), _one(trainer.optimizer)
+                record["start"] = {
+                    "total_steps_done": int(trainer.total_steps_done),
+                    "scheduler_epoch": scheduler.last_epoch if scheduler is not None else None,
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "optimizer_steps": max((int(s["step"]) for s in
+                                            optimizer.state.values()), default=0),
+                }
+                gpt = model.xtts.gpt
+                torch.save({"text_embedding": gpt.text_embedding.weight.detach().clone(),
+                            "text_head": gpt.text_head.weight.detach().clone()},
+                           os.path.join(out, "start_text_rows.pth"))
+            return original(trainer)
+        model.on_train_step_start = on_train_step_start
+    return hook
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--base-dir", required=True)
@@ -47,21 +79,31 @@ def main():
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--grad-accum", type=int, default=16)
     parser.add_argument("--restore-path", default=None)
+    parser.add_argument("--continue-path", default=None)
+    parser.add_argument("--save-step", type=int, default=10 ** 6)
+    parser.add_argument("--lr-milestones", default="")
     args = parser.parse_args()
 
     record = {}
     nan_at = int(os.environ.get("CLIENT_NAN_MICRO_BATCH", 0))
     zero_at = int(os.environ.get("CLIENT_ZERO_MICRO_BATCH", 0))
+    faults = _fault_hooks(nan_at, zero_at, record) if nan_at or zero_at else None
+    milestones = [int(m) for m in args.lr_milestones.split(",") if m]
+    os.makedirs(args.out, exist_ok=True)
     trainer, model, base = train_gpt(
         args.base_dir, args.vocab, args.train_csv, args.language, args.out, epochs=args.epochs,
         grad_accum=args.grad_accum, restore_path=args.restore_path,
-        model_hook=_fault_hooks(nan_at, zero_at, record) if nan_at or zero_at else None)
+        continue_path=args.continue_path, save_step=args.save_step, lr_milestones=milestones,
+        model_hook=_start_probe(record, args.out, faults))
 
     # harness.json: what the test reads (a real project would not write it)
     torch.save(model.xtts.state_dict(), os.path.join(args.out, "final_xtts.pth"))
     patches = sys.modules.get("patches")
     record.update({
         "run_dir": trainer.output_path,
+        "total_steps_done": int(trainer.total_steps_done),
+        "scheduler_epoch": _one(trainer.scheduler).last_epoch if trainer.scheduler else None,
+        "lr": _one(trainer.optimizer).param_groups[0]["lr"],
         "nonfinite_tensors": sum(not bool(torch.isfinite(p).all()) for p in model.parameters()),
         "tensors": sum(1 for _ in model.parameters()),
         "base_tokens": base,

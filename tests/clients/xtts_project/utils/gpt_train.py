@@ -37,8 +37,12 @@ def _swap_text_modules(model, base_state):
 
 
 def train_gpt(base_dir, vocab_file, train_csv, language, output_path, *, epochs=1,
-              batch_size=1, grad_accum=16, lr=5e-4, restore_path=None, model_hook=None):
-    """Build GPTArgs / GPTTrainerConfig / GPTTrainer, apply the extended vocab, fit()."""
+              batch_size=1, grad_accum=16, lr=5e-4, restore_path=None, continue_path=None,
+              save_step=10 ** 6, lr_milestones=None, model_hook=None):
+    """Build GPTArgs / GPTTrainerConfig / GPTTrainer, apply the extended vocab, fit().
+
+    ``lr_milestones``: the MultiStepLR schedule of xtts-finetune-webui (gamma 0.5), stepped
+    per optimizer step; ``continue_path``: the run folder to continue (coqui's resume)."""
     dataset = BaseDatasetConfig(formatter="coqui", dataset_name="ft_dataset",
                                 path=os.path.dirname(train_csv),
                                 meta_file_train=os.path.basename(train_csv), language=language)
@@ -57,11 +61,13 @@ def train_gpt(base_dir, vocab_file, train_csv, language, output_path, *, epochs=
         output_path=output_path, model_args=model_args, run_name="GPT_XTTS_FT",
         project_name="XTTS_trainer", dashboard_logger="tensorboard", audio=audio_config,
         batch_size=batch_size, eval_batch_size=batch_size, num_loader_workers=0,
-        epochs=epochs, print_step=50, plot_step=100, log_model_step=100, save_step=10 ** 6,
+        epochs=epochs, print_step=50, plot_step=100, log_model_step=100, save_step=save_step,
         save_n_checkpoints=1, save_checkpoints=True, print_eval=False, run_eval=False,
         optimizer="AdamW", optimizer_wd_only_on_weights=True,
         optimizer_params={"betas": [0.9, 0.96], "eps": 1e-8, "weight_decay": 1e-2},
-        lr=lr, lr_scheduler=None, lr_scheduler_params={}, test_sentences=[],
+        lr=lr, lr_scheduler="MultiStepLR" if lr_milestones else None,
+        lr_scheduler_params={"milestones": list(lr_milestones), "gamma": 0.5, "last_epoch": -1}
+        if lr_milestones else {}, scheduler_after_epoch=False, test_sentences=[],
         datasets=[dataset], training_seed=1)
     model = GPTTrainer(config)
 
@@ -78,8 +84,8 @@ def train_gpt(base_dir, vocab_file, train_csv, language, output_path, *, epochs=
 
     train_samples, _ = load_tts_samples(config, eval_split=False)
     trainer = Trainer(
-        TrainerArgs(restore_path=restore_path, skip_train_epoch=False, start_with_eval=False,
-                    grad_accum_steps=grad_accum),
+        TrainerArgs(restore_path=restore_path, continue_path=continue_path or "",
+                    skip_train_epoch=False, start_with_eval=False, grad_accum_steps=grad_accum),
         config, output_path=output_path, model=model, train_samples=train_samples,
         eval_samples=None, parse_command_line_args=False)
     trainer.fit()
