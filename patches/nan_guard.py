@@ -223,9 +223,6 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
         _state.deferred.append((_state.host_steps, bad, bad_grad, loss, spike,
                                 {"trainer_step": _run.trainer_step,
                                  "samples": list(_run.batch_ids)}))
-        if loss is not None:
-            _state.last_good_loss = torch.where(bad, _state.last_good_loss, loss) \
-                if _state.last_good_loss is not None else loss
         if _state.host_steps % opts.log_interval == 0:
             _log_stats()  # settles the flags
         elif len(_state.deferred) >= min(opts.log_interval, opts.max_bad_steps):
@@ -265,6 +262,8 @@ def _settle_deferred() -> None:
             _on_bad_step(None, step, bad_grad, loss, spike, known)
         else:
             _state.streak = 0
+            if loss is not None:
+                _state.last_good_loss = loss  # known only now: no device work per step
 
 
 # -- a bad step: record, explain, escalate -------------------------------------

@@ -160,6 +160,7 @@ def test_fused_consecutive_skips_still_stop_the_run(guard: str) -> None:
     assert "5 consecutive" in message and "stops at step 7" in message
     assert "seen at optimizer step 10" in message
     assert "first bad step of this streak was step 3" in message
+    assert "last finite loss was" in message and "last finite loss was None" not in message
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_two))
 
 
