@@ -25,6 +25,7 @@ import gpu_harness as harness  # noqa: E402
 pytestmark = [pytest.mark.xtts, pytest.mark.usefixtures("clean_patches")]
 
 
+@pytest.mark.slow
 def test_configs_are_mixed_precision_fused_and_sized(tiny_xtts, tmp_path) -> None:
     pytest.importorskip("TTS")
     big = harness.make_config(tiny_xtts, tmp_path / "big", size="realistic", precision="fp16")
