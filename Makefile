@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench setup ffmpeg clean
+.PHONY: demo test bench gpu-suite setup ffmpeg clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/run.py
+
+# GPU validation suite (benchmarks/gpu): skipped without a CUDA GPU; results in
+# benchmarks/gpu/results/gpu_suite.{json,md} (GPU_SUITE_OUT=... to write elsewhere)
+gpu-suite: setup
+	$(PY) -m pytest benchmarks/gpu -q -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) build *.egg-info

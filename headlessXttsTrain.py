@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--precision", choices=["auto", "fp16", "bf16", "fp32"], default="auto",
                      help="auto: bf16 where the GPU supports it, fp16 with SafeGradScaler on "
                           "GPUs without bf16 (T4), fp32 on the CPU")
+    run.add_argument("--no-fused", dest="fused", action="store_false",
+                     help="use the plain AdamW instead of fused=True (the default where torch "
+                          "has the fused kernel for the device: CUDA, and the CPU): with it the "
+                          "NaN guard skips bad steps inside the kernel and reads nothing per step")
     run.add_argument("--text-loss-weight", type=float, default=0.01,
                      help="weight of the text cross-entropy loss (coqui's "
                           "gpt_loss_text_ce_weight)")
@@ -178,6 +182,7 @@ class Settings:
     print_step: int
     inject_nan_step: int | None = None
     interrupt_after_step: int | None = None
+    fused: bool = True
 
 
 def _missing(path: Path | None, what: str, flag: str) -> str:
@@ -241,7 +246,8 @@ def resolve(args: argparse.Namespace) -> Settings:
         save_step=args.save_step, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         seed=args.seed, print_step=args.print_step,
         inject_nan_step=getattr(args, "inject_nan_step", None),
-        interrupt_after_step=getattr(args, "interrupt_after_step", None))
+        interrupt_after_step=getattr(args, "interrupt_after_step", None),
+        fused=getattr(args, "fused", True))
 
 
 def decide_precision(requested: str) -> str:
@@ -326,12 +332,25 @@ def build_config(s: Settings) -> Any:
         print_step=s.print_step, plot_step=10 ** 6, log_model_step=10 ** 6,
         save_step=s.save_step, save_n_checkpoints=s.keep_checkpoints, save_checkpoints=True,
         optimizer="AdamW", optimizer_wd_only_on_weights=True,
-        optimizer_params={"betas": [0.9, 0.96], "eps": 1e-8, "weight_decay": 1e-2},
+        optimizer_params={"betas": [0.9, 0.96], "eps": 1e-8, "weight_decay": 1e-2,
+                          **({"fused": True} if s.fused and fused_adamw_available() else {})},
         lr=s.lr, lr_scheduler="MultiStepLR",
         lr_scheduler_params={"milestones": [50000 * 18, 150000 * 18, 300000 * 18],
                              "gamma": 0.5, "last_epoch": -1},
         mixed_precision=mixed, precision=s.precision if mixed else "fp16",
         training_seed=s.seed, dashboard_logger="tensorboard", test_sentences=[])
+
+
+def fused_adamw_available() -> bool:
+    """Whether torch has a fused AdamW kernel for the device the Trainer will use."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)], fused=True)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def find_resume(output_dir: Path) -> Path | None:

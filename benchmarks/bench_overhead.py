@@ -7,7 +7,7 @@ drift of the machine hits both alike. Reported as the ratio of median step times
 Import time: ``from utils import training_patches`` after ``import torch``, in
 fresh interpreters (median of several).
 
-Run: .venv/bin/python benchmarks/bench_overhead.py [--rounds N] [--steps N]
+Run: .venv/bin/python benchmarks/bench_overhead.py [--rounds N] [--steps N] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -61,9 +61,11 @@ def block(model: torch.nn.Module, opt: torch.optim.Optimizer, amp: bool, steps: 
     return times
 
 
-def step_ratio(amp: bool, rounds: int, steps: int, names: list[str] | None = None) -> dict[str, float]:
+def step_ratio(amp: bool, rounds: int, steps: int, names: list[str] | None = None,
+               fused: bool = False) -> dict[str, float]:
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # fused=True: the guard hands its flag to the kernel (found_inf) and reads nothing
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     data = (torch.randn(8, 64, 128), torch.randn(8, 64, 128))
     patches.revert()
     block(model, opt, amp, 5, data)  # warm-up
@@ -133,20 +135,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: steadier timings on a shared 2-core machine)")
+    parser.add_argument("--only", default="",
+                        help="run only the step rows whose label contains this text "
+                             "(e.g. 'fused')")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__},"
           f" threads {torch.get_num_threads()}")
     print("| step (CPU, small transformer) | unpatched ms | patched ms | ratio (median of rounds) |")
     print("|---|---|---|---|")
-    for label, amp, names in (
-            ("fp32 + clip, all default patches", False, None),
-            ("fp32 + clip, nan_guard only", False, ["nan_guard"]),
+    for label, amp, names, fused in (
+            ("fp32 + clip, all default patches", False, None, False),
+            ("fp32 + clip, nan_guard only", False, ["nan_guard"], False),
             ("fp32 + clip, nan_guard + grad_clip (one shared norm)", False,
-             ["nan_guard", "grad_clip"]),
-            ("fp16 autocast + GradScaler + clip, all default patches", True, None)):
-        r = step_ratio(amp, args.rounds, args.steps, names)
+             ["nan_guard", "grad_clip"], False),
+            ("fp32 + clip, fused AdamW, all default patches", False, None, True),
+            ("fp32 + clip, fused AdamW, nan_guard + grad_clip", False,
+             ["nan_guard", "grad_clip"], True),
+            ("fp16 autocast + GradScaler + clip, all default patches", True, None, False)):
+        if args.only not in label:
+            continue
+        r = step_ratio(amp, args.rounds, args.steps, names, fused)
         print(f"| {label} | {r['unpatched_ms']:.2f} | {r['patched_ms']:.2f} | {r['ratio']:.3f} |")
+    if args.only:
+        return
     syncs = cuda_syncs_per_step()
     print(f"\nCUDA host syncs per guarded step (set_sync_debug_mode): {syncs}")
     print(f"\nimport utils.training_patches after torch: {import_overhead() * 1e3:.1f} ms (median)")

@@ -9,9 +9,15 @@ in plain loops and in the coqui Trainer:
   covered these gradients, else one ``get_total_norm``), or'ed with the loss seen
   through :func:`observe_loss` and, optionally, a loss-spike test; under
   ``torch.distributed`` the flag is all-reduced so every rank decides alike;
-- fused optimizers get the flag through their ``found_inf`` protocol: the kernel
-  leaves parameters, moments and step counts untouched, and the guard adds no
-  host sync (the host learns of skips when it reads the counters);
+- fused optimizers (``fused=True`` AdamW/Adam) get the flag through their ``found_inf``
+  protocol: the kernel leaves parameters and moments untouched and takes back its step
+  count increment (``state_steps -= found_inf``), and the guard reads nothing per step.
+  The flags wait on the device; the host reads them all in one copy every
+  ``min(log_interval, max_bad_steps)`` steps, in :func:`stats` and when logging. The
+  trade-off: counters, events and the consecutive-skips stop are that late (at most
+  ``max_bad_steps - 1`` steps: a stop after 25 skips in a row comes by step 49 of the
+  streak; the extra steps were skipped or trained exactly as they would have been), and
+  ``lr_step_on_skip=0`` costs one read per step again (the scheduler must know);
 - other optimizers cost one host sync (``.item()`` of the flag); on a bad step
   every gradient is set to None, so the optimizer leaves each parameter, its
   moments, its step count and its weight decay exactly as they were;
@@ -75,8 +81,10 @@ class _State:
         self.last_good_loss: torch.Tensor | None = None
         self.pending_loss: torch.Tensor | None = None
         self.decisions: dict[int, bool | torch.Tensor] = {}  # id(optimizer) -> skipped?
+        # Fused steps whose flags the host has not read: (step, flag, grad flag, loss,
+        # spike flag, what the host knew of that step: trainer step and sample ids).
         self.deferred: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                  torch.Tensor | None]] = []
+                                  torch.Tensor | None, dict[str, Any]]] = []
         self.names: dict[int, str] = {}  # id(parameter) -> name, from watch()
         self.replay: Callable[[], dict[str, Any]] | None = None
         self.replayed = False
@@ -212,12 +220,13 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
         optimizer.found_inf = bad.to(torch.float32)  # type: ignore[attr-defined]
         _state.set_found_inf.add(id(optimizer))
         _state.decisions[id(optimizer)] = bad
-        _state.deferred.append((_state.host_steps, bad, bad_grad, loss, spike))
-        if loss is not None:
-            _state.last_good_loss = torch.where(bad, _state.last_good_loss, loss) \
-                if _state.last_good_loss is not None else loss
-        if len(_state.deferred) >= opts.log_interval:
-            _settle_deferred()
+        _state.deferred.append((_state.host_steps, bad, bad_grad, loss, spike,
+                                {"trainer_step": _run.trainer_step,
+                                 "samples": list(_run.batch_ids)}))
+        if _state.host_steps % opts.log_interval == 0:
+            _log_stats()  # settles the flags
+        elif len(_state.deferred) >= min(opts.log_interval, opts.max_bad_steps):
+            _settle_deferred()  # often enough for the consecutive-skips stop
         return
 
     skipped = bool(bad.item())  # the one host sync of a guarded step
@@ -248,11 +257,13 @@ def _settle_deferred() -> None:
     if not entries:
         return
     flags = torch.stack([entry[1] for entry in entries]).tolist()
-    for (step, _, bad_grad, loss, spike), skipped in zip(entries, flags):
+    for (step, _, bad_grad, loss, spike, known), skipped in zip(entries, flags):
         if skipped:
-            _on_bad_step(None, step, bad_grad, loss, spike)
+            _on_bad_step(None, step, bad_grad, loss, spike, known)
         else:
             _state.streak = 0
+            if loss is not None:
+                _state.last_good_loss = loss  # known only now: no device work per step
 
 
 # -- a bad step: record, explain, escalate -------------------------------------
@@ -305,8 +316,12 @@ def _optimizer_step(optimizer: torch.optim.Optimizer | None) -> int | None:
 
 
 def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: torch.Tensor,
-                 loss: torch.Tensor | None, spike: torch.Tensor | None) -> None:
+                 loss: torch.Tensor | None, spike: torch.Tensor | None,
+                 known: dict[str, Any] | None = None) -> None:
+    """Record a skipped step. ``known``: what the host knew at that step, when its flag is
+    read later (fused optimizers); the batch is gone by then, so it is not replayed."""
     _state.streak += 1
+    trainer_step = known["trainer_step"] if known is not None else _run.trainer_step
     loss_value = _value(loss)
     is_spike = bool(spike.item()) if spike is not None else False
     nonfinite_loss = loss_value is not None and not math.isfinite(loss_value)
@@ -320,19 +335,22 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
     scaler = grad_scaler.pending_scaler()
     event = {
         "step": step,
-        "trainer_step": (_run.trainer_step if _run.trainer_step is not None
+        "trainer_step": (trainer_step if trainer_step is not None
                          else _optimizer_step(optimizer)),
         "kind": kind,
         "loss": loss_value,
         "nonfinite_grads": _bad_grad_names(optimizer) if bool(bad_grad.item()) else [],
         "scale": scaler.get_scale() if scaler is not None else None,
-        "samples": list(_run.batch_ids),
+        "samples": list(known["samples"] if known is not None else _run.batch_ids),
         "consecutive": _state.streak,
     }
+    if known is not None:
+        event["read_at_step"] = _state.host_steps  # the flag waited on the device till then
     if _state.first_bad is None or _state.streak == 1:
         _state.first_bad = event
     opts = _options.current()
-    if opts.replay and not _state.replayed and _state.replay is not None and not is_spike:
+    if (opts.replay and not _state.replayed and _state.replay is not None and not is_spike
+            and known is None):
         _state.replayed = True
         event["source"] = _state.replay()
     path = _run.append_jsonl(EVENTS_FILE, event)
@@ -340,8 +358,8 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
     grads = event["nonfinite_grads"]
     what = (f"non-finite gradients in {', '.join(grads[:3])}"
             + (f" (+{len(grads) - 3} more)" if len(grads) > 3 else "")) if grads else kind
-    where = (f"trainer step {_run.trainer_step} (optimizer step {step})"
-             if _run.trainer_step is not None else f"optimizer step {step}")
+    where = (f"trainer step {trainer_step} (optimizer step {step})"
+             if trainer_step is not None else f"optimizer step {step}")
     logger.warning("nan_guard: %s skipped: the whole optimizer step (%s; loss=%s)%s%s; "
                    "recorded in %s", where, what, loss_value,
                    f"; samples: {', '.join(event['samples'][:4])}" if event["samples"] else "",
@@ -357,7 +375,11 @@ def _raise(step: int) -> None:
     raise NonFiniteTrainingError(
         f"nan_guard: {_state.streak} consecutive optimizer steps had non-finite loss or "
         f"gradients (the limit is {_options.current().max_bad_steps}), so the run stops at step "
-        f"{step} instead of burning GPU hours. The first bad step of this streak was step "
+        f"{step} instead of burning GPU hours"
+        + (f" (a fused optimizer's skip flags are read every few steps: this was seen at "
+           f"optimizer step {_state.host_steps}; every step in between was skipped or "
+           f"trained exactly)" if _state.host_steps != step else "")
+        + f". The first bad step of this streak was step "
         f"{first.get('step')} (trainer step {first.get('trainer_step')}): "
         f"{first.get('kind')}, loss={first.get('loss')}, non-finite gradients: "
         f"{', '.join(first.get('nonfinite_grads') or []) or 'none found'}, loss scale: "
@@ -478,9 +500,11 @@ def _make_next(original: Callable[..., Any]) -> Callable[..., Any]:
 def _make_scheduler_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         decision = _state.decisions.pop(id(getattr(self, "optimizer", None)), None)
+        if _options.current().lr_step_on_skip:
+            return original(self, *args, **kwargs)  # nothing to read (fused: no host read)
         if isinstance(decision, torch.Tensor):
             decision = bool(decision.item())
-        if decision and not _options.current().lr_step_on_skip:
+        if decision:
             logger.debug("nan_guard: LR scheduler held on a skipped step")
             return None
         return original(self, *args, **kwargs)

@@ -9,6 +9,7 @@ from typing import Callable
 
 import pytest
 import torch
+from sync_count import count_host_reads
 from torch import nn
 
 import patches
@@ -62,22 +63,6 @@ def test_without_the_reuse_the_guard_reduces_again(monkeypatch: pytest.MonkeyPat
     assert counter[0] == 10
 
 
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
-
-
-def _count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    counter = [0]
-    for name in HOST_READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self: torch.Tensor, *a: object, _o: Callable[..., object] = original,
-                    **k: object) -> object:
-            counter[0] += 1
-            return _o(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return counter
-
-
 def _scaled_steps(scaler: torch.amp.GradScaler, steps: int,
                   monkeypatch: pytest.MonkeyPatch) -> int:
     model = _model()
@@ -92,7 +77,7 @@ def _scaled_steps(scaler: torch.amp.GradScaler, steps: int,
         scaler.update()
         opt.zero_grad()
     with monkeypatch.context() as m:
-        counter = _count_host_reads(m)
+        counter = count_host_reads(m)
         for x in data[1:]:
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(x).float().pow(2).mean()
