@@ -30,7 +30,7 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 
-from . import _options
+from . import _options, _run
 from ._counters import DeviceCounters
 from ._log import info, logger
 from ._registry import PatchSpec, Site, register
@@ -52,6 +52,10 @@ def _missing_private_names() -> list[str]:
     return [f"{owner}.{name}" for owner, name in _PRIVATE if not hasattr(owners[owner], name)]
 
 STATE_KEY = "training_patches"
+# One JSON line per overflow and per scale change, in the run's report folder: what
+# ``training-patches report`` plots. Written from the host copy of the scale (no sync),
+# so only as often as the scale changes or a step overflows.
+SCALE_FILE = "loss_scale.jsonl"
 
 # The scaler whose scale() ran last and whose update() has not yet: grad_clip asks
 # it whether the gradients it is clipping are still scaled.
@@ -286,6 +290,10 @@ class SafeGradScaler(_TorchGradScaler):
             self._log_stats(step)
 
     def _report_scale_change(self, step: int, before: float, after: float, found: bool) -> None:
+        if found or after != before:
+            _run.append_jsonl(SCALE_FILE, {"step": step, "trainer_step": _run.trainer_step,
+                                           "scale_before": before, "scale": after,
+                                           "overflow": found})
         if after == before:
             return
         why = "overflow, step skipped" if found else f"{self._growth_interval} clean steps"
