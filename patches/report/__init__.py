@@ -138,3 +138,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     rep.set_defaults(handler=_report)
 
 
+
+
+def log_report(folder: str | os.PathLike[str]) -> str | None:
+    """Write ``<folder>/training_report.png`` at the end of a run and log its verdict.
+
+    For trainers (headlessXttsTrain.py calls it last): a report that cannot be made is
+    a WARNING, never an error of the finished run. Returns the PNG's path, or None.
+    """
+    from .._log import logger
+
+    try:
+        reports, png = write_report(folder)
+    except Exception as exc:  # noqa: BLE001 - the training itself has finished
+        logger.warning("training-patches: no run report written for %s (%s: %s)", folder,
+                       type(exc).__name__, exc)
+        return None
+    newest = reports[-1]
+    logger.info("training-patches: run report: %s; verdict: %s%s", png or "(no picture: "
+                "matplotlib is missing)", newest.headline,
+                "".join(f"; {x.name}: {x.detail}" for x in newest.findings))
+    return png

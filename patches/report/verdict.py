@@ -139,7 +139,10 @@ def facts(run: Run) -> Facts:
     for record in scale_records:
         step = _step_of(record) or 0
         if record.get("overflow") and step not in skips:
-            skips[step] = Skip(step, "overflow")
+            loss = record.get("loss")  # a NaN batch under a scaler is its overflow
+            bad_loss = isinstance(loss, (int, float)) and not math.isfinite(loss)
+            skips[step] = Skip(step, "nonfinite_loss" if bad_loss else "overflow",
+                               loss if isinstance(loss, (int, float)) else None)
     f.skips = sorted(skips.values(), key=lambda s: s.step)
     f.longest_streak = max(max(streaks), _streak([s.step for s in f.skips]))
 
@@ -252,8 +255,9 @@ def describe(f: Facts, findings: list[Finding]) -> list[str]:
                                         "; no loss logged to TensorBoard"))
     kinds = Counter(s.kind for s in f.skips)
     lines.append(f"skipped steps: {len(f.skips)}" + (
-        " (" + ", ".join(f"{k} {n}" for k, n in kinds.items()) + "; steps "
-        + ", ".join(str(s.step) for s in f.skips[:10]) + ")" if f.skips else ""))
+        " (" + ", ".join(f"{k} {n}" for k, n in kinds.items()) + ") at steps "
+        + ", ".join(str(s.step) for s in f.skips[:10])
+        + (" ..." if len(f.skips) > 10 else "") if f.skips else ""))
     if f.micro_batches:
         lines.append(f"non-finite micro-batches left out (step not skipped): "
                      f"{len(f.micro_batches)}")
