@@ -168,6 +168,11 @@ def render(f: Facts, findings: list[Finding]) -> Any:
     _line(axes["Learning rate"], "Learning rate", f.lr,
           "no learning rate recorded (no TensorBoard current_lr)")
     _dropped(axes["Dropped samples by reason"], f)
+    from matplotlib.ticker import MaxNLocator
+
+    for name in PANELS[:4]:
+        if axes[name].lines or axes[name].collections:  # empty panels keep no ticks
+            axes[name].xaxis.set_major_locator(MaxNLocator(integer=True))
     lines = [f"{f.run.folder}", f"verdict: {headline(findings)}"]
     lines += [f"- {x.name}: {x.detail}"[:160] for x in findings[:4]]
     fig.suptitle("\n".join(lines), fontsize=9, x=0.01, ha="left")
