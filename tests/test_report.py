@@ -239,3 +239,33 @@ def test_report_of_a_real_coqui_run(tiny_xtts, tmp_path, clean_patches) -> None:
 
     reports, png = write_report(out)
     assert png == str(out / "training_report.png") and Path(png).stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("moved", [0.0, 1e-6])
+def test_frozen_rows_checked_against_the_base_model(tmp_path, moved) -> None:
+    """headless_runs.jsonl records the base model and the frozen rows; the newest checkpoint's
+    rows are compared with the base model's, bit for bit."""
+    import torch
+
+    torch.manual_seed(0)
+    base = {"gpt.text_embedding.weight": torch.randn(6, 4), "gpt.text_head.weight":
+            torch.randn(6, 4), "gpt.text_head.bias": torch.randn(6)}
+    torch.save({"model": base}, tmp_path / "model.pth")
+    run = tmp_path / "out" / "xtts_finetune-x"
+    run.mkdir(parents=True)
+    grown = {}
+    for name, old in base.items():  # 6 base rows -> 9: rows 0..4 kept, new 5..7, start row last
+        new = torch.randn(9, *old.shape[1:])
+        new[:5], new[8] = old[:5], old[5]
+        grown["xtts." + name] = new
+    grown["xtts.gpt.text_head.weight"][8, 0] += moved
+    torch.save({"model": grown}, run / "checkpoint_10.pth")
+    _tensorboard(run, [5.0 - 0.3 * i for i in range(12)])
+    _jsonl(tmp_path / "out" / "headless_runs.jsonl", [{
+        "event": "start", "run_folder": str(run),
+        "base_weights": {"path": str(tmp_path / "model.pth"), "frozen_rows": [[0, 4], [8, 8]]}}])
+    report = build(find_runs(str(tmp_path / "out"))[0])
+    assert report.facts.freeze["max_drift"] == pytest.approx(moved, abs=1e-7)
+    assert "text_embedding.weight, text_head.weight, text_head.bias" in \
+        report.facts.freeze["detail"]
+    assert report.headline == ("frozen rows moved" if moved else "healthy")
