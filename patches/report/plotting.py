@@ -118,11 +118,11 @@ def _scale(ax: Any, f: Facts) -> None:
     steps = [s for s, _ in f.scale] + [max(f.steps - 1, f.scale[-1][0])]
     values = [v for _, v in f.scale] + [f.scale[-1][1]]
     ax.step(steps, values, where="post", lw=1.2, label=f"from {f.scale_source}")
-    overflows = [s.step for s in f.skips if s.kind == "overflow"]
-    if overflows:
+    if f.overflows:
         at = {s: v for s, v in f.scale}
-        ax.scatter(overflows, [at.get(s, values[-1]) for s in overflows], marker="v",
-                   color="tab:orange", zorder=5, label=f"overflow ({len(overflows)})")
+        ax.scatter(f.overflows, [at.get(s, values[-1]) for s in f.overflows], marker="v",
+                   color="tab:orange", zorder=5,
+                   label=f"overflow, step skipped ({len(f.overflows)})")
     if all(v > 0 for v in values):
         ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
@@ -137,6 +137,10 @@ def _grad_norm(ax: Any, f: Facts) -> None:
         return
     _line(ax, "Gradient norm", f.grad_norm,
           "no gradient norm recorded (no TensorBoard grad_norm)")
+    if f.grad_norm:
+        for skip in f.skips:  # a skipped step has no norm: shown where it would be
+            ax.axvline(skip.step, color=SKIP_STYLE.get(skip.kind, SKIP_STYLE["overflow"])[1],
+                       alpha=0.3, lw=1)
 
 
 def _dropped(ax: Any, f: Facts) -> None:
@@ -148,9 +152,13 @@ def _dropped(ax: Any, f: Facts) -> None:
         return
     reasons = [r for r, _ in f.dropped.most_common()]
     counts = [f.dropped[r] for r in reasons]
-    bars = ax.barh(reasons, counts, color="tab:brown")
+    bars = ax.barh(reasons, counts, color="tab:brown", height=0.5)
     ax.bar_label(bars, fontsize=8)
-    ax.invert_yaxis()
+    ax.set_ylim(len(reasons) - 0.5 + max(0, 3 - len(reasons)) / 2, -0.5 - max(0, 3 - len(reasons)) / 2)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(0, max(counts) * 1.15)
     ax.set_xlabel("samples")
     ax.tick_params(axis="y", labelsize=8)
 

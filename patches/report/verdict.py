@@ -53,6 +53,7 @@ class Facts:
     steps: int = 0
     skips: list[Skip] = field(default_factory=list)
     micro_batches: list[int] = field(default_factory=list)  # non-finite, left out, not skipped
+    overflows: list[int] = field(default_factory=list)  # steps the scaler skipped (NaN loss too)
     longest_streak: int = 0
     losses: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     scale: list[tuple[int, float]] = field(default_factory=list)
@@ -138,6 +139,8 @@ def facts(run: Run) -> Facts:
                            key=lambda r: (_step_of(r) or 0))
     for record in scale_records:
         step = _step_of(record) or 0
+        if record.get("overflow"):
+            f.overflows.append(step)
         if record.get("overflow") and step not in skips:
             loss = record.get("loss")  # a NaN batch under a scaler is its overflow
             bad_loss = isinstance(loss, (int, float)) and not math.isfinite(loss)
@@ -151,13 +154,15 @@ def facts(run: Run) -> Facts:
         if series:
             f.losses[name] = series
     f.lr = _finite(reading.scalar(run, "current_lr"))
-    f.grad_norm = _finite(reading.scalar(run, "grad_norm"))
+    skipped = set(skips)  # coqui logs a non-finite norm as 0: a skipped step has none
+    f.grad_norm = [(s, v) for s, v in _finite(reading.scalar(run, "grad_norm"))
+                   if s not in skipped]
 
     if scale_records:
         f.scale_source = reading.SCALE
         first = scale_records[0].get("scale_before")
-        if isinstance(first, (int, float)):
-            f.scale.append((max((_step_of(scale_records[0]) or 1) - 1, 0), float(first)))
+        if isinstance(first, (int, float)):  # the scale the run started with
+            f.scale.append((min(0, _step_of(scale_records[0]) or 0), float(first)))
         for record in scale_records:
             value = record.get("scale")
             before = record.get("scale_before")
@@ -225,7 +230,7 @@ def verdict(f: Facts) -> list[Finding]:
                 f"{quarter} {last:.4g} ({-100 * drop:+.1f}%, less than a "
                 f"{100 * STALL_MIN_DROP:g}% drop)")))
     if f.dropped:
-        found.append(Finding(DROPPED, f"{sum(f.dropped.values())} samples dropped: "
+        found.append(Finding(DROPPED, f"{sum(f.dropped.values())} dropped: "
                              + ", ".join(f"{r} {n}" for r, n in f.dropped.most_common())))
     if f.ooms:
         found.append(Finding(OOM, f"{f.ooms} batches skipped for lack of GPU memory "
