@@ -329,7 +329,7 @@ def build_config(s: Settings) -> Any:
         batch_size=s.batch_size, eval_batch_size=s.batch_size, epochs=s.epochs,
         num_loader_workers=s.workers, num_eval_loader_workers=s.workers,
         run_eval=s.eval_manifest is not None, test_delay_epochs=10 ** 6,
-        print_step=s.print_step, plot_step=10 ** 6, log_model_step=10 ** 6,
+        print_step=s.print_step, plot_step=s.print_step, log_model_step=10 ** 6,
         save_step=s.save_step, save_n_checkpoints=s.keep_checkpoints, save_checkpoints=True,
         optimizer="AdamW", optimizer_wd_only_on_weights=True,
         optimizer_params={"betas": [0.9, 0.96], "eps": 1e-8, "weight_decay": 1e-2,
@@ -553,6 +553,8 @@ def train(s: Settings) -> dict[str, Any]:
     }
     logger.info("training-patches: finished: %s", result)
     _record(s.output_dir, "finished", **result)
+    from patches.report import log_report
+    log_report(s.output_dir)  # <output-dir>/training_report.png: `training-patches report`
     return result
 
 

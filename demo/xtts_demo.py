@@ -309,6 +309,8 @@ def collect(root: Path, base_info: dict[str, Any], vocab_info: dict[str, Any],
         "logs": {"train_log": str(out / "train.log"),
                  "events": str(run_folder / "nonfinite_events.jsonl") if run_folder else None,
                  "runs": str(out / "headless_runs.jsonl"),
+                 "report": (str(out / "training_report.png")
+                            if (out / "training_report.png").is_file() else None),
                  "consoles": [p["console"] for p in phases]},
     }
 
@@ -387,13 +389,16 @@ def format_summary(s: dict[str, Any]) -> str:
         f"log file            : {s['logs']['train_log']}",
         f"events file         : {s['logs']['events']}",
         f"run records         : {s['logs']['runs']}",
+        f"run report          : {s['logs'].get('report') or 'not written'} (plots and "
+        f"verdict; again with: training-patches report {s['output_dir']}/finetune)",
         f"console output      : {', '.join(s['logs']['consoles'])}",
         rule,
     ]
     for what, ok in checks(s):
         lines.append(f"  [{'ok' if ok else 'FAILED'}] {what}")
     lines.append(rule)
-    lines.append(f"Look at the run yourself: training-patches report {s['run_folder']}")
+    lines.append(f"Look at the run yourself: training-patches report "
+                 f"{Path(s['output_dir']) / 'finetune'}")
     return "\n".join(lines)
 
 

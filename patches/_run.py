@@ -28,7 +28,7 @@ trainer_step: int | None = None  # the trainer's own step counter, when an integ
 # Names of the files the patches write into a run's folder (kept by the coqui integration
 # when coqui would remove a run folder that holds no checkpoint).
 OWN_FILES = ("nonfinite_events.jsonl", "dropped_samples.jsonl", "oom_events.jsonl",
-             "training_patches.log")
+             "loss_scale.jsonl", "training_patches.log")
 
 
 # Batch keys that name samples (coqui XTTS: ``filenames``; other loaders: paths or ids).

@@ -30,7 +30,7 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 
-from . import _options
+from . import _options, _run
 from ._counters import DeviceCounters
 from ._log import info, logger
 from ._registry import PatchSpec, Site, register
@@ -52,6 +52,10 @@ def _missing_private_names() -> list[str]:
     return [f"{owner}.{name}" for owner, name in _PRIVATE if not hasattr(owners[owner], name)]
 
 STATE_KEY = "training_patches"
+# One JSON line per overflow and per scale change, in the run's report folder: what
+# ``training-patches report`` plots. Written from the host copy of the scale (no sync),
+# so only as often as the scale changes or a step overflows.
+SCALE_FILE = "loss_scale.jsonl"
 
 # The scaler whose scale() ran last and whose update() has not yet: grad_clip asks
 # it whether the gradients it is clipping are still scaled.
@@ -119,6 +123,7 @@ class SafeGradScaler(_TorchGradScaler):
         self._tp_unscaled: set[int] = set()  # ids of parameters unscaled this iteration
         self._tp_found_host: list[bool] = []  # answers of the sync torch already makes
         self._tp_iteration = 0
+        self._tp_last_loss: torch.Tensor | None = None  # read only when a step overflowed
         self._tp_floor_skips = 0
         self._tp_last_good_step = 0
         # Host copy of scale, growth tracker, skip streak and hysteresis, advanced from the
@@ -142,6 +147,8 @@ class SafeGradScaler(_TorchGradScaler):
         global _pending, _latest
         if self._enabled:
             _pending = _latest = weakref.ref(self)
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+                self._tp_last_loss = outputs.detach()
         return super().scale(outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -286,6 +293,15 @@ class SafeGradScaler(_TorchGradScaler):
             self._log_stats(step)
 
     def _report_scale_change(self, step: int, before: float, after: float, found: bool) -> None:
+        if found or after != before:
+            record = {"step": step, "trainer_step": _run.trainer_step, "scale_before": before,
+                      "scale": after, "overflow": found}
+            if found:  # was it the loss itself (a NaN batch) or only its gradients?
+                loss = self._tp_last_loss
+                record["loss"] = float(loss.float()) if loss is not None else None
+                record["samples"] = list(_run.batch_ids)
+            _run.append_jsonl(SCALE_FILE, record)
+        self._tp_last_loss = None
         if after == before:
             return
         why = "overflow, step skipped" if found else f"{self._growth_interval} clean steps"

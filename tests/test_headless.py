@@ -127,6 +127,9 @@ def test_tiny_amharic_finetune_and_resume_auto(tmp_path: Path) -> None:
     losses = [float(v) for v in re.findall(r"> loss: ([^\s]+)", first.stdout + first.stderr)]
     assert losses and all(v == v and abs(v) != float("inf") for v in losses)
     steps_first = int(re.search(r"finished: {'steps': (\d+)", log).group(1))
+    # the run's report is written when it ends (training-patches report)
+    assert (out / "training_report.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"run report: {out / 'training_report.png'}; verdict: healthy" in log
 
     second = _run(*common, "--epochs", "2", "--resume", "auto")
     assert second.returncode == 0, second.stderr[-3000:]

@@ -1,0 +1,193 @@
+"""Find the runs under a folder and read what they wrote, without trusting any of it.
+
+A run leaves its files in one or two folders:
+
+- the trainer's run folder: the coqui Trainer's ``trainer_0_log.txt`` and TensorBoard
+  ``events.out.tfevents.*``, and the patches' ``nonfinite_events.jsonl``,
+  ``loss_scale.jsonl`` and ``oom_events.jsonl`` when no output folder was set (a plain
+  loop writes them beside its checkpoints);
+- the output folder above it: ``headless_runs.jsonl`` (headlessXttsTrain.py) and
+  ``dropped_samples.jsonl``, and the patches' files when an output folder was set.
+
+:func:`find_runs` returns one :class:`Run` per trainer run folder, with the files of the
+folders above it (up to the folder asked about) shared into it. A JSON line that is not
+a JSON object is counted, never fatal; so is an unreadable TensorBoard file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._log import logger
+
+EVENTS = "nonfinite_events.jsonl"
+DROPPED = "dropped_samples.jsonl"
+OOM = "oom_events.jsonl"
+SCALE = "loss_scale.jsonl"  # patches.grad_scaler.SCALE_FILE
+HEADLESS = "headless_runs.jsonl"  # headlessXttsTrain.RUNS_NAME
+JSONL_FILES = (EVENTS, DROPPED, OOM, SCALE, HEADLESS)
+TB_PREFIX = "events.out.tfevents."
+# Files that make a folder a trainer's own run folder, not only an output folder above one.
+_RUN_FILES = (EVENTS, OOM, SCALE)
+MAX_DEPTH = 3  # <output-dir>/<run>/... is depth 1; deeper trees are not searched
+
+
+@dataclass
+class Run:
+    """What one run wrote: its folders, its records and its TensorBoard scalars."""
+
+    folder: str
+    shared_folders: list[str] = field(default_factory=list)
+    records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    files: dict[str, list[str]] = field(default_factory=dict)
+    broken_lines: dict[str, int] = field(default_factory=dict)  # file -> unreadable lines
+    scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    tb_files: list[str] = field(default_factory=list)
+    tb_problem: str | None = None
+    newest: float = 0.0  # mtime of its newest file
+
+    def get(self, name: str) -> list[dict[str, Any]]:
+        """The records of every ``name`` file of this run (run folder first)."""
+        return self.records.get(name, [])
+
+    @property
+    def broken(self) -> int:
+        return sum(self.broken_lines.values())
+
+
+def read_jsonl(path: str) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a JSON-lines file, and how many non-empty lines were not one."""
+    records: list[dict[str, Any]] = []
+    broken = 0
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError:
+                broken += 1
+                continue
+            if isinstance(value, dict):
+                records.append(value)
+            else:
+                broken += 1
+    return records, broken
+
+
+def _has_tb(names: list[str]) -> bool:
+    return any(n.startswith(TB_PREFIX) for n in names)
+
+
+def _is_trainer_log(name: str) -> bool:
+    return name.startswith("trainer_") and name.endswith("_log.txt")
+
+
+def _marker_folders(root: str) -> dict[str, list[str]]:
+    """Folder -> its file names, for every folder under ``root`` holding a run's file."""
+    found: dict[str, list[str]] = {}
+    root = os.path.abspath(root)
+    base_depth = root.rstrip(os.sep).count(os.sep)
+    for folder, dirs, names in os.walk(root):
+        if folder.rstrip(os.sep).count(os.sep) - base_depth >= MAX_DEPTH:
+            dirs[:] = []
+        dirs.sort()
+        if any(n in JSONL_FILES or n.startswith(TB_PREFIX) or _is_trainer_log(n)
+               for n in names):
+            found[folder] = sorted(names)
+    return found
+
+
+def find_runs(root: str, *, scalars: bool = True) -> list[Run]:
+    """Every run under ``root`` (``root`` itself included), newest last; [] when none.
+
+    A folder with TensorBoard files, a coqui ``trainer_N_log.txt`` or the patches' step
+    records is a run folder; a folder above run folders (an output folder) shares its
+    files into each of them. An output folder with no run folder below it is a run itself.
+    """
+    folders = _marker_folders(root)
+    own = [f for f, names in folders.items()
+           if _has_tb(names) or any(_is_trainer_log(n) for n in names)
+           or any(n in _RUN_FILES for n in names)]
+    # A plain loop's folder is a run, unless a trainer's run folder lies below it: then
+    # its records (written there because an output folder was set) belong to that run.
+    own = [f for f in own if not any(o != f and o.startswith(f + os.sep) for o in own)
+           or _has_tb(folders[f])]
+    if not own:
+        own = [f for f in folders if not any(o != f and f.startswith(o + os.sep)
+                                             for o in folders)]
+    runs = []
+    for folder in own:
+        shared = [f for f in folders if f != folder and f not in own
+                  and folder.startswith(f + os.sep)]
+        run = Run(folder=folder, shared_folders=sorted(shared, key=len))
+        for place in [folder, *run.shared_folders]:
+            _read_folder(run, place, folders[place])
+        if scalars:
+            read_scalars(run, [n for n in folders[folder] if n.startswith(TB_PREFIX)])
+        runs.append(run)
+    runs.sort(key=lambda r: r.newest)
+    return runs
+
+
+def _read_folder(run: Run, folder: str, names: list[str]) -> None:
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            run.newest = max(run.newest, os.path.getmtime(path))
+        except OSError:
+            continue
+        if name not in JSONL_FILES:
+            continue
+        try:
+            records, broken = read_jsonl(path)
+        except OSError as exc:
+            logger.warning("report: cannot read %s (%s)", path, exc)
+            run.broken_lines[path] = run.broken_lines.get(path, 0) + 1
+            continue
+        run.records.setdefault(name, []).extend(records)
+        run.files.setdefault(name, []).append(path)
+        if broken:
+            run.broken_lines[path] = broken
+
+
+def read_scalars(run: Run, tb_names: list[str]) -> None:
+    """The TensorBoard scalars of the run folder, by tag, as (step, value) sorted by step.
+
+    Uses the event reader of ``tensorboard`` (a dependency of the coqui Trainer), imported
+    only here; a missing package or an unreadable file is noted in ``run.tb_problem``.
+    """
+    run.tb_files = [os.path.join(run.folder, n) for n in tb_names]
+    if not tb_names:
+        return
+    try:
+        from tensorboard.backend.event_processing import event_accumulator
+    except ImportError:
+        run.tb_problem = ("the tensorboard package is not installed, so the TensorBoard files "
+                          "were not read (pip install tensorboard)")
+        return
+    by_tag: dict[str, dict[int, float]] = {}
+    for path in run.tb_files:  # one file each: a resumed run adds a file, steps go on
+        try:
+            acc = event_accumulator.EventAccumulator(
+                path, size_guidance={event_accumulator.SCALARS: 0})
+            acc.Reload()
+            for tag in acc.Tags().get("scalars", []):
+                series = by_tag.setdefault(tag, {})
+                for event in acc.Scalars(tag):
+                    series[int(event.step)] = float(event.value)
+        except Exception as exc:  # noqa: BLE001 - a damaged file is reported, not fatal
+            run.tb_problem = f"{path} could not be read fully ({type(exc).__name__}: {exc})"
+    run.scalars = {tag: sorted(values.items()) for tag, values in by_tag.items()}
+
+
+def scalar(run: Run, name: str, group: str = "TrainIterStats") -> list[tuple[int, float]]:
+    """The series whose tag is ``<...group>/<name>`` (coqui prefixes a model name at times)."""
+    for tag, series in run.scalars.items():
+        head, _, tail = tag.rpartition("/")
+        if tail == name and head.endswith(group):
+            return series
+    return []

@@ -1,0 +1,301 @@
+"""The figures of a run and the verdict they support.
+
+:func:`facts` turns what :mod:`.reading` found into plain figures (steps, skipped steps
+and why, the loss trend, the loss scale's backoffs, dropped samples, the frozen-row
+check); :func:`verdict` names what needs a look. A run is *healthy* only when nothing
+does: any recorded event (a skipped step, a dropped sample, an out-of-memory batch, an
+unreadable record) keeps it from being called healthy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import reading
+from .reading import Run
+
+# Thresholds, with why:
+STALL_MIN_POINTS = 8     # fewer logged losses say nothing about a trend
+STALL_MIN_DROP = 0.01    # the last quarter's mean loss must be 1% below the first quarter's
+REPEAT_SHARE = 0.01      # two or more skips in over 1% of the steps are no accident
+UNSTABLE_BACKOFFS = 3    # ... and a scale that backs off 3+ times, in over 2% of the steps
+UNSTABLE_SHARE = 0.02
+SCALE_FLOOR = 1.0        # below 1.0 the gradients overflow unscaled (see grad_scaler)
+
+HEALTHY = "healthy"
+UNSTABLE_SCALE = "unstable scale"
+STALLED_LOSS = "stalled loss"
+REPEATED_SKIPS = "repeated skips"
+FROZEN_MOVED = "frozen rows moved"
+SKIPPED = "skipped steps"
+DROPPED = "dropped samples"
+OOM = "out-of-memory batches"
+UNREADABLE = "unreadable records"
+
+
+@dataclass
+class Skip:
+    """One optimizer step that did not update the weights."""
+
+    step: int
+    kind: str  # nonfinite_loss, nonfinite_grad, loss_spike, overflow
+    loss: float | None = None
+
+
+@dataclass
+class Facts:
+    """Every figure the report shows, read from one run's files."""
+
+    run: Run
+    steps: int = 0
+    skips: list[Skip] = field(default_factory=list)
+    micro_batches: list[int] = field(default_factory=list)  # non-finite, left out, not skipped
+    overflows: list[int] = field(default_factory=list)  # steps the scaler skipped (NaN loss too)
+    longest_streak: int = 0
+    losses: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    scale: list[tuple[int, float]] = field(default_factory=list)
+    scale_source: str | None = None
+    backoffs: int = 0
+    lr: list[tuple[int, float]] = field(default_factory=list)
+    grad_norm: list[tuple[int, float]] = field(default_factory=list)
+    dropped: Counter[str] = field(default_factory=Counter)
+    dropped_splits: Counter[str] = field(default_factory=Counter)
+    ooms: int = 0
+    freeze: dict[str, Any] | None = None
+    patch_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class Finding:
+    name: str
+    detail: str
+
+
+def _finite(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    return [(s, v) for s, v in series if math.isfinite(v)]
+
+
+def _step_of(record: dict[str, Any]) -> int | None:
+    for key in ("trainer_step", "step"):
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value)
+    return None
+
+
+def _streak(steps: list[int]) -> int:
+    longest = run = 0
+    previous = None
+    for step in sorted(set(steps)):
+        run = run + 1 if previous is not None and step == previous + 1 else 1
+        longest = max(longest, run)
+        previous = step
+    return longest
+
+
+def _patch_stats(run: Run) -> dict[str, dict[str, float]]:
+    """The patches' counters of each process of the run (headless_runs.jsonl), summed."""
+    total: dict[str, dict[str, float]] = {}
+    folder_ends = [r for r in run.get(reading.HEADLESS)
+                   if r.get("event") in ("finished", "interrupted")
+                   and isinstance(r.get("patch_stats"), dict)
+                   and r.get("run_folder") in (None, run.folder)]
+    for record in folder_ends:
+        for patch, counts in record["patch_stats"].items():
+            if not isinstance(counts, dict):
+                continue
+            into = total.setdefault(patch, {})
+            for name, value in counts.items():
+                if isinstance(value, (int, float)) and name not in ("scale", "enabled",
+                                                                    "consecutive_skips"):
+                    into[name] = into.get(name, 0) + value
+                elif isinstance(value, (int, float)):
+                    into[name] = value
+    return total
+
+
+def facts(run: Run) -> Facts:
+    """The figures of ``run``."""
+    f = Facts(run=run)
+    skips: dict[int, Skip] = {}
+    streaks = [0]
+    for event in run.get(reading.EVENTS):
+        step = _step_of(event)
+        if step is None:
+            continue
+        if event.get("micro_batch"):
+            f.micro_batches.append(step)
+            continue
+        loss = event.get("loss")
+        skips[step] = Skip(step, str(event.get("kind", "nonfinite")),
+                           loss if isinstance(loss, (int, float)) else None)
+        consecutive = event.get("consecutive")
+        if isinstance(consecutive, int):
+            streaks.append(consecutive)
+    scale_records = sorted((r for r in run.get(reading.SCALE) if _step_of(r) is not None),
+                           key=lambda r: (_step_of(r) or 0))
+    for record in scale_records:
+        step = _step_of(record) or 0
+        if record.get("overflow"):
+            f.overflows.append(step)
+        if record.get("overflow") and step not in skips:
+            loss = record.get("loss")  # a NaN batch under a scaler is its overflow
+            bad_loss = isinstance(loss, (int, float)) and not math.isfinite(loss)
+            skips[step] = Skip(step, "nonfinite_loss" if bad_loss else "overflow",
+                               loss if isinstance(loss, (int, float)) else None)
+    f.skips = sorted(skips.values(), key=lambda s: s.step)
+    f.longest_streak = max(max(streaks), _streak([s.step for s in f.skips]))
+
+    for name in ("loss", "loss_text_ce", "loss_mel_ce"):
+        series = _finite(reading.scalar(run, name))
+        if series:
+            f.losses[name] = series
+    f.lr = _finite(reading.scalar(run, "current_lr"))
+    skipped = set(skips)  # coqui logs a non-finite norm as 0: a skipped step has none
+    f.grad_norm = [(s, v) for s, v in _finite(reading.scalar(run, "grad_norm"))
+                   if s not in skipped]
+
+    if scale_records:
+        f.scale_source = reading.SCALE
+        first = scale_records[0].get("scale_before")
+        if isinstance(first, (int, float)):  # the scale the run started with
+            f.scale.append((min(0, _step_of(scale_records[0]) or 0), float(first)))
+        for record in scale_records:
+            value = record.get("scale")
+            before = record.get("scale_before")
+            if isinstance(value, (int, float)):
+                f.scale.append((_step_of(record) or 0, float(value)))
+                if isinstance(before, (int, float)) and value < before:
+                    f.backoffs += 1
+    else:
+        for name, group in (("amp_scaler", "TrainIterStats"),
+                            ("grad_scaler_scale", "TrainingPatches")):
+            series = _finite(reading.scalar(run, name, group))
+            if series:
+                f.scale, f.scale_source = series, "TensorBoard " + name
+                f.backoffs = sum(b < a for (_, a), (_, b) in zip(series, series[1:]))
+                break
+
+    for record in run.get(reading.DROPPED):
+        f.dropped[str(record.get("reason", "unknown"))] += 1
+        f.dropped_splits[str(record.get("split", "?"))] += 1
+    f.ooms = len(run.get(reading.OOM))
+    f.patch_stats = _patch_stats(run)
+    seen = [s for series in (*f.losses.values(), f.lr, f.grad_norm) for s, _ in series[-1:]]
+    seen += [s.step for s in f.skips] + [s for s, _ in f.scale[-1:]]
+    guard_steps = int(f.patch_stats.get("nan_guard", {}).get("steps", 0))
+    f.steps = max([guard_steps] + [s + 1 for s in seen])
+    return f
+
+
+def verdict(f: Facts) -> list[Finding]:
+    """What needs a look in the run, each with the figures behind it; [] when healthy."""
+    found: list[Finding] = []
+    steps = max(f.steps, 1)
+    if f.freeze is not None and f.freeze.get("moved"):
+        found.append(Finding(FROZEN_MOVED, f"frozen base rows moved by up to "
+                                           f"{f.freeze['max_drift']:.3g} ({f.freeze['detail']})"))
+    if f.scale:
+        values = [v for _, v in f.scale]
+        low = min(values)
+        if low < SCALE_FLOOR or (f.backoffs >= UNSTABLE_BACKOFFS
+                                 and f.backoffs > UNSTABLE_SHARE * steps):
+            found.append(Finding(UNSTABLE_SCALE, (
+                f"the loss scale backed off {f.backoffs} times in {f.steps} steps, from "
+                f"{values[0]:g} down to {low:g} (ends at {values[-1]:g})"
+                + ("; below 1.0 the gradients overflow even unscaled" if low < SCALE_FLOOR
+                   else ""))))
+    if f.skips:
+        kinds = Counter(s.kind for s in f.skips)
+        where = ", ".join(str(s.step) for s in f.skips[:8]) + (" ..." if len(f.skips) > 8 else "")
+        detail = (f"{len(f.skips)} of {f.steps} steps skipped "
+                  f"({100.0 * len(f.skips) / steps:.1f}%): "
+                  + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in kinds.most_common())
+                  + f"; at step {where}; longest streak {f.longest_streak}")
+        repeated = f.longest_streak >= 2 or (len(f.skips) >= 2
+                                             and len(f.skips) > REPEAT_SHARE * steps)
+        found.append(Finding(REPEATED_SKIPS if repeated else SKIPPED, detail))
+    loss = f.losses.get("loss") or f.losses.get("loss_mel_ce") or []
+    if len(loss) >= STALL_MIN_POINTS:
+        quarter = max(len(loss) // 4, 1)
+        first = sum(v for _, v in loss[:quarter]) / quarter
+        last = sum(v for _, v in loss[-quarter:]) / quarter
+        drop = (first - last) / abs(first) if first else 0.0
+        if drop < STALL_MIN_DROP:
+            found.append(Finding(STALLED_LOSS, (
+                f"mean loss of the first {quarter} logged steps {first:.4g}, of the last "
+                f"{quarter} {last:.4g} ({-100 * drop:+.1f}%, less than a "
+                f"{100 * STALL_MIN_DROP:g}% drop)")))
+    if f.dropped:
+        found.append(Finding(DROPPED, f"{sum(f.dropped.values())} dropped: "
+                             + ", ".join(f"{r} {n}" for r, n in f.dropped.most_common())))
+    if f.ooms:
+        found.append(Finding(OOM, f"{f.ooms} batches skipped for lack of GPU memory "
+                                  f"(oom_events.jsonl)"))
+    if f.run.broken:
+        found.append(Finding(UNREADABLE, "; ".join(
+            f"{n} unreadable lines in {p}" for p, n in f.run.broken_lines.items())
+            + " (the figures leave them out)"))
+    return found
+
+
+def headline(findings: list[Finding]) -> str:
+    """``healthy``, or the names of the findings, worst first."""
+    return ", ".join(dict.fromkeys(x.name for x in findings)) if findings else HEALTHY
+
+
+def describe(f: Facts, findings: list[Finding]) -> list[str]:
+    """The report's text: where the run is, its figures, the verdict."""
+    run = f.run
+    lines = [f"run: {run.folder}"]
+    for folder in run.shared_folders:
+        lines.append(f"  with the files of {folder}")
+    loss = f.losses.get("loss", [])
+    lines.append(f"steps: {f.steps}" + (f"; loss {loss[0][1]:.4g} at step {loss[0][0]} -> "
+                                        f"{loss[-1][1]:.4g} at step {loss[-1][0]} "
+                                        f"({len(loss)} logged)" if loss else
+                                        "; no loss logged to TensorBoard"))
+    kinds = Counter(s.kind for s in f.skips)
+    lines.append(f"skipped steps: {len(f.skips)}" + (
+        " (" + ", ".join(f"{k} {n}" for k, n in kinds.items()) + ") at steps "
+        + ", ".join(str(s.step) for s in f.skips[:10])
+        + (" ..." if len(f.skips) > 10 else "") if f.skips else ""))
+    if f.micro_batches:
+        lines.append(f"non-finite micro-batches left out (step not skipped): "
+                     f"{len(f.micro_batches)}")
+    events = run.get(reading.EVENTS)
+    samples = Counter(s for e in events for s in (e.get("samples") or [])
+                      if isinstance(s, str))
+    if samples:
+        lines.append("samples seen most in bad batches: " + ", ".join(
+            f"{s} ({n})" for s, n in samples.most_common(5)))
+    sources = [e["source"] for e in events if e.get("source")]
+    if sources:
+        lines.append(f"where the first NaN appeared: {sources[0]}")
+    if f.scale:
+        lines.append(f"loss scale: {f.scale[0][1]:g} -> {f.scale[-1][1]:g}, {f.backoffs} "
+                     f"backoffs (from {f.scale_source})")
+    else:
+        lines.append("loss scale: none recorded (no GradScaler: fp32 or bf16)")
+    lines.append(f"dropped samples: {sum(f.dropped.values())}" + (
+        " (" + ", ".join(f"{r} {n}" for r, n in f.dropped.most_common()) + ")"
+        if f.dropped else ""))
+    if f.ooms:
+        lines.append(f"out-of-memory batches skipped: {f.ooms}")
+    guard = f.patch_stats.get("nan_guard")
+    if guard:
+        lines.append(f"nan_guard counters (headless_runs.jsonl): skipped "
+                     f"{int(guard.get('skipped', 0))} of {int(guard.get('steps', 0))} steps")
+    if f.freeze is not None:
+        lines.append(f"frozen rows: {f.freeze['detail']}")
+    if run.tb_problem:
+        lines.append(f"TensorBoard: {run.tb_problem}")
+    for path, n in run.broken_lines.items():
+        lines.append(f"{n} unreadable line(s) in {path}")
+    lines.append(f"verdict: {headline(findings)}")
+    for finding in findings:
+        lines.append(f"  - {finding.name}: {finding.detail}")
+    return lines

@@ -1,0 +1,271 @@
+"""``training-patches report``: runs found under an output dir, a verdict with its figures,
+and one PNG page whose panels and skip markers are read back from the Figure."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+import patches
+from patches import cli
+from patches.report import build, find_runs, write_report
+from patches.report.plotting import PANELS
+
+pytest.importorskip("matplotlib")
+
+
+def _jsonl(path: Path, records: list[object], extra: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + extra, encoding="utf-8")
+    return path
+
+
+def _tensorboard(folder: Path, losses: list[float], lr: float = 1e-4) -> None:
+    """TensorBoard scalars under the tags the coqui Trainer writes (TrainIterStats/...)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder))
+    for step, loss in enumerate(losses):
+        writer.add_scalar("TrainIterStats/loss", loss, step)
+        writer.add_scalar("TrainIterStats/current_lr", lr, step)
+        writer.add_scalar("TrainIterStats/grad_norm", 1.0, step)
+    writer.close()
+
+
+def _axes(fig) -> dict[str, object]:
+    return {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+
+
+def _marks(ax) -> dict[str, list[float]]:
+    """Skip markers of a panel: label -> the steps they stand at."""
+    return {c.get_label(): [float(x) for x, _ in c.get_offsets()]
+            for c in ax.collections if c.get_label().startswith("skipped")}
+
+
+# -- finding runs, bad records, never OK with events ------------------------------------------
+
+def test_empty_folder_is_no_run_found(tmp_path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("nothing a run writes")
+    assert cli.main(["report", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "no run found" in captured.err and str(tmp_path) in captured.err
+    assert "health: OK" not in captured.out
+    assert not (tmp_path / "training_report.png").exists()
+
+
+def test_corrupt_lines_are_counted_not_fatal(tmp_path, capsys) -> None:
+    good = {"step": 4, "trainer_step": 3, "kind": "nonfinite_loss", "consecutive": 1}
+    _jsonl(tmp_path / "nonfinite_events.jsonl", [good],
+           extra='{"step": 5, "kind": "nonfin\n[1, 2]\n\x00\x01 binary\n')
+    _jsonl(tmp_path / "dropped_samples.jsonl", [], extra="not json either\n")
+    assert cli.main(["report", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "3 unreadable line(s) in " + str(tmp_path / "nonfinite_events.jsonl") in out
+    assert "1 unreadable line(s) in " + str(tmp_path / "dropped_samples.jsonl") in out
+    assert "skipped steps: 1 (nonfinite_loss 1) at steps 3" in out
+    assert "unreadable records" in out and "health: OK" not in out
+
+
+@pytest.mark.parametrize("name, record", [
+    ("nonfinite_events.jsonl", {"step": 1, "trainer_step": 0, "kind": "nonfinite_grad"}),
+    ("dropped_samples.jsonl", {"audio_file": "a.wav", "reason": "too_long_audio"}),
+    ("oom_events.jsonl", {"kind": "out_of_memory", "trainer_step": 7}),
+    ("loss_scale.jsonl", {"step": 3, "scale_before": 1024.0, "scale": 512.0,
+                          "overflow": True}),
+])
+def test_a_run_with_events_is_never_ok(tmp_path, capsys, name, record) -> None:
+    _tensorboard(tmp_path, [5.0 - 0.3 * i for i in range(12)])  # a falling loss
+    _jsonl(tmp_path / name, [record])
+    assert cli.main(["report", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "health: needs a look" in out and "verdict: healthy" not in out
+
+
+def test_a_clean_run_is_healthy(tmp_path, capsys) -> None:
+    _tensorboard(tmp_path, [5.0 - 0.3 * i for i in range(12)])
+    assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "r.png")]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: healthy" in out and "health: OK" in out
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_output_dir_holding_a_run_subfolder_is_found(tmp_path, capsys) -> None:
+    """headlessXttsTrain.py: headless_runs.jsonl in --output-dir, the Trainer's run folder
+    (TensorBoard, the NaN guard's events) below it."""
+    run = tmp_path / "xtts_finetune-May-01-2026_10+00AM-abc"
+    _tensorboard(run, [5.0 - 0.3 * i for i in range(12)])
+    _jsonl(run / "nonfinite_events.jsonl",
+           [{"step": 4, "trainer_step": 3, "kind": "nonfinite_loss", "consecutive": 1}])
+    _jsonl(tmp_path / "headless_runs.jsonl", [{"event": "start", "run_folder": str(run)}])
+    runs = find_runs(str(tmp_path))
+    assert [r.folder for r in runs] == [str(run)]
+    assert runs[0].shared_folders == [str(tmp_path)]
+    assert cli.main(["report", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"run: {run}" in out and "skipped steps: 1" in out
+    assert (tmp_path / "training_report.png").is_file()
+
+
+def test_stalled_loss_and_unstable_scale_are_named_with_figures(tmp_path) -> None:
+    _tensorboard(tmp_path, [4.0, 4.01, 3.99, 4.0, 4.02, 4.0, 3.99, 4.01, 4.0, 4.0, 4.01, 4.0])
+    scale, records = 1024.0, []
+    for step in (2, 3, 4, 6, 8, 9):  # six overflows in 12 steps: 1024 -> 16
+        records.append({"step": step, "trainer_step": step, "scale_before": scale,
+                        "scale": scale / 2, "overflow": True})
+        scale /= 2
+    _jsonl(tmp_path / "loss_scale.jsonl", records)
+    report = build(find_runs(str(tmp_path))[0])
+    names = [f.name for f in report.findings]
+    assert names == ["unstable scale", "repeated skips", "stalled loss"]
+    details = {f.name: f.detail for f in report.findings}
+    assert "backed off 6 times in 12 steps, from 1024 down to 16" in details["unstable scale"]
+    assert "6 of 12 steps skipped (50.0%): 6 overflow" in details["repeated skips"]
+    assert "longest streak 3" in details["repeated skips"]
+    assert "mean loss of the first 3 logged steps 4" in details["stalled loss"]
+    fig = report.figure()
+    scale_ax = _axes(fig)["Loss scale"]
+    steps, values = scale_ax.lines[0].get_data()
+    assert list(values)[0] == 1024.0 and list(values)[-1] == 16.0
+
+
+def test_panels_without_data_say_so(tmp_path) -> None:
+    _jsonl(tmp_path / "nonfinite_events.jsonl",
+           [{"step": 2, "trainer_step": 1, "kind": "nonfinite_loss"}])
+    fig = build(find_runs(str(tmp_path))[0]).figure()
+    axes = _axes(fig)
+    assert set(PANELS) <= set(axes)
+    for title in ("Loss scale", "Gradient norm", "Learning rate", "Dropped samples by reason"):
+        texts = " ".join(t.get_text() for t in axes[title].texts)
+        assert texts.startswith("no ") and not axes[title].lines, title
+    assert "no loss values recorded" in " ".join(t.get_text() for t in axes["Loss"].texts)
+    assert _marks(axes["Loss"]) == {"skipped: non-finite loss (1)": [1.0]}
+
+
+# -- a real run: coqui Trainer, tiny XTTS, a NaN, an overflow, a dropped sample ---------------
+
+NAN_STEP, INF_STEP = 2, 8  # trainer steps: a NaN batch, inf gradients (an fp16 overflow)
+
+
+@pytest.mark.slow
+@pytest.mark.xtts
+def test_report_of_a_real_coqui_run(tiny_xtts, tmp_path, clean_patches) -> None:
+    """Two epochs of the tiny XTTS GPT through the real coqui Trainer with the patches on:
+
+    - trainer step 2's batch gives a NaN loss (a forward hook, as a bad sample would);
+      under a GradScaler the scaler skips it as an overflow (the NaN guard leaves a
+      protected step to it) and ``loss_scale.jsonl`` records the NaN loss;
+    - step 8's gradients are made inf after backward (a parameter hook): what an fp16
+      overflow looks like to the scaler. The Trainer builds its GradScaler only for CUDA
+      (``use_amp_scaler``) and binds it with ``device="cuda"``; ``use_grad_scaler=True``
+      makes it build one on the CPU, and the binding is pointed at ``device="cpu"`` here:
+      the stand-in for the GPU. Everything else is the real path: ``scaler.scale``,
+      ``unscale_`` in ``_grad_clipping``, ``step``, ``update``, coqui's ``amp_scaler``;
+    - one manifest row is an undecodable file: the dataset guard drops it.
+    """
+    import torch
+    import trainer.trainer as coqui
+    from TTS.config.shared_configs import BaseDatasetConfig
+
+    from patches import _run
+    from patches.grad_scaler import SafeGradScaler
+
+    torch.set_num_threads(1)
+    (tmp_path / "wavs").mkdir()  # coqui wants paths below the dataset folder: link them
+    clips = []
+    for clip in sorted(tiny_xtts.audio_dir.glob("clip_*.wav")):
+        (tmp_path / "wavs" / clip.name).symlink_to(clip)
+        clips.append(f"wavs/{clip.name}")
+    (tmp_path / "wavs" / "broken.wav").write_bytes(b"not audio" * 100)
+    rows = [f"{c}|{t}|spk0" for c, t in zip(clips, tiny_xtts.texts * 3)]
+    rows.append("wavs/broken.wav|hello|spk0")
+    (tmp_path / "train.csv").write_text("audio_file|text|speaker_name\n" + "\n".join(rows)
+                                        + "\n", encoding="utf-8")
+    dataset = BaseDatasetConfig(formatter="coqui", dataset_name="tiny", path=str(tmp_path),
+                                meta_file_train="train.csv", language=tiny_xtts.language)
+    out = tmp_path / "out"
+    patches.apply()
+    config = tiny_xtts.make_config(out, datasets=[dataset], epochs=2, plot_step=1,
+                                   use_grad_scaler=True, grad_clip=1.0)
+    model = tiny_xtts.make_model(config)
+    # The coqui integration tells the patches the trainer step before each forward.
+    model.xtts.gpt.text_embedding.register_forward_hook(
+        lambda module, inputs, output:
+        output * float("nan") if module.training and _run.trainer_step == NAN_STEP else output)
+    model.xtts.gpt.text_head.weight.register_hook(
+        lambda grad: grad * float("inf") if _run.trainer_step == INF_STEP else grad)
+    binding = coqui.GradScaler
+    coqui.GradScaler = functools.partial(SafeGradScaler, device="cpu")
+    try:
+        trainer = tiny_xtts.train(config, model)
+    finally:
+        coqui.GradScaler = binding
+    assert isinstance(trainer.scaler, SafeGradScaler) and trainer.scaler._enabled
+    stats = patches.stats()
+
+    runs = find_runs(str(out))
+    assert [r.folder for r in runs] == [str(trainer.output_path)]
+    report = build(runs[0])
+    f = report.facts
+    assert f.steps == 14  # 14 samples (13 clips + 1 broken) in batches of 2, 2 epochs
+    nan_step, inf_step = NAN_STEP, INF_STEP
+    assert [(s.step, s.kind) for s in f.skips] == [(nan_step, "nonfinite_loss"),
+                                                   (inf_step, "overflow")]
+    assert stats["grad_scaler"]["skipped"] == 2 and stats["grad_scaler"]["steps"] == 14
+    assert [v for _, v in f.scale] == [1024.0, 512.0, 256.0] and f.backoffs == 2
+    assert dict(f.dropped) == {"decode_failure": 1}
+    assert [s for s, _ in f.losses["loss"]] == [s for s in range(14) if s != NAN_STEP]
+    assert f.lr and f.grad_norm and any(v for _, v in f.grad_norm)
+    assert report.headline == "repeated skips, dropped samples"
+    details = {x.name: x.detail for x in report.findings}
+    assert details["repeated skips"].startswith(
+        "2 of 14 steps skipped (14.3%): 1 nonfinite loss, 1 overflow")
+
+    fig = report.figure()  # read before saving
+    axes = _axes(fig)
+    assert set(PANELS) <= set(axes)
+    assert _marks(axes["Loss"]) == {"skipped: non-finite loss (1)": [nan_step],
+                                    "skipped: fp16 overflow (1)": [inf_step]}
+    assert {line.get_label() for line in axes["Loss"].lines} >= {"total loss",
+                                                                 "mel (audio-token) loss"}
+    assert axes["Loss scale"].lines and axes["Gradient norm"].lines
+    assert axes["Learning rate"].lines
+    bars = axes["Dropped samples by reason"].patches
+    assert [b.get_width() for b in bars] == [1]
+    assert [t.get_text() for t in axes["Dropped samples by reason"].get_yticklabels()] == \
+        ["decode_failure"]
+
+    reports, png = write_report(out)
+    assert png == str(out / "training_report.png") and Path(png).stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("moved", [0.0, 1e-6])
+def test_frozen_rows_checked_against_the_base_model(tmp_path, moved) -> None:
+    """headless_runs.jsonl records the base model and the frozen rows; the newest checkpoint's
+    rows are compared with the base model's, bit for bit."""
+    import torch
+
+    torch.manual_seed(0)
+    base = {"gpt.text_embedding.weight": torch.randn(6, 4), "gpt.text_head.weight":
+            torch.randn(6, 4), "gpt.text_head.bias": torch.randn(6)}
+    torch.save({"model": base}, tmp_path / "model.pth")
+    run = tmp_path / "out" / "xtts_finetune-x"
+    run.mkdir(parents=True)
+    grown = {}
+    for name, old in base.items():  # 6 base rows -> 9: rows 0..4 kept, new 5..7, start row last
+        new = torch.randn(9, *old.shape[1:])
+        new[:5], new[8] = old[:5], old[5]
+        grown["xtts." + name] = new
+    grown["xtts.gpt.text_head.weight"][8, 0] += moved
+    torch.save({"model": grown}, run / "checkpoint_10.pth")
+    _tensorboard(run, [5.0 - 0.3 * i for i in range(12)])
+    _jsonl(tmp_path / "out" / "headless_runs.jsonl", [{
+        "event": "start", "run_folder": str(run),
+        "base_weights": {"path": str(tmp_path / "model.pth"), "frozen_rows": [[0, 4], [8, 8]]}}])
+    report = build(find_runs(str(tmp_path / "out"))[0])
+    assert report.facts.freeze["max_drift"] == pytest.approx(moved, abs=1e-7)
+    assert "text_embedding.weight, text_head.weight, text_head.bias" in \
+        report.facts.freeze["detail"]
+    assert report.headline == ("frozen rows moved" if moved else "healthy")
