@@ -381,4 +381,48 @@ def encode_json(data: dict[str, Any]) -> bytes:
 
 
 __all__ = ["Extension", "BaseCheck", "load_vocab_json", "extend_bpe", "extend_vocab_file",
-           "base_text_check", "uncovered_characters", "xtts_text", "encode_json", "DEFAULT_NEW_PIECES", "START", "UNK"]
+           "base_text_check", "uncovered_characters", "extend_for_run", "xtts_text", "encode_json", "DEFAULT_NEW_PIECES", "START", "UNK"]
+
+
+def extend_for_run(base: str | os.PathLike[str], corpus: str | os.PathLike[str],
+                   output_dir: str | os.PathLike[str], language: str, *,
+                   new_pieces: int = DEFAULT_NEW_PIECES) -> tuple[Path, Extension, bool]:
+    """The extended vocab.json a training run uses: ``output_dir/vocab_<language>.json``,
+    made from ``base`` and ``corpus`` (cleaned as ``language``; the base file is never
+    touched). A run that resumes finds it there: it is reused when extending again gives
+    the same bytes, and refused (nothing changed) when it differs, because the checkpoint
+    was trained with the one on disk. Returns (path, what was done, reused)."""
+    import logging
+
+    from ..languages import base_code
+    from .text import make_preprocess, read_lines, write_bytes_atomic
+
+    code = base_code(language)
+    out = Path(output_dir) / f"vocab_{code}.json"
+    if out.resolve() == Path(base).resolve():
+        raise TokenizerToolError(
+            f"the base vocabulary {base} is the file the extension would write ({out}). Name "
+            f"the base model's own vocab.json as the base, or another output folder.")
+    load_vocab_json(base)  # a bad base file is named before the corpus is read
+    preprocess = make_preprocess(code)
+    texts = [preprocess(line) for line in read_lines(corpus)]
+    made: list[bytes] = []
+    ext = extend_vocab_file(base, texts, out, language=code, new_pieces=new_pieces,
+                            write=lambda _path, data: made.append(data))
+    logger = logging.getLogger("training_patches")
+    if out.exists():
+        if out.read_bytes() != made[0]:
+            raise TokenizerToolError(
+                f"{out} exists and is not what extending {base} with {corpus} gives now (the "
+                f"base vocabulary, the corpus or the cleaner changed). A run must keep the "
+                f"vocabulary its checkpoints were trained with, so nothing was changed. To "
+                f"continue that run, pass --vocab {out} instead of --extend-vocab; to start "
+                f"over, use a new --output-dir.")
+        logger.info("training-patches: reusing the extended vocabulary %s (%d tokens)", out,
+                    ext.new_size)
+        return out, ext, True
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(out, made[0])
+    for line in ext.lines():
+        logger.info("training-patches: extend-vocab: %s", line)
+    return out, ext, False
