@@ -129,9 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", default=None, metavar="auto|PATH",
                      help="'auto': continue the newest run in OUTPUT_DIR that has a checkpoint "
                           "(a fresh start when there is none); or the run folder to continue")
-    run.add_argument("--extend-vocab", type=Path, default=None, metavar="TEXT_FILE",
-                     help="add the tokens of this language's texts to the vocabulary before "
-                          "training (needs training-patches' tokenizer tool)")
+    run.add_argument("--extend-vocab", type=Path, default=None, metavar="CORPUS",
+                     help="text of --language (one sentence a line, or a coqui manifest): "
+                          "extend the base vocab.json with [LANGUAGE], every character and "
+                          "up to 2,000 BPE pieces learned from it (as training-patches "
+                          "extend-tokenizer does) into OUTPUT_DIR/vocab_LANGUAGE.json, the "
+                          "base file untouched, and train with it: the model's new rows grow "
+                          "from the base ones, the base rows stay frozen")
     run.add_argument("--preset", choices=sorted(PRESETS),
                      help="t4: fits a 16 GB T4 (fp16, batch 2 x 126 accumulation, clips up to "
                           "11.6 s, 2 workers, lr 5e-6); explicit options win")
@@ -183,6 +187,7 @@ class Settings:
     inject_nan_step: int | None = None
     interrupt_after_step: int | None = None
     fused: bool = True
+    extend_vocab: Path | None = None
 
 
 def _missing(path: Path | None, what: str, flag: str) -> str:
@@ -211,12 +216,10 @@ def resolve(args: argparse.Namespace) -> Settings:
             "these input files are missing:\n" + "\n".join(problems) + "\nThis script never "
             "downloads: put the XTTS v2 base files in one folder and pass --base-dir, or name "
             "each file with its option (see --help).")
-    if args.extend_vocab is not None:
+    if args.extend_vocab is not None and not args.extend_vocab.is_file():
         raise UsageError(
-            f"--extend-vocab {args.extend_vocab}: not available yet. training-patches' tokenizer "
-            f"tool (extend-tokenizer) has not landed in this version. Extend vocab.json with "
-            f"your own tool (new BPE tokens plus '[{args.language}]' as a special token) and "
-            f"pass it with --vocab.")
+            f"--extend-vocab {args.extend_vocab}: not found. Expected the new language's text: "
+            f"one sentence a line, or a coqui manifest (its text column).")
     preset = PRESETS.get(args.preset or "", {})
 
     def pick(name: str, default: Any) -> Any:
@@ -247,7 +250,7 @@ def resolve(args: argparse.Namespace) -> Settings:
         seed=args.seed, print_step=args.print_step,
         inject_nan_step=getattr(args, "inject_nan_step", None),
         interrupt_after_step=getattr(args, "interrupt_after_step", None),
-        fused=getattr(args, "fused", True))
+        fused=getattr(args, "fused", True), extend_vocab=args.extend_vocab)
 
 
 def decide_precision(requested: str) -> str:
@@ -441,6 +444,19 @@ def _load_report_record(report: Any) -> dict[str, Any] | None:
                             if freeze is not None else None)}
 
 
+def extended_vocab(s: Settings) -> Path:
+    """``--extend-vocab``: the base vocab.json extended for ``s.language`` in the output
+    folder (reused on a resume); see :func:`patches.tokenizer.bpe.extend_for_run`."""
+    from patches.tokenizer import TokenizerToolError
+    from patches.tokenizer.bpe import extend_for_run
+
+    try:
+        path, _, _ = extend_for_run(s.files["vocab"], s.extend_vocab, s.output_dir, s.language)
+    except TokenizerToolError as exc:
+        raise UsageError(f"--extend-vocab {s.extend_vocab}: {exc}") from None
+    return path
+
+
 def inject_nan_hook(model: Any, trainer: Any, step: int) -> Any:
     """Testing aid: add NaN to the GPT's text-embedding output in trainer step ``step``."""
     import torch
@@ -473,6 +489,8 @@ def train(s: Settings) -> dict[str, Any]:
     from patches.integrations import xtts_dataset
 
     torch.manual_seed(s.seed)
+    if s.extend_vocab is not None:
+        s.files["vocab"] = extended_vocab(s)
     config = build_config(s)
     continue_path = ""
     if s.resume:

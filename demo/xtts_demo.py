@@ -10,15 +10,17 @@ default ``demo_output/``; a second run replaces only a folder this demo made):
 2. ``base/``: a tiny base XTTS model, the way a real one arrives: model.pth,
    config.json, dvae.pth, mel_stats.pth and an English BPE vocab.json without any
    Ethiopic character, trained for one epoch through the real coqui Trainer.
-3. ``vocab_am.json``: that vocabulary extended with ``[am]`` and the characters of the
-   cleaned Amharic transcripts (base ids kept, ``[START]`` moved last, as XTTS does).
-4. ``finetune/``: two runs of ``headlessXttsTrain.py`` itself, in subprocesses, with the
-   command lines printed: the first with ``--inject-nan-step`` (a forward hook makes
+3. ``finetune/``: two runs of ``headlessXttsTrain.py`` itself, in subprocesses, with the
+   command lines printed, both with ``--extend-vocab data/metadata.csv``: the first extends
+   the base vocabulary into ``finetune/vocab_am.json`` (``[am]``, every character and BPE
+   pieces of the cleaned Amharic transcripts; base ids kept, ``[START]`` moved last, as XTTS
+   does; see :mod:`patches.tokenizer.bpe`), the second reuses it. The first run also has
+   ``--inject-nan-step`` (a forward hook makes
    one batch NaN, which the NaN guard skips and records) and ``--interrupt-after-step``
    (the process sends itself SIGINT; the coqui Trainer writes a checkpoint and exits
    130); the second with ``--resume auto``, which continues from the newest valid
    checkpoint.
-5. A summary read from the files of the run (``headless_runs.jsonl``,
+4. A summary read from the files of the run (``headless_runs.jsonl``,
    ``nonfinite_events.jsonl``, ``train.log``, the checkpoints, the base model.pth):
    steps trained, skipped steps, base-row drift, kept rows, checkpoints written,
    dropped samples and where the logs are. It is also written to ``demo_summary.json``.
@@ -141,19 +143,21 @@ def build_base_model(build: Path, base: Path) -> dict[str, Any]:
             "samples": BASE_SAMPLES}
 
 
-def extend_vocabulary(base_vocab: Path, sentences: Sequence[str], out: Path) -> dict[str, Any]:
-    """Add ``[am]`` and the characters of the cleaned transcripts the base vocabulary lacks."""
+def vocabulary_info(base_vocab: Path, extended: Path,
+                    sentences: Sequence[str]) -> dict[str, Any]:
+    """Sizes of the base and the extended vocabulary (None: not written), and how the
+    Amharic cleaner reads one transcript."""
     from patches.languages import get_language
-    from demo.xtts_tiny import extend_vocab, vocab_size_of
+    from demo.xtts_tiny import vocab_size_of
 
     language = get_language("am")
     if language is None:
         raise DemoError("--demo: Amharic (am) is not registered; is the xtts_language patch "
                         "left off (TRAINING_PATCHES_DISABLE)?")
-    cleaned = [language.cleaner(text) for text in sentences]
-    extend_vocab(base_vocab, cleaned, out, language="am")
-    return {"base": vocab_size_of(base_vocab), "extended": vocab_size_of(out),
-            "example": (sentences[-1], cleaned[-1])}
+    return {"base": vocab_size_of(base_vocab),
+            "extended": vocab_size_of(extended) if extended.is_file() else None,
+            "file": str(extended),
+            "example": (sentences[-1], language.cleaner(sentences[-1]))}
 
 
 # -- the fine-tune --------------------------------------------------------------------------
@@ -357,7 +361,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"base model          : tiny XTTS GPT, English BPE vocabulary of {s['vocab']['base']} "
         f"tokens, trained {s['base']['steps']} steps",
         f"vocabulary          : {s['vocab']['base']} -> {s['vocab']['extended']} tokens "
-        f"([am] + Amharic characters); e.g. '{s['vocab']['example'][0]}' is read as "
+        f"([am], Amharic characters and pieces, by --extend-vocab); e.g. '{s['vocab']['example'][0]}' is read as "
         f"'{s['vocab']['example'][1]}'",
         f"runs                : {phases}",
         f"steps trained       : {s['steps_trained']} ({' + '.join(map(str, s['steps_per_phase']))}"
@@ -422,13 +426,11 @@ def run_demo(root: Path, script: Path, *, python: str = sys.executable,
     say("training a tiny base XTTS model on an English vocabulary (1 epoch, real coqui "
         "Trainer)")
     base_info = build_base_model(root / "base_build", root / "base")
-    vocab_info = extend_vocabulary(root / "base" / "vocab.json", AMHARIC_SENTENCES,
-                                   root / "vocab_am.json")
-    say(f"vocabulary extended: {vocab_info['base']} -> {vocab_info['extended']} tokens "
-        f"({root / 'vocab_am.json'})")
     out = root / "finetune"
+    say(f"the fine-tune extends the base vocabulary itself: --extend-vocab {manifest} writes "
+        f"{out / 'vocab_am.json'} ([am], the Amharic characters and BPE pieces; base ids kept)")
     common = [python, str(script), "--base-dir", str(root / "base"),
-              "--vocab", str(root / "vocab_am.json"), "--train-manifest", str(manifest),
+              "--extend-vocab", str(manifest), "--train-manifest", str(manifest),
               "--language", "am", "--output-dir", str(out), "--epochs", str(EPOCHS),
               "--batch-size", "2", "--lr", "1e-4", "--print-step", "1",
               "--keep-checkpoints", "2"]
@@ -447,6 +449,8 @@ def run_demo(root: Path, script: Path, *, python: str = sys.executable,
         if rc != expected:
             say(f"{name} exited with {rc} (expected {expected}); its output is in {console}")
             break
+    vocab_info = vocabulary_info(root / "base" / "vocab.json", out / "vocab_am.json",
+                                 AMHARIC_SENTENCES)
     summary = collect(root, base_info, vocab_info, phases)
     summary["seconds"] = round(time.monotonic() - started, 1)
     ok = all(passed for _, passed in checks(summary))
@@ -460,4 +464,4 @@ def run_demo(root: Path, script: Path, *, python: str = sys.executable,
 
 
 __all__ = ["AMHARIC_SENTENCES", "DemoError", "run_demo", "collect", "checks", "format_summary",
-           "base_row_drift", "write_amharic_dataset", "build_base_model", "extend_vocabulary"]
+           "base_row_drift", "write_amharic_dataset", "build_base_model", "vocabulary_info"]

@@ -72,8 +72,9 @@ _HINTS = {
     "too_short": "remove clips shorter than 0.5 s from the manifest",
     "too_long_audio": "split long clips or raise model_args.max_wav_length",
     "too_long_text": "split long transcripts or raise model_args.max_text_length",
-    "unknown_token": "extend the tokenizer with the script of this language "
-                     "(training-patches extend-tokenizer) or check the language column",
+    "unknown_token": "extend the tokenizer with text of this language (training-patches "
+                     "extend-tokenizer VOCAB --corpus TEXT --language CODE --output NEW_VOCAB, "
+                     "or headlessXttsTrain.py --extend-vocab TEXT) or check the language column",
     "stop_token": "remove the [STOP] marker from the transcripts",
     "empty_text": "fill in or remove the empty transcripts",
     "unsupported_language": "register the language (patches.register_language) with the "

@@ -109,9 +109,11 @@ def _check_language_token(tokenizer: Any, code: str, vocab_file: Any) -> None:
         f"training-patches: {where} ({len(vocab)} tokens) cannot encode language {code!r}: the "
         f"token {token!r} {state}. Language tokens found: {', '.join(found) or 'none'}. XTTS "
         f"starts every text with its language token, so {token!r} must be one special token "
-        f"in vocab.json. Add it to \"added_tokens\" with \"special\": true (training-patches "
-        f"extend-tokenizer does this when it adds the language's BPE tokens), then train with "
-        f"that vocab.json as tokenizer_file; the model's text embedding grows by the tokens added.")
+        f"in vocab.json. `training-patches extend-tokenizer {vocab_file or 'vocab.json'} --corpus "
+        f"TEXT --language {code} --output vocab_{code}.json` adds it with the language's BPE "
+        f"tokens (headlessXttsTrain.py --extend-vocab TEXT does the same), or add it to "
+        f"\"added_tokens\" with \"special\": true yourself; then train with that vocab.json "
+        f"as tokenizer_file; the model's text embedding grows by the tokens added.")
 
 
 def _tokenizer_class(original: type) -> type:

@@ -1,0 +1,80 @@
+"""``training-patches verify-tokenizer``: is this tokenizer (and checkpoint) ready to train on?
+
+    training-patches verify-tokenizer vocab_am.json --base base/vocab.json --language am \\
+        --text data/train.csv --checkpoint base/model.pth
+
+The checks are :func:`patches.tokenizer.verify.verify`; this module is their command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+PROG = "training-patches verify-tokenizer"
+
+DESCRIPTION = """\
+Check a tokenizer before training on it: an XTTS vocab.json or a SentencePiece .model.
+
+Reports the vocabulary size, the base and extended id ranges (with --base or
+--base-size), whether every base token kept its id, and the special tokens ([STOP] 0,
+[UNK] 1, [SPACE], [START], [LANG] for XTTS). With --text (a text file or a coqui
+manifest, cleaned as the trainer does): the UNK rate, the share of tokens from the
+extended range, characters not covered, lines that do not survive encode + decode,
+and tokens per character. With --checkpoint (model.pth): whether its text_embedding /
+text_head rows fit the vocabulary and what training-patches' loader would do with them
+(load as is, grow keeping the trained rows, or refuse) and which rows it freezes.
+
+Exit codes: 0 every check passed, 1 a check FAILED, 2 bad input (a file that is not a
+tokenizer, a missing file)."""
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
+    from .tokenizer import TokenizerToolError
+    from .tokenizer.text import make_preprocess
+    from .tokenizer.verify import FAIL, verify
+
+    try:
+        preprocess = make_preprocess(args.language, g2p=args.g2p,
+                                     clean=not args.no_cleaner) if args.text else (lambda t: t)
+        found = verify(args.tokenizer, base=args.base, base_size=args.base_size,
+                       language=args.language, texts=args.text or (), preprocess=preprocess,
+                       checkpoint=args.checkpoint, max_unk_rate=args.max_unk_rate)
+    except (TokenizerToolError, CheckpointError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    width = max(len(f.what) for f in found)
+    for f in found:
+        print(f"[{f.status}] {f.what:<{width}}  {f.detail}")
+    failed = [f for f in found if f.status == FAIL]
+    print(f"verdict: {'FAILED (' + str(len(failed)) + ' check(s))' if failed else 'OK'}")
+    return 1 if failed else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``verify-tokenizer`` to the ``training-patches`` command."""
+    cmd = sub.add_parser("verify-tokenizer", help="check a tokenizer (and a checkpoint) before "
+                         "training", description=DESCRIPTION,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmd.add_argument("tokenizer", help="XTTS vocab.json or SentencePiece .model to check")
+    base = cmd.add_mutually_exclusive_group()
+    base.add_argument("--base", metavar="FILE",
+                      help="the tokenizer this one extends: gives the base/extended id ranges "
+                           "and checks every base id is kept")
+    base.add_argument("--base-size", type=int, metavar="N",
+                      help="the number of base tokens, when the base file is not at hand")
+    cmd.add_argument("--language", metavar="CODE",
+                     help="the language of the texts: its [CODE] token must be special "
+                          "(vocab.json), and its cleaner is applied to --text")
+    cmd.add_argument("--text", action="append", metavar="FILE",
+                     help="a text file (one line each) or coqui manifest to measure; repeatable")
+    cmd.add_argument("--checkpoint", metavar="MODEL_PTH",
+                     help="a model checkpoint whose text-embedding rows must fit the vocabulary")
+    cmd.add_argument("--max-unk-rate", type=float, default=0.0, metavar="R",
+                     help="highest share of [UNK] tokens that passes (default 0.0: none)")
+    cmd.add_argument("--g2p", metavar="MODULE:FUNCTION",
+                     help="the G2P/front-end the trainer applies before tokenizing")
+    cmd.add_argument("--no-cleaner", action="store_true",
+                     help="measure --text as it is, without the language's cleaner")
+    cmd.set_defaults(handler=_verify)

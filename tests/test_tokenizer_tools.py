@@ -1,0 +1,408 @@
+"""``training-patches extend-tokenizer`` / ``verify-tokenizer`` and ``--extend-vocab``, on real
+files made here with ``tokenizers`` and ``sentencepiece`` (and the real coqui Trainer)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from patches import cli
+
+pytest.importorskip("tokenizers")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Everyday Amharic with Ethiopic punctuation and a number (the cleaner speaks it out).
+AMHARIC = (
+    "ሰላም፣ እንዴት ነህ፧", "ደህና ነኝ፣ አመሰግናለሁ።", "ስሜ አበበ ይባላል።", "ቡና መጠጣት እፈልጋለሁ።",
+    "ዛሬ አየሩ በጣም ጥሩ ነው።", "ገበያው የት ነው፧", "ልጆቹ ወደ ትምህርት ቤት ሄዱ።",
+    "እባክህ ቀስ ብለህ ተናገር።", "ይህ ዳቦ 15 ብር ነው።", "አዲስ አበባ የኢትዮጵያ ዋና ከተማ ናት።",
+)
+# Code-switching lines: English words in an Amharic corpus. A BPE learned on them joins
+# base (Latin) tokens the base never joined ("qu" + "ick" ...): those merges must be left
+# out, or base English would encode differently.
+MIXED = ("ሰላም quick quick quickly brown brown", "የ weather weather lazy lazy dog")
+
+
+def _english() -> list[str]:
+    from demo.xtts_tiny import DEFAULT_TEXTS
+
+    return list(DEFAULT_TEXTS)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from demo.xtts_tiny import train_bpe_vocab
+
+    root = tmp_path_factory.mktemp("tok")
+    corpus = root / "am.txt"
+    corpus.write_text("\n".join(AMHARIC * 3 + MIXED) + "\n", encoding="utf-8")
+    manifest = root / "am.csv"
+    manifest.write_text("audio_file|text|speaker_name\n" + "".join(
+        f"wavs/{i}.wav|{text}|spk{i % 2}\n" for i, text in enumerate(AMHARIC)), encoding="utf-8")
+    english = root / "en.txt"
+    english.write_text("\n".join(_english()) + "\n", encoding="utf-8")
+    vocab = train_bpe_vocab(_english(), root / "vocab.json", languages=("en",), vocab_size=74)
+    return {"root": root, "corpus": corpus, "manifest": manifest, "english": english,
+            "vocab": vocab}
+
+
+def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- XTTS vocab.json ------------------------------------------------------------------------
+
+
+def test_xtts_vocab_extended_with_amharic_keeps_ids_merges_and_english(files, tmp_path,
+                                                                       capsys) -> None:
+    from tokenizers import Tokenizer
+
+    from patches.tokenizer.bpe import xtts_text
+
+    out = tmp_path / "vocab_am.json"
+    before = _sha(files["vocab"])
+    rc, stdout, stderr = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus",
+                               files["corpus"], "--language", "am", "--output", out,
+                               "--min-frequency", "1", "--base-text", files["english"])
+    assert rc == 0, stderr
+    assert _sha(files["vocab"]) == before  # the input is untouched
+    base = json.loads(files["vocab"].read_text(encoding="utf-8"))
+    ext = json.loads(out.read_text(encoding="utf-8"))
+    old_tok, new_tok = Tokenizer.from_file(str(files["vocab"])), Tokenizer.from_file(str(out))
+    old_ids, new_ids = old_tok.get_vocab(), new_tok.get_vocab()
+    size = max(new_ids.values()) + 1
+    # every base id kept; [START] (the base's last id, 73) moved to the new last id
+    assert old_ids["[START]"] == 73 and new_ids["[START]"] == size - 1
+    assert {t: i for t, i in new_ids.items() if t in old_ids and t != "[START]"} == \
+        {t: i for t, i in old_ids.items() if t != "[START]"}
+    assert sorted(new_ids.values()) == list(range(size))  # no gaps, no duplicates
+    # every base merge kept, at its rank; new merges come after
+    assert ext["model"]["merges"][:len(base["model"]["merges"])] == base["model"]["merges"]
+    assert len(ext["model"]["merges"]) > len(base["model"]["merges"])
+    # [am] is one special token, the first new id
+    assert new_ids["[am]"] == 73
+    assert any(t["content"] == "[am]" and t["special"] for t in ext["added_tokens"])
+    assert new_tok.encode("[am]").ids == [73]
+    # English encodes exactly as before (the base covers every character of these)
+    for line in _english():
+        assert new_tok.encode(xtts_text(line, "en")).ids == old_tok.encode(
+            xtts_text(line, "en")).ids, line
+    # Amharic, cleaned as the trainer does, has no [UNK]; whole words became pieces
+    from patches.languages import get_language
+
+    clean = get_language("am").cleaner
+    unk = new_tok.token_to_id("[UNK]")
+    for line in AMHARIC:
+        assert unk not in new_tok.encode(xtts_text(clean(line), "am")).ids, line
+    assert "ሰላም" in new_ids
+    assert "[UNK]" in " ".join(old_tok.encode(clean(AMHARIC[0])).tokens)
+    # what it printed
+    assert f"size: 74 -> {size} tokens" in stdout
+    assert f"base ids: 0..72   new ids: 73..{size - 2}" in stdout
+    assert f"[START]: id 73 -> {size - 1}" in stdout
+    assert re.search(r"left out: [1-9]\d* learned piece", stdout)  # the qu+ick kind
+    assert "encode exactly as before - OK" in stdout
+    assert "corpus characters covered: all" in stdout
+
+
+def test_new_pieces_is_a_size_you_set(files, tmp_path, capsys) -> None:
+    sizes = {}
+    for pieces in (0, 5):
+        out = tmp_path / f"v{pieces}.json"
+        rc, stdout, _ = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus",
+                              files["manifest"], "--language", "am", "-o", out,
+                              "--new-pieces", pieces, "--min-frequency", "1")
+        assert rc == 0
+        sizes[pieces] = int(re.search(r"size: 74 -> (\d+)", stdout).group(1))
+        assert f"{pieces} learned pieces" in stdout
+    assert sizes[5] == sizes[0] + 5  # characters + [am] always, then exactly the pieces asked
+
+
+def test_g2p_front_end_is_what_gets_covered(files, tmp_path, capsys) -> None:
+    g2p = tmp_path / "my_g2p.py"
+    g2p.write_text("IPA = {'ሰ': 'sə', 'ላ': 'la', 'ም': 'mɨ'}\n"
+                   "def to_ipa(text, language):\n"
+                   "    return ''.join(IPA.get(c, 'ʔ') for c in text)\n", encoding="utf-8")
+    out = tmp_path / "vocab_ipa.json"
+    rc, stdout, stderr = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus",
+                               files["corpus"], "--language", "am", "-o", out,
+                               "--g2p", f"{g2p}:to_ipa")
+    assert rc == 0, stderr
+    vocab = json.loads(out.read_text(encoding="utf-8"))["model"]["vocab"]
+    assert {"ə", "ɨ", "ʔ"} <= set(vocab)          # the phonemes the trainer will see
+    assert not {"ሰ", "ላ", "ም"} & set(vocab)        # not the script it never sees
+
+
+# -- SentencePiece ---------------------------------------------------------------------------
+
+
+def _spm_bpe_base(path: Path) -> Path:
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_english() * 4), model_writer=out, vocab_size=120,
+        model_type="bpe", hard_vocab_limit=False, minloglevel=2, num_threads=1)
+    path.write_bytes(out.getvalue())
+    return path
+
+
+def _spm_unigram_base(path: Path) -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_clients import _spm_model  # 12,000 pieces through the model protobuf
+
+    return _spm_model(path)
+
+
+@pytest.mark.parametrize("make", [_spm_bpe_base, _spm_unigram_base], ids=["bpe", "unigram"])
+def test_sentencepiece_extended_keeps_ids_and_encodes_amharic_without_unk(
+        files, tmp_path, capsys, make) -> None:
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    base = make(tmp_path / "bpe.model")
+    out = tmp_path / "bpe_am.model"
+    rc, stdout, stderr = _main(capsys, "extend-tokenizer", base, "--corpus", files["corpus"],
+                               "--language", "am", "--output", out, "--new-pieces", "40")
+    assert rc == 0, stderr
+    old, new = pb.ModelProto(), pb.ModelProto()
+    old.ParseFromString(base.read_bytes())
+    new.ParseFromString(out.read_bytes())
+    n = len(old.pieces)
+    assert len(new.pieces) > n
+    for i in range(n):  # same piece, score and type at every base id
+        assert (new.pieces[i].piece, new.pieces[i].score, new.pieces[i].type) == \
+            (old.pieces[i].piece, old.pieces[i].score, old.pieces[i].type)
+    assert f"base ids: 0..{n - 1}   new ids: {n}..{len(new.pieces) - 1}" in stdout
+    sp_old = spm.SentencePieceProcessor(model_file=str(base))
+    sp_new = spm.SentencePieceProcessor(model_file=str(out))
+    from patches.languages import get_language
+
+    clean = get_language("am").cleaner
+    ids = [i for line in AMHARIC for i in sp_new.encode(clean(line))]
+    assert ids and ids.count(sp_new.unk_id()) == 0  # UNK rate 0
+    assert sum(1 for i in ids if i >= n) > len(ids) // 2  # mostly new pieces
+    assert sp_old.unk_id() in [i for line in AMHARIC for i in sp_old.encode(clean(line))]
+    for line in _english():
+        assert sp_new.encode(line) == sp_old.encode(line), line
+
+
+# -- verify-tokenizer ---------------------------------------------------------------------------
+
+
+def test_verify_flags_a_tokenizer_that_maps_amharic_to_unk(files, tmp_path, capsys) -> None:
+    rc, stdout, _ = _main(capsys, "verify-tokenizer", files["vocab"], "--language", "am",
+                          "--text", files["manifest"])
+    assert rc == 1
+    assert re.search(r"\[FAIL\] UNK rate\s+\d+\.\d\d% \(\d+ of \d+ tokens in 10 lines", stdout)
+    assert re.search(r"\[FAIL\] characters not covered\s+\d+: .*'ነ' \(\d+\)", stdout)
+    assert re.search(r"\[FAIL\] \[am\]\s+is missing", stdout)
+    assert "verdict: FAILED" in stdout
+
+    out = tmp_path / "vocab_am.json"
+    assert _main(capsys, "extend-tokenizer", files["vocab"], "--corpus", files["corpus"],
+                 "--language", "am", "-o", out)[0] == 0
+    rc, stdout, _ = _main(capsys, "verify-tokenizer", out, "--base", files["vocab"],
+                          "--language", "am", "--text", files["manifest"])
+    assert rc == 0, stdout
+    size = json.loads(out.read_text(encoding="utf-8"))["added_tokens"][-1]["id"] + 1
+    assert re.search(r"\[ok  \] UNK rate\s+0\.00% ", stdout)
+    assert f"base 0..72 and {size - 1}..{size - 1}, extended 73..{size - 2}" in stdout
+    assert re.search(r"round trip\s+10 of 10 lines", stdout)
+    assert re.search(r"extended-range share\s+\d+\.\d% of tokens", stdout)
+    assert "every token of" in stdout and "verdict: OK" in stdout
+
+
+def test_verify_flags_sentencepiece_unk(files, tmp_path, capsys) -> None:
+    base = _spm_bpe_base(tmp_path / "bpe.model")
+    rc, stdout, _ = _main(capsys, "verify-tokenizer", base, "--language", "am", "--text",
+                          files["corpus"])
+    assert rc == 1 and re.search(r"\[FAIL\] UNK rate", stdout)
+
+
+def _checkpoint(path: Path, rows: int, head_rows: int | None = None) -> Path:
+    import torch
+
+    torch.save({"model": {"gpt.text_embedding.weight": torch.zeros(rows, 8),
+                          "gpt.text_head.weight": torch.zeros(head_rows or rows, 8),
+                          "gpt.text_head.bias": torch.zeros(head_rows or rows)}}, path)
+    return path
+
+
+def test_verify_checkpoint_rows(files, tmp_path, capsys) -> None:
+    out = tmp_path / "vocab_am.json"
+    assert _main(capsys, "extend-tokenizer", files["vocab"], "--corpus", files["corpus"],
+                 "--language", "am", "-o", out)[0] == 0
+    size = json.loads(out.read_text(encoding="utf-8"))["added_tokens"][-1]["id"] + 1
+    common = ["verify-tokenizer", out, "--base", files["vocab"], "--checkpoint"]
+    # the base model: the loader grows it, keeps the 74 trained rows and freezes them
+    rc, stdout, _ = _main(capsys, *common, _checkpoint(tmp_path / "base.pth", 74))
+    assert rc == 0, stdout
+    assert f"grows 74 -> {size} rows" in stdout and "moves the last row" in stdout
+    assert f"rows 0..72 and {size - 1}..{size - 1} stay frozen (base); rows 73..{size - 2} " \
+           f"train" in stdout
+    # a fine-tuned checkpoint of this vocabulary: loads as is
+    rc, stdout, _ = _main(capsys, *common, _checkpoint(tmp_path / "ft.pth", size))
+    assert rc == 0 and "loads the rows as they are" in stdout
+    # rows that fit neither vocabulary, more rows than the vocabulary, disagreeing tensors
+    for name, rows, head, expected in (("other", 80, None, "match neither"),
+                                       ("bigger", size + 3, None, "refuses a shrink"),
+                                       ("torn", size, size - 1, "disagree")):
+        rc, stdout, _ = _main(capsys, *common, _checkpoint(tmp_path / f"{name}.pth", rows, head))
+        assert rc == 1, (name, stdout)
+        assert expected in stdout and "verdict: FAILED" in stdout
+
+
+# -- refusals and bad files ---------------------------------------------------------------------
+
+
+def test_cli_never_overwrites_the_input_or_an_existing_output(files, tmp_path, capsys) -> None:
+    vocab = tmp_path / "vocab.json"
+    vocab.write_bytes(files["vocab"].read_bytes())
+    before = _sha(vocab)
+    args = ["extend-tokenizer", vocab, "--corpus", files["corpus"], "--language", "am"]
+    rc, _, err = _main(capsys, *args, "--output", vocab)
+    assert rc == 2 and "is the input tokenizer itself" in err and "--in-place" in err
+    rc, _, err = _main(capsys, *args)
+    assert rc == 2 and "no output file given" in err
+    assert _sha(vocab) == before
+    out = tmp_path / "taken.json"
+    out.write_text("mine", encoding="utf-8")
+    rc, _, err = _main(capsys, *args, "--output", out)
+    assert rc == 2 and "exists already" in err and "--force" in err
+    assert out.read_text(encoding="utf-8") == "mine"
+    assert _main(capsys, *args, "--output", out, "--force")[0] == 0
+    assert json.loads(out.read_text(encoding="utf-8"))["model"]["type"] == "BPE"
+    assert _main(capsys, *args, "--in-place")[0] == 0
+    assert _sha(vocab) != before and _sha(vocab) == _sha(out)
+    assert not [p for p in tmp_path.iterdir() if ".tp-tmp-" in p.name]  # no temporary left
+
+
+@pytest.mark.parametrize("name,content,expected", [
+    ("vocab.json", b"this is not json", "is not JSON"),
+    ("vocab.json", b'{"model": {"type": "Unigram", "vocab": []}}', "is JSON but not a BPE"),
+    ("bpe.model", b"\x00\x01 random bytes \xff\xfe", "is not a SentencePiece model"),
+    ("bpe.model", b'{"oops": 1}', "is JSON but not a BPE tokenizer"),
+])
+def test_a_bad_tokenizer_file_is_one_paragraph(files, tmp_path, capsys, name, content,
+                                               expected) -> None:
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    for argv in (["extend-tokenizer", bad, "--corpus", files["corpus"], "--language", "am",
+                  "-o", tmp_path / "out"],
+                 ["verify-tokenizer", bad, "--language", "am"]):
+        rc, out, err = _main(capsys, *argv)
+        assert rc == 2, (argv, out, err)
+        assert expected in err and str(bad) in err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert not (tmp_path / "out").exists()
+
+
+def test_messages_name_commands_and_flags_that_exist() -> None:
+    """Every ``training-patches X --flag`` in a message of the library or the headless script
+    names a real subcommand and real flags of it."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    sources = [*sorted((ROOT / "patches").rglob("*.py")), ROOT / "headlessXttsTrain.py"]
+    named = 0
+    for path in sources:
+        text = path.read_text(encoding="utf-8")
+        for match in re.finditer(r"training-patches ((?:[a-z]+-)*[a-z]+)((?:[^.;)`\"\n]|\"\s*\n"
+                                 r"\s*f?\")*)", text):
+            command, rest = match.group(1), match.group(2)
+            if "-" not in command and command not in sub.choices:
+                continue  # prose: "training-patches has ...", "training-patches vocab_freeze"
+            assert command in sub.choices, f"{path.name}: 'training-patches {command}'"
+            named += 1
+            if command == "run":
+                continue  # what follows "run" is the wrapped command and its own flags
+            flags = {f for a in sub.choices[command]._actions for f in a.option_strings}
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+                assert flag in flags, f"{path.name}: training-patches {command} {flag}"
+    assert named >= 3
+
+
+def test_help_of_both_subcommands(capsys) -> None:
+    for command, needed in (("extend-tokenizer", ("--corpus", "--language", "--in-place",
+                                                  "--force", "--new-pieces", "--g2p",
+                                                  "--base-text", "2,000")),
+                            ("verify-tokenizer", ("--base", "--text", "--checkpoint",
+                                                  "--max-unk-rate", "Exit codes"))):
+        with pytest.raises(SystemExit) as info:
+            cli.main([command, "--help"])
+        assert info.value.code == 0
+        out = capsys.readouterr().out
+        for word in needed:
+            assert word in out, (command, word)
+
+
+# -- headlessXttsTrain.py --extend-vocab ---------------------------------------------------------
+
+
+@pytest.mark.xtts
+@pytest.mark.slow
+def test_headless_extend_vocab_trains_amharic_with_base_rows_frozen(tmp_path) -> None:
+    """A tiny English base model fine-tuned on Amharic with --extend-vocab: the vocabulary is
+    extended into the output folder (the base file untouched), training runs through the real
+    coqui Trainer, and the base rows of every checkpoint equal the base model.pth exactly."""
+    pytest.importorskip("TTS")
+    import shutil
+
+    import torch
+
+    from demo.xtts_demo import base_row_drift
+    from demo.xtts_tiny import build_tiny_xtts, vocab_size_of
+
+    torch.set_num_threads(1)
+    tiny = build_tiny_xtts(tmp_path / "data", n_samples=6)  # English vocab of 74 tokens
+    base = tmp_path / "base"
+    base.mkdir()
+    config = tiny.make_config(tmp_path / "scratch")
+    torch.save({"model": tiny.make_model(config).xtts.state_dict()}, base / "model.pth")
+    config.save_json(str(base / "config.json"))
+    for name in ("vocab.json", "dvae.pth", "mel_stats.pth"):
+        shutil.copy(tiny.root / name, base / name)
+    manifest = tiny.write_manifest(AMHARIC, "am.csv")
+    before = _sha(base / "vocab.json")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "headlessXttsTrain.py"), "--base-dir", str(base),
+           "--train-manifest", str(manifest), "--extend-vocab", str(manifest), "--language",
+           "am", "--output-dir", str(out), "--epochs", "1", "--batch-size", "2", "--lr",
+           "1e-3", "--print-step", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert _sha(base / "vocab.json") == before
+    extended = out / "vocab_am.json"
+    size = vocab_size_of(extended)
+    assert size > 74
+    log = (out / "train.log").read_text(encoding="utf-8")
+    assert f"extend-vocab: size: 74 -> {size} tokens" in log
+    assert "no samples dropped" in log
+    run = next(out.glob("xtts_finetune-*"))
+    checkpoints = sorted(run.glob("*.pth"))
+    assert checkpoints
+    drift = base_row_drift(base / "model.pth", checkpoints, start_row_moved=True)
+    assert drift["vocab_size"] == size
+    assert drift["max"] == 0.0  # base rows bit-identical
+    assert re.search(r"finished: \{'steps': 3\b", log)  # 6 clips, batch 2
+    records = [json.loads(line) for line in (out / "headless_runs.jsonl").read_text(
+        encoding="utf-8").splitlines()]
+    start = next(r for r in records if r["event"] == "start")
+    assert start["vocab"] == str(extended)
+    assert start["base_weights"]["frozen_rows"] == [[0, 72], [size - 1, size - 1]]
