@@ -102,7 +102,7 @@ def main():
     record.update({
         "run_dir": trainer.output_path,
         "total_steps_done": int(trainer.total_steps_done),
-        "scheduler_epoch": _one(trainer.scheduler).last_epoch if trainer.scheduler else None,
+        "scheduler_epoch": getattr(_one(trainer.scheduler), "last_epoch", None),
         "lr": _one(trainer.optimizer).param_groups[0]["lr"],
         "nonfinite_tensors": sum(not bool(torch.isfinite(p).all()) for p in model.parameters()),
         "tensors": sum(1 for _ in model.parameters()),
