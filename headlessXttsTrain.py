@@ -381,12 +381,13 @@ def setup_logging(output_dir: Path) -> Path:
     return log_file
 
 
-def log_traceback(message: str, error: BaseException) -> None:
-    """Write ``error``'s traceback to train.log only (stderr gets one paragraph)."""
+def log_error(message: str, error: BaseException | None = None) -> None:
+    """Write an error (and ``error``'s traceback) to train.log only: stderr gets one
+    paragraph. Nothing happens before train.log exists."""
     if _log_handler is None:
         return
-    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, (),
-                               (type(error), error, error.__traceback__))
+    exc_info = (type(error), error, error.__traceback__) if error is not None else None
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, (), exc_info)
     _log_handler.handle(record)
 
 
@@ -723,6 +724,8 @@ def _user_error(error: BaseException) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 trained, 2 bad input (one paragraph, nothing built), 1 an error during
     training (one paragraph; its traceback in train.log), 130 interrupted (coqui)."""
+    global _log_handler
+    _log_handler = None  # a train.log of this run only
     parser = build_parser()
     args = parser.parse_args(argv)
 
@@ -738,17 +741,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("training-patches: headless XTTS fine-tune; progress in %s", log_file)
         train(settings)
     except UsageError as exc:
+        log_error(f"training-patches: refused: {exc}")
         say(str(exc))
         return 2
     except TrainingStopped as exc:
-        log_traceback(str(exc), exc.error)
+        log_error(str(exc), exc.error)
         say(str(exc))
         return 1
     except Exception as exc:  # noqa: BLE001 - an internal error: traceback kept, also in the log
         if exc is _ACTIVATION_ERROR and _user_error(exc):
             say(str(exc))
             return 2
-        log_traceback("internal error", exc)
+        log_error(f"internal error: {type(exc).__name__}: {exc}", exc)
         raise
     return 0
 
