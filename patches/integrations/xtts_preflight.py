@@ -322,9 +322,14 @@ def check_torch_file(path: str | Path, what: str, *, flag: str) -> None:
     try:
         torch.load(path, map_location="cpu", weights_only=True, mmap=False)
     except Exception as exc:  # noqa: BLE001 - one paragraph, whatever torch says
+        text = str(exc)
+        if "Weights only load failed" in text:
+            found = ("it is not a torch file of weights (random bytes, another format, or a "
+                     "pickle that would run code)")
+        else:
+            found = f"{type(exc).__name__}: {(text.splitlines() or [''])[0][:160]}"
         raise PreflightError(
-            f"training-patches: {flag} {path} cannot be read by torch.load "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}). "
+            f"training-patches: {flag} {path} cannot be read by torch.load ({found}). "
             f"Expected {what}, as it came with the XTTS base model. Copy it again, or point "
             f"{flag} at the right file.") from None
 
