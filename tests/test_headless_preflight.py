@@ -90,7 +90,8 @@ def _hashes(*folders: Path) -> dict[str, str]:
 
 def _args(setup: dict[str, Path], out: Path, *extra: str, manifest: Path | None = None) -> list[str]:
     return ["--base-dir", str(setup["base"]), "--train-manifest", str(manifest or setup["manifest"]),
-            "--language", "am", "--output-dir", str(out), "--batch-size", "2", *extra]
+            "--language", "am", "--output-dir", str(out), "--batch-size", "2", "--epochs", "1",
+            *extra]
 
 
 def _one_paragraph(err: str) -> str:
