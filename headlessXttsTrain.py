@@ -676,7 +676,9 @@ def fit_trainer(trainer: Any, s: Settings) -> None:
     run_folder = Path(trainer.output_path)
     checkpoints = sorted(p.name for p in run_folder.glob("*.pth")) if run_folder.is_dir() else []
     text = str(error).strip()
-    own = text.startswith("training-patches:")
+    # The library's own errors (a NaN streak, a dataset mostly unusable, a scale floor, ...)
+    # are paragraphs that say what to do; anything else is shown with its type.
+    own = type(error).__module__.split(".")[0] == "patches"
     what = text if own else f"{type(error).__name__}: {text or '(no message)'}"
     message = (
         f"training stopped inside the coqui Trainer at step {trainer.total_steps_done}: "
