@@ -416,7 +416,8 @@ def test_doctor_settings_ok(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_trainer_error_is_one_paragraph_and_reports_land_in_output_dir(
         setup: dict[str, Path], tmp_path: Path) -> None:
     """A real fine-tune through the coqui Trainer: one sample with characters the vocabulary
-    lacks is dropped and a NaN at step 1 is skipped, both listed in <output-dir>; with
+    lacks is dropped (in the first epoch, which reads every sample) and a NaN at step 5 is
+    skipped, both listed in <output-dir>; with
     MAX_BAD_STEPS=1 the guard then stops the run: exit 1, one paragraph, no traceback on
     stderr (it is in train.log), the run folder kept."""
     rows = _rows(setup)
@@ -426,8 +427,8 @@ def test_trainer_error_is_one_paragraph_and_reports_land_in_output_dir(
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                TRAINING_PATCHES_MAX_BAD_STEPS="1")
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), *_args(setup, out, "--epochs", "1", "--lr", "1e-4",
-                                             "--print-step", "1", "--inject-nan-step", "1",
+        [sys.executable, str(SCRIPT), *_args(setup, out, "--epochs", "3", "--lr", "1e-4",
+                                             "--print-step", "1", "--inject-nan-step", "5",
                                              manifest=manifest)],
         capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
