@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("training")
     run.add_argument("--output-dir", type=Path, default=None,
                      help="where the run folder, checkpoints, train.log, "
-                          "headless_runs.jsonl and dropped_samples.jsonl go (default: "
-                          "xtts_finetune; with --demo: demo_output)")
+                          "headless_runs.jsonl and the patches' reports (dropped_samples.jsonl, "
+                          "nonfinite_events.jsonl) go (default: xtts_finetune; with --demo: "
+                          "demo_output)")
     run.add_argument("--epochs", type=int, default=10, help="passes over the training data")
     run.add_argument("--batch-size", type=int, default=None,
                      help="clips per batch (default 4, or the preset's)")
@@ -146,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how many newest checkpoints to keep")
     run.add_argument("--resume", default=None, metavar="auto|PATH",
                      help="'auto': continue the newest run in OUTPUT_DIR that has a checkpoint "
-                          "(a fresh start when there is none); or the run folder to continue")
+                          "(a fresh start when there is none); or the run folder to continue "
+                          "(it holds config.json and checkpoint_<step>.pth), or its newest "
+                          "checkpoint_<step>.pth")
     run.add_argument("--extend-vocab", type=Path, default=None, metavar="TEXT_FILE",
                      help="add the tokens of this language's texts to the vocabulary before "
                           "training (needs training-patches' tokenizer tool)")
