@@ -259,7 +259,7 @@ def collect(root: Path, base_info: dict[str, Any], vocab_info: dict[str, Any],
     interrupted = [r for r in records if r["event"] == "interrupted"]
     finished = [r for r in records if r["event"] == "finished"]
     run_folder = Path((finished or interrupted or starts)[-1]["run_folder"]) if records else None
-    events = _jsonl(run_folder / "nonfinite_events.jsonl") if run_folder else []
+    events = _jsonl(out / "nonfinite_events.jsonl")  # the patches' reports: --output-dir
     log_text = (out / "train.log").read_text(encoding="utf-8") if (out / "train.log").is_file() \
         else ""
     losses = [float(v) for v in _LOSS.findall(log_text)]
@@ -307,7 +307,7 @@ def collect(root: Path, base_info: dict[str, Any], vocab_info: dict[str, Any],
         "dropped_samples": finished[-1]["dropped_samples"] if finished else None,
         "dropped_samples_file": str(dropped_file) if dropped_file.is_file() else None,
         "logs": {"train_log": str(out / "train.log"),
-                 "events": str(run_folder / "nonfinite_events.jsonl") if run_folder else None,
+                 "events": str(out / "nonfinite_events.jsonl"),
                  "runs": str(out / "headless_runs.jsonl"),
                  "consoles": [p["console"] for p in phases]},
     }
@@ -393,7 +393,8 @@ def format_summary(s: dict[str, Any]) -> str:
     for what, ok in checks(s):
         lines.append(f"  [{'ok' if ok else 'FAILED'}] {what}")
     lines.append(rule)
-    lines.append(f"Look at the run yourself: training-patches report {s['run_folder']}")
+    lines.append(f"Look at the run yourself: training-patches report "
+                 f"{Path(s['logs']['train_log']).parent}")
     return "\n".join(lines)
 
 
