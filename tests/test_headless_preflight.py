@@ -452,3 +452,17 @@ def test_trainer_error_is_one_paragraph_and_reports_land_in_output_dir(
     failed = [json.loads(line) for line in
               (out / "headless_runs.jsonl").read_text(encoding="utf-8").splitlines()]
     assert failed[-1]["event"] == "failed" and "NonFiniteTrainingError" in failed[-1]["error"]
+
+
+def test_output_dir_setting_uses_the_same_check(tmp_path: Path) -> None:
+    """TRAINING_PATCHES_OUTPUT_DIR and --output-dir share one check (_options.output_dir_problem)."""
+    from patches import ConfigError, _options
+
+    afile = tmp_path / "a_file"
+    afile.write_text("x", encoding="utf-8")
+    assert _options.output_dir_problem(tmp_path / "new" / "deeper") is None
+    assert _options.output_dir_problem(afile) == "is a file, not a folder"
+    assert "is a file, not a folder" in _options.output_dir_problem(afile / "sub")
+    with pytest.raises(ConfigError, match="TRAINING_PATCHES_OUTPUT_DIR.*is a file"):
+        _options.resolve(environ={"TRAINING_PATCHES_OUTPUT_DIR": str(afile)})
+    assert not (tmp_path / "new").exists()  # checking creates nothing
