@@ -6,9 +6,17 @@
 Reads the base model (model.pth, config.json, dvae.pth, mel_stats.pth, vocab.json)
 and coqui-format manifests (``audio_file|text|speaker_name``); never downloads.
 Trains with the real coqui Trainer (coqui-tts 0.28, coqui-tts-trainer 0.4) and
-writes progress to ``<output-dir>/train.log`` and one JSON line per start, stop
-and end of a run to ``<output-dir>/headless_runs.jsonl``. Bad input (a missing
-file, an unknown precision) is one clear message and exit code 2, not a traceback.
+writes progress to ``<output-dir>/train.log``, one JSON line per start, stop, failure
+and end of a run to ``<output-dir>/headless_runs.jsonl``, and the patches' reports
+(``dropped_samples.jsonl``, ``nonfinite_events.jsonl``) to ``<output-dir>``.
+
+Before anything is built, :func:`preflight` checks the settings, the command line's
+numbers, the manifests (UTF-8, ``|``, the header, every audio file), the vocabulary and
+its ``[lang]`` token, the language, the base files, the output folder and ``--resume``;
+once the model exists, that model.pth's weights are this model's. Bad input is one
+paragraph on stderr and exit code 2, with no traceback and no input file changed. An
+error inside the coqui Trainer is one paragraph and exit code 1, its traceback in
+train.log and its run folder kept; an internal error keeps its traceback (exit 1).
 
     python headlessXttsTrain.py --demo      # or: make demo
 
@@ -16,7 +24,12 @@ builds a tiny synthetic Amharic setup and shows every patch at work on the CPU
 (see :mod:`demo.xtts_demo`).
 """
 
-from utils import training_patches  # noqa: F401  the one line: patches on before anything else
+try:
+    from utils import training_patches  # noqa: F401  the one line: patches on before anything else
+except Exception as _exc:  # noqa: BLE001 - a bad TRAINING_PATCHES_* value: main() says it in one paragraph
+    _ACTIVATION_ERROR: Exception | None = _exc
+else:
+    _ACTIVATION_ERROR = None
 
 import argparse
 import logging
@@ -63,6 +76,15 @@ class UsageError(Exception):
     """A problem with the command line or the input files (exit code 2)."""
 
 
+class TrainingStopped(Exception):
+    """An error raised inside the coqui Trainer (exit code 1): said once, as one paragraph;
+    its traceback goes to train.log and the run folder is kept."""
+
+    def __init__(self, message: str, error: BaseException) -> None:
+        super().__init__(message)
+        self.error = error
+
+
 # -- command line -------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("training")
     run.add_argument("--output-dir", type=Path, default=None,
                      help="where the run folder, checkpoints, train.log, "
-                          "headless_runs.jsonl and dropped_samples.jsonl go (default: "
-                          "xtts_finetune; with --demo: demo_output)")
+                          "headless_runs.jsonl and the patches' reports (dropped_samples.jsonl, "
+                          "nonfinite_events.jsonl) go (default: xtts_finetune; with --demo: "
+                          "demo_output)")
     run.add_argument("--epochs", type=int, default=10, help="passes over the training data")
     run.add_argument("--batch-size", type=int, default=None,
                      help="clips per batch (default 4, or the preset's)")
@@ -128,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how many newest checkpoints to keep")
     run.add_argument("--resume", default=None, metavar="auto|PATH",
                      help="'auto': continue the newest run in OUTPUT_DIR that has a checkpoint "
-                          "(a fresh start when there is none); or the run folder to continue")
+                          "(a fresh start when there is none); or the run folder to continue "
+                          "(it holds config.json and checkpoint_<step>.pth), or its newest "
+                          "checkpoint_<step>.pth")
     run.add_argument("--extend-vocab", type=Path, default=None, metavar="CORPUS",
                      help="text of --language (one sentence a line, or a coqui manifest): "
                           "extend the base vocab.json with [LANGUAGE], every character and "
@@ -188,6 +213,8 @@ class Settings:
     interrupt_after_step: int | None = None
     fused: bool = True
     extend_vocab: Path | None = None
+    resume_folder: Path | None = None  # the run folder to continue (--resume FOLDER or FILE)
+    base_keys: list[str] | None = None  # the weights' names in model.pth (read in pre-flight)
 
 
 def _missing(path: Path | None, what: str, flag: str) -> str:
@@ -237,6 +264,7 @@ def resolve(args: argparse.Namespace) -> Settings:
         if value is not None and value < (0 if name == "inject_nan_step" else 1):
             raise UsageError(f"--{name.replace('_', '-')} is {value}; expected a trainer step "
                              f"number (counted from 0; at least 1 for an interruption).")
+    check_numbers(args, pick)
     return Settings(
         files=files, train_manifest=args.train_manifest, eval_manifest=args.eval_manifest,
         language=args.language, output_dir=args.output_dir or DEFAULT_OUTPUT,
@@ -251,6 +279,36 @@ def resolve(args: argparse.Namespace) -> Settings:
         inject_nan_step=getattr(args, "inject_nan_step", None),
         interrupt_after_step=getattr(args, "interrupt_after_step", None),
         fused=getattr(args, "fused", True), extend_vocab=args.extend_vocab)
+
+
+def check_numbers(args: argparse.Namespace, pick: Any) -> None:
+    """Numbers the coqui Trainer takes without a word but cannot train with."""
+    import math
+
+    lr = pick("lr", 5e-6)
+    if not (math.isfinite(lr) and lr > 0):
+        raise UsageError(
+            f"--lr is {lr!r}; expected a finite learning rate above 0 (the default, 5e-6, is "
+            f"the XTTS fine-tuning recipe's). A NaN or infinite rate turns every weight NaN at "
+            f"the first step, and 0 trains nothing while the run looks healthy.")
+    workers = pick("workers", 0)
+    if workers < 0:
+        raise UsageError(f"--workers is {workers}; expected 0 (load data in the training "
+                         f"process) or more worker processes, e.g. 2.")
+    if args.print_step < 1:
+        raise UsageError(f"--print-step is {args.print_step}; expected a whole number of steps "
+                         f"of at least 1 between progress lines (the default is 25).")
+    for flag, value in (("--text-loss-weight", args.text_loss_weight),
+                        ("--mel-loss-weight", args.mel_loss_weight)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{flag} is {value!r}; expected a finite weight of at least 0.")
+    seconds = pick("max_audio_seconds", 11.6)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UsageError(f"--max-audio-seconds is {seconds!r}; expected a clip length in "
+                         f"seconds above 0 (default 11.6).")
+    if pick("max_text_tokens", 200) < 1:
+        raise UsageError(f"--max-text-tokens is {pick('max_text_tokens', 200)}; expected a "
+                         f"whole number of tokens of at least 1 (default 200).")
 
 
 def decide_precision(requested: str) -> str:
@@ -270,13 +328,63 @@ def decide_precision(requested: str) -> str:
     return requested
 
 
+def preflight(args: argparse.Namespace) -> Settings:
+    """Every check of the command line, the settings and the input files, in one place.
+
+    Runs before anything is built or written; each problem is one :class:`UsageError`
+    paragraph (exit code 2), found with the library's own validators
+    (:mod:`patches.integrations.xtts_preflight`). Only the match of model.pth's keys with
+    the model waits for the model, and is checked before the Trainer is built (see
+    :func:`train`). No input file is changed.
+    """
+    if _ACTIVATION_ERROR is not None:
+        raise _ACTIVATION_ERROR
+    from patches.integrations import xtts_preflight as pf
+
+    try:
+        options = pf.check_settings()
+        pf.check_coqui_installed()
+        settings = resolve(args)
+        pf.check_language(settings.language, options)
+        pf.check_manifest(settings.train_manifest, flag="--train-manifest")
+        if settings.eval_manifest is not None:
+            # build_config hands coqui one dataset rooted at the training manifest's folder
+            pf.check_manifest(settings.eval_manifest, flag="--eval-manifest",
+                              audio_root=settings.train_manifest.parent)
+        # with --extend-vocab the base vocab need not hold [lang]: the extension adds it
+        pf.check_vocab(settings.files["vocab"], settings.language,
+                       require_language=settings.extend_vocab is None)
+        settings.base_keys = pf.check_base_checkpoint(settings.files["model"])
+        pf.check_torch_file(settings.files["dvae"], BASE_FILES["dvae"][1], flag="--dvae")
+        pf.check_torch_file(settings.files["mel_stats"], BASE_FILES["mel_stats"][1],
+                            flag="--mel-stats")
+        pf.check_output_dir(settings.output_dir)
+        if settings.resume is not None:
+            _, settings.resume_folder = pf.check_resume(settings.resume)
+    except pf.PreflightError as exc:
+        raise UsageError(str(exc)) from None
+    return settings
+
+
 # -- logging ------------------------------------------------------------------
 
+_log_handler: logging.Handler | None = None
+
+
 def setup_logging(output_dir: Path) -> Path:
-    """``<output_dir>/train.log`` gets the patches', the Trainer's and coqui's lines."""
+    """``<output_dir>/train.log`` gets the patches', the Trainer's and coqui's lines, and
+    ``<output_dir>`` becomes the one folder of the patches' reports."""
+    global _log_handler
+    import patches
+
     output_dir.mkdir(parents=True, exist_ok=True)
+    # Set before any data is read or any step runs, through the API (the environment
+    # variable is read once, at activation): dropped_samples.jsonl and
+    # nonfinite_events.jsonl go to <output-dir>, beside train.log, for every run in it.
+    patches.set_output_dir(output_dir)
     log_file = output_dir / LOG_NAME
     handler = logging.FileHandler(log_file, encoding="utf-8")
+    _log_handler = handler
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s",
                                            "%Y-%m-%d %H:%M:%S"))
     for name in ("training_patches", "trainer", "TTS"):
@@ -284,9 +392,17 @@ def setup_logging(output_dir: Path) -> Path:
         target.addHandler(handler)
         if target.level == logging.NOTSET or target.level > logging.INFO:
             target.setLevel(logging.INFO)
-    # The dataset guard writes dropped_samples.jsonl next to train.log.
-    os.environ["TRAINING_PATCHES_OUTPUT_DIR"] = str(output_dir)
     return log_file
+
+
+def log_error(message: str, error: BaseException | None = None) -> None:
+    """Write an error (and ``error``'s traceback) to train.log only: stderr gets one
+    paragraph. Nothing happens before train.log exists."""
+    if _log_handler is None:
+        return
+    exc_info = (type(error), error, error.__traceback__) if error is not None else None
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, (), exc_info)
+    _log_handler.handle(record)
 
 
 # -- the run ------------------------------------------------------------------
@@ -494,19 +610,23 @@ def train(s: Settings) -> dict[str, Any]:
     config = build_config(s)
     continue_path = ""
     if s.resume:
-        found = find_resume(s.output_dir) if s.resume == "auto" else Path(s.resume)
+        found = find_resume(s.output_dir) if s.resume == "auto" else s.resume_folder
         if found is None:
             logger.info("training-patches: --resume auto found no checkpoint in %s; starting "
                         "fresh", s.output_dir)
-        elif not found.is_dir():
-            raise UsageError(f"--resume {s.resume}: no such run folder. Expected 'auto' or a "
-                             f"run folder inside {s.output_dir} holding checkpoint_*.pth.")
         else:
             continue_path = str(found)
             logger.info("training-patches: resuming the run in %s", found)
     train_samples, eval_samples = load_tts_samples(
         config, eval_split=s.eval_manifest is not None)
     model = GPTTrainer.init_from_config(config)
+    if s.base_keys is not None:  # pre-flight's last check: model.pth is this model's
+        from patches.integrations.xtts_preflight import PreflightError, check_model_keys
+
+        try:
+            check_model_keys(s.files["model"], model.xtts, keys=s.base_keys)
+        except PreflightError as exc:
+            raise UsageError(str(exc)) from None
     report = None
     resume_freeze = None
     if not continue_path:
@@ -550,12 +670,7 @@ def train(s: Settings) -> dict[str, Any]:
     logger.info("training-patches: training %d epochs, %d training samples, precision %s, "
                 "batch %d x %d accumulation, lr %g, run folder %s", s.epochs, len(train_samples),
                 s.precision, s.batch_size, s.grad_accum, s.lr, trainer.output_path)
-    try:
-        trainer.fit()
-    except SystemExit as exc:  # coqui's fit turns any error into sys.exit(1)
-        if exc.code not in (0, None):
-            raise RuntimeError(f"training stopped inside the coqui Trainer (exit {exc.code}); "
-                               f"see {s.output_dir / LOG_NAME}") from exc
+    fit_trainer(trainer, s)
     final = Path(trainer.output_path) / f"checkpoint_{trainer.total_steps_done}.pth"
     if trainer.total_steps_done > start_step and not final.exists():
         # coqui keeps the last weights only when they are the best so far or fall on a
@@ -576,6 +691,52 @@ def train(s: Settings) -> dict[str, Any]:
     return result
 
 
+def fit_trainer(trainer: Any, s: Settings) -> None:
+    """``trainer.fit()``, with an error raised inside it said once and its run folder kept.
+
+    coqui's ``fit`` prints the traceback, removes a run folder holding no checkpoint and
+    exits 1 on any error. Its training loop (``_fit``) is wrapped on this one Trainer so
+    the error comes back here instead; a Ctrl-C still reaches coqui's handler, which
+    writes a checkpoint and exits 130.
+    """
+    failure: list[BaseException] = []
+    inner = getattr(trainer, "_fit", None)
+    if callable(inner):
+        def fit_keeping_the_error() -> None:
+            try:
+                inner()
+            except Exception as exc:  # noqa: BLE001 - reported once, by TrainingStopped
+                failure.append(exc)
+        trainer._fit = fit_keeping_the_error
+    try:
+        trainer.fit()
+    except SystemExit as exc:  # a coqui without _fit: its fit turns any error into exit 1
+        if exc.code in (0, None, 130):
+            raise
+        failure.append(exc.__context__ if exc.__context__ is not None else exc)
+    if not failure:
+        return
+    error = failure[0]
+    run_folder = Path(trainer.output_path)
+    checkpoints = sorted(p.name for p in run_folder.glob("*.pth")) if run_folder.is_dir() else []
+    text = str(error).strip()
+    # The library's own errors (a NaN streak, a dataset mostly unusable, a scale floor, ...)
+    # are paragraphs that say what to do; anything else is shown with its type.
+    own = type(error).__module__.split(".")[0] == "patches"
+    what = text if own else f"{type(error).__name__}: {text or '(no message)'}"
+    message = (
+        f"training stopped inside the coqui Trainer at step {trainer.total_steps_done}: "
+        f"{what.removeprefix('training-patches: ')} The run folder {run_folder} is kept "
+        f"({', '.join(checkpoints) if checkpoints else 'no checkpoint yet'}); the traceback is "
+        f"in {s.output_dir / LOG_NAME}."
+        + ("" if own else " This error did not come from a check of your input: if the "
+                          "traceback points into coqui or training-patches, report it with "
+                          "train.log."))
+    _record(s.output_dir, "failed", run_folder=str(run_folder),
+            step=int(trainer.total_steps_done), error=f"{type(error).__name__}: {text}")
+    raise TrainingStopped(message, error)
+
+
 def demo(args: argparse.Namespace) -> int:
     """``--demo``: the whole story on a tiny synthetic Amharic setup (see xtts_demo)."""
     from demo.xtts_demo import DemoError, run_demo
@@ -594,19 +755,51 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _user_error(error: BaseException) -> bool:
+    """A failed activation the user can fix: a bad setting, the library or torch missing,
+    or (strict mode) a patch site that cannot land."""
+    if isinstance(error, (ImportError, ValueError)):
+        return True
+    try:
+        from patches import PatchSiteError
+    except ImportError:
+        return False
+    return isinstance(error, PatchSiteError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 trained, 2 bad input (one paragraph, nothing built), 1 an error during
+    training (one paragraph; its traceback in train.log), 130 interrupted (coqui)."""
+    global _log_handler
+    _log_handler = None  # a train.log of this run only
     parser = build_parser()
     args = parser.parse_args(argv)
+
+    def say(text: str) -> None:
+        print(f"{parser.prog}: error: {text.strip().removeprefix('training-patches: ')}",
+              file=sys.stderr)
+
     try:
         if args.demo:
             return demo(args)
-        settings = resolve(args)
+        settings = preflight(args)
         log_file = setup_logging(settings.output_dir)
         logger.info("training-patches: headless XTTS fine-tune; progress in %s", log_file)
         train(settings)
     except UsageError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        log_error(f"training-patches: refused: {exc}")
+        say(str(exc))
         return 2
+    except TrainingStopped as exc:
+        log_error(str(exc), exc.error)
+        say(str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - an internal error: traceback kept, also in the log
+        if exc is _ACTIVATION_ERROR and _user_error(exc):
+            say(str(exc))
+            return 2
+        log_error(f"internal error: {type(exc).__name__}: {exc}", exc)
+        raise
     return 0
 
 

@@ -263,7 +263,7 @@ def collect(root: Path, base_info: dict[str, Any], vocab_info: dict[str, Any],
     interrupted = [r for r in records if r["event"] == "interrupted"]
     finished = [r for r in records if r["event"] == "finished"]
     run_folder = Path((finished or interrupted or starts)[-1]["run_folder"]) if records else None
-    events = _jsonl(run_folder / "nonfinite_events.jsonl") if run_folder else []
+    events = _jsonl(out / "nonfinite_events.jsonl")  # the patches' reports: --output-dir
     log_text = (out / "train.log").read_text(encoding="utf-8") if (out / "train.log").is_file() \
         else ""
     losses = [float(v) for v in _LOSS.findall(log_text)]
@@ -311,7 +311,7 @@ def collect(root: Path, base_info: dict[str, Any], vocab_info: dict[str, Any],
         "dropped_samples": finished[-1]["dropped_samples"] if finished else None,
         "dropped_samples_file": str(dropped_file) if dropped_file.is_file() else None,
         "logs": {"train_log": str(out / "train.log"),
-                 "events": str(run_folder / "nonfinite_events.jsonl") if run_folder else None,
+                 "events": str(out / "nonfinite_events.jsonl"),
                  "runs": str(out / "headless_runs.jsonl"),
                  "report": (str(out / "training_report.png")
                             if (out / "training_report.png").is_file() else None),

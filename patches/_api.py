@@ -35,6 +35,18 @@ def _check_names(names: Iterable[str], source: str) -> None:
             f"(TRAINING_PATCHES_README.md lists what each one does).")
 
 
+def check_settings(**options: Any) -> _options.Options:
+    """The settings :func:`apply` would use (keyword arguments, ``TRAINING_PATCHES_*``
+    variables, defaults), validated exactly as activation validates them; changes nothing.
+
+    Raises :class:`ConfigError` with the paragraph activation would stop with. ``doctor``
+    and ``headlessXttsTrain.py``'s pre-flight call this, so they can never disagree with it.
+    """
+    opts = _options.resolve(options)
+    _check_names(opts.disable, "TRAINING_PATCHES_DISABLE (or disable=)")
+    return opts
+
+
 def _split(names: Iterable[str]) -> tuple[list[str], list[str]]:
     """(patch names, integration names), in the given order."""
     integrations = _registry.integrations()
@@ -53,8 +65,7 @@ def apply(names: str | Iterable[str] | None = None, **options: Any) -> dict[str,
     """
     explicit = set(options) | {name for name in _options.OPTIONS
                                if _options.env_name(name) in os.environ}
-    opts = _options.resolve(options)
-    _check_names(opts.disable, "TRAINING_PATCHES_DISABLE (or disable=)")
+    opts = check_settings(**options)
     specs = _registry.specs()
     if names is None:
         wanted = [n for n, s in specs.items() if s.default or (n == "anomaly" and opts.anomaly)]

@@ -237,22 +237,40 @@ def _check_together(options: Options, source: Mapping[str, str]) -> None:
             f"spike test needs a standard deviation, so expected a window of at least 2 steps "
             f"(default 100). Raise it, or turn the spike test off with spike_k=0.")
     if options.output_dir:
-        path = options.output_dir
-        probe = path
-        while probe and not os.path.exists(probe):
-            probe = os.path.dirname(probe.rstrip(os.sep)) or ("." if not os.path.isabs(probe)
-                                                              else os.sep)
-        problem = None
-        if os.path.exists(path) and not os.path.isdir(path):
-            problem = "is a file, not a folder"
-        elif probe and not os.access(probe, os.W_OK | os.X_OK):
-            problem = f"cannot be written ({probe} is not writable)"
+        problem = output_dir_problem(options.output_dir)
         if problem:
             raise ConfigError(
-                f"training-patches: {name('output_dir')} is {path!r}, which {problem}. Expected a "
-                f"folder where the run's reports (nonfinite_events.jsonl, dropped_samples.jsonl) "
-                f"can be written. Point it at a writable folder, or unset it to use the "
-                f"trainer's output folder.")
+                f"training-patches: {name('output_dir')} is {options.output_dir!r}, which "
+                f"{problem}. Expected a folder where the run's reports (nonfinite_events.jsonl, "
+                f"dropped_samples.jsonl) can be written. Point it at a writable folder, or unset "
+                f"it to use the trainer's output folder.")
+
+
+def output_dir_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why files cannot be written into the folder ``path`` (created if missing), or None.
+
+    Nothing is created: the nearest existing folder on the way is checked instead, and
+    an existing folder is probed by creating and removing a temporary file (``os.access``
+    alone says yes to root on a read-only mount)."""
+    import tempfile
+
+    path = os.fspath(path)
+    probe = path
+    while probe and not os.path.exists(probe):
+        parent = os.path.dirname(probe.rstrip(os.sep))
+        probe = parent or ("." if not os.path.isabs(probe) else os.sep)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a folder"
+    if probe and not os.path.isdir(probe):
+        return f"cannot be created ({probe} is a file, not a folder)"
+    if probe and not os.access(probe, os.W_OK | os.X_OK):
+        return f"cannot be written ({probe} is not writable)"
+    try:
+        with tempfile.TemporaryFile(dir=probe or "."):
+            pass
+    except OSError as exc:
+        return f"cannot be written ({probe}: {exc.strerror or exc})"
+    return None
 
 
 def resolve(overrides: Mapping[str, Any] | None = None,
@@ -298,4 +316,4 @@ def set_current(options: Options) -> None:
 
 
 __all__ = ["ConfigError", "Options", "OPTIONS", "OWNERS", "resolve", "merge", "fields_of",
-           "current", "env_name"]
+           "current", "env_name", "output_dir_problem"]

@@ -55,10 +55,24 @@ def doctor_checks() -> list[tuple[str, str, str]]:
     checks.append((OK, "patches", ", ".join(applied) if applied else
                    "none applied in this process (the trainer applies them with "
                    "`from utils import training_patches`)"))
-    env = {k: v for k, v in os.environ.items() if k.startswith("TRAINING_PATCHES_")}
-    if env:
-        checks.append((OK, "settings", ", ".join(f"{k}={v}" for k, v in sorted(env.items()))))
+    checks.append(settings_check())
     return checks
+
+
+def settings_check() -> tuple[str, str, str]:
+    """The ``TRAINING_PATCHES_*`` settings, validated by the very function activation uses
+    (:func:`patches._api.check_settings`): FAIL with activation's own paragraph when the
+    one import line would stop on them."""
+    from ._api import check_settings
+    from ._options import ConfigError
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("TRAINING_PATCHES_")}
+    try:
+        check_settings()
+    except ConfigError as exc:
+        return (FAIL, "settings", f"{exc} (the one import line stops with this error)")
+    listed = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
+    return (OK, "settings", listed or "defaults (no TRAINING_PATCHES_* variable set)")
 
 
 def _doctor(args: argparse.Namespace) -> int:
