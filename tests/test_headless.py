@@ -73,8 +73,11 @@ def test_bf16_on_cpu_and_extend_vocab_are_clear_errors(tmp_path: Path) -> None:
     base.mkdir()
     for name in ("model.pth", "config.json", "dvae.pth", "mel_stats.pth", "vocab.json"):
         (base / name).write_bytes(b"x")
-    manifest = tmp_path / "train.csv"
-    manifest.write_text("audio_file|text|speaker_name\n", encoding="utf-8")
+    manifest = tmp_path / "train.csv"  # a manifest that passes pre-flight: one clip
+    manifest.write_text("audio_file|text|speaker_name\nwavs/0001.wav|ሰላም|spk1\n",
+                        encoding="utf-8")
+    (tmp_path / "wavs").mkdir()
+    (tmp_path / "wavs" / "0001.wav").write_bytes(b"RIFF")
     common = ["--base-dir", str(base), "--train-manifest", str(manifest),
               "--output-dir", str(tmp_path / "out")]
     result = _run(*common, "--extend-vocab", str(manifest))
