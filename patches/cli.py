@@ -3,6 +3,7 @@
     training-patches doctor              what this machine can train with, and what is missing
     training-patches report RUN_DIR      a run's health from the files the patches wrote
     training-patches run COMMAND ...     a training command with the patches on, no line added
+    training-patches check-data MANIFEST what in a dataset will hurt a fine-tune
 
 Each prints for a person and exits non-zero when something needs attention.
 """
@@ -16,7 +17,8 @@ from typing import Sequence
 # Each subcommand lives in its own module, which has ``register(sub)``: it adds its parser(s)
 # with ``set_defaults(handler=...)``; a handler takes the parsed args and returns the exit
 # code. Heavy imports stay inside the handlers, so ``--help`` is fast.
-COMMAND_MODULES: tuple[str, ...] = ("patches.doctor", "patches.report", "patches.launcher")
+COMMAND_MODULES: tuple[str, ...] = ("patches.doctor", "patches.report", "patches.launcher",
+                                    "patches.check_data")
 
 
 def build_parser() -> argparse.ArgumentParser:
