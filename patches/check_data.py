@@ -42,8 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from ._log import logger
-
 # -- limits: coqui-tts 0.28 XTTS GPTArgs defaults ------------------------------------------
 
 XTTS_SAMPLE_RATE = 22050
@@ -441,6 +439,10 @@ def check_text(clip: Clip, clean: Callable[[str], str], script: str | None,
         return
     letters = [char for char in text if _is_letter(char)]
     info: dict[str, Any] = {"chars": len(text)}
+    clip.text = info
+    if not letters:
+        clip.error("empty_text", f"no letters after cleaning (cleaned text: {text[:60]!r})")
+        return
     if script is not None:
         inside = [char for char in letters if in_script(char, script)]
         share = len(inside) / len(letters) if letters else 0.0
@@ -454,8 +456,6 @@ def check_text(clip: Clip, clean: Callable[[str], str], script: str | None,
             clip.warn("foreign_letters", f"letters outside {script}: {''.join(outside[:30])}")
     else:
         info["units"] = len(letters)
-    if not letters:
-        clip.error("empty_text", f"no letters after cleaning (cleaned text: {text[:60]!r})")
     if char_limit is not None and len(text) > char_limit:
         clip.warn("over_char_limit", f"{len(text)} characters, the language's limit is "
                   f"{char_limit}")
@@ -471,7 +471,6 @@ def check_text(clip: Clip, clean: Callable[[str], str], script: str | None,
         if len(ids) > max_tokens:
             clip.error("too_long_text", f"{len(ids)} tokens, max_text_length allows "
                        f"{max_tokens}")
-    clip.text = info
 
 
 # -- audio verdicts ----------------------------------------------------------------------
@@ -602,8 +601,9 @@ def _report(path: str, options: Options, clips: Sequence[Clip], script: str | No
         problems.append(f"the tokenizer {tokenizer.path} has no [{options.language}] token: "
                         f"the XTTS tokenizer refuses the language. Add it as a special token "
                         f"(training-patches extend-tokenizer).")
+    notes: list[str] = []
     if script is None:
-        problems.append(f"no script is known for the language {options.language!r}: the "
+        notes.append(f"no script is known for the language {options.language!r}: the "
                         f"script share was not checked and the rate is in letters")
     speakers: dict[str, dict[str, Any]] = {}
     for clip in clips:
@@ -635,7 +635,7 @@ def _report(path: str, options: Options, clips: Sequence[Clip], script: str | No
         "speech_minutes": round(sum(s["speech_minutes"] for s in speakers.values()), 3),
         "sample_rates": {str(k): v for k, v in sorted(rates.items())},
         "channels": {str(k): v for k, v in sorted(channels.items())},
-        "problems": problems,
+        "problems": problems, "notes": notes,
     }
     return {
         "manifest": os.path.abspath(path), "language": options.language, "script": script,
@@ -693,8 +693,10 @@ def summary_lines(report: dict[str, Any], clips: Sequence[Clip], most: int = 25)
             detail = "; ".join(f"{e['reason']}: {e['detail']}" for e in clip.errors)
             lines.append(f"  line {clip.row.line_no} {clip.row.fields.get('audio_file')}: "
                          f"{detail}")
+    for note in s["notes"]:
+        lines += ["", f"note: {note}"]
     for problem in s["problems"]:
-        lines += ["", f"problem: {problem}"]
+        lines += ["", f"error: {problem}"]
     return lines
 
 
@@ -776,11 +778,11 @@ def _run(args: argparse.Namespace) -> int:
         atomic_text(Path(args.clean_manifest), text)
         print(f"clean manifest: {args.clean_manifest} ({report['summary']['clean_clips']} of "
               f"{report['summary']['clips']} rows)")
-    flagged = report["summary"]["flagged_clips"]
-    failed = bool(flagged or (report["tokenizer"] and report["summary"]["problems"]))
-    if failed:
-        logger.warning("training-patches check-data: %d of %d clips have errors",
-                       flagged, report["summary"]["clips"])
+    summary = report["summary"]
+    failed = bool(summary["flagged_clips"] or summary["problems"])
+    print(f"\nresult: {summary['flagged_clips']} of {summary['clips']} clips with errors"
+          + (f", {len(summary['problems'])} dataset error(s)" if summary["problems"] else "")
+          + f" (exit {1 if failed else 0})")
     return 1 if failed else 0
 
 

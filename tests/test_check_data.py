@@ -235,7 +235,8 @@ def test_a_vocab_without_the_language_token_fails(tmp_path, capsys) -> None:
                             languages=("en",), vocab_size=120)
     manifest = write_manifest(tmp_path / "m.csv", rows)
     assert run([str(manifest), "--workers", "1", "--tokenizer", str(vocab)]) == 1
-    assert "has no [am] token" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "error: the tokenizer" in out and "has no [am] token" in out
 
 
 BAD_MANIFESTS = {
@@ -256,7 +257,7 @@ BAD_MANIFESTS = {
 @pytest.mark.parametrize("kind", sorted(BAD_MANIFESTS))
 def test_a_bad_manifest_is_one_paragraph_and_exit_2(kind, tmp_path, capsys) -> None:
     content, found = BAD_MANIFESTS[kind]
-    path = tmp_path / f"{kind}.csv"
+    path = tmp_path / "metadata.csv"  # not named for the kind: the message must say it
     path.write_bytes(content)
     assert run([str(path)]) == 2
     captured = capsys.readouterr()
@@ -283,3 +284,18 @@ def test_signal_stats_measures_what_it_says() -> None:
     clipped = np.full((rate, 2), 0.2, dtype=np.float32)
     clipped[:10, 0] = 1.0
     assert check_data.signal_stats(clipped, rate)["clipping_ratio"] == pytest.approx(10 / 2000)
+
+
+def test_empty_and_letterless_transcripts_and_long_text(tmp_path) -> None:
+    rows = clean_rows(tmp_path, 3)
+    long_text = amharic_text(160, 4)  # over Amharic's 150-character limit: a warning
+    rows += [(rows[0][0], "", "speaker0"), (rows[1][0], "። ፣ ?", "speaker1"),
+             (rows[2][0], long_text, "speaker0")]
+    manifest = write_manifest(tmp_path / "m.csv", rows)
+    report_path = tmp_path / "r.json"
+    assert run([str(manifest), "--workers", "1", "--rate-tolerance", "100",
+                "--json", str(report_path)]) == 1
+    clips = json.loads(report_path.read_text(encoding="utf-8"))["clips"]
+    assert [[e["reason"] for e in c["errors"]] for c in clips[3:]] == [
+        ["empty_text"], ["empty_text"], []]
+    assert [w["reason"] for w in clips[5]["warnings"]] == ["over_char_limit"]
