@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -299,3 +301,25 @@ def test_empty_and_letterless_transcripts_and_long_text(tmp_path) -> None:
     assert [[e["reason"] for e in c["errors"]] for c in clips[3:]] == [
         ["empty_text"], ["empty_text"], []]
     assert [w["reason"] for w in clips[5]["warnings"]] == ["over_char_limit"]
+
+
+def test_undecodable_files_and_the_fallback_decoder(tmp_path) -> None:
+    rows = clean_rows(tmp_path, 3)
+    (tmp_path / "wavs" / "junk.wav").write_bytes(b"this is not audio" * 10)
+    rows.append(("wavs/junk.wav", rows[0][1], "speaker0"))
+    fallback = shutil.which("ffmpeg") is not None
+    if fallback:  # AAC in MP4: soundfile cannot read it, torchcodec (coqui's decoder) can
+        pytest.importorskip("torchcodec")
+        subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-i",
+                        str(tmp_path / rows[0][0]), "-c:a", "aac",
+                        str(tmp_path / "wavs" / "aac.m4a")], check=True)
+        rows.append(("wavs/aac.m4a", rows[0][1], "speaker0"))
+    manifest = write_manifest(tmp_path / "m.csv", rows)
+    report_path = tmp_path / "r.json"
+    assert run([str(manifest), "--workers", "1", "--json", str(report_path)]) == 1
+    clips = json.loads(report_path.read_text(encoding="utf-8"))["clips"]
+    assert [e["reason"] for e in clips[3]["errors"]] == ["decode_failure"]
+    assert "Format not recognised" in clips[3]["errors"][0]["detail"]
+    if fallback:
+        assert clips[4]["errors"] == [] and clips[4]["decoder"] == "torchcodec"
+        assert clips[4]["duration_s"] == pytest.approx(clips[0]["duration_s"], abs=0.05)
