@@ -4,7 +4,9 @@ Generates ``--clips`` speech-like 22.05 kHz 16-bit mono clips (WAV, or ``--forma
 demo.xtts_tiny.speech_like) with Amharic transcripts and a coqui manifest in a temporary
 folder, then runs :func:`patches.check_data.check_manifest` on it with 1 worker and with
 ``--workers`` (default: all cores), ``--rounds`` times each, alternating. Also measured on
-1 core: decoding alone (soundfile), to show how much of a clip's time is decoding.
+1 core: decoding alone (soundfile), to show how much of a clip's time is decoding. The CPU
+seconds of all processes (the parent and the pool's workers) show what the pool costs: on a
+machine whose cores are busy with other work, wall time cannot show the scaling.
 Prints a markdown table.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -54,6 +57,13 @@ def make_dataset(folder: Path, clips: int, fmt: str = "wav", seed: int = 0) -> t
     return manifest, total
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the pool's workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clips", type=int, default=1000)
@@ -71,12 +81,14 @@ def main() -> int:
         manifest, audio_seconds = make_dataset(Path(tmp), args.clips, args.format)
         paths = [str(p) for p in sorted((Path(tmp) / "wavs").glob(f"*.{args.format}"))]
         times: dict[str, list[float]] = {"1": [], str(args.workers): [], "decode": []}
+        cpu: dict[str, list[float]] = {"1": [], str(args.workers): []}
         for _ in range(args.rounds):
             for workers in (1, args.workers):
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), _cpu_seconds()
                 report, _ = check_manifest(str(manifest), Options(workers=workers,
                                                                   progress=False))
                 times[str(workers)].append(time.perf_counter() - start)
+                cpu[str(workers)].append(_cpu_seconds() - cpu_start)
                 assert report["summary"]["clips"] == args.clips
             start = time.perf_counter()
             for path in paths:
@@ -87,16 +99,19 @@ def main() -> int:
     decode = statistics.median(times["decode"])
     print(f"{args.clips} {args.format.upper()} clips, {audio_seconds / 60:.1f} min of audio, median of "
           f"{args.rounds} rounds, {os.cpu_count()} CPU cores\n")
-    print("| run | seconds | clips/s | audio s/s |")
-    print("|---|---|---|---|")
+    cpu_one = statistics.median(cpu["1"])
+    cpu_many = statistics.median(cpu[str(args.workers)])
+    print("| run | seconds | clips/s | audio s/s | CPU s (all processes) |")
+    print("|---|---|---|---|---|")
     print(f"| check-data, 1 worker | {one:.2f} | {args.clips / one:.0f} | "
-          f"{audio_seconds / one:.0f} |")
+          f"{audio_seconds / one:.0f} | {cpu_one:.2f} |")
     print(f"| check-data, {args.workers} workers | {many:.2f} | {args.clips / many:.0f} | "
-          f"{audio_seconds / many:.0f} |")
+          f"{audio_seconds / many:.0f} | {cpu_many:.2f} |")
     print(f"| soundfile decode only, 1 core | {decode:.2f} | {args.clips / decode:.0f} | "
-          f"{audio_seconds / decode:.0f} |")
+          f"{audio_seconds / decode:.0f} | |")
     print(f"\nspeed-up with {args.workers} workers: {one / many:.2f}x; decoding is "
-          f"{100 * decode / one:.0f}% of the 1-worker time")
+          f"{100 * decode / one:.0f}% of the 1-worker time; the pool costs "
+          f"{100 * (cpu_many / cpu_one - 1):+.0f}% CPU time over 1 worker")
     return 0
 
 

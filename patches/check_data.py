@@ -737,6 +737,14 @@ def _check_output(path: str | None, manifest: str, force: bool, what: str) -> No
                             f"pass --force to replace it.")
 
 
+def _cores() -> int:
+    """The cores this process may run on (a container's limit, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _positive_int(value: str) -> int:
     try:
         number = int(value)
@@ -803,7 +811,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="write the header and the rows without errors (never the input)")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing --json/--clean-manifest file")
-    parser.add_argument("--workers", type=_positive_int, default=os.cpu_count() or 1,
+    parser.add_argument("--workers", type=_positive_int, default=_cores(),
                         help="decoding processes (default: all cores)")
     parser.add_argument("--max-audio-seconds", type=float,
                         default=MAX_WAV_LENGTH / XTTS_SAMPLE_RATE,
