@@ -737,6 +737,21 @@ def _check_output(path: str | None, manifest: str, force: bool, what: str) -> No
                             f"pass --force to replace it.")
 
 
+def _check_installed(tokenizer: str | None) -> None:
+    """The libraries check-data needs (the ``tools`` extra), or one paragraph saying which."""
+    import importlib.util
+
+    needed = ["soundfile", "tqdm", "numpy"]
+    if tokenizer:
+        needed.append("sentencepiece" if tokenizer.endswith(".model") else "tokenizers")
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ManifestError(
+            f"training-patches check-data: the package(s) {', '.join(missing)} are not "
+            f"installed in {sys.executable}. Expected the `tools` extra. Install it with "
+            f"`pip install 'training-patches[tools]'` (or `pip install {' '.join(missing)}`).")
+
+
 def _cores() -> int:
     """The cores this process may run on (a container's limit, not the host's count)."""
     try:
@@ -771,6 +786,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"training-patches check-data: --tokenizer {args.tokenizer}: no such file. "
                 f"Expected an XTTS vocab.json (Hugging Face tokenizers) or a SentencePiece "
                 f".model. Check the path.")
+        _check_installed(args.tokenizer)
         report, clips = check_manifest(args.manifest, options)
     except ManifestError as exc:
         print(str(exc), file=sys.stderr)

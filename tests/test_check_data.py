@@ -323,3 +323,15 @@ def test_undecodable_files_and_the_fallback_decoder(tmp_path) -> None:
     if fallback:
         assert clips[4]["errors"] == [] and clips[4]["decoder"] == "torchcodec"
         assert clips[4]["duration_s"] == pytest.approx(clips[0]["duration_s"], abs=0.05)
+
+
+def test_a_missing_library_is_named_with_the_extra(dataset, monkeypatch, capsys) -> None:
+    import importlib.util
+
+    manifest, _, _ = dataset
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "soundfile" else real(name, *a))
+    assert run([str(manifest)]) == 2
+    err = capsys.readouterr().err
+    assert "soundfile" in err and "training-patches[tools]" in err and "\n" not in err.strip()
