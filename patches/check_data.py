@@ -563,6 +563,23 @@ class Options:
     progress: bool | None = None  # None: a bar when stderr is a terminal
 
 
+def _load_tokenizer(path: str | None, language: str) -> TextTokenizer | None:
+    if not path:
+        return None
+    if not os.path.isfile(path):
+        raise ManifestError(
+            f"training-patches check-data: --tokenizer {path}: no such file. Expected an XTTS "
+            f"vocab.json (Hugging Face tokenizers) or a SentencePiece .model. Check the path.")
+    try:
+        return TextTokenizer(path, language)
+    except Exception as exc:  # noqa: BLE001 - any loader error means the same to the user
+        raise ManifestError(
+            f"training-patches check-data: --tokenizer {path} could not be loaded "
+            f"({type(exc).__name__}: {str(exc).strip()[:200]}). Expected an XTTS vocab.json "
+            f"(a Hugging Face tokenizers file) or a SentencePiece .model (the name must end "
+            f"in .model). Pass the tokenizer file the trainer uses.") from None
+
+
 def check_manifest(path: str, options: Options) -> tuple[dict[str, Any], list[Clip]]:
     """Check every row of a manifest; returns the JSON report and the clips.
 
@@ -571,6 +588,7 @@ def check_manifest(path: str, options: Options) -> tuple[dict[str, Any], list[Cl
     from tqdm import tqdm
 
     header, rows = read_manifest(path)
+    tokenizer = _load_tokenizer(options.tokenizer, options.language)  # fails before decoding
     clips = [Clip(row) for row in rows]
     paths = [row.audio_path for row in rows]
     bar = tqdm(total=len(paths), unit="clip", desc="check-data", disable=(
@@ -582,8 +600,6 @@ def check_manifest(path: str, options: Options) -> tuple[dict[str, Any], list[Cl
                            f"header has {len(header)}")
             check_audio(clip, stats, options.max_audio_seconds, options.min_snr)
             bar.update(1)
-    tokenizer = TextTokenizer(options.tokenizer, options.language) if options.tokenizer \
-        else None
     script = script_of(options.language)
     clean, limit = _cleaner(options.language), _char_limit(options.language)
     for clip in clips:
@@ -604,7 +620,7 @@ def _report(path: str, options: Options, clips: Sequence[Clip], script: str | No
     notes: list[str] = []
     if script is None:
         notes.append(f"no script is known for the language {options.language!r}: the "
-                        f"script share was not checked and the rate is in letters")
+                     f"script share was not checked and the rate is in letters")
     speakers: dict[str, dict[str, Any]] = {}
     for clip in clips:
         entry = speakers.setdefault(clip.speaker, {"clips": 0, "clean_clips": 0,
@@ -781,11 +797,6 @@ def _run(args: argparse.Namespace) -> int:
     try:
         _check_output(args.clean_manifest, args.manifest, args.force, "--clean-manifest")
         _check_output(args.json, args.manifest, args.force, "--json")
-        if args.tokenizer and not os.path.isfile(args.tokenizer):
-            raise ManifestError(
-                f"training-patches check-data: --tokenizer {args.tokenizer}: no such file. "
-                f"Expected an XTTS vocab.json (Hugging Face tokenizers) or a SentencePiece "
-                f".model. Check the path.")
         _check_installed(args.tokenizer)
         report, clips = check_manifest(args.manifest, options)
     except ManifestError as exc:

@@ -335,3 +335,14 @@ def test_a_missing_library_is_named_with_the_extra(dataset, monkeypatch, capsys)
     assert run([str(manifest)]) == 2
     err = capsys.readouterr().err
     assert "soundfile" in err and "training-patches[tools]" in err and "\n" not in err.strip()
+
+
+def test_a_bad_tokenizer_file_is_a_usage_error(dataset, tmp_path, capsys) -> None:
+    manifest, _, _ = dataset
+    broken = tmp_path / "vocab.json"
+    broken.write_text("{not json", encoding="utf-8")
+    assert run([str(manifest), "--tokenizer", str(broken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(broken) in err and "could not be loaded" in err and "\n" not in err
+    assert run([str(manifest), "--tokenizer", str(tmp_path / "none.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
