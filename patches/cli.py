@@ -5,6 +5,7 @@
     training-patches run COMMAND ...     a training command with the patches on, no line added
     training-patches extend-tokenizer    a vocab.json / SentencePiece model extended for a language
     training-patches verify-tokenizer    a tokenizer (and checkpoint) checked before training
+    training-patches check-data MANIFEST what in a dataset will hurt a fine-tune
 
 Each prints for a person and exits non-zero when something needs attention.
 """
@@ -19,7 +20,8 @@ from typing import Sequence
 # with ``set_defaults(handler=...)``; a handler takes the parsed args and returns the exit
 # code. Heavy imports stay inside the handlers, so ``--help`` is fast.
 COMMAND_MODULES: tuple[str, ...] = ("patches.doctor", "patches.report", "patches.launcher",
-                                     "patches.extend_tokenizer", "patches.verify_tokenizer")
+                                     "patches.extend_tokenizer", "patches.verify_tokenizer",
+                                     "patches.check_data")
 
 
 def build_parser() -> argparse.ArgumentParser:
