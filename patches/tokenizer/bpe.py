@@ -357,22 +357,35 @@ def extend_vocab_file(base: str | os.PathLike[str], texts: Sequence[str],
     atomically (through ``write(path, bytes)`` when given). Raises
     :class:`TokenizerToolError` (nothing written) when base text would encode otherwise
     or a corpus character stays uncovered."""
-    from .text import ENGLISH_SAMPLE, write_bytes_atomic
+    from .text import write_bytes_atomic
 
     data = load_vocab_json(base)
     extended, ext = extend_bpe(data, texts, language=language, new_pieces=new_pieces,
                                min_frequency=min_frequency)
+    check_before_writing(ext, base, out, lambda lines, source: base_text_check(
+        data, extended, lines, source), base_text, base_text_source)
+    payload = encode_json(extended)
+    (write or write_bytes_atomic)(Path(out), payload)
+    return ext
+
+
+def check_before_writing(ext: Extension, base: str | os.PathLike[str],
+                         out: str | os.PathLike[str],
+                         check: Callable[[list[str], str], BaseCheck],
+                         base_text: Sequence[str] | None, base_text_source: str) -> None:
+    """Record the files and the base-text check (``check(lines, source)``) in ``ext``;
+    raise :class:`TokenizerToolError` (so nothing is written) when any check failed.
+    Shared by the vocab.json and the SentencePiece extension."""
+    from .text import ENGLISH_SAMPLE
+
     ext.base_file, ext.out_file = str(base), str(out)
-    ext.base_check = base_text_check(
-        data, extended, list(base_text or ENGLISH_SAMPLE),
+    ext.base_check = check(
+        list(base_text or ENGLISH_SAMPLE),
         base_text_source or f"the built-in English sample ({len(ENGLISH_SAMPLE)} lines)")
     if not ext.ok:
         raise TokenizerToolError(
             f"extending {base} failed its own checks, so {out} was not written: "
             + "; ".join(ext.lines()[-3:]) + ". Report this with the files if it persists.")
-    payload = encode_json(extended)
-    (write or write_bytes_atomic)(Path(out), payload)
-    return ext
 
 
 def encode_json(data: dict[str, Any]) -> bytes:

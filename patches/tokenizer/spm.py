@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .bpe import DEFAULT_NEW_PIECES, BaseCheck, Extension
+from .bpe import DEFAULT_NEW_PIECES, BaseCheck, Extension, check_before_writing
 from .errors import TokenizerToolError
 
 
@@ -164,18 +164,12 @@ def extend_model_file(base: str | os.PathLike[str], texts: Sequence[str],
                       base_text: Sequence[str] | None = None, base_text_source: str = "",
                       write: Callable[[Path, bytes], Any] | None = None) -> Extension:
     """Extend the SentencePiece model ``base`` with ``texts`` and write ``out`` atomically."""
-    from .text import ENGLISH_SAMPLE, write_bytes_atomic
+    from .text import write_bytes_atomic
 
     proto = load_model_proto(base)
     extended, ext = extend_spm(proto, texts, new_pieces=new_pieces)
-    ext.base_file, ext.out_file = str(base), str(out)
-    ext.base_check = base_text_check(
-        proto, extended, list(base_text or ENGLISH_SAMPLE),
-        base_text_source or f"the built-in English sample ({len(ENGLISH_SAMPLE)} lines)")
-    if not ext.ok:
-        raise TokenizerToolError(
-            f"extending {base} failed its own checks, so {out} was not written: "
-            + "; ".join(ext.lines()[-3:]) + ". Report this with the files if it persists.")
+    check_before_writing(ext, base, out, lambda lines, source: base_text_check(
+        proto, extended, lines, source), base_text, base_text_source)
     (write or write_bytes_atomic)(Path(out), extended.SerializeToString())
     return ext
 
