@@ -42,3 +42,36 @@ def tiny_xtts_mixed_manifest(tiny_xtts, tiny_xtts_extended_vocab) -> Path:
     words = ("ሰላም", "እን", "ለም", "ዓለም")
     texts = [f"{text} {words[i % len(words)]}" for i, text in enumerate(tiny_xtts.texts)]
     return tiny_xtts.write_manifest(texts, "metadata_mixed.csv")
+
+
+def write_amharic_base(root: Path):
+    """A tiny Amharic XTTS setup for headlessXttsTrain.py: ``root/data`` (6 Amharic clips,
+    metadata.csv, a vocab.json with [am]) and ``root/base`` (model.pth and config.json of a
+    fresh tiny GPTTrainer, dvae.pth, mel_stats.pth, vocab.json). Returns (tiny, base)."""
+    import shutil
+
+    import torch
+
+    import patches
+    from demo.xtts_tiny import build_tiny_xtts
+    from patches.languages.amharic import normalize
+    from test_xtts_language import AMHARIC_TEXTS
+
+    tiny = build_tiny_xtts(root / "data", language="am", texts=AMHARIC_TEXTS, n_samples=6,
+                           vocab_size=200,
+                           vocab_extra_texts=[normalize(t) for t in AMHARIC_TEXTS])
+    base = root / "base"
+    base.mkdir()
+    was = patches.is_applied("xtts_language")
+    patches.apply(["xtts_language"])  # coqui's tokenizer must know "am" to build the model
+    try:
+        config = tiny.make_config(root / "scratch")
+        model = tiny.make_model(config)
+        torch.save({"model": model.xtts.state_dict()}, base / "model.pth")
+        config.save_json(str(base / "config.json"))
+    finally:
+        if not was:
+            patches.revert(["xtts_language"])
+    for name in ("vocab.json", "dvae.pth", "mel_stats.pth"):
+        shutil.copy(tiny.root / name, base / name)
+    return tiny, base

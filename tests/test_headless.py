@@ -97,31 +97,12 @@ def test_tiny_amharic_finetune_and_resume_auto(tmp_path: Path) -> None:
     """Real GPTTrainer + coqui Trainer, language am, Amharic transcripts: zero samples dropped,
     finite losses, a checkpoint written, and --resume auto continues that run."""
     pytest.importorskip("TTS")
-    import shutil
-
     import torch
 
-    import patches
-    from demo.xtts_tiny import build_tiny_xtts
-    from patches.languages.amharic import normalize
-    from test_xtts_language import AMHARIC_TEXTS
+    from conftest import write_amharic_base
 
     torch.set_num_threads(1)
-    tiny = build_tiny_xtts(tmp_path / "data", language="am", texts=AMHARIC_TEXTS, n_samples=6,
-                           vocab_size=200,
-                           vocab_extra_texts=[normalize(t) for t in AMHARIC_TEXTS])
-    base = tmp_path / "base"
-    base.mkdir()
-    patches.apply(["xtts_language"])
-    try:
-        config = tiny.make_config(tmp_path / "scratch")
-        model = tiny.make_model(config)
-        torch.save({"model": model.xtts.state_dict()}, base / "model.pth")
-        config.save_json(str(base / "config.json"))
-    finally:
-        patches.revert(["xtts_language"])
-    for name in ("vocab.json", "dvae.pth", "mel_stats.pth"):
-        shutil.copy(tiny.root / name, base / name)
+    tiny, base = write_amharic_base(tmp_path)
     out = tmp_path / "out"
     common = ["--base-dir", str(base), "--train-manifest", str(tiny.manifest), "--language",
               "am", "--output-dir", str(out), "--batch-size", "2", "--lr", "1e-4",

@@ -33,31 +33,10 @@ PROG = "headlessXttsTrain.py: error: "
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """base/ (model.pth, config.json, dvae.pth, mel_stats.pth, vocab.json with [am]) and
     data/ (6 Amharic clips, metadata.csv): the inputs of a fine-tune that passes."""
-    import torch
-
-    import patches
-    from demo.xtts_tiny import build_tiny_xtts
-    from patches.languages.amharic import normalize
-    from test_xtts_language import AMHARIC_TEXTS
+    from conftest import write_amharic_base
 
     tmp = tmp_path_factory.mktemp("headless_preflight")
-    tiny = build_tiny_xtts(tmp / "data", language="am", texts=AMHARIC_TEXTS, n_samples=6,
-                           vocab_size=200,
-                           vocab_extra_texts=[normalize(t) for t in AMHARIC_TEXTS])
-    base = tmp / "base"
-    base.mkdir()
-    was = patches.is_applied("xtts_language")
-    patches.apply(["xtts_language"])
-    try:
-        config = tiny.make_config(tmp / "scratch")
-        model = tiny.make_model(config)
-        torch.save({"model": model.xtts.state_dict()}, base / "model.pth")
-        config.save_json(str(base / "config.json"))
-    finally:
-        if not was:
-            patches.revert(["xtts_language"])
-    for name in ("vocab.json", "dvae.pth", "mel_stats.pth"):
-        shutil.copy(tiny.root / name, base / name)
+    tiny, base = write_amharic_base(tmp)
     return {"root": tmp, "base": base, "data": tiny.root, "manifest": tiny.manifest}
 
 
