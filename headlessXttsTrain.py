@@ -538,12 +538,13 @@ def freeze_on_resume(model: Any, files: dict[str, Path]) -> dict[str, Any] | Non
 
 def _record(output_dir: Path, event: str, **fields: Any) -> None:
     """One JSON line in ``<output_dir>/headless_runs.jsonl`` (what the demo summary reads)."""
-    import json
+    from patches import _run
 
     fields = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(),
               **fields}
-    with open(output_dir / RUNS_NAME, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(fields, ensure_ascii=False, default=str) + "\n")
+    # One file per rank under a launcher of several (the report merges them), strict JSON.
+    with open(output_dir / _run.rank_file_name(RUNS_NAME), "a", encoding="utf-8") as handle:
+        handle.write(_run.json_line(_run.with_rank(fields)) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
 

@@ -210,7 +210,32 @@ def get_original(module: Any, attr: str) -> Any:
 
 
 def stats() -> dict[str, dict[str, float]]:
-    """Counters of the runtime patches as plain numbers (reading them syncs once)."""
+    """Counters of the runtime patches as plain numbers (reading them syncs once).
+
+    Each process counts for itself; in a job of several ranks (DDP, FSDP2) a counter is
+    one of two sorts, and ``training-patches report`` merges them so:
+
+    - *agreed*: the same value on every rank, because the decision behind it is agreed
+      across ranks. ``nan_guard``: ``steps`` (optimizer steps taken or skipped) and
+      ``skipped`` (steps skipped; the skip is decided once for all ranks),
+      ``consecutive_skips``. ``grad_scaler``: ``steps``, ``skipped``, ``scale`` (the
+      found-inf flag is reduced across ranks: DDP's averaged gradients, FSDP's
+      ``ShardedGradScaler``). ``grad_clip``: ``calls``, ``unscaled_first``,
+      ``scaled_clips``, ``nonfinite_norms`` (every rank clips the same total norm). A job's
+      figure is one rank's, never the sum.
+    - *this rank's*: what this process saw. ``nan_guard``: ``nonfinite_losses``,
+      ``nonfinite_grads``, ``spikes`` (bad values found in this rank's own loss or
+      gradients), ``skipped_micro_batches`` (this rank's micro-batches left out), and
+      ``peer_skips`` (steps this rank skipped only because another rank saw a bad value;
+      its event has ``"kind": "peer_nonfinite"``). ``oom_guard``: ``oom_skipped`` (this
+      rank's batches). A job's figure is the sum over ranks (``consecutive_ooms``, a
+      rank's current streak, is not summed: the report shows the longest).
+
+    So on every rank ``skipped`` = the steps where this rank saw a bad value +
+    ``peer_skips``; a step skipped because one rank saw a NaN is one skip of the job.
+    Events follow the same split (:mod:`patches._run`: one file per rank, each record with
+    its ``rank`` and ``world_size``).
+    """
     return {"grad_scaler": grad_scaler.stats(), "grad_clip": grad_clip.stats(),
             "nan_guard": nan_guard.stats(), "oom_guard": oom_guard.stats()}
 
@@ -255,7 +280,7 @@ def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
                 if p.kind != "version"] + version_problems
     # A banner that carries a WARNING is logged as one: quiet mode must not hide it. Helper
     # processes (DataLoader workers, torchrun ranks other than 0) show only a warning one.
-    quiet = opts.quiet or _helper_process()
+    quiet = opts.quiet or _helper_process() or _asks_for_help()
     level = logging.WARNING if problems else (logging.DEBUG if quiet else logging.INFO)
     specs = _registry.specs()
     width = max(len(name) for name in list(specs) + list(_registry.integrations()))
@@ -281,6 +306,15 @@ def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
     lines += [_RULE, "Options: " + ", ".join(
         f"{field}={getattr(opts, field)!r}" for field in _options.OPTIONS), _RULE]
     logger.log(level, "\n".join(lines))
+
+
+def _asks_for_help() -> bool:
+    """The trainer was started only to print its help (``-h``/``--help`` before any ``--``):
+    a 20-line banner first would push the help off the screen. The patches are applied all
+    the same, and a banner with a WARNING still shows."""
+    args = sys.argv[1:]
+    args = args[:args.index("--")] if "--" in args else args
+    return "-h" in args or "--help" in args
 
 
 def _helper_process() -> bool:

@@ -61,7 +61,7 @@ class DeviceCounters:
         """One optimizer step: ``steps += 1``, ``skipped += flag``, streak reset or extended."""
         values = self._tensor(skipped.device)
         i, j, k = (self._index[name] for name in names)
-        flag = skipped.to(device=values.device, dtype=torch.int64)
+        flag = skipped.to(device=values.device, dtype=torch.int64).reshape(())  # [1] from FSDP scalers
         values[i] += 1
         values[j] += flag
         values[k] = (values[k] + 1) * flag

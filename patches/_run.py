@@ -4,16 +4,23 @@ Integrations fill this in (the coqui Trainer's ``output_path``, the batch's audi
 paths); a plain loop can call :func:`set_output_dir`, or set
 ``TRAINING_PATCHES_OUTPUT_DIR``. Files the patches write (``nonfinite_events.jsonl``,
 ``dropped_samples.jsonl``) go to :func:`output_dir`.
+
+In a job of several ranks every process writes its own files: rank 1's events go to
+``nonfinite_events.rank1.jsonl`` (:func:`rank_file_name`), never into a file another
+process appends to, and every record says which ``rank`` of how many (``world_size``)
+wrote it. Records are strict JSON: a non-finite float is the string ``"NaN"``,
+``"Infinity"`` or ``"-Infinity"`` (:func:`json_line`), which any JSON parser reads.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from typing import Any, Callable, Iterator
 
-from . import _options
+from . import _dist, _options
 
 _lock = threading.Lock()
 _output_dir: str | None = None
@@ -29,6 +36,25 @@ trainer_step: int | None = None  # the trainer's own step counter, when an integ
 # when coqui would remove a run folder that holds no checkpoint).
 OWN_FILES = ("nonfinite_events.jsonl", "dropped_samples.jsonl", "oom_events.jsonl",
              "loss_scale.jsonl", "training_patches.log")
+
+
+def own_files_in(folder: str) -> list[str]:
+    """The names in ``folder`` of files the patches write, each rank's included
+    (``nonfinite_events.rank1.jsonl``)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [n for n in names if n in OWN_FILES or _base_name(n) in OWN_FILES]
+
+
+def _base_name(name: str) -> str:
+    """``nonfinite_events.rank1.jsonl`` -> ``nonfinite_events.jsonl`` (else ``name``)."""
+    stem, ext = os.path.splitext(name)
+    head, dot, tail = stem.rpartition(".")
+    if dot and tail.startswith("rank") and tail[4:].isdigit():
+        return head + ext
+    return name
 
 
 # Batch keys that name samples (coqui XTTS: ``filenames``; other loaders: paths or ids).
@@ -98,12 +124,52 @@ def report_dir() -> str:
     return output_dir() or os.path.abspath(DEFAULT_DIR)
 
 
+def rank_file_name(name: str) -> str:
+    """The name this process writes ``name`` under: unchanged in a single process,
+    ``<stem>.rank<R><ext>`` in a job of several ranks (``nonfinite_events.rank1.jsonl``),
+    so no two processes ever append to one file. A rank above 0 whose launcher gave no
+    world size (coqui's ``trainer.distribute`` sets ``RANK`` only) is a job of several."""
+    rank, world = _dist.rank(), _dist.world_size()
+    if world <= 1 and rank == 0:
+        return name
+    stem, ext = os.path.splitext(name)
+    return f"{stem}.rank{rank}{ext}"
+
+
+NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float (in dicts, lists, tuples) replaced by the
+    string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``: bare NaN is not JSON."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else NONFINITE[value]
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One strict JSON line (no newline) for ``record``; objects JSON lacks become str."""
+    return json.dumps(strict_json(record), ensure_ascii=False, default=str, allow_nan=False)
+
+
+def with_rank(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with ``"rank"`` and ``"world_size"`` of this process (its own win)."""
+    return {"rank": _dist.rank(), "world_size": _dist.world_size(), **record}
+
+
 def append_jsonl(name: str, record: dict[str, Any]) -> str:
-    """Append one JSON line to ``name`` in :func:`report_dir`; return the file's path."""
+    """Append one JSON line to this rank's ``name`` (:func:`rank_file_name`) in
+    :func:`report_dir`, with the rank and world size; return the file's path."""
     folder = report_dir()
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, name)
-    line = json.dumps(record, ensure_ascii=False, default=str)
+    path = os.path.join(folder, rank_file_name(name))
+    line = json_line(with_rank(record))
     with _lock, open(path, "a", encoding="utf-8") as handle:
         handle.write(line + "\n")
         handle.flush()

@@ -23,7 +23,8 @@ folder, read as coqui's ``coqui`` formatter reads it) and checks every row:
   scripts: letters per second).
 
 A row with an *error* is left out of ``--clean-manifest``; *warnings* are reported and kept.
-Exit status: 0 clean, 1 errors found, 2 bad usage (one paragraph on stderr).
+Exit status: 0 clean, 1 errors found, 2 bad usage (one paragraph on stderr), 130/143
+interrupted by Ctrl-C/SIGTERM (the decoding workers ended with it, within seconds).
 Decoding runs in a process pool (``--workers``, default all cores).
 """
 
@@ -227,7 +228,13 @@ def read_manifest(path: str) -> tuple[list[str], list[Row]]:
         if not stripped.strip():
             continue
         # csv with "|" as coqui's DictReader parses it (quotes included)
-        values = next(csv.reader([stripped], delimiter="|"))
+        try:
+            values = next(csv.reader([stripped], delimiter="|"))
+        except csv.Error as exc:  # e.g. a field over csv's 131072-character limit
+            raise _usage(path, f"line {number} ({len(stripped):,} characters) cannot be read "
+                         f"as a row: {exc}; coqui's formatter (csv) fails on it the same way.",
+                         _EXPECTED, "Fix that line (a transcript is one clip's sentence; a "
+                         "stray quote or a missing line break joins rows) or remove it.") from None
         fields = dict(zip(header, values))
         if len(values) != len(header):
             fields["_columns"] = str(len(values))
@@ -325,7 +332,12 @@ def analyse_audio(path: str) -> dict[str, Any]:
 
 
 def _analyse_many(paths: Sequence[str], workers: int) -> Iterator[dict[str, Any]]:
-    """:func:`analyse_audio` for each path, in order, over ``workers`` processes."""
+    """:func:`analyse_audio` for each path, in order, over ``workers`` processes.
+
+    The workers end with the generator: when it is closed early or an exception (a
+    signal's :class:`~patches._output.Interrupted`) passes through it, they are terminated
+    at once instead of finishing the queue, so nothing outlives the command holding its
+    stdout."""
     if workers <= 1 or len(paths) < 2:
         yield from map(analyse_audio, paths)
         return
@@ -335,8 +347,49 @@ def _analyse_many(paths: Sequence[str], workers: int) -> Iterator[dict[str, Any]
     # fork: the workers inherit the imported modules instead of importing torch again
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     chunk = max(1, min(16, len(paths) // (workers * 8)))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
+                               initializer=_worker_init)
+    try:
         yield from pool.map(analyse_audio, paths, chunksize=chunk)
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _worker_init() -> None:
+    """In each worker: Ctrl-C is the command's to handle (the terminal sends it to the whole
+    process group), SIGTERM kills, and (Linux) the worker gets SIGTERM if the command dies
+    without ending it (SIGKILL)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # no libc symbol: the parent still ends them
+            pass
+
+
+def _stop_workers(pool: Any) -> None:
+    """Terminate a ProcessPoolExecutor's workers now (running and queued work dropped)."""
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14+
+    if terminate is not None:
+        terminate()
+        return
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
 
 
 # -- text --------------------------------------------------------------------------------
@@ -593,13 +646,17 @@ def check_manifest(path: str, options: Options) -> tuple[dict[str, Any], list[Cl
     paths = [row.audio_path for row in rows]
     bar = tqdm(total=len(paths), unit="clip", desc="check-data", disable=(
         None if options.progress is None else not options.progress), file=sys.stderr)
-    with bar:
-        for clip, stats in zip(clips, _analyse_many(paths, options.workers)):
-            if "_columns" in clip.row.fields:
-                clip.error("malformed_row", f"{clip.row.fields['_columns']} columns, the "
-                           f"header has {len(header)}")
-            check_audio(clip, stats, options.max_audio_seconds, options.min_snr)
-            bar.update(1)
+    results = _analyse_many(paths, options.workers)
+    try:
+        with bar:
+            for clip, stats in zip(clips, results):
+                if "_columns" in clip.row.fields:
+                    clip.error("malformed_row", f"{clip.row.fields['_columns']} columns, the "
+                               f"header has {len(header)}")
+                check_audio(clip, stats, options.max_audio_seconds, options.min_snr)
+                bar.update(1)
+    finally:
+        results.close()  # a signal between two clips: the workers end here
     script = script_of(options.language)
     clean, limit = _cleaner(options.language), _char_limit(options.language)
     for clip in clips:
@@ -747,6 +804,16 @@ def _check_output(path: str | None, manifest: str, force: bool, what: str) -> No
                             f"checked. Expected a new file name; the input is never "
                             f"overwritten. Give another path (e.g. {Path(manifest).stem}"
                             f".clean{Path(manifest).suffix}).")
+    if os.path.isdir(path):
+        example = os.path.join(path, "check.json" if what == "--json" else "clean.csv")
+        raise ManifestError(f"training-patches check-data: {what} {path} is a folder. Expected "
+                            f"a file name (--force never replaces a folder). Give a file in it, "
+                            f"e.g. {example}.")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ManifestError(f"training-patches check-data: {what} {path}: its folder {parent} "
+                            f"does not exist (or is a file). Expected a file in an existing "
+                            f"folder. Create the folder or give another path.")
     if os.path.exists(path) and not force:
         raise ManifestError(f"training-patches check-data: {what} {path} already exists. "
                             f"Expected a path that does not exist yet. Give another path, or "
@@ -787,6 +854,27 @@ def _positive_int(value: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """The command: SIGINT and SIGTERM end it and its workers within seconds, exit 130/143,
+    one line, no report or manifest written."""
+    from ._output import Interrupted, stop_on_signals
+
+    written: list[str] = []
+    try:
+        with stop_on_signals():
+            return _check(args, written)
+    except (Interrupted, KeyboardInterrupt) as exc:
+        import signal
+
+        stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"training-patches check-data: {stop}; its decoding workers were ended and "
+              + (f"only {' and '.join(written)} had been written." if written else
+                 "nothing was written (no --json report, no --clean-manifest)."),
+              file=sys.stderr)
+        return stop.exit_code
+
+
+def _check(args: argparse.Namespace, written: list[str]) -> int:
+    from ._output import same_file
     from .checkpoint.atomic import atomic_text
 
     options = Options(language=args.language, tokenizer=args.tokenizer, workers=args.workers,
@@ -797,6 +885,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         _check_output(args.clean_manifest, args.manifest, args.force, "--clean-manifest")
         _check_output(args.json, args.manifest, args.force, "--json")
+        if args.json and args.clean_manifest and same_file(args.json, args.clean_manifest):
+            raise ManifestError(f"training-patches check-data: --json {args.json} and "
+                                f"--clean-manifest {args.clean_manifest} are the same file: one "
+                                f"would replace the other. Expected two different paths. Give "
+                                f"each its own name.")
         _check_installed(args.tokenizer)
         report, clips = check_manifest(args.manifest, options)
     except ManifestError as exc:
@@ -805,12 +898,14 @@ def _run(args: argparse.Namespace) -> int:
     print("\n".join(summary_lines(report, clips)))
     if args.json:
         atomic_text(Path(args.json), json.dumps(report, ensure_ascii=False, indent=1) + "\n")
+        written.append(args.json)
         print(f"\nreport: {args.json}")
     if args.clean_manifest:
         with open(args.manifest, encoding="utf-8") as handle:
             header = handle.readline()
         text = clean_manifest_text(args.manifest, args.clean_manifest, header, clips)
         atomic_text(Path(args.clean_manifest), text)
+        written.append(args.clean_manifest)
         print(f"clean manifest: {args.clean_manifest} ({report['summary']['clean_clips']} of "
               f"{report['summary']['clips']} rows)")
     summary = report["summary"]
@@ -823,6 +918,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``check-data`` to the ``training-patches`` command."""
+    from ._output import number
+
     parser = sub.add_parser(
         "check-data", help="check a coqui manifest's audio and transcripts before training",
         description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -840,14 +937,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="replace an existing --json/--clean-manifest file")
     parser.add_argument("--workers", type=_positive_int, default=_cores(),
                         help="decoding processes (default: all cores)")
-    parser.add_argument("--max-audio-seconds", type=float,
+    parser.add_argument("--max-audio-seconds", type=number(above=MIN_SECONDS, high=3600),
                         default=MAX_WAV_LENGTH / XTTS_SAMPLE_RATE,
                         help="longest clip (default: XTTS max_wav_length, 11.61 s)")
-    parser.add_argument("--max-text-tokens", type=int, default=MAX_TEXT_LENGTH,
+    parser.add_argument("--max-text-tokens", type=number(int, low=1),
+                        default=MAX_TEXT_LENGTH,
                         help="most tokens per transcript with --tokenizer (default 200)")
-    parser.add_argument("--min-snr", type=float, default=MIN_SNR_DB,
-                        help="lowest estimated SNR in dB (default 10)")
-    parser.add_argument("--rate-tolerance", type=float, default=RATE_TOLERANCE,
+    parser.add_argument("--min-snr", type=number(low=-100, high=100, what="dB"),
+                        default=MIN_SNR_DB, help="lowest estimated SNR in dB (default 10)")
+    parser.add_argument("--rate-tolerance", type=number(above=1), default=RATE_TOLERANCE,
                         help="flag rates more than this factor from the speaker's median "
                              "(default 2)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

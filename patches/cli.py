@@ -26,7 +26,10 @@ COMMAND_MODULES: tuple[str, ...] = ("patches.doctor", "patches.report", "patches
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``training-patches`` parser with every subcommand."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="training-patches", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"training-patches {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -2,8 +2,9 @@
 
 The generic half of the dataset guard: where dropped samples are listed
 (``dropped_samples.jsonl`` in the run's output folder, :func:`patches._run.output_dir`,
-else the working directory), how each is recorded once (DataLoader workers append to
-one file under a lock), and the error that stops a run when more than
+else the working directory; ``dropped_samples.rank<R>.jsonl`` for rank R of a job of
+several ranks), how each is recorded once (the DataLoader workers of one rank append to
+its file under a lock; ranks never share one), and the error that stops a run when more than
 ``max_drop_share`` of the samples fail. An integration (XTTS: :mod:`patches.integrations.
 xtts_dataset`) decides what a bad sample is and calls :func:`record_drop`.
 """
@@ -43,8 +44,8 @@ def reset() -> None:
 
 
 def report_path() -> Path:
-    """Where dropped samples are listed now (see the module doc for the order)."""
-    return Path(_run.report_dir()) / REPORT_NAME
+    """Where this rank's dropped samples are listed now (see the module doc)."""
+    return Path(_run.report_dir()) / _run.rank_file_name(REPORT_NAME)
 
 
 def sample_key(split: str, sample: dict[str, Any]) -> str:
@@ -77,13 +78,13 @@ def _append_once(path: Path, key: str, entry: dict[str, Any]) -> bool:
                     return False
             except ValueError:
                 continue
-        handle.write(json.dumps({**entry, "key": key}, ensure_ascii=False) + "\n")
+        handle.write(_run.json_line(_run.with_rank({**entry, "key": key})) + "\n")
         handle.flush()
     return True
 
 
 def read_report(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
-    """The entries of a ``dropped_samples.jsonl`` (the current one by default)."""
+    """The entries of a ``dropped_samples.jsonl`` (this rank's current one by default)."""
     path = Path(path) if path is not None else report_path()
     if not path.exists():
         return []

@@ -11,10 +11,13 @@ The library is :mod:`patches.tokenizer`; this module is its command line.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from .tokenizer.bpe import DEFAULT_NEW_PIECES
+from .tokenizer.text import MAX_WORD_CHARS
 
 PROG = "training-patches extend-tokenizer"
 
@@ -31,51 +34,60 @@ protobuf; ids and scores of the base pieces are kept.
 
 The corpus (a text file or a coqui manifest audio_file|text|speaker_name) is taken as
 the trainer sees it: through --g2p if given, then the language's cleaner (a language
-registered in training-patches, e.g. am/amh, or coqui-tts's own). Base-language text
-(--base-text, default a built-in English sample) must encode exactly as before; then the
-output is written atomically. The input is never overwritten without --in-place, an
-existing output never without --force. Exit codes: 0 written, 2 bad input (nothing
-written)."""
+registered in training-patches, e.g. am/amh, or coqui-tts's own). A UTF-8 BOM is
+dropped; a '|' table without the coqui header is refused, as is a piece of text longer
+than --max-word-chars between spaces. Base-language text (--base-text, default a built-in
+English sample) must encode exactly as before; then the output is written atomically.
+The input tokenizer is never overwritten without --in-place, the corpus and the other
+inputs never, an existing output never without --force: without it the output is created
+only if still absent at the moment of writing. Exit codes: 0 written, 2 bad input (nothing
+written), 130/143 interrupted by Ctrl-C/SIGTERM (nothing written)."""
+
+
+def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | None
+                  ) -> list[str]:
+    """Each corpus line through --g2p and the cleaner, with a progress bar (stderr, when it
+    is a terminal) counted in characters: a large corpus shows it is moving."""
+    from .tokenizer import TokenizerToolError
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a comfort, not a need
+        tqdm = None
+    bar = tqdm(total=sum(map(len, raw)), unit="char", unit_scale=True, desc="cleaning corpus",
+               file=sys.stderr, disable=None, leave=False) if tqdm is not None else None
+    texts = []
+    try:
+        for number, line in enumerate(raw, start=1):
+            try:
+                texts.append(preprocess(line))
+            except Exception as exc:  # noqa: BLE001 - the user's front-end or cleaner failed
+                raise TokenizerToolError(
+                    f"{'--g2p ' + g2p if g2p else 'the language cleaner'} failed on corpus "
+                    f"text line {number} ({line[:60]!r}): {type(exc).__name__}: {exc}. "
+                    f"Nothing was written. Fix the function or that line of the corpus.") from None
+            if bar is not None:
+                bar.update(len(line))
+    finally:
+        if bar is not None:
+            bar.close()
+    return texts
 
 
 def _extend(args: argparse.Namespace) -> int:
+    from ._output import Interrupted, stop_on_signals
     from .tokenizer import TokenizerToolError
-    from .tokenizer.text import check_output, make_preprocess, read_lines, sample_base_text
-    from .tokenizer.verify import is_json_tokenizer
 
     try:
-        src = Path(args.tokenizer)
-        if not src.is_file():
-            raise TokenizerToolError(
-                f"the tokenizer {src} was not found. Expected the base XTTS vocab.json or a "
-                f"SentencePiece .model. Check the path.")
-        json_kind = is_json_tokenizer(src)
-        if json_kind and not args.language:
-            raise TokenizerToolError(
-                f"--language is needed for the XTTS vocab.json {src}: XTTS starts every text "
-                f"with its [language] token, which the extension adds (e.g. --language am).")
-        out = check_output(src, Path(args.output) if args.output else None,
-                           in_place=args.in_place, force=args.force,
-                           suffix=f"_{args.language}" if args.language else "_extended")
-        preprocess = make_preprocess(args.language, g2p=args.g2p, clean=not args.no_cleaner)
-        raw = [line for corpus in args.corpus for line in read_lines(corpus)]
-        texts = [preprocess(line) for line in raw]
-        base_text, source = sample_base_text(args.base_text)
-        if json_kind:
-            from .tokenizer.bpe import extend_vocab_file
-
-            ext = extend_vocab_file(src, texts, out, language=args.language,
-                                    new_pieces=args.new_pieces,
-                                    min_frequency=args.min_frequency, base_text=base_text,
-                                    base_text_source=source)
-        else:
-            from .tokenizer.spm import extend_model_file
-
-            ext = extend_model_file(src, texts, out, new_pieces=args.new_pieces,
-                                    base_text=base_text, base_text_source=source)
+        with stop_on_signals():
+            texts, ext, out = _extend_checked(args)
     except TokenizerToolError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except (Interrupted, KeyboardInterrupt) as exc:
+        stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"{PROG}: {stop}; nothing was written (no partial file is left).", file=sys.stderr)
+        return stop.exit_code
     print(f"corpus: {len(texts)} lines from {', '.join(map(str, args.corpus))}"
           + (f", cleaned as {args.language}" if args.language and not args.no_cleaner else "")
           + (f", through {args.g2p}" if args.g2p else ""))
@@ -84,8 +96,72 @@ def _extend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
+    """The extension, or :class:`TokenizerToolError` with nothing written."""
+    from ._output import OutputExists, write_file
+    from .tokenizer import TokenizerToolError
+    from .tokenizer.text import (check_output, check_word_lengths, make_preprocess, read_lines,
+                                 sample_base_text)
+    from .tokenizer.verify import is_json_tokenizer
+
+    src = Path(args.tokenizer)
+    if not src.is_file():
+        raise TokenizerToolError(
+            f"the tokenizer {src} was not found. Expected the base XTTS vocab.json or a "
+            f"SentencePiece .model. Check the path.")
+    json_kind = is_json_tokenizer(src)
+    if json_kind and not args.language:
+        raise TokenizerToolError(
+            f"--language is needed for the XTTS vocab.json {src}: XTTS starts every text "
+            f"with its [language] token, which the extension adds (e.g. --language am).")
+    inputs = [("corpus", corpus) for corpus in args.corpus]
+    if args.base_text:
+        inputs.append(("--base-text", args.base_text))
+    if args.g2p and args.g2p.rpartition(":")[0].endswith(".py"):
+        inputs.append(("--g2p file", args.g2p.rpartition(":")[0]))
+    out = check_output(src, Path(args.output) if args.output else None,
+                       in_place=args.in_place, force=args.force,
+                       suffix=f"_{args.language}" if args.language else "_extended",
+                       inputs=inputs)
+    preprocess = make_preprocess(args.language, g2p=args.g2p, clean=not args.no_cleaner)
+    raw = [line for corpus in args.corpus for line in read_lines(corpus)]
+    texts = _clean_corpus(raw, preprocess, args.g2p)
+    check_word_lengths(texts, args.max_word_chars, ", ".join(map(str, args.corpus)))
+    base_text, source = sample_base_text(args.base_text)
+    replace = args.force or args.in_place
+
+    def write(path: Path, data: bytes) -> None:
+        # Without --force the output is created only if it is still absent now: a second
+        # run that passed the same check meanwhile is refused here, not silently replaced.
+        try:
+            write_file(path, data, replace=replace)
+        except OutputExists:
+            raise TokenizerToolError(
+                f"--output {path} was created by another program while this one ran (another "
+                f"extend-tokenizer writing the same file?); it was left as it is and nothing "
+                f"was written. Pass --force to replace it, or name a new file.") from None
+        except IsADirectoryError:
+            raise TokenizerToolError(f"--output {path} became a folder while this command "
+                                     f"ran; nothing was written. Name a file.") from None
+
+    if json_kind:
+        from .tokenizer.bpe import extend_vocab_file
+
+        ext = extend_vocab_file(src, texts, out, language=args.language,
+                                new_pieces=args.new_pieces, min_frequency=args.min_frequency,
+                                base_text=base_text, base_text_source=source, write=write)
+    else:
+        from .tokenizer.spm import extend_model_file
+
+        ext = extend_model_file(src, texts, out, new_pieces=args.new_pieces,
+                                base_text=base_text, base_text_source=source, write=write)
+    return texts, ext, out
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``extend-tokenizer`` to the ``training-patches`` command."""
+    from ._output import number
+
     cmd = sub.add_parser("extend-tokenizer", help="extend a vocab.json or SentencePiece model "
                          "for a new language, base ids kept", description=DESCRIPTION,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,11 +177,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--in-place", action="store_true",
                      help="write over the input tokenizer instead of --output")
     cmd.add_argument("--force", action="store_true", help="replace an existing --output file")
-    cmd.add_argument("--new-pieces", type=int, default=DEFAULT_NEW_PIECES, metavar="N",
+    cmd.add_argument("--new-pieces", type=number(int, low=0), default=DEFAULT_NEW_PIECES,
+                     metavar="N",
                      help=f"learned pieces to add besides every character (default "
                           f"{DEFAULT_NEW_PIECES}: about 2,000 per language worked best for XTTS "
                           f"in community experiments; 3,000 similar, 5,000 worse)")
-    cmd.add_argument("--min-frequency", type=int, default=2, metavar="N",
+    cmd.add_argument("--min-frequency", type=number(int, low=1), default=2, metavar="N",
                      help="a vocab.json piece must occur at least N times in the corpus "
                           "(default 2)")
     cmd.add_argument("--g2p", metavar="MODULE:FUNCTION",
@@ -114,6 +191,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "(module importable from here, or path/to/file.py:function)")
     cmd.add_argument("--no-cleaner", action="store_true",
                      help="use the corpus as it is (after --g2p), without the language's cleaner")
+    cmd.add_argument("--max-word-chars", type=number(int, low=1), default=MAX_WORD_CHARS,
+                     metavar="N",
+                     help=f"refuse a corpus holding a piece of more than N characters between "
+                          f"spaces (default {MAX_WORD_CHARS:,}): learning from one takes time "
+                          f"that grows with the square of its length")
     cmd.add_argument("--base-text", metavar="FILE",
                      help="base-language text that must encode exactly as before (default: a "
                           "built-in English sample)")

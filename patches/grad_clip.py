@@ -59,6 +59,12 @@ So the rule is an option, off by default:
 
 A plain ``torch.amp.GradScaler`` (``grad_scaler`` patch off) never says whether it
 scaled, so with it the clip is torch's whatever the option.
+
+FSDP2 (DTensor gradients): the norm is torch's own (``get_total_norm`` on DTensors
+gives the full norm as a replicated DTensor, exactly as torch's ``clip_grad_norm_``
+computes and returns it); the gradients are clipped with torch's
+``clip_grads_with_norm_``; only the non-finite count is taken from the norm's plain
+value (:func:`_plain`), since the device counters hold plain tensors.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from . import _options, grad_scaler
+from . import _dist, _options, grad_scaler
 from ._counters import DeviceCounters
 from ._log import logger
 from ._registry import PatchSpec, Site, register
@@ -103,6 +109,17 @@ def _warn_scaled_once(max_norm: float) -> None:
         "clip_grad_norm_, or set TRAINING_PATCHES_CLIP_UNSCALE_FIRST=1 (then max_norm always "
         "limits the true gradients). Logged once per process; stats()['grad_clip']"
         "['scaled_clips'] counts these calls.", max_norm)
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of a DTensor as a plain tensor: its local copy when replicated (no
+    communication), else ``full_tensor()`` (e.g. a partial norm); a plain tensor as it is."""
+    if not _dist.is_dtensor(tensor):
+        return tensor
+    from torch.distributed.tensor import Replicate
+    if all(isinstance(placement, Replicate) for placement in tensor.placements):
+        return tensor.to_local()
+    return tensor.full_tensor()
 
 
 def _true_norm(unscaled: list[torch.Tensor], scaled: list[torch.Tensor],
@@ -146,7 +163,7 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
         # A zero norm gives a clip coefficient of 1: non-finite gradients stay as they are
         # for the scaler or the NaN guard to skip, finite ones are not destroyed.
         clip_grads_with_norm_(with_grad, max_norm, total.masked_fill(nonfinite, 0.0), foreach)
-        _counts.add("nonfinite_norms", nonfinite)
+        _counts.add("nonfinite_norms", _plain(nonfinite))
     _host["calls"] += 1
     global _last
     _last = (frozenset(id(p.grad) for p in with_grad), nonfinite)

@@ -16,6 +16,11 @@ record of what it skipped. SafeGradScaler is a ``torch.amp.GradScaler`` (so
 - optionally backs off only after ``hysteresis`` consecutive overflows (as
   DeepSpeed and Megatron do). With ``hysteresis=1`` its scale follows torch's
   exactly.
+
+FSDP's ``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``) becomes :func:`sharded_scaler_class`: a
+subclass of it and of SafeGradScaler, so the same defaults, counters and floor hold,
+while torch's sharded unscale (which all-reduces the overflow flag over the process
+group, so every rank skips alike) is kept.
 """
 
 from __future__ import annotations
@@ -387,6 +392,44 @@ class CudaSafeGradScaler(SafeGradScaler):
                          enabled, **kwargs)
 
 
+_sharded_classes: dict[int, type] = {}
+
+
+def sharded_scaler_class(original: type) -> type:
+    """SafeGradScaler's behaviour on FSDP's ``ShardedGradScaler`` (``original``).
+
+    The MRO is (SafeShardedGradScaler, SafeGradScaler, ShardedGradScaler, GradScaler):
+    ``isinstance(scaler, ShardedGradScaler)`` holds, its ``unscale_`` (sharded gradients,
+    the overflow flag all-reduced over ``process_group``) runs, and ``update`` is
+    SafeGradScaler's. The signature is ShardedGradScaler's (``backoff_factor`` before
+    ``growth_factor``, ``process_group``).
+    """
+    made = _sharded_classes.get(id(original))
+    if made is not None:
+        return made
+    import torch.distributed as dist
+
+    class SafeShardedGradScaler(SafeGradScaler, original):  # type: ignore[misc, valid-type]
+        __doc__ = (f"SafeGradScaler's defaults, counters and floor on "
+                   f"{original.__module__}.{original.__qualname__}.")
+
+        def __init__(self, device: str = "cuda", init_scale: float | None = None,
+                     backoff_factor: float = 0.5, growth_factor: float = 2.0,
+                     growth_interval: int | None = None, enabled: bool = True,
+                     process_group: Any = dist.group.WORLD, **kwargs: Any) -> None:
+            SafeGradScaler.__init__(self, device, init_scale, growth_factor, backoff_factor,
+                                    growth_interval, enabled, **kwargs)
+            if self._enabled:  # ShardedGradScaler.__init__ (via super) set the default
+                self.process_group = process_group
+
+    SafeShardedGradScaler.__module__ = __name__
+    # SafeGradScaler is a base by design; what this layer wraps is FSDP's class alone.
+    SafeShardedGradScaler.__wrapped__ = original  # type: ignore[attr-defined]
+    SafeShardedGradScaler.__qualname__ = "SafeShardedGradScaler"
+    _sharded_classes[id(original)] = SafeShardedGradScaler
+    return SafeShardedGradScaler
+
+
 def stepping() -> bool:
     """True inside an optimizer step a SafeGradScaler has already checked."""
     return getattr(_stepping, "active", False)
@@ -418,12 +461,19 @@ SPEC = register(PatchSpec(
     name="grad_scaler",
     describe=lambda o: (
         f"SafeGradScaler(init_scale={o.init_scale:g}, growth_interval={o.growth_interval}, "
-        f"hysteresis={o.hysteresis}) wherever a GradScaler is built"),
+        f"hysteresis={o.hysteresis}) wherever a GradScaler or FSDP's ShardedGradScaler is "
+        f"built"),
     priority=10,  # above autocast's plain modern torch.cuda.amp.GradScaler
     sites=(
         Site("torch", "GradScaler", lambda original: SafeGradScaler, sweep=True),
         Site("torch.amp", "GradScaler", lambda original: SafeGradScaler),
         Site("torch.cuda.amp", "GradScaler", lambda original: CudaSafeGradScaler, sweep=True),
+        # FSDP's scaler (torch.distributed.fsdp does not re-export it); sweep: a trainer's
+        # `from ...sharded_grad_scaler import ShardedGradScaler` made before apply().
+        Site("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler",
+             sharded_scaler_class, sweep=True,
+             lost="FSDP's ShardedGradScaler keeps torch's init_scale 65536, no skip counters "
+                  "and no floor"),
     ),
     requires=_missing_private_names,
     reset=reset,

@@ -8,7 +8,9 @@ in plain loops and in the coqui Trainer:
 - one fused reduction decides (the norm ``clip_grad_norm_`` just computed when it
   covered these gradients, else one ``get_total_norm``), or'ed with the loss seen
   through :func:`observe_loss` and, optionally, a loss-spike test; under
-  ``torch.distributed`` the flag is all-reduced so every rank decides alike;
+  ``torch.distributed`` the flag is all-reduced so every rank decides alike (one
+  reduction of a plain local tensor: DTensor gradients of FSDP2 are checked on their
+  local shards, and the agreed decision is the max over the ranks);
 - fused optimizers (``fused=True`` AdamW/Adam) get the flag through their ``found_inf``
   protocol: the kernel leaves parameters and moments untouched and takes back its step
   count increment (``state_steps -= found_inf``), and the guard reads nothing per step.
@@ -39,6 +41,14 @@ in plain loops and in the coqui Trainer:
   the run stops with :class:`NonFiniteTrainingError`, which says what to try.
 
 Steps a GradScaler protects are left to it.
+
+Many processes (DDP, FSDP2): every rank skips the same steps. :func:`stats` then gives
+on every rank the same ``"steps"`` and ``"skipped"`` (the agreed decisions), while
+``"nonfinite_losses"``, ``"nonfinite_grads"`` and ``"spikes"`` count what THIS rank saw
+and ``"peer_skips"`` the steps it skipped only because another rank saw a non-finite
+loss or gradient (or a spike). Such a step's event has ``"kind": "peer_nonfinite"`` and
+no gradient list. Gradients that are non-finite on this rank only because a peer's loss
+was (the gradient all-reduce or reduce-scatter spreads it) count as the peer's.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ from torch.nn.utils import get_total_norm
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
-from . import _options, _run, grad_clip, grad_scaler
+from . import _dist, _options, _run, grad_clip, grad_scaler
 from ._log import info, logger
 from ._registry import PatchSpec, Site, register
 
@@ -74,7 +84,7 @@ class _State:
         # whose flags the host reads anyway (fused steps: when their flags are settled).
         self.counts = dict.fromkeys(
             ("steps", "skipped", "nonfinite_losses", "nonfinite_grads", "spikes",
-             "skipped_micro_batches"), 0)
+             "skipped_micro_batches", "peer_skips"), 0)
         self.host_steps = 0  # optimizer steps seen (known on the host, no sync)
         self.streak = 0  # consecutive skipped steps the host knows of
         self.first_bad: dict[str, Any] | None = None
@@ -82,7 +92,8 @@ class _State:
         self.pending_loss: torch.Tensor | None = None
         self.decisions: dict[int, bool | torch.Tensor] = {}  # id(optimizer) -> skipped?
         # Fused steps whose flags the host has not read: (step, flag, grad flag, loss,
-        # spike flag, what the host knew of that step: trainer step and sample ids).
+        # spike flag, what the host knew of that step: trainer step, sample ids and, with
+        # several ranks, whether any rank's loss was non-finite).
         self.deferred: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None,
                                   torch.Tensor | None, dict[str, Any]]] = []
         self.names: dict[int, str] = {}  # id(parameter) -> name, from watch()
@@ -168,13 +179,28 @@ def _remember_loss(loss: torch.Tensor, bad: torch.Tensor, opts: _options.Options
     _state.window_count += 1
 
 
-def _all_reduce(flag: torch.Tensor) -> torch.Tensor:
+def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every rank's decision: (any rank's flag, any rank's non-finite loss flag).
+
+    One all-reduce (MAX) of a plain two-element tensor: DTensors are never reduced (a
+    collective on one has no sharding strategy). The second value tells a rank whose
+    gradients are non-finite only because a peer's NaN loss reached them through the
+    gradient sync that the peer saw it. Without a process group: ``(bad, None)``.
+    """
+    if not _dist.collectives():
+        return bad, None
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        shared = flag.to(torch.float32)
-        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-        return shared > 0
-    return flag
+    shared = torch.stack([bad, bad_loss if bad_loss is not None else torch.zeros_like(bad)]
+                         ).to(torch.float32)
+    dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+    agreed = shared > 0
+    return agreed[0], agreed[1]
+
+
+def _local_flag(flag: torch.Tensor) -> torch.Tensor:
+    """A flag computed from DTensors as a plain tensor (its value on this rank)."""
+    return _dist.local(flag) if _dist.is_dtensor(flag) else flag
 
 
 def _step_boundary() -> None:
@@ -196,12 +222,19 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
     _state.pending_loss = None
     if not grads and loss is None:
         return
+    sharded = bool(grads) and _dist.is_dtensor(grads[0])
+    if sharded:
+        # FSDP2: check this rank's own shards (no collective; the clip's replicated norm
+        # would not say which rank's shards are bad), the ranks agree below.
+        grads = [_dist.local(g) for g in grads]
     device = grads[0].device if grads else loss.device  # type: ignore[union-attr]
-    bad_grad = grad_clip.nonfinite_for(grads) if grads else None
+    bad_grad = grad_clip.nonfinite_for(grads) if grads and not sharded else None
+    if sharded:
+        grad_clip.nonfinite_for([])  # forget the clip's flag: it belongs to this step
     if bad_grad is None:
         bad_grad = (~torch.isfinite(get_total_norm(grads, 2.0, False, None)) if grads
                     else torch.zeros((), dtype=torch.bool, device=device))
-    bad_grad = bad_grad.to(device)
+    bad_grad = _local_flag(bad_grad).to(device)
     bad = bad_grad
     bad_loss = spike = None
     if loss is not None:
@@ -209,7 +242,7 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
         bad_loss = ~torch.isfinite(loss)
         spike = _spike_flag(loss, opts)
         bad = bad | bad_loss if spike is None else bad | bad_loss | spike
-    bad = _all_reduce(bad)
+    bad, any_bad_loss = _agree(bad, bad_loss)
     _state.host_steps += 1
     _state.counts["steps"] += 1
     if loss is not None:
@@ -222,7 +255,8 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
         _state.decisions[id(optimizer)] = bad
         _state.deferred.append((_state.host_steps, bad, bad_grad, loss, spike,
                                 {"trainer_step": _run.trainer_step,
-                                 "samples": list(_run.batch_ids)}))
+                                 "samples": list(_run.batch_ids),
+                                 "any_bad_loss": any_bad_loss}))
         if _state.host_steps % opts.log_interval == 0:
             _log_stats()  # settles the flags
         elif len(_state.deferred) >= min(opts.log_interval, opts.max_bad_steps):
@@ -236,7 +270,8 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
         if loss is not None:
             _state.last_good_loss = loss
     else:
-        _on_bad_step(optimizer, _state.host_steps, bad_grad, loss, spike)
+        _on_bad_step(optimizer, _state.host_steps, bad_grad, loss, spike,
+                     any_bad_loss=any_bad_loss)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None  # the optimizer now skips every parameter: an exact no-op
@@ -259,7 +294,8 @@ def _settle_deferred() -> None:
     flags = torch.stack([entry[1] for entry in entries]).tolist()
     for (step, _, bad_grad, loss, spike, known), skipped in zip(entries, flags):
         if skipped:
-            _on_bad_step(None, step, bad_grad, loss, spike, known)
+            _on_bad_step(None, step, bad_grad, loss, spike, known,
+                         any_bad_loss=known.get("any_bad_loss"))
         else:
             _state.streak = 0
             if loss is not None:
@@ -295,9 +331,11 @@ def _learn_names(params: list[torch.Tensor]) -> None:
 def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
     if optimizer is None:
         return []
+    # A bad step only: one read per parameter is acceptable here. DTensor gradients are
+    # judged by this rank's shard (a DTensor refuses bool()).
     bad = [(g, i, p) for g, group in enumerate(optimizer.param_groups)
            for i, p in enumerate(group["params"])
-           if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+           if p.grad is not None and not bool(torch.isfinite(_dist.local(p.grad)).all())]
     _learn_names([p for _, _, p in bad])
     return [_state.names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
             for g, i, p in bad]
@@ -317,53 +355,71 @@ def _optimizer_step(optimizer: torch.optim.Optimizer | None) -> int | None:
 
 def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: torch.Tensor,
                  loss: torch.Tensor | None, spike: torch.Tensor | None,
-                 known: dict[str, Any] | None = None) -> None:
+                 known: dict[str, Any] | None = None, *,
+                 any_bad_loss: torch.Tensor | None = None) -> None:
     """Record a skipped step. ``known``: what the host knew at that step, when its flag is
-    read later (fused optimizers); the batch is gone by then, so it is not replayed."""
+    read later (fused optimizers); the batch is gone by then, so it is not replayed.
+    ``any_bad_loss``: with several ranks, whether any rank's loss was non-finite."""
     _state.streak += 1
     trainer_step = known["trainer_step"] if known is not None else _run.trainer_step
     loss_value = _value(loss)
     is_spike = bool(spike.item()) if spike is not None else False
     nonfinite_loss = loss_value is not None and not math.isfinite(loss_value)
+    grad_seen = bool(bad_grad.item())
+    if grad_seen and not nonfinite_loss and any_bad_loss is not None and bool(any_bad_loss):
+        grad_seen = False  # a peer's NaN loss, spread here by the gradient sync
+    # Skipped only because another rank saw a bad value (the decision is agreed).
+    peer = not (nonfinite_loss or grad_seen or is_spike)
     counts = _state.counts
     counts["skipped"] += 1
+    counts["peer_skips"] += peer
     counts["nonfinite_losses"] += nonfinite_loss
-    counts["nonfinite_grads"] += bool(bad_grad.item())
+    counts["nonfinite_grads"] += grad_seen
     counts["spikes"] += is_spike and not nonfinite_loss
-    kind = "loss_spike" if is_spike and not nonfinite_loss else (
+    kind = "peer_nonfinite" if peer else "loss_spike" if is_spike and not nonfinite_loss else (
         "nonfinite_loss" if nonfinite_loss else "nonfinite_grad")
-    scaler = grad_scaler.pending_scaler()
-    event = {
+    event: dict[str, Any] = {
         "step": step,
         "trainer_step": (trainer_step if trainer_step is not None
                          else _optimizer_step(optimizer)),
         "kind": kind,
         "loss": loss_value,
-        "nonfinite_grads": _bad_grad_names(optimizer) if bool(bad_grad.item()) else [],
-        "scale": scaler.get_scale() if scaler is not None else None,
-        "samples": list(known["samples"] if known is not None else _run.batch_ids),
-        "consecutive": _state.streak,
     }
+    if not peer:  # a follower has no gradient list of its own (and no bogus one)
+        scaler = grad_scaler.pending_scaler()
+        event["nonfinite_grads"] = _bad_grad_names(optimizer) if grad_seen else []
+        event["scale"] = scaler.get_scale() if scaler is not None else None
+    event["samples"] = list(known["samples"] if known is not None else _run.batch_ids)
+    event["consecutive"] = _state.streak
     if known is not None:
         event["read_at_step"] = _state.host_steps  # the flag waited on the device till then
     if _state.first_bad is None or _state.streak == 1:
         _state.first_bad = event
     opts = _options.current()
     if (opts.replay and not _state.replayed and _state.replay is not None and not is_spike
-            and known is None):
+            and not peer and known is None):
         _state.replayed = True
         event["source"] = _state.replay()
     path = _run.append_jsonl(EVENTS_FILE, event)
     _state.events_path = path
-    grads = event["nonfinite_grads"]
-    what = (f"non-finite gradients in {', '.join(grads[:3])}"
-            + (f" (+{len(grads) - 3} more)" if len(grads) > 3 else "")) if grads else kind
     where = (f"trainer step {trainer_step} (optimizer step {step})"
              if trainer_step is not None else f"optimizer step {step}")
-    logger.warning("nan_guard: %s skipped: the whole optimizer step (%s; loss=%s)%s%s; "
-                   "recorded in %s", where, what, loss_value,
-                   f"; samples: {', '.join(event['samples'][:4])}" if event["samples"] else "",
-                   f"; source: {event['source']}" if event.get("source") else "", path)
+    if peer:
+        logger.warning("nan_guard: %s skipped on rank %d of %d because another rank saw a "
+                       "non-finite loss or gradient or a loss spike (this rank's own loss: %s; "
+                       "its gradients were finite apart from what the gradient sync brought "
+                       "from that rank); every rank skips the same steps; "
+                       "recorded in %s", where, _dist.rank(), _dist.world_size(), loss_value,
+                       path)
+    else:
+        grads = event["nonfinite_grads"]
+        what = (f"non-finite gradients in {', '.join(grads[:3])}"
+                + (f" (+{len(grads) - 3} more)" if len(grads) > 3 else "")) if grads else kind
+        logger.warning("nan_guard: %s skipped: the whole optimizer step (%s; loss=%s)%s%s; "
+                       "recorded in %s", where, what, loss_value,
+                       f"; samples: {', '.join(event['samples'][:4])}" if event["samples"]
+                       else "",
+                       f"; source: {event['source']}" if event.get("source") else "", path)
     if _state.streak >= opts.max_bad_steps:
         _raise(step)
 
@@ -386,7 +442,7 @@ def _raise(step: int) -> None:
         f"{first.get('scale')}; samples in that batch: {', '.join(samples) or 'unknown'}. "
         f"The last finite loss was {last_loss}."
         + (f" Where it started: {first['source']}." if first.get("source") else "")
-        + f" Every skipped step is in {_run.report_dir()}/{EVENTS_FILE}. Try: a lower "
+        + f" Every skipped step is in {_state.events_path}. Try: a lower "
         "learning rate; "
         "checking those samples (`training-patches report RUN_DIR` lists them); fp32 "
         "instead of fp16/bf16 (on a T4, disable fp16); TRAINING_PATCHES_ANOMALY=1 for one run to name the operation. "
@@ -396,12 +452,19 @@ def _raise(step: int) -> None:
 def _log_stats() -> None:
     counts = stats()
     info("nan_guard stats @ step %d: skipped %d of %d optimizer steps (non-finite losses %d, "
-         "non-finite gradients %d, loss spikes %d)", _state.host_steps, counts["skipped"],
-         counts["steps"], counts["nonfinite_losses"], counts["nonfinite_grads"], counts["spikes"])
+         "non-finite gradients %d, loss spikes %d%s)", _state.host_steps, counts["skipped"],
+         counts["steps"], counts["nonfinite_losses"], counts["nonfinite_grads"], counts["spikes"],
+         f", skipped for another rank {counts['peer_skips']}" if _dist.world_size() > 1 else "")
 
 
 def stats() -> dict[str, int]:
-    """Counters as plain ints (settles deferred fused-step flags first)."""
+    """Counters as plain ints (settles deferred fused-step flags first).
+
+    ``steps`` and ``skipped`` are the decisions (the same on every rank of a process
+    group); ``nonfinite_losses``, ``nonfinite_grads`` and ``spikes`` count what this rank
+    saw; ``peer_skips`` counts steps skipped only because another rank saw a bad value;
+    ``skipped_micro_batches`` counts micro-batches left out of an accumulated gradient.
+    """
     _settle_deferred()
     return {**_state.counts, "consecutive_skips": _state.streak}
 

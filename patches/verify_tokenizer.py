@@ -54,6 +54,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``verify-tokenizer`` to the ``training-patches`` command."""
+    from ._output import number
+
     cmd = sub.add_parser("verify-tokenizer", help="check a tokenizer (and a checkpoint) before "
                          "training", description=DESCRIPTION,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     base.add_argument("--base", metavar="FILE",
                       help="the tokenizer this one extends: gives the base/extended id ranges "
                            "and checks every base id is kept")
-    base.add_argument("--base-size", type=int, metavar="N",
+    base.add_argument("--base-size", type=number(int, low=1), metavar="N",
                       help="the number of base tokens, when the base file is not at hand")
     cmd.add_argument("--language", metavar="CODE",
                      help="the language of the texts: its [CODE] token must be special "
@@ -71,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="a text file (one line each) or coqui manifest to measure; repeatable")
     cmd.add_argument("--checkpoint", metavar="MODEL_PTH",
                      help="a model checkpoint whose text-embedding rows must fit the vocabulary")
-    cmd.add_argument("--max-unk-rate", type=float, default=0.0, metavar="R",
+    cmd.add_argument("--max-unk-rate", type=number(low=0, high=1), default=0.0, metavar="R",
                      help="highest share of [UNK] tokens that passes (default 0.0: none)")
     cmd.add_argument("--g2p", metavar="MODULE:FUNCTION",
                      help="the G2P/front-end the trainer applies before tokenizing")

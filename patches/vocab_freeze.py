@@ -31,6 +31,15 @@ training sequence begins with it, so it is FROZEN with the other base rows. Othe
 is not last) the base rows are ``0 .. base-1``. The rule is :func:`frozen_rows` with
 :func:`start_row_is_last`; the loader uses the same one.
 
+Sharded parameters (FSDP2 ``fully_shard``, DTensor): slicing a row-sharded DTensor
+gives a copy, so each rank works on its local shard: the global frozen rows are mapped
+to the shard's own rows by its global row offset (``compute_local_shape_and_global_offset``
+of the DTensor's placements, torch.chunk layout, uneven shards included); each rank
+zeroes those rows of its gradient shard, stores them and restores them. Placements
+``Shard(d)`` and ``Replicate()`` are exact this way; any other (``Partial``, a strided
+shard of FSDP2 combined with tensor parallelism, an unknown placement) is refused with
+:class:`VocabFreezeError` on every rank, never frozen silently.
+
 Activation without code changes: ``TRAINING_PATCHES_BASE_VOCAB=12000`` makes every
 XTTS ``GPTTrainer`` freeze its base rows when it is built (see
 :mod:`patches.integrations.xtts_gpt`); a later ``load_state_dict`` of the model (the
@@ -39,6 +48,7 @@ coqui Trainer's restore on resume) refreshes the stored rows from what was loade
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -49,7 +59,7 @@ from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
-from . import _options, _run
+from . import _dist, _options, _run
 from ._log import info, logger
 from ._registry import PatchSpec, register
 
@@ -158,6 +168,39 @@ class _Entry:
     param: nn.Parameter
     stored: torch.Tensor | None = None
     grad_hook: Any = None
+    # The frozen rows as rows of this rank's tensor (of its local shard for a DTensor).
+    local_rows: tuple[range, ...] = ()
+
+
+def _local_rows(path: str, param: torch.Tensor, rows: Sequence[range]) -> tuple[range, ...]:
+    """``rows`` (global row indices) as rows of ``param``'s local tensor on this rank.
+
+    A plain tensor: the rows themselves. A DTensor: its local shard holds the global rows
+    ``offset .. offset + local rows - 1`` of dim 0 (``compute_local_shape_and_global_offset``,
+    the layout FSDP2 and ``distribute_tensor`` use); only ``Shard``/``Replicate``
+    placements are mapped, anything else raises :class:`VocabFreezeError`.
+    """
+    if not _dist.is_dtensor(param):
+        return tuple(rows)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    placements = tuple(param.placements)  # type: ignore[attr-defined]
+    local = _dist.local(param)
+    unknown = [p for p in placements if type(p) not in (Shard, Replicate)]
+    shape, offset = ((), ()) if unknown else compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, placements)  # type: ignore[attr-defined]
+    if unknown or tuple(shape) != tuple(local.shape):
+        raise VocabFreezeError(
+            f"training-patches vocab_freeze: {path} is a DTensor with placements "
+            f"{placements} on {param.device_mesh} (local shard {tuple(local.shape)} of "  # type: ignore[attr-defined]
+            f"{tuple(param.shape)}), a layout whose rows this rank cannot map to global row "
+            f"indices, so its base rows cannot be kept exact. Expected Shard(dim) or "
+            f"Replicate() placements (FSDP2 fully_shard shards dim 0: Shard(0)). Freeze "
+            f"before applying this layout, shard the vocabulary tensors with fully_shard "
+            f"(Shard(0)) or leave them replicated, or unset TRAINING_PATCHES_BASE_VOCAB.")
+    start, stop = offset[0], offset[0] + shape[0]
+    return tuple(range(max(r.start, start) - start, min(r.stop, stop) - start)
+                 for r in rows if max(r.start, start) < min(r.stop, stop))
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -364,12 +407,22 @@ class VocabFreeze:
         return {entry.path: entry.stored for entry in self._entries if entry.stored is not None}
 
     def frozen_numel(self) -> int:
-        return sum(entry.stored.numel() for entry in self._entries if entry.stored is not None)
+        """Frozen elements over all ranks (whole tensors, not this rank's shards)."""
+        rows = sum(len(r) for r in self.rows)
+        return sum(rows * math.prod(entry.param.shape[1:])
+                   for entry in self._entries if entry.stored is not None)
 
-    def _base(self, tensor: torch.Tensor) -> torch.Tensor:
-        if len(self.rows) == 1:
-            return tensor[self.rows[0].start:self.rows[0].stop]
-        return torch.cat([tensor[r.start:r.stop] for r in self.rows])
+    @staticmethod
+    def _base(entry: _Entry) -> torch.Tensor:
+        """A copy of the entry's frozen rows of this rank's tensor (its shard)."""
+        tensor = _dist.local(entry.param.detach())
+        parts = [tensor[r.start:r.stop] for r in entry.local_rows]
+        if len(parts) == 1:
+            return parts[0].clone()
+        return torch.cat(parts) if parts else tensor[:0].clone()
+
+    def _map_rows(self, entry: _Entry) -> None:
+        entry.local_rows = _local_rows(entry.path, entry.param, self.rows)
 
     def refresh(self) -> None:
         """Store the current base rows (after a load, or to accept a deliberate edit)."""
@@ -378,7 +431,8 @@ class VocabFreeze:
                 current = entry.module._parameters.get(entry.name)
                 if current is not entry.param and isinstance(current, nn.Parameter):
                     self._rehook(entry, current)
-                entry.stored = self._base(entry.param.detach()).clone()
+                self._map_rows(entry)
+                entry.stored = self._base(entry)
 
     # -- hooks ---------------------------------------------------------------
 
@@ -393,6 +447,9 @@ class VocabFreeze:
             if handle is not None:
                 handle._zero_grad_rows(param)
         return zero_base_rows
+
+    def _entry_of(self, param: torch.Tensor) -> _Entry | None:
+        return next((entry for entry in self._entries if entry.param is param), None)
 
     def _attach(self) -> None:
         for entry in self._entries:
@@ -422,7 +479,10 @@ class VocabFreeze:
         grad = param.grad
         if grad is None or grad.is_sparse:
             return  # sparse gradients: the restore after the step still keeps the rows exact
-        for r in self.rows:
+        entry = self._entry_of(param)
+        rows = entry.local_rows if entry is not None else self.rows
+        grad = _dist.local(grad)  # a DTensor slice is a copy: zero the shard's own rows
+        for r in rows:
             grad[r.start:r.stop].zero_()
 
     def _after_load(self, module: nn.Module, incompatible: Any) -> None:
@@ -458,7 +518,8 @@ class VocabFreeze:
                         "follows it (%d rows, base rows %s frozen)", TAG, module_path, rows,
                         _describe(self.rows))
             with torch.no_grad():
-                entry.stored = self._base(param.detach()).clone()
+                self._map_rows(entry)
+                entry.stored = self._base(entry)
                 if param.grad is not None:  # this step's backward ran before the hook
                     self._zero_grad_rows(param)
 
@@ -477,14 +538,14 @@ class VocabFreeze:
         with torch.no_grad():
             for entry in self._entries:
                 stored = entry.stored
-                param = entry.param
+                param = _dist.local(entry.param)  # the shard this rank restores in place
                 if stored is None:
                     continue
                 if stored.device != param.device or stored.dtype != param.dtype:
                     # the model moved (.cuda(), .half()) after the freeze: move the copy once
                     stored = entry.stored = stored.to(param.device, param.dtype)
                 start = 0
-                for r in self.rows:
+                for r in entry.local_rows:
                     n = r.stop - r.start
                     param[r.start:r.stop].copy_(stored[start:start + n])
                     start += n
@@ -597,6 +658,13 @@ def _log_start(handle: VocabFreeze, model: nn.Module) -> None:
     info("%s Freezing %s / %s parameters (%.1f%%) in %s: gradients zeroed, rows restored after "
          "every optimizer step%s", TAG, f"{frozen:,}", f"{total:,}",
          100.0 * frozen / max(total, 1), ", ".join(handle.paths), until)
+    sharded = [entry for entry in handle._entries if _dist.is_dtensor(entry.param)]
+    if sharded:
+        info("%s Sharded tensors (%s): rank %d freezes and restores its own rows %s", TAG,
+             ", ".join(f"{entry.path} {tuple(entry.param.placements)}"  # type: ignore[attr-defined]
+                       for entry in sharded), _dist.rank(),
+             "; ".join(f"{entry.path}: {_describe(entry.local_rows) or 'none'} (local)"
+                       for entry in sharded))
 
 
 # -- the patch: activation by TRAINING_PATCHES_BASE_VOCAB ---------------------------

@@ -75,3 +75,20 @@ def write_amharic_base(root: Path):
     for name in ("vocab.json", "dvae.pth", "mel_stats.pth"):
         shutil.copy(tiny.root / name, base / name)
     return tiny, base
+
+
+DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The many-process tier: every test in tests/distributed is marked ``distributed``
+    (``-m distributed`` runs only them) and skips where torch has no gloo. (No conftest of
+    its own there: a second ``conftest`` module would shadow this one's helpers.)"""
+    import torch
+
+    gloo = torch.distributed.is_available() and torch.distributed.is_gloo_available()
+    for item in items:
+        if DISTRIBUTED in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.distributed)
+            if not gloo:
+                item.add_marker(pytest.mark.skip(reason="torch.distributed with gloo is not available"))

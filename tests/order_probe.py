@@ -104,7 +104,10 @@ def check_sites(patch: str, patched: bool) -> None:
             check(len(layers) == (1 if patched else 0), f"{site}: {len(layers)} layers")
             check(is_ours(value) == patched, f"{site} is {'not ' if patched else ''}ours")
             if patched:
-                below = value.__bases__ if isinstance(value, type) else [value.__wrapped__]
+                # A class names what it wraps (SafeShardedGradScaler: FSDP's class, while
+                # SafeGradScaler is a base by design), else its bases are what it wraps.
+                below = ([value.__wrapped__] if hasattr(value, "__wrapped__") else
+                         value.__bases__ if isinstance(value, type) else [value.__wrapped__])
                 check(not any(is_ours(b) for b in below), f"{site} wraps ours (double wrap)")
             continue
         if site.key in ORIGINALS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -346,3 +347,107 @@ def test_a_bad_tokenizer_file_is_a_usage_error(dataset, tmp_path, capsys) -> Non
     assert str(broken) in err and "could not be loaded" in err and "\n" not in err
     assert run([str(manifest), "--tokenizer", str(tmp_path / "none.json")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+# -- a signal ends the command and its workers (issue 19) -------------------------------------
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_ends_check_data_and_its_workers_within_seconds(tmp_path, signum,
+                                                                  code) -> None:
+    """check-data in a subprocess, mid-run on a big manifest, gets SIGTERM (SIGINT): it
+    exits 143 (130) with one line, every pool worker is gone within seconds, stdout reaches
+    EOF (a caller reading the pipe does not hang) and no output file is written."""
+    psutil = pytest.importorskip("psutil")
+    import os
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    name = write_wav(tmp_path, "long.wav", speech_like(20.0, 3))
+    text = matching_text(20.0, 0)
+    manifest = write_manifest(tmp_path / "big.csv", [(name, text, "s")] * 6000)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "patches", "check-data", str(manifest), "--workers", "2",
+         "--json", str(tmp_path / "report.json"), "--no-progress"], cwd=root, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = psutil.Process(proc.pid)
+    workers: list = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and time.monotonic() < deadline:  # the pool is decoding
+            workers = command.children(recursive=True)
+            time.sleep(0.1)
+        assert len(workers) >= 2, "the pool never started"
+        time.sleep(1.0)
+        assert proc.poll() is None, "the check ended before the signal: make the manifest longer"
+        proc.send_signal(signum)
+        started = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=30)  # EOF on both pipes
+        gone, alive = psutil.wait_procs(workers, timeout=max(0.1, 10 - (time.monotonic()
+                                                                         - started)))
+        elapsed = time.monotonic() - started
+    finally:
+        for process in [command, *workers]:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert not alive, f"workers still running: {alive}"
+    assert elapsed < 10, elapsed
+    assert proc.returncode == code, (stdout, stderr)
+    assert stdout == ""
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    assert signal.Signals(signum).name in stderr and "nothing was written" in stderr
+    assert not (tmp_path / "report.json").exists()
+
+
+def _one_paragraph(err: str) -> None:
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_outputs_that_would_lose_a_file_or_crash_are_refused(dataset, tmp_path, capsys) -> None:
+    """--json and --clean-manifest naming one file (the report would be lost), a folder
+    (even with --force), a path under a file: exit 2, one paragraph, nothing written."""
+    manifest, _, _ = dataset
+    folder = tmp_path / "out"
+    folder.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine", encoding="utf-8")
+    cases = [(["--json", tmp_path / "x", "--clean-manifest", tmp_path / "x"], "the same file"),
+             (["--json", folder, "--force"], "is a folder"),
+             (["--clean-manifest", folder, "--force"], "is a folder"),
+             (["--json", a_file / "x.json"], "does not exist (or is a file)")]
+    for extra, expected in cases:
+        assert run([str(manifest), "--workers", "1", *map(str, extra)]) == 2, extra
+        err = capsys.readouterr().err
+        _one_paragraph(err)
+        assert expected in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "out"]
+    assert not list(folder.iterdir()) and a_file.read_text(encoding="utf-8") == "mine"
+
+
+@pytest.mark.parametrize("option,value", [
+    ("--max-audio-seconds", "nan"), ("--max-audio-seconds", "-1"), ("--min-snr", "inf"),
+    ("--max-text-tokens", "-5"), ("--rate-tolerance", "nan"), ("--rate-tolerance", "0.5")])
+def test_numbers_out_of_range_are_refused(dataset, option, value, capsys) -> None:
+    """A limit no clip can fail (nan: every comparison false) is a usage error, not a pass."""
+    manifest, _, _ = dataset
+    with pytest.raises(SystemExit) as info:
+        run([str(manifest), option, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: expected" in err and repr(value) in err
+
+
+def test_a_line_longer_than_csv_allows_is_one_paragraph(tmp_path, capsys) -> None:
+    """A 9 MB one-line transcript (csv's field limit is 131072 characters): exit 2 naming the
+    line, not a _csv.Error traceback."""
+    path = tmp_path / "metadata.csv"
+    path.write_text("audio_file|text|speaker_name\nwavs/a.wav|ሰላም|s\nwavs/b.wav|\"" + "ሀ" * 9_000_000
+                    + "|s\n", encoding="utf-8")
+    assert run([str(path), "--workers", "1"]) == 2
+    captured = capsys.readouterr()
+    _one_paragraph(captured.err)
+    assert "line 3 (9,000,014 characters)" in captured.err and captured.out == ""

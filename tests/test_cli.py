@@ -13,7 +13,8 @@ def test_doctor_lists_torch_and_exits_zero(capsys) -> None:
     assert "torch" in out and "wrapt" in out and "ffmpeg" in out
 
 
-def test_report_summarises_events_and_dropped_samples(tmp_path, capsys) -> None:
+def test_report_summarises_events_and_dropped_samples(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the picture goes to the current folder
     events = [
         {"step": 3, "trainer_step": 2, "kind": "nonfinite_loss", "samples": ["a.wav", "b.wav"],
          "consecutive": 1, "source": {"module": "gpt.text_embedding", "where": "output"}},
@@ -35,3 +36,14 @@ def test_report_summarises_events_and_dropped_samples(tmp_path, capsys) -> None:
 def test_report_on_a_missing_folder_is_a_clear_error(tmp_path, capsys) -> None:
     assert cli.main(["report", str(tmp_path / "nope")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_version(capsys) -> None:
+    import pytest
+
+    import patches
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"training-patches {patches.__version__}"

@@ -114,7 +114,7 @@ def _assert_xtts_run(harness: dict, base: dict[str, Path], out: Path) -> None:
     assert stats["skipped"] == 0  # no optimizer step was dropped
     run_dir = Path(harness["run_dir"])
     (event,) = _events(run_dir)
-    assert event["micro_batch"] is True and math.isnan(event["loss"])
+    assert event["micro_batch"] is True and math.isnan(float(event["loss"]))
     assert event["samples"] == harness["faulty_samples"] and len(event["samples"]) == 1
     assert event["trainer_step"] == NAN_AT - 1  # coqui counts micro-batches from 0
     assert event["source"]["module"].endswith("gpt.text_embedding")  # the swapped module
@@ -327,7 +327,7 @@ def test_indextts_nan_step_evidence_and_step_accounting(indextts_files, tmp_path
     stats = harness["stats"]["nan_guard"]
     assert stats["skipped"] == 1 and stats["nonfinite_losses"] == 1 and stats["steps"] == 8
     (event,) = _events(out)  # beside model_step4.pth / latest.pth, with no setting
-    assert event["step"] == 6 and math.isnan(event["loss"])
+    assert event["step"] == 6 and math.isnan(float(event["loss"]))
     assert event["samples"] == harness["faulty_samples"]
     assert any(name.startswith("text_embedding") for name in event["nonfinite_grads"])
     assert str(out / "nonfinite_events.jsonl") in harness["output"]

@@ -81,7 +81,8 @@ def test_fused_adamw_guard_reads_nothing_per_step(guard: str,
     assert reads == {25: 1, 50: 1}  # steps 2..51: one copy at guard steps 25 and 50
     assert nan_guard.stats() == {"steps": 51, "skipped": 0, "nonfinite_losses": 0,
                                  "nonfinite_grads": 0, "spikes": 0,
-                                 "skipped_micro_batches": 0, "consecutive_skips": 0}
+                                 "skipped_micro_batches": 0, "peer_skips": 0,
+                                 "consecutive_skips": 0}
 
 
 def test_fused_guard_reads_nothing_between_logs_when_the_stop_allows(

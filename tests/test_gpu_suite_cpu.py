@@ -121,6 +121,8 @@ def test_results_are_written_as_json_and_markdown(tmp_path) -> None:
         "runs": {"tiny fp16": {"iterations": 14, "skipped_iterations": [3, 4], "scaler":
                                "SafeGradScaler", "scaler_stats": {"skipped": 2},
                                "guard_stats": {"skipped": 0}, "finite": True}},
+        "multi": {"step ratio ddp": "| DDP, fp32 + clip | 10.00 | 10.10 | 1.010 |",
+                  "accelerate DDP NCCL no, NaN on rank 1": "both skipped, equal"},
     }
     json_path, md_path = harness.write_results(results, tmp_path / "out")
     data = json.loads(json_path.read_text())
@@ -129,6 +131,8 @@ def test_results_are_written_as_json_and_markdown(tmp_path) -> None:
     assert "| tiny fp16 fused AdamW | SafeGradScaler | 2 | 2 | 10.00 | 10.10 | 1.010 | 100 | 100 |" \
         in text
     assert "| tiny fp16 | SafeGradScaler | 14 | 2 | 2 | 0 | True |" in text
+    assert "multi-GPU (2 ranks, NCCL):" in text and "| DDP, fp32 + clip | 10.00 | 10.10 | 1.010 |" \
+        in text and "- accelerate DDP NCCL no, NaN on rank 1: both skipped, equal" in text
 
 
 @pytest.mark.slow
@@ -141,4 +145,5 @@ def test_the_gpu_suite_is_skipped_without_a_gpu() -> None:
                            "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "11 skipped" in done.stdout and "no CUDA GPU visible" in done.stdout
+    # 11 single-GPU tests and the 7 of the multi-GPU section (test_gpu_multi.py)
+    assert "18 skipped" in done.stdout and "no CUDA GPU visible" in done.stdout

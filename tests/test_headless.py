@@ -52,6 +52,19 @@ def test_help_documents_every_option() -> None:
         assert needed in flags
 
 
+def test_help_comes_without_the_banner() -> None:
+    """``--help`` prints the help, not the activation's 20-line banner first (issue 19); any
+    other start still shows the banner (here: an unknown flag, refused by argparse)."""
+    result = _run("--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: headlessXttsTrain.py")
+    assert "applying training patches" not in result.stdout + result.stderr
+    assert result.stderr == ""
+    other = _run("--no-such-flag")
+    assert other.returncode == 2
+    assert "applying training patches" in other.stderr and "unrecognized" in other.stderr
+
+
 def test_missing_base_file_is_a_clear_error(tmp_path: Path) -> None:
     base = tmp_path / "base"
     base.mkdir()

@@ -71,7 +71,7 @@ def test_events_go_beside_the_checkpoints_with_names_loss_and_step(
     events = [json.loads(line) for line in (ckpts / "nonfinite_events.jsonl").open()]
     assert len(events) == 1
     event = events[0]
-    assert event["kind"] == "nonfinite_loss" and event["loss"] != event["loss"]  # NaN
+    assert event["kind"] == "nonfinite_loss" and event["loss"] == "NaN"  # strict JSON
     assert event["trainer_step"] == 4  # the optimizer's own step count, as the loop counts
     assert "text_embedding.weight" in event["nonfinite_grads"]
     assert not any(name.startswith("param_groups") for name in event["nonfinite_grads"])

@@ -92,7 +92,7 @@ def test_a_clean_run_is_healthy(tmp_path, capsys) -> None:
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_output_dir_holding_a_run_subfolder_is_found(tmp_path, capsys) -> None:
+def test_output_dir_holding_a_run_subfolder_is_found(tmp_path, capsys, monkeypatch) -> None:
     """headlessXttsTrain.py: headless_runs.jsonl in --output-dir, the Trainer's run folder
     (TensorBoard, the NaN guard's events) below it."""
     run = tmp_path / "xtts_finetune-May-01-2026_10+00AM-abc"
@@ -103,10 +103,11 @@ def test_output_dir_holding_a_run_subfolder_is_found(tmp_path, capsys) -> None:
     runs = find_runs(str(tmp_path))
     assert [r.folder for r in runs] == [str(run)]
     assert runs[0].shared_folders == [str(tmp_path)]
+    monkeypatch.chdir(run)  # the picture goes to the current folder
     assert cli.main(["report", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert f"run: {run}" in out and "skipped steps: 1" in out
-    assert (tmp_path / "training_report.png").is_file()
+    assert (run / f"training_report_{tmp_path.name}.png").is_file()
 
 
 def test_stalled_loss_and_unstable_scale_are_named_with_figures(tmp_path) -> None:
@@ -269,3 +270,77 @@ def test_frozen_rows_checked_against_the_base_model(tmp_path, moved) -> None:
     assert "text_embedding.weight, text_head.weight, text_head.bias" in \
         report.facts.freeze["detail"]
     assert report.headline == ("frozen rows moved" if moved else "healthy")
+
+
+# -- the picture never takes a run's file (issue 19) -------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _pictures_in_a_scratch_folder(tmp_path_factory, monkeypatch) -> None:
+    """``report`` without --out draws into the current folder: never the checkout's."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+def _sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _run_with_records(folder: Path) -> dict[str, Path]:
+    _tensorboard(folder, [5.0 - 0.3 * i for i in range(12)])
+    events = _jsonl(folder / "nonfinite_events.jsonl",
+                    [{"step": 4, "trainer_step": 3, "kind": "nonfinite_loss", "consecutive": 1}])
+    checkpoint = folder / "checkpoint_12.pth"
+    checkpoint.write_bytes(b"PK\x03\x04 a checkpoint's bytes")
+    return {"events": events, "checkpoint": checkpoint}
+
+
+def _one_paragraph(err: str) -> None:
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_out_never_replaces_a_run_record_or_a_foreign_file(tmp_path, capsys) -> None:
+    """--out naming the run's own records, a foreign PNG or a non-.png name: exit 2, one
+    paragraph, the file byte for byte as it was (and no new file)."""
+    run = tmp_path / "run"
+    files = _run_with_records(run)
+    foreign = run / "spectrogram.png"  # a picture the report did not draw
+    foreign.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)
+    files["foreign"] = foreign
+    tfevents = next(run.glob("events.out.tfevents.*"))
+    files["tensorboard"] = tfevents
+    before = {name: _sha(path) for name, path in files.items()}
+    listing = sorted(p.name for p in run.iterdir())
+    for name, path in files.items():
+        assert cli.main(["report", str(run), "--out", str(path)]) == 2, name
+        err = capsys.readouterr().err
+        _one_paragraph(err)
+        assert str(path) in err and "untouched" in err, err
+    assert cli.main(["report", str(run), "--out", str(run / "summary.txt")]) == 2
+    err = capsys.readouterr().err
+    _one_paragraph(err)
+    assert "does not end in .png" in err
+    assert {name: _sha(path) for name, path in files.items()} == before
+    assert sorted(p.name for p in run.iterdir()) == listing  # nothing added, no temporary
+
+
+def test_default_picture_goes_to_the_current_folder_not_the_run(tmp_path, capsys,
+                                                                monkeypatch) -> None:
+    """Without --out the run folder is left exactly as the run wrote it; the PNG lands in
+    the current folder, named after the run, and a second report replaces its own PNG."""
+    run = tmp_path / "am_run"
+    _run_with_records(run)
+    listing = {p.name: _sha(p) for p in run.iterdir()}
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert cli.main(["report", str(run)]) == 1
+    out = capsys.readouterr().out
+    png = here / "training_report_am_run.png"
+    assert f"picture: {png.name}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {p.name: _sha(p) for p in run.iterdir()} == listing
+    first = png.stat().st_mtime_ns
+    assert cli.main(["report", str(run)]) == 1  # its own picture: replaced, not refused
+    assert png.stat().st_mtime_ns >= first and "picture:" in capsys.readouterr().out
+    assert sorted(p.name for p in here.iterdir()) == [png.name]

@@ -8,8 +8,10 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -406,3 +408,202 @@ def test_headless_extend_vocab_trains_amharic_with_base_rows_frozen(tmp_path) ->
     start = next(r for r in records if r["event"] == "start")
     assert start["vocab"] == str(extended)
     assert start["base_weights"]["frozen_rows"] == [[0, 72], [size - 1, size - 1]]
+
+
+# -- extend-tokenizer never loses a file, never learns a table, never runs for hours (issue 19)
+
+
+def _one_paragraph(err: str) -> None:
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_output_that_is_an_input_is_refused_even_with_force(files, tmp_path, capsys) -> None:
+    """-o naming the corpus (by its path, a hard link or a symbolic link) or the base text,
+    or a folder: exit 2, one paragraph, every file byte for byte as it was."""
+    corpus = tmp_path / "am.txt"
+    corpus.write_bytes(files["corpus"].read_bytes())
+    base_text = tmp_path / "en.txt"
+    base_text.write_bytes(files["english"].read_bytes())
+    hard = tmp_path / "hard.json"
+    os.link(corpus, hard)
+    soft = tmp_path / "soft.json"
+    soft.symlink_to(corpus)
+    folder = tmp_path / "outdir"
+    folder.mkdir()
+    before = {p: _sha(p) for p in (corpus, base_text, files["vocab"])}
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    for out in (corpus, hard, soft, base_text, folder):
+        rc, stdout, err = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus", corpus,
+                                "--language", "am", "--base-text", base_text, "-o", out,
+                                "--force")
+        assert rc == 2, (out, stdout, err)
+        _one_paragraph(err)
+        assert str(out) in err and "written" not in stdout
+        assert ("is a folder" in err) if out == folder else ("an input of this command" in err)
+    assert {p: _sha(p) for p in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing and not list(folder.iterdir())
+
+
+BARRIER_G2P = '''
+import os, pathlib, time
+DIR = pathlib.Path(os.environ["BARRIER_DIR"])
+_waited = False
+
+def g2p(text):
+    """Hold every run after its output check until all (BARRIER_N) runs are past it."""
+    global _waited
+    if not _waited:
+        _waited = True
+        (DIR / f"ready_{os.getpid()}").touch()
+        deadline = time.time() + float(os.environ.get("BARRIER_WAIT", "60"))
+        while len(list(DIR.glob("ready_*"))) < int(os.environ["BARRIER_N"]):
+            if time.time() > deadline:
+                break
+            time.sleep(0.05)
+    return text
+'''
+
+
+def _tool(argv: list, env_extra: dict) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env_extra)
+    return subprocess.Popen([sys.executable, "-m", "patches", *map(str, argv)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_runs_writing_the_same_new_output_cannot_both_write(files, tmp_path) -> None:
+    """Two extend-tokenizer runs started together, both past the "output exists?" check
+    before either writes (a barrier in --g2p): exactly one writes, the other is refused in
+    one paragraph, and the file is the winner's, whole."""
+    g2p = tmp_path / "barrier_g2p.py"
+    g2p.write_text(BARRIER_G2P, encoding="utf-8")
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    extra = tmp_path / "am_extra.txt"  # letters only this run's vocabulary gets
+    extra.write_text(files["corpus"].read_text(encoding="utf-8") + "ቐቑቒ ቓቔቕ ቐቑቒ ቓቔቕ\n",
+                     encoding="utf-8")
+    out = tmp_path / "vocab_am.json"
+    runs = {name: _tool(["extend-tokenizer", files["vocab"], "--corpus", corpus, "--language",
+                         "am", "--g2p", f"{g2p}:g2p", "-o", out],
+                        {"BARRIER_DIR": str(gates), "BARRIER_N": "2"})
+            for name, corpus in (("plain", files["corpus"]), ("extra", extra))}
+    results = {}
+    for name, proc in runs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        results[name] = (proc.returncode, stdout, stderr)
+    assert len(list(gates.iterdir())) == 2  # both were past the check before either wrote
+    winners = [name for name, (rc, stdout, _) in results.items() if rc == 0]
+    losers = [name for name, (rc, _, _) in results.items() if rc == 2]
+    assert len(winners) == 1 and len(losers) == 1, results
+    rc, stdout, stderr = results[losers[0]]
+    assert "written:" not in stdout
+    _one_paragraph(stderr)
+    assert "created by another program" in stderr and str(out) in stderr
+    assert f"written: {out}" in results[winners[0]][1]
+    vocab = json.loads(out.read_text(encoding="utf-8"))["model"]["vocab"]
+    assert ("ቐ" in vocab) == (winners[0] == "extra")
+    assert not [p for p in tmp_path.iterdir() if ".tp-tmp-" in p.name]
+
+
+def test_sigterm_ends_extend_tokenizer_with_nothing_written(files, tmp_path) -> None:
+    g2p = tmp_path / "barrier_g2p.py"
+    g2p.write_text(BARRIER_G2P, encoding="utf-8")
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    out = tmp_path / "vocab_am.json"
+    proc = _tool(["extend-tokenizer", files["vocab"], "--corpus", files["corpus"], "--language",
+                  "am", "--g2p", f"{g2p}:g2p", "-o", out],
+                 {"BARRIER_DIR": str(gates), "BARRIER_N": "2", "BARRIER_WAIT": "600"})
+    try:
+        deadline = time.monotonic() + 120
+        while not list(gates.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(gates.iterdir()), "the run never reached its corpus"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, (stdout, stderr)
+    _one_paragraph(stderr)
+    assert "SIGTERM" in stderr and "nothing was written" in stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "barrier_g2p.py", "gates"]
+
+
+def test_a_manifest_with_a_bom_is_read_as_its_text_column(files, tmp_path, capsys) -> None:
+    """A coqui manifest saved with a UTF-8 BOM (Windows editors do) gives the very vocabulary
+    its transcripts give as plain text: no path, header, '|' or speaker name learned."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(AMHARIC) + "\n", encoding="utf-8")
+    manifest = tmp_path / "bom.csv"
+    manifest.write_bytes(b"\xef\xbb\xbf" + files["manifest"].read_bytes())
+    outs = {}
+    for name, corpus in (("text", texts), ("bom", manifest)):
+        outs[name] = tmp_path / f"vocab_{name}.json"
+        rc, stdout, err = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus", corpus,
+                                "--language", "am", "-o", outs[name])
+        assert rc == 0, err
+        assert f"corpus: {len(AMHARIC)} lines" in stdout
+    assert _sha(outs["bom"]) == _sha(outs["text"])
+    vocab = json.loads(outs["bom"].read_text(encoding="utf-8"))["model"]["vocab"]
+    assert not [t for t in vocab if any(bad in t for bad in ("|", "/", "wav", "spk", "\ufeff"))]
+
+
+@pytest.mark.parametrize("table", [
+    "wavs/0.wav|ሰላም፣ እንዴት ነህ፧|spk0\nwavs/1.wav|ደህና ነኝ፣ አመሰግናለሁ።|spk1\n",   # no header
+    "LJ001-0001|ሰላም፣ እንዴት ነህ፧|ሰላም እንዴት ነህ\nLJ001-0002|ስሜ አበበ ይባላል።|ስሜ አበበ\n",  # LJSpeech
+    "wav,text\nclips/a.wav,ሰላም\nclips/b.wav,ቡና\n",                                  # csv
+])
+def test_a_table_that_is_not_a_coqui_manifest_is_refused(files, tmp_path, capsys,
+                                                        table) -> None:
+    corpus = tmp_path / "metadata.csv"
+    corpus.write_text(table, encoding="utf-8")
+    out = tmp_path / "out.json"
+    rc, _, err = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus", corpus,
+                       "--language", "am", "-o", out)
+    assert rc == 2 and not out.exists()
+    _one_paragraph(err)
+    assert "looks like a dataset table" in err and str(corpus) in err
+
+
+def test_a_huge_piece_without_spaces_is_refused_at_once(files, tmp_path, capsys) -> None:
+    """A one-line corpus of 100,000 letters without a space: refused with the limit named
+    in seconds, where learning from it would take many seconds (minutes at 9 MB)."""
+    corpus = tmp_path / "one_line.txt"
+    corpus.write_text("ሰላምእንዴትነህደህናነኝ" * 8000 + "\n", encoding="utf-8")
+    out = tmp_path / "out.json"
+    started = time.monotonic()
+    rc, _, err = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus", corpus,
+                       "--language", "am", "-o", out)
+    assert rc == 2 and not out.exists(), err
+    assert time.monotonic() - started < 30
+    _one_paragraph(err)
+    assert "--max-word-chars" in err and "without a space" in err
+
+
+def test_a_g2p_that_raises_is_one_paragraph(files, tmp_path, capsys) -> None:
+    g2p = tmp_path / "bad_g2p.py"
+    g2p.write_text("def g2p(text):\n    raise KeyError(text[:3])\n", encoding="utf-8")
+    rc, _, err = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus", files["corpus"],
+                       "--language", "am", "--g2p", f"{g2p}:g2p", "-o", tmp_path / "o.json")
+    assert rc == 2 and not (tmp_path / "o.json").exists()
+    _one_paragraph(err)
+    assert "line 1" in err and "KeyError" in err
+
+
+@pytest.mark.parametrize("command,option,value", [
+    ("verify-tokenizer", "--max-unk-rate", "nan"), ("verify-tokenizer", "--max-unk-rate", "1.5"),
+    ("extend-tokenizer", "--new-pieces", "-5"), ("extend-tokenizer", "--max-word-chars", "0")])
+def test_numbers_out_of_range_are_refused(files, capsys, command, option, value) -> None:
+    """--max-unk-rate nan would make the check impossible to fail: a usage error instead."""
+    argv = [command, str(files["vocab"]), option, value]
+    if command == "extend-tokenizer":
+        argv += ["--corpus", str(files["corpus"]), "-o", "never.json"]
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert f"argument {option}: expected" in capsys.readouterr().err
+    assert not Path("never.json").exists()

@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def gpu_results() -> Iterator[dict[str, Any]]:
     """Every test adds its figures here; written once at the end of the session."""
-    results: dict[str, Any] = {"compare": {}, "runs": {}, "checks": {}}
+    results: dict[str, Any] = {"compare": {}, "runs": {}, "checks": {}, "multi": {}}
     yield results
     if any(results.values()):
         from gpu_harness import write_results

@@ -320,6 +320,12 @@ def to_markdown(results: dict[str, Any]) -> str:
                          f"{len(run['skipped_iterations'])} | {_cell(scaler_skipped, 'g')} | "
                          f"{_cell(guard_skipped, 'g')} | {run['finite']} |")
         lines.append("")
+    multi = results.get("multi", {})
+    if multi:  # test_gpu_multi.py: checks and step-ratio rows, 2 GPUs, NCCL
+        lines += ["multi-GPU (2 ranks, NCCL):", ""]
+        lines += [row if str(row).startswith("|") else f"- {name}: {row}"
+                  for name, row in sorted(multi.items())]
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -19,8 +19,8 @@ def _activate(_torch: object) -> None:
         patches.activate()
     except Exception as exc:  # the user's program goes on, unpatched, and is told so
         sys.stderr.write(f"training-patches run: the patches could NOT be applied in process "
-                         f"{os.getpid()} ({type(exc).__name__}: {exc}); this process trains "
-                         f"unprotected.\n")
+                         f"{os.getpid()}, interpreter {sys.executable} ({type(exc).__name__}: "
+                         f"{exc}); this process trains unprotected.\n")
 
 
 def _install() -> None:
@@ -29,7 +29,8 @@ def _install() -> None:
 
         wrapt.register_post_import_hook(_activate, "torch")
     except Exception as exc:
-        sys.stderr.write(f"training-patches run: could not watch for the torch import "
+        sys.stderr.write(f"training-patches run: could not watch for the torch import in "
+                         f"process {os.getpid()}, interpreter {sys.executable} "
                          f"({type(exc).__name__}: {exc}); this process trains unprotected.\n")
 
 

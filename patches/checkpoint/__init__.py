@@ -17,7 +17,9 @@ Two public doors:
   a small manifest last (size, SHA-256, a generation number, the names of any NaN/Inf
   tensors), a ``latest`` pointer, prunes only the checkpoints it wrote itself, by
   generation, and ``resume("auto")`` finds the most recently written checkpoint whose
-  manifest and file validate. A failed save leaves none of its files behind.
+  manifest and file validate. A failed save leaves none of its files behind. Under a
+  process group every rank calls it: rank 0 writes, all ranks get one outcome
+  (:mod:`._collective`); FSDP2 models are saved sharded through DCP (:mod:`.sharded`).
 
 A checkpoint written by :class:`CheckpointManager` is a dict with ``model``,
 ``optimizer``, ``scheduler``, ``scaler``, ``step``, ``rng`` (torch, CUDA, numpy, python),
@@ -44,6 +46,7 @@ from .load import POLICIES, LoadReport, load_checkpoint
 from .manager import LATEST, CheckpointManager
 from .plan import VOCAB_SUFFIXES
 from .rng import capture_rng_state, restore_rng_state
+from .sharded import DCP_SUFFIX, check_folder
 
 # The generic ``checkpoint`` patch: the loader and the manager above are its API; its sites
 # come from the integrations (the coqui Trainer's restore/save/continue, XTTS's
@@ -59,4 +62,5 @@ __all__ = [
     "UnsafeCheckpointError", "CheckpointMismatchError", "read_checkpoint", "check_file",
     "newest_valid_beside", "atomic_write", "atomic_torch_save", "capture_rng_state",
     "restore_rng_state", "DiskFullError", "manifest_path", "read_manifest", "Manifest",
+    "check_folder", "DCP_SUFFIX",
 ]

@@ -13,7 +13,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +25,22 @@ import torch
 
 from .errors import DiskFullError
 
-# Marks the temporary files of an atomic write; with the writer's pid after it.
+# Marks the temporary files of an atomic write; the writer's pid and host follow it
+# (``<pid>@<host>~``), so that a sweep on a shared filesystem can tell its own host's
+# stale files from another machine's save in progress.
 TMP_MARK = ".tp-tmp-"
+# After TMP_MARK: pid, "@", host (letters, digits, "._-"), "~", then mkstemp's random part.
+TMP_OWNER = re.compile(rf"{re.escape(TMP_MARK)}(\d+)@([A-Za-z0-9._-]+)~")
+
+
+def host_name() -> str:
+    """This machine's name as it appears in temporary file names (other characters -> "_")."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "unknown-host"
+
+
+def temp_prefix(name: str) -> str:
+    """The start of a temporary name for ``name``: ``.<name>.tp-tmp-<pid>@<host>~``."""
+    return f".{name}{TMP_MARK}{os.getpid()}@{host_name()}~"
 # Errors that mean "no room": the disk is full or the user's quota is spent.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Bytes beyond the tensors' own: zip headers and alignment per record, pickle, manifest.
@@ -163,9 +179,10 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], 
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The pid in the name tells a stale temporary file (its writer was killed) from one
-    # being written right now by another process: see CheckpointManager._sweep_temp.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}{os.getpid()}-", dir=path.parent)
+    # The pid and host in the name tell a stale temporary file (its writer was killed) from
+    # one being written right now by another process or machine: see
+    # CheckpointManager._sweep_temp.
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
     sink: _Sink | None = None
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -224,4 +241,5 @@ def atomic_text(path: Path, text: str) -> None:
 
 
 __all__ = ["atomic_write", "atomic_torch_save", "atomic_text", "write_atomically",
-           "estimate_bytes", "ensure_free_space", "disk_free", "Written", "TMP_MARK"]
+           "estimate_bytes", "ensure_free_space", "disk_free", "Written", "TMP_MARK", "TMP_OWNER",
+           "host_name", "temp_prefix"]

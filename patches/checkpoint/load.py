@@ -7,82 +7,26 @@ import logging
 import operator
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .. import _dist
 from .._log import info
+from . import _collective
 from ._validate import _what_to_do, read_checkpoint
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import (_as_list, _check_plain_state, _detach_from_file, _remap_optimizer_state,
                         _restart_scaler, _restart_scheduler, restore_optimizer, snapshot_optimizer)
 from .plan import _MODEL_KEYS, _Plan, _plan_model, check_finite
-from .rng import capture_rng_state, restore_rng_state
+from .report import LoadReport, _runtime_state, restarted
+from .rng import capture_rng_state, restore_rng_state, state_for_rank
+from .sharded import is_sharded_model, load_sharded
 
 logger = logging.getLogger("training_patches")
 
 POLICIES = ("remap", "reset")
-
-
-@dataclass
-class LoadReport:
-    """What :func:`load_checkpoint` did.
-
-    ``step`` is the step to resume at: the checkpoint's step under ``remap``, 0 under
-    ``reset``. ``resized`` maps each grown tensor to (old shape, new shape);
-    ``kept_rows`` counts the trained rows copied unchanged into each of them.
-    """
-
-    path: str
-    policy: str
-    step: int
-    epoch: int | None = None
-    resized: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    kept_rows: dict[str, int] = field(default_factory=dict)
-    base_vocab_size: int | None = None
-    vocab_size: int | None = None
-    start_row_moved: bool = False
-    loaded: list[str] = field(default_factory=list)
-    restored: list[str] = field(default_factory=list)
-    reset: list[str] = field(default_factory=list)
-    optimizer_moments_resized: list[str] = field(default_factory=list)
-    missing_keys: list[str] = field(default_factory=list)
-    unexpected_keys: list[str] = field(default_factory=list)
-    rng_restored: bool = False
-    runtime_state_restored: bool = False
-    freeze: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    checkpoint: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def vocab_grew(self) -> bool:
-        return bool(self.resized)
-
-    def summary(self) -> str:
-        """One paragraph for the log."""
-        parts = [f"loaded {self.path} (step {self.step}, policy {self.policy})"]
-        if self.resized:
-            parts.append(
-                f"vocabulary {self.base_vocab_size} -> {self.vocab_size} rows"
-                f"{' (truncated on request)' if self.vocab_size < self.base_vocab_size else ''}: "
-                + ", ".join(
-                    f"{name} {list(old)}->{list(new)} ({self.kept_rows[name]} trained rows kept)"
-                    for name, (old, new) in self.resized.items()))
-            if self.start_row_moved:
-                parts.append("start-text token row moved to the new last row")
-        if self.restored:
-            parts.append("restored: " + ", ".join(self.restored))
-        if self.reset:
-            parts.append("fresh: " + ", ".join(self.reset))
-        if self.optimizer_moments_resized:
-            parts.append(f"optimizer moments resized for {len(self.optimizer_moments_resized)} "
-                         "parameter(s) (new rows: first moment 0, second moment = old rows' mean)")
-        if self.missing_keys or self.unexpected_keys:
-            parts.append(f"not in checkpoint: {len(self.missing_keys)} key(s); "
-                         f"not in model: {len(self.unexpected_keys)} key(s) (strict=False)")
-        return "; ".join(parts)
 
 
 # Where checkpoints keep their step: ours and coqui's "step"; plain loops often
@@ -112,19 +56,6 @@ def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
     return step
 
 
-def _runtime_state(ours: Any) -> dict[str, dict[str, float]] | None:
-    """The saved runtime counters when they have the shape ``runtime_state()`` writes."""
-    runtime = ours.get("runtime") if isinstance(ours, Mapping) else None
-    if not isinstance(runtime, Mapping):
-        return None
-    for part in runtime.values():
-        if not isinstance(part, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                for k, v in part.items()):
-            return None
-    return {str(k): dict(v) for k, v in runtime.items()}
-
-
 def _restore_dict(obj: Any, saved: dict[str, Any]) -> None:
     obj.__dict__.clear()
     obj.__dict__.update(saved)
@@ -150,6 +81,7 @@ def load_checkpoint(
     allow_nonfinite: bool = False,
     trusted: bool = False,
     truncate: bool = False,
+    collective: bool | None = None,
 ) -> LoadReport:
     """Load ``path`` into ``model`` (and the optimizer, scheduler, scaler) safely, all or
     nothing.
@@ -182,10 +114,20 @@ def load_checkpoint(
         trusted: for your own legacy files whose pickle holds objects: unpickle with
             ``weights_only=False`` (it can run code), logged as a WARNING. Numpy RNG
             states and scalars load without it.
+        collective: agree with the other ranks (below); None: when a process group of
+            more than one rank is up. False: this process alone (a call on some ranks only).
 
     Every tensor is validated before anything is touched: present, with data (not
     meta), the planned shape and kind of dtype, and finite. A refused load leaves the
     model, optimizer, scheduler, scaler and RNG exactly as they were.
+
+    Many processes: with a process group of more than one rank call it from EVERY rank.
+    Each rank reads and validates the file; only when every rank passed does any of them
+    change its model, and a refusal on one rank is raised, the same, on all of them. Each
+    rank gets its own saved RNG state back (``rng_ranks``; with another number of ranks
+    the log says what was done). A sharded checkpoint (the folder an FSDP2 save writes)
+    loads through ``torch.distributed.checkpoint`` into any number of ranks; a single-file
+    checkpoint is refused for an FSDP2 (DTensor) model, with what to do instead.
 
     Raises:
         UnsafeCheckpointError, CheckpointError, CheckpointMismatchError: before anything
@@ -194,6 +136,39 @@ def load_checkpoint(
     if policy not in POLICIES:
         raise ValueError(f"load_checkpoint: policy must be one of {POLICIES}, got {policy!r}")
     path = Path(path)
+    if path.is_dir():
+        return load_sharded(path, model, optimizer, scheduler, scaler, policy=policy,
+                            restore_rng=restore_rng, verify_hash=verify_hash,
+                            allow_nonfinite=allow_nonfinite)
+    if is_sharded_model(model):
+        raise CheckpointError(
+            f"training-patches: cannot load the single-file checkpoint {path} into this model: "
+            f"its parameters are DTensors (sharded by FSDP2 fully_shard or tensor parallelism), "
+            f"and the vocabulary-aware loader plans, validates and grows whole tensors, which "
+            f"would mean gathering every parameter and optimizer moment on every rank. Nothing "
+            f"was loaded. Load the file into the model BEFORE sharding it (build the model, "
+            f"call load_checkpoint(path, model) on every rank, then fully_shard, then create "
+            f"the optimizer), or resume from a sharded checkpoint folder that "
+            f"CheckpointManager.save wrote for this FSDP2 model (CheckpointManager.resume('auto') "
+            f"finds it).")
+    args = dict(policy=policy, freeze=freeze, strict=strict, restore_rng=restore_rng,
+                vocab_modules=vocab_modules, start_token_row=start_token_row, mmap=mmap,
+                seed=seed, key_filter=key_filter, verify_hash=verify_hash,
+                allow_nonfinite=allow_nonfinite, trusted=trusted, truncate=truncate)
+    if collective is False or not _collective.active():
+        return _load_file(path, model, optimizer, scheduler, scaler, gate=None, **args)
+    return _collective.on_every_rank(
+        lambda gate: _load_file(path, model, optimizer, scheduler, scaler, gate=gate, **args))
+
+
+def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+               scaler: Any, *, gate: Callable[[], None] | None, policy: str, freeze: bool,
+               strict: bool, restore_rng: bool | None, vocab_modules: Sequence[str],
+               start_token_row: str | bool, mmap: bool, seed: int,
+               key_filter: Callable[[str], bool] | None, verify_hash: bool,
+               allow_nonfinite: bool, trusted: bool, truncate: bool) -> LoadReport:
+    """:func:`load_checkpoint` of one file on this rank; ``gate()`` (every rank together)
+    runs after every check and before the first change."""
     ckpt = read_checkpoint(path, mmap=mmap, verify_hash=verify_hash, trusted=trusted)
     plan = _plan_model(path, ckpt, model, strict=strict, vocab_modules=vocab_modules,
                        start_token_row=start_token_row, seed=seed, key_filter=key_filter,
@@ -254,11 +229,18 @@ def load_checkpoint(
     if restore_rng is None:
         restore_rng = effective == "remap"
     rng = next((meta[k] for k in RNG_KEYS if isinstance(meta.get(k), Mapping)), None)
+    rng_ranks = meta.get("rng_ranks")
+    if restore_rng and isinstance(rng_ranks, list) and rng_ranks:
+        # Every rank's state was saved: each rank takes its own.
+        rng = state_for_rank(rng_ranks, _dist.rank(), max(_dist.world_size(), 1), str(path))
     rng = rng if restore_rng else None
     runtime = _runtime_state(meta.get("training_patches")) if effective == "remap" else None
     if effective == "remap" and isinstance(meta.get("training_patches"), Mapping) and runtime is None:
         logger.warning("training-patches: the runtime counters saved in %s are not in the shape "
                        "this version writes; they were not restored", path)
+
+    if gate is not None:
+        gate()  # every rank passed every check; a refusal on any rank stops all of them here
 
     # Apply, with an undo for each change: if torch still refuses something, everything
     # that was changed is put back before the error is raised.
@@ -305,9 +287,7 @@ def load_checkpoint(
                 if snap_scaler:
                     undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
                 _restart_scaler(scaler)
-            report.reset += [name for name, objs in
-                             (("optimizer", optimizers), ("scheduler", schedulers),
-                              ("scaler", [scaler] if scaler is not None else [])) if objs]
+            report.reset += restarted(optimizers, schedulers, scaler)
             report.step = 0
         if rng is not None:
             undo.append(lambda s=capture_rng_state(): restore_rng_state(s))

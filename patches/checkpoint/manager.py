@@ -21,16 +21,20 @@ from typing import Any, Mapping
 
 import torch
 
+from .. import _dist
 from .._log import info
+from . import _collective
 from ._validate import (FORMAT, MANIFEST_SUFFIX, Manifest, _sha256, _what_to_do, check_file,
                         iter_tensors, manager_checkpoints, manifest_path, nonfinite_flags,
                         read_manifest)
-from .atomic import TMP_MARK as _TMP_MARK
+from .atomic import TMP_OWNER, host_name
 from .atomic import atomic_text as _atomic_text
 from .atomic import disk_free, disk_full_error, ensure_free_space, estimate_bytes, write_atomically
 from .errors import CheckpointError, DiskFullError
 from .optimizer import _as_list
 from .rng import capture_rng_state
+from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
+                      is_sharded_model, remove_folder, save_sharded)
 
 logger = logging.getLogger("training_patches")
 
@@ -77,22 +81,43 @@ class CheckpointManager:
     checkpoints are kept (by generation, not by step); only files this class wrote (with
     its valid manifest, named by its pattern) are ever pruned; ``keep=None`` prunes
     nothing. The file a save returns always exists afterwards.
+
+    Many processes: with a process group of more than one rank, call :meth:`save` and
+    :meth:`resume` from EVERY rank (``collective=None``, the default, detects the group).
+    Global rank 0 is the only writer, the other ranks wait, and every rank returns the
+    same path or raises the same error. Every rank's RNG state is saved (``rng_ranks``)
+    and :func:`load_checkpoint` gives each rank its own back. A model whose parameters
+    are DTensors (FSDP2 ``fully_shard``) is saved sharded through
+    ``torch.distributed.checkpoint`` into a folder ``ckpt_<step>.dcp`` (see
+    :mod:`patches.checkpoint.sharded`). ``collective=False`` makes every call local to its
+    process (then call it on rank 0 only).
     """
 
     PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
 
     def __init__(self, output_dir: str | os.PathLike[str], keep: int | None = 3,
-                 prefix: str = "ckpt") -> None:
+                 prefix: str = "ckpt", *, collective: bool | None = None) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"CheckpointManager: keep must be at least 1 or None, got {keep}")
         self.output_dir = Path(output_dir)
         self.keep = keep
         self.prefix = prefix
+        self.collective = collective
         self.pattern = re.compile(rf"^{re.escape(prefix)}_(\d+)\.pt$")
+        self.folder_pattern = re.compile(rf"^{re.escape(prefix)}_(\d+){re.escape(DCP_SUFFIX)}$")
 
     def path_for(self, step: int) -> Path:
         """The file of ``step``'s checkpoint (it may not exist)."""
         return self.output_dir / f"{self.prefix}_{step:09d}.pt"
+
+    def folder_for(self, step: int) -> Path:
+        """The folder of ``step``'s sharded (FSDP2/DCP) checkpoint (it may not exist)."""
+        return self.output_dir / f"{self.prefix}_{step:09d}{DCP_SUFFIX}"
+
+    def _collective(self) -> bool:
+        if self.collective is False:
+            return False
+        return _collective.active()
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
              scheduler: Any = None, scaler: Any = None, **extra: Any) -> Path:
@@ -105,10 +130,25 @@ class CheckpointManager:
         written) when the estimated size does not fit, and the same error, with the
         partial files removed, when the disk fills during the write. A save that fails
         leaves none of its files behind and the other checkpoints as they were.
+
+        Under a process group call it from every rank: rank 0 writes, every rank
+        returns the same path or raises the same error. FSDP2 models are saved sharded
+        (every rank writes its shards) into :meth:`folder_for` ``(step)``.
         """
+        step = _as_step(step)
+        if is_sharded_model(model):
+            return save_sharded(self, step, model, optimizer, scheduler, scaler, extra)
+        if not self._collective():
+            return self._write(step, model, optimizer, scheduler, scaler, extra, None)
+        rng_ranks = _collective.gather_checked(capture_rng_state)
+        return _collective.on_writer(
+            lambda: self._write(step, model, optimizer, scheduler, scaler, extra, rng_ranks))
+
+    def _write(self, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+               scaler: Any, extra: dict[str, Any], rng_ranks: list[Any] | None) -> Path:
+        """One process writes the file, its manifest, ``latest``; then prunes."""
         from .. import __version__, _api
 
-        step = _as_step(step)
         model_state = model.state_dict()
         optimizer_states = [o.state_dict() for o in _as_list(optimizer)]
         payload = {
@@ -118,10 +158,13 @@ class CheckpointManager:
             "optimizer": optimizer_states or None,
             "scheduler": [s.state_dict() for s in _as_list(scheduler) if s is not None] or None,
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": capture_rng_state(),
+            # "rng" is the writer's (what older readers restore); "rng_ranks" every rank's.
+            "rng": rng_ranks[0] if rng_ranks else capture_rng_state(),
             "training_patches": {"version": __version__, "runtime": _api.runtime_state()},
             "extra": extra,
         }
+        if rng_ranks:
+            payload["rng_ranks"] = rng_ranks
         if isinstance(extra.get("epoch"), int):
             payload["epoch"] = extra["epoch"]
         path = self.path_for(step)
@@ -149,6 +192,8 @@ class CheckpointManager:
                 "vocab_size": _vocab_size(model_state),
                 "param_shapes": {k: list(v.shape) for k, v in model_state.items()},
                 "amp": bool(scaler is not None and getattr(scaler, "_enabled", False)),
+                "world_size": len(rng_ranks) if rng_ranks else 1,
+                "writer": {"rank": _dist.rank(), "host": host_name(), "pid": os.getpid()},
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
             _atomic_text(manifest_path(path), json.dumps(manifest, indent=1))
@@ -172,10 +217,10 @@ class CheckpointManager:
         """Names of NaN/Inf tensors, by the loader's rule (parameters and optimizer
         moments finite, buffers free of NaN); recorded so that resume can pass over them."""
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        named = [(f"model.{k}", v, k not in params) for k, v in model_state.items()
+        named = [(f"model.{k}", _dist.local(v), k not in params) for k, v in model_state.items()
                  if isinstance(v, torch.Tensor)]
         for index, state in enumerate(optimizer_states):
-            named += [(f"optimizer.{index}.state.{name}", value, False)
+            named += [(f"optimizer.{index}.state.{name}", _dist.local(value), False)
                       for name, value in iter_tensors(state.get("state", {}))]
         bad = nonfinite_flags(named)
         if bad:
@@ -186,8 +231,9 @@ class CheckpointManager:
         return bad
 
     def _next_generation(self) -> int:
-        generations = [m.generation for _, m in manager_checkpoints(self.output_dir)
-                       if m.generation is not None]
+        generations = [generation for _, generation, _ in self._complete()]
+        generations += [m.generation for _, m in manager_checkpoints(self.output_dir)
+                        if m.generation is not None]
         return max(generations, default=-1) + 1
 
     def _point_latest(self, path: Path) -> None:
@@ -206,29 +252,43 @@ class CheckpointManager:
     def _sweep_temp(self) -> None:
         """Remove temporary files of this manager's saves whose writer is dead (killed).
 
-        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>-...``) are touched;
-        a live writer's file (its pid still runs) is left alone.
+        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``) are
+        touched, and only those written on THIS host whose pid no longer runs: on a
+        shared filesystem another machine's save in progress is never touched (a pid says
+        nothing across hosts), nor are temporary names without a host (older versions).
         """
         if not self.output_dir.is_dir():
             return
         mark = re.compile(rf"^\.{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
-                          rf"{re.escape(_TMP_MARK)}(\d+)-")
+                          rf"{TMP_OWNER.pattern}")
+        here = host_name()
         for entry in self.output_dir.iterdir():
             match = mark.match(entry.name)
             if match is None:
                 continue
-            pid = int(match.group(1))
-            if pid != os.getpid() and _pid_alive(pid):
+            pid, host = int(match.group(1)), match.group(2)
+            if host != here or (pid != os.getpid() and _pid_alive(pid)):
                 continue
             entry.unlink(missing_ok=True)
             logger.debug("training-patches: removed %s, left by an interrupted save", entry.name)
 
-    def _own(self) -> list[tuple[Path, Manifest]]:
-        """Complete checkpoints this manager wrote (valid manifest, its name pattern),
-        oldest first by generation."""
-        owned = [(path, manifest) for path, manifest in manager_checkpoints(self.output_dir)
-                 if self.pattern.match(path.name)]
-        return owned[::-1]
+    def _complete(self) -> list[tuple[Path, int, Any]]:
+        """Complete sharded checkpoint folders of this manager: (folder, generation, manifest)."""
+        return [(folder, manifest["generation"], manifest)
+                for folder, manifest in complete_folders(self.output_dir)
+                if self.folder_pattern.match(folder.name)]
+
+    def _own(self) -> list[tuple[Path, Any]]:
+        """Complete checkpoints this manager wrote (files with a valid manifest and folders
+        with their commit marker, by its name patterns), oldest first by generation."""
+        entries: list[tuple[tuple[int, int], Path, Any]] = [
+            (manifest.order(), path, manifest)
+            for path, manifest in manager_checkpoints(self.output_dir)
+            if self.pattern.match(path.name)]
+        entries += [((generation, manifest["step"]), folder, manifest)
+                    for folder, generation, manifest in self._complete()]
+        entries.sort(key=lambda item: item[0])
+        return [(path, manifest) for _, path, manifest in entries]
 
     def _prune(self, keep_path: Path | None = None) -> None:
         if self.keep is None:
@@ -238,16 +298,18 @@ class CheckpointManager:
             if keep_path is not None and path == keep_path:
                 continue
             try:
-                # Manifest first: an interrupted prune leaves an incomplete checkpoint, never
-                # a manifest that vouches for a missing file.
-                manifest_path(path).unlink(missing_ok=True)
-                path.unlink(missing_ok=True)
+                if path.is_dir():
+                    remove_folder(path)
+                else:
+                    # Manifest first: an interrupted prune leaves an incomplete checkpoint,
+                    # never a manifest that vouches for a missing file.
+                    manifest_path(path).unlink(missing_ok=True)
+                    path.unlink(missing_ok=True)
             except OSError as exc:
                 logger.warning("training-patches: could not remove the old checkpoint %s (%s)",
                                path, exc)
                 continue
-            logger.debug("training-patches: pruned checkpoint step %d generation %s (%s)",
-                         manifest.step, manifest.generation, path)
+            logger.debug("training-patches: pruned checkpoint %s", path)
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints written by this manager, oldest first by generation (the
@@ -258,6 +320,10 @@ class CheckpointManager:
                verify_hash: bool = True, allow_nonfinite: bool = False) -> Path | None:
         """The checkpoint to resume from, or None when there is none yet.
 
+        Under a process group call it from every rank: rank 0 looks, every rank gets the
+        same answer (or the same error). Sharded checkpoints (folders) count only with
+        their commit marker, and their manifest and shard hashes must validate.
+
         ``"auto"``: the most recently written checkpoint in ``output_dir`` (highest
         generation) whose manifest and file validate and that held no NaN/Inf when it was
         saved (unless ``allow_nonfinite``); torn, damaged or non-finite ones are passed
@@ -265,20 +331,39 @@ class CheckpointManager:
         models, interrupted saves) are never chosen. A step number or a path: that
         checkpoint, which must validate.
         """
+        if self._collective():
+            return _collective.on_writer(
+                lambda: self._resume(which, verify_hash=verify_hash,
+                                     allow_nonfinite=allow_nonfinite))
+        return self._resume(which, verify_hash=verify_hash, allow_nonfinite=allow_nonfinite)
+
+    def _resume(self, which: str | int | os.PathLike[str], *, verify_hash: bool,
+                allow_nonfinite: bool) -> Path | None:
         if which != "auto":
-            path = self.path_for(which) if isinstance(which, int) else Path(which)
-            problem = check_file(path, verify_hash=verify_hash)
+            if isinstance(which, int):
+                folder = self.folder_for(which)
+                path = folder if folder.exists() else self.path_for(which)
+            else:
+                path = Path(which)
+            problem = (check_folder(path, verify_hash=verify_hash) if path.is_dir()
+                       else check_file(path, verify_hash=verify_hash))
             if problem is not None:
                 raise CheckpointError(
                     f"training-patches: cannot resume from {path}: the file {problem}. "
                     f"{_what_to_do(path)}")
             return path
         skipped: list[str] = []
-        for candidate, manifest in manager_checkpoints(self.output_dir):
-            problem = check_file(candidate, verify_hash=verify_hash)
-            if problem is None and manifest.nonfinite and not allow_nonfinite:
+        candidates = [(manifest.order(), path, manifest.nonfinite)
+                      for path, manifest in manager_checkpoints(self.output_dir)]
+        candidates += [((generation, manifest["step"]), folder, manifest.get("nonfinite"))
+                       for folder, generation, manifest in self._complete()]
+        candidates.sort(key=lambda item: item[0], reverse=True)
+        for _, candidate, nonfinite in candidates:
+            problem = (check_folder(candidate, verify_hash=verify_hash) if candidate.is_dir()
+                       else check_file(candidate, verify_hash=verify_hash))
+            if problem is None and nonfinite and not allow_nonfinite:
                 problem = (f"held NaN or Inf when it was saved "
-                           f"({', '.join(manifest.nonfinite[:3])})")
+                           f"({', '.join(nonfinite[:3])})")
             if problem is None:
                 if skipped:
                     logger.warning(
@@ -299,6 +384,11 @@ class CheckpointManager:
             return
         notes = []
         for entry in sorted(self.output_dir.iterdir()):
+            if self.folder_pattern.match(entry.name) and entry.is_dir():
+                problem = folder_problem(entry)
+                if problem is not None:
+                    notes.append(f"{entry.name} {problem}")
+                continue
             if not self.pattern.match(entry.name):
                 continue
             manifest, invalid = read_manifest(entry)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import random
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
+
+logger = logging.getLogger("training_patches")
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -55,4 +58,30 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
                                  saved["pos"], saved["has_gauss"], saved["cached"]))
 
 
-__all__ = ["capture_rng_state", "restore_rng_state"]
+def state_for_rank(states: Sequence[Any], rank: int, world_size: int,
+                   where: str) -> Mapping[str, Any] | None:
+    """This rank's own saved RNG state out of every rank's (``states[r]`` is rank r's).
+
+    With the same number of ranks each rank gets its own. With another number the ranks
+    that existed get their own, new ranks keep their current RNG and states of ranks that
+    no longer exist are not used; rank 0 logs what was done.
+    """
+    saved = len(states)
+    state = states[rank] if rank < saved and isinstance(states[rank], Mapping) else None
+    def span(first: int, last: int) -> str:
+        return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+    if saved != world_size and rank == 0:
+        if world_size > saved:
+            what = (f"{span(0, saved - 1)} restored its/their own RNG state; "
+                    f"{span(saved, world_size - 1)} had none saved and keep(s) its/their current "
+                    f"RNG (seed new ranks differently if they must not repeat each other)")
+        else:
+            what = (f"{span(0, world_size - 1)} restored its/their own RNG state; the state(s) "
+                    f"of {span(world_size, saved - 1)} were not used")
+        logger.warning("training-patches: %s holds the RNG states of %d rank(s) and this job has "
+                       "%d: %s", where, saved, world_size, what)
+    return state
+
+
+__all__ = ["capture_rng_state", "restore_rng_state", "state_for_rank"]

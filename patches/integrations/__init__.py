@@ -5,4 +5,4 @@ Each module declares one :class:`patches._registry.Integration`. Importing an
 integration never imports its upstream: sites land through post-import hooks.
 """
 
-from . import coqui_trainer, xtts_dataset, xtts_gpt, xtts_language  # noqa: F401
+from . import accelerate, coqui_trainer, xtts_dataset, xtts_gpt, xtts_language  # noqa: F401

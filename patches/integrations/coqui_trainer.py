@@ -12,6 +12,13 @@ What it adds to the generic patches, site by site:
   (``Trainer.detach_loss_dict``), the counters go to TensorBoard (``Trainer.train_step``)
   and a run folder holding our reports is kept on error (``remove_experiment_folder``).
 - ``checkpoint``: restore, save and continue (:mod:`.coqui_checkpoint`).
+- ``nan_guard`` under DDP (``python -m trainer.distribute``): coqui 0.4 wraps the model in
+  ``DistributedDataParallel`` but keeps only ``ddp_model.module`` and calls
+  ``model.train_step`` on it, so DDP's forward never runs and gradients are never
+  all-reduced: each rank trains its own copy and the ranks drift apart (rank 0's is the
+  one saved). The wrapper is kept (``DDP_th``) and the training forward goes through it
+  (``Trainer._model_train_step``, the ``forward`` redirection accelerate and TRL use), so
+  every rank steps with the same averaged gradients, and skips the same steps.
 
 The run folder is known from the Trainer's log file as soon as the Trainer is built
 (see :func:`output_dir_from_logging`), registered with :mod:`patches._run`.
@@ -24,6 +31,7 @@ import logging
 import math
 import os
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -59,6 +67,50 @@ def scaler_factory(original: Any) -> Any:
     if isinstance(original, functools.partial):
         return functools.partial(SafeGradScaler, *original.args, **original.keywords)
     return functools.partial(SafeGradScaler, device="cuda")
+
+
+# -- DDP: the training forward through the wrapper coqui builds and drops ----------------
+# The DistributedDataParallel coqui built for each model; it must outlive Trainer.__init__
+# (its reducer holds the gradient hooks).
+_ddp_of: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def make_ddp(original: Any) -> Any:
+    """coqui's ``DDP_th(model, ...)``, remembering the wrapper for :func:`make_model_train_step`."""
+    @functools.wraps(original)
+    def DDP_th(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # XTTS's GPTTrainer holds trainable parameters its loss never uses (the HiFi-GAN
+        # decoder: 472 of 562 tensors): DDP must be told, or its second step raises.
+        kwargs.setdefault("find_unused_parameters", True)
+        wrapper = original(module, *args, **kwargs)
+        _ddp_of[module] = wrapper
+        return wrapper
+    return DDP_th
+
+
+def make_model_train_step(original: Any) -> Any:
+    @functools.wraps(original)
+    def _model_train_step(self: Any, batch: Any, criterion: Any,
+                          optimizer_idx: Any = None) -> Any:
+        model = self._get_model()
+        wrapper = _ddp_of.get(model)
+        # Not while the guard replays a bad batch on this rank alone: a DDP backward there
+        # would start an all-reduce the other ranks never join.
+        if wrapper is None or not torch.is_grad_enabled() or nan_guard._state.replaying:
+            return original(self, batch, criterion, optimizer_idx)
+        args = [batch, criterion] + ([] if optimizer_idx is None else [optimizer_idx])
+
+        # DDP calls module(*inputs): for that one call the module's forward is train_step.
+        # The class's own forward is back before train_step runs (it may call self.forward).
+        def redirected(*inputs: Any, **kwargs: Any) -> Any:
+            model.__dict__.pop("forward", None)
+            return model.train_step(*inputs, **kwargs)
+        model.forward = redirected
+        try:
+            return wrapper(*args)
+        finally:
+            model.__dict__.pop("forward", None)
+    return _model_train_step
 
 
 # -- NaN guard: what the Trainer's step hands the guard ---------------------------------
@@ -150,7 +202,7 @@ def make_remove_experiment_folder(original: Any) -> Any:
     @functools.wraps(original)
     def remove_experiment_folder(experiment_path: Any) -> None:
         folder = str(experiment_path)
-        kept = [name for name in _run.OWN_FILES if os.path.exists(os.path.join(folder, name))]
+        kept = _run.own_files_in(folder)  # each rank's files too
         has_checkpoint = os.path.isdir(folder) and any(
             name.endswith(".pth") for name in os.listdir(folder))
         if kept and not has_checkpoint:  # coqui would delete it, and our reports with it
@@ -168,8 +220,8 @@ INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
-    describe="SafeGradScaler in the Trainer, NaN losses seen before backward, atomic saves "
-             "and vocabulary-aware restore",
+    describe="SafeGradScaler in the Trainer, NaN losses seen before backward, DDP "
+             "gradients all-reduced, atomic saves and vocabulary-aware restore",
     sites=(
         Site(MODULE, SCALER_ATTR, scaler_factory, patch="grad_scaler",
              lost="the coqui Trainer builds torch's GradScaler (initial scale 65536, no skip "
@@ -183,6 +235,12 @@ INTEGRATION = register_integration(Integration(
              lost="the patches' counters do not reach TensorBoard"),
         Site(MODULE, "Trainer.train_step", make_oom_train_step, patch="oom_guard",
              lost="one batch that runs out of GPU memory ends the run"),
+        Site(MODULE, "DDP_th", make_ddp, patch="nan_guard",
+             lost="under coqui's DDP gradients are never all-reduced: each rank trains its "
+                  "own copy and the ranks drift apart"),
+        Site(MODULE, "Trainer._model_train_step", make_model_train_step, patch="nan_guard",
+             lost="under coqui's DDP gradients are never all-reduced: each rank trains its "
+                  "own copy and the ranks drift apart"),
         Site(MODULE, "remove_experiment_folder", make_remove_experiment_folder,
              patch="nan_guard",
              lost="coqui deletes a failed run's folder, with the reports that explain it"),

@@ -2,8 +2,11 @@
 
 Finds the runs under RUN_DIR (:mod:`.reading`), reads the patches' JSON-lines records and
 the coqui Trainer's TensorBoard files, prints the figures and a verdict (:mod:`.verdict`)
-and draws one PNG page (:mod:`.plotting`, matplotlib imported only then). Exit code 0:
-healthy; 1: something needs a look; 2: no run found, or RUN_DIR is not a folder.
+and draws one PNG page (:mod:`.plotting`, matplotlib imported only then). The command puts
+the page in the current folder (``training_report_<RUN_DIR's name>.png``) unless ``--out``
+says where; it writes only a new ``.png`` or a picture it drew before, never one of the
+run's records. Exit code 0: healthy; 1: something needs a look; 2: no run found, RUN_DIR
+is not a folder, or ``--out`` was refused (nothing written).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from .verdict import HEALTHY, Facts, Finding, describe, facts, headline, verdict
 
 REPORT_NAME = "training_report.png"
 
-__all__ = ["REPORT_NAME", "Report", "build", "write_report", "find_runs", "read_jsonl",
-           "facts", "verdict", "headline", "register"]
+__all__ = ["REPORT_NAME", "Report", "ReportOutputError", "build", "write_report", "check_out",
+           "default_out", "is_report_picture", "find_runs", "read_jsonl", "facts", "verdict",
+           "headline", "register"]
 
 
 @dataclass
@@ -70,25 +74,112 @@ def no_run_message(folder: str) -> str:
             f"where a plain loop saves its checkpoints).")
 
 
+class ReportOutputError(ValueError):
+    """``--out`` names a file the report must not write (one paragraph for the user)."""
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_software(path: str) -> str | None:
+    """The tEXt "Software" entry of a PNG file, "" when it has none, None if not a PNG."""
+    import struct
+
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(8) != PNG_SIGNATURE:
+                return None
+            while True:
+                head = handle.read(8)
+                if len(head) < 8:
+                    return ""
+                length, kind = struct.unpack(">I4s", head)
+                if kind == b"IDAT" or kind == b"IEND":
+                    return ""  # matplotlib writes its text chunks before the image data
+                data = handle.read(length)
+                handle.seek(4, os.SEEK_CUR)  # CRC
+                if kind == b"tEXt" and data.startswith(b"Software\x00"):
+                    return data[9:].decode("latin-1")
+    except OSError:
+        return None
+
+
+def is_report_picture(path: str | os.PathLike[str]) -> bool:
+    """A PNG this command drew: marked with :data:`plotting.SOFTWARE`, or (drawn before the
+    mark existed) a matplotlib PNG named ``training_report*.png``."""
+    software = _png_software(os.fspath(path))
+    if software is None:
+        return False
+    return software.startswith("training-patches") or (
+        software.startswith("Matplotlib") and os.path.basename(path).startswith("training_report"))
+
+
+def check_out(path: str | os.PathLike[str]) -> bool:
+    """Raise :class:`ReportOutputError` unless ``path`` may take the report's PNG: a new
+    ``.png`` file, or a picture the report drew before. Returns whether it exists (and is
+    then replaced). A run's own records (``nonfinite_events.jsonl``, a checkpoint, the
+    TensorBoard files) are never such a file."""
+    path = os.fspath(path)
+    todo = ("The report only writes a new .png file or replaces a picture it drew itself, so "
+            "nothing was written and the file is untouched. Give a new file name ending in "
+            ".png (e.g. --out training_report.png), or a folder to put training_report.png in.")
+    if os.path.splitext(path)[1].lower() != ".png":
+        raise ReportOutputError(
+            f"training-patches report: --out {path} does not end in .png, and the report is a "
+            f"PNG picture" + (" (a file of that name exists: it may be one of the run's "
+                              "records)" if os.path.lexists(path) else "") + f". {todo}")
+    if not os.path.lexists(path):
+        return False
+    if not os.path.isfile(path):
+        raise ReportOutputError(f"training-patches report: --out {path} exists and is not a "
+                                f"regular file. {todo}")
+    if not is_report_picture(path):
+        raise ReportOutputError(
+            f"training-patches report: --out {path} exists and is not a picture drawn by "
+            f"training-patches report (it may be one of the run's files, or someone else's "
+            f"picture). {todo}")
+    return True
+
+
+def default_out(run_dir: str | os.PathLike[str]) -> str:
+    """Where the command puts the PNG without ``--out``: the current folder, named after the
+    run folder (``training_report_<name>.png``), so the run's folder holds only what the
+    run wrote."""
+    name = os.path.basename(os.path.abspath(os.fspath(run_dir))) or "run"
+    return f"training_report_{name}.png"
+
+
 def write_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
                  ) -> tuple[list[Report], str | None]:
     """Reports of every run under ``folder`` (newest last) and the PNG of the newest.
 
-    The PNG goes to ``out`` (default ``<folder>/training_report.png``); None when
-    matplotlib is missing. Raises :class:`NoRunFound` when there is no run.
+    The PNG goes to ``out`` (default ``<folder>/training_report.png``: the trainer's own
+    report, :func:`log_report`); None when matplotlib is missing. ``out`` must be a new
+    ``.png`` file or a picture drawn before (:func:`check_out`, checked before anything is
+    read). Raises :class:`NoRunFound` when there is no run, :class:`ReportOutputError` for
+    a refused ``out``.
     """
     folder = os.fspath(folder)
+    path = os.fspath(out) if out is not None else os.path.join(folder, REPORT_NAME)
+    exists = check_out(path)
     runs = find_runs(folder)
     if not runs:
         raise NoRunFound(no_run_message(folder))
     reports = [build(run) for run in runs]
-    path = os.fspath(out) if out is not None else os.path.join(folder, REPORT_NAME)
     try:
         from .plotting import save
         fig = reports[-1].figure()
     except ImportError:
         return reports, None
-    return reports, save(fig, path)
+    from .._output import OutputExists
+
+    try:
+        return reports, save(fig, path, replace=exists)
+    except OutputExists:
+        raise ReportOutputError(
+            f"training-patches report: --out {path} was created by another program while "
+            f"the report was drawn; it was left as it is. Run the report again, or give "
+            f"another file name.") from None
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -98,16 +189,16 @@ def _report(args: argparse.Namespace) -> int:
               f"folder (the one holding headless_runs.jsonl, the coqui run folder, or the "
               f"checkpoints of a plain loop).", file=sys.stderr)
         return 2
-    out = args.out
-    if out is not None and os.path.isdir(out):
+    out = args.out if args.out is not None else default_out(folder)
+    if os.path.isdir(out):
         out = os.path.join(out, REPORT_NAME)
     try:
         reports, png = write_report(folder, out)
-    except NoRunFound as exc:
+    except (NoRunFound, ReportOutputError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"training-patches report: could not write the picture ({exc}); choose "
+        print(f"training-patches report: could not write the picture {out} ({exc}); choose "
               f"another place with --out.", file=sys.stderr)
         return 2
     newest = reports[-1]
@@ -130,11 +221,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "report", help="a run's health: figures, a verdict and a PNG page of plots",
         description="Find the runs under RUN_DIR, print their figures and a verdict (healthy, "
                     "unstable scale, stalled loss, repeated skips, frozen rows moved, ...) and "
-                    "draw the newest as one PNG page. Exit 0: healthy; 1: needs a look; "
-                    "2: no run found.")
+                    "draw the newest as one PNG page (in the current folder unless --out "
+                    "says where). Exit 0: healthy; 1: needs a look; 2: no run found or "
+                    "--out refused.")
     rep.add_argument("run_dir", help="a run's output folder (or the folder above its runs)")
     rep.add_argument("--out", default=None,
-                     help=f"where the PNG goes (default RUN_DIR/{REPORT_NAME})")
+                     help="where the PNG goes: a new .png file, a picture the report drew "
+                          "before (replaced), or a folder (FOLDER/training_report.png). "
+                          "Default: training_report_<RUN_DIR's name>.png in the current "
+                          "folder; never one of the run's own files")
     rep.set_defaults(handler=_report)
 
 

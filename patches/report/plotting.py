@@ -187,9 +187,25 @@ def render(f: Facts, findings: list[Finding]) -> Any:
     return fig
 
 
-def save(fig: Any, path: str) -> str:
-    """Write ``fig`` as a PNG to ``path`` and close it; returns the path."""
+# The PNG's tEXt "Software" entry: how ``report`` knows a picture it may replace.
+SOFTWARE = "training-patches report"
+
+
+def png_bytes(fig: Any) -> bytes:
+    """``fig`` as PNG bytes, marked as a report's picture (:data:`SOFTWARE`); closes it."""
+    import io
+
     plt = _pyplot()
-    fig.savefig(path, format="png")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", metadata={"Software": SOFTWARE})
     plt.close(fig)
+    return buffer.getvalue()
+
+
+def save(fig: Any, path: str, *, replace: bool = True) -> str:
+    """Write ``fig`` as a PNG to ``path`` (complete or absent) and close it; returns the
+    path. ``replace=False``: only if nothing is there (else :class:`OutputExists`)."""
+    from .._output import write_file
+
+    write_file(path, png_bytes(fig), replace=replace)
     return path

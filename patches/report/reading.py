@@ -9,6 +9,11 @@ A run leaves its files in one or two folders:
 - the output folder above it: ``headless_runs.jsonl`` (headlessXttsTrain.py) and
   ``dropped_samples.jsonl``, and the patches' files when an output folder was set.
 
+A job of several ranks writes one file per rank (``nonfinite_events.rank1.jsonl``,
+:func:`patches._run.rank_file_name`): they are read as the records of the plain name,
+merged, each record keeping its ``"rank"`` (taken from the file name when an older
+writer left it out). Records of a single process have no rank file and may have no rank.
+
 :func:`find_runs` returns one :class:`Run` per trainer run folder, with the files of the
 folders above it (up to the folder asked about) shared into it. A JSON line that is not
 a JSON object is counted, never fatal; so is an unreadable TensorBoard file.
@@ -58,6 +63,40 @@ class Run:
         return sum(self.broken_lines.values())
 
 
+def split_rank_name(name: str) -> tuple[str, int | None]:
+    """``nonfinite_events.rank1.jsonl`` -> (``nonfinite_events.jsonl``, 1); a plain name
+    -> (name, None)."""
+    stem, ext = os.path.splitext(name)
+    head, dot, tail = stem.rpartition(".")
+    if dot and tail.startswith("rank") and tail[4:].isdigit():
+        return head + ext, int(tail[4:])
+    return name, None
+
+
+def _is_jsonl(name: str) -> bool:
+    return split_rank_name(name)[0] in JSONL_FILES
+
+
+def rank_of(record: dict[str, Any]) -> int | None:
+    """The rank that wrote ``record``; None for a single process's record without one."""
+    value = record.get("rank")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def ranks(run: "Run") -> list[int]:
+    """The ranks whose records the run holds, when it was a job of several ranks ([]
+    for a single process: no record names a rank above 0 or a world size above 1)."""
+    found: set[int] = set()
+    several = False
+    for records in run.records.values():
+        for record in records:
+            rank = rank_of(record)
+            world = record.get("world_size")
+            several |= bool(rank) or (isinstance(world, int) and world > 1)
+            found.add(rank or 0)
+    return sorted(found) if several else []
+
+
 def read_jsonl(path: str) -> tuple[list[dict[str, Any]], int]:
     """The JSON objects of a JSON-lines file, and how many non-empty lines were not one."""
     records: list[dict[str, Any]] = []
@@ -95,7 +134,7 @@ def _marker_folders(root: str) -> dict[str, list[str]]:
         if folder.rstrip(os.sep).count(os.sep) - base_depth >= MAX_DEPTH:
             dirs[:] = []
         dirs.sort()
-        if any(n in JSONL_FILES or n.startswith(TB_PREFIX) or _is_trainer_log(n)
+        if any(_is_jsonl(n) or n.startswith(TB_PREFIX) or _is_trainer_log(n)
                for n in names):
             found[folder] = sorted(names)
     return found
@@ -111,7 +150,7 @@ def find_runs(root: str, *, scalars: bool = True) -> list[Run]:
     folders = _marker_folders(root)
     own = [f for f, names in folders.items()
            if _has_tb(names) or any(_is_trainer_log(n) for n in names)
-           or any(n in _RUN_FILES for n in names)]
+           or any(split_rank_name(n)[0] in _RUN_FILES for n in names)]
     # A plain loop's folder is a run, unless a trainer's run folder lies below it: then
     # its records (written there because an output folder was set) belong to that run.
     own = [f for f in own if not any(o != f and o.startswith(f + os.sep) for o in own)
@@ -140,7 +179,8 @@ def _read_folder(run: Run, folder: str, names: list[str]) -> None:
             run.newest = max(run.newest, os.path.getmtime(path))
         except OSError:
             continue
-        if name not in JSONL_FILES:
+        base, rank = split_rank_name(name)
+        if base not in JSONL_FILES:
             continue
         try:
             records, broken = read_jsonl(path)
@@ -148,8 +188,12 @@ def _read_folder(run: Run, folder: str, names: list[str]) -> None:
             logger.warning("report: cannot read %s (%s)", path, exc)
             run.broken_lines[path] = run.broken_lines.get(path, 0) + 1
             continue
-        run.records.setdefault(name, []).extend(records)
-        run.files.setdefault(name, []).append(path)
+        if rank is not None:  # a rank's own file: its records are that rank's
+            for record in records:
+                if rank_of(record) is None:
+                    record["rank"] = rank
+        run.records.setdefault(base, []).extend(records)
+        run.files.setdefault(base, []).append(path)
         if broken:
             run.broken_lines[path] = broken
 

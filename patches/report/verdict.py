@@ -5,6 +5,12 @@ and why, the loss trend, the loss scale's backoffs, dropped samples, the frozen-
 check); :func:`verdict` names what needs a look. A run is *healthy* only when nothing
 does: any recorded event (a skipped step, a dropped sample, an out-of-memory batch, an
 unreadable record) keeps it from being called healthy.
+
+A job of several ranks is one run: a step every rank skipped is one skipped step (the
+ranks agree on the decision), told apart by who saw the bad value (its event's kind)
+and who only followed a peer (``"kind": "peer_nonfinite"``); the loss scale is read
+from one rank (every rank's scaler takes the same steps); out-of-memory batches are
+summed (each rank's batch is its own); a sample dropped on several ranks counts once.
 """
 
 from __future__ import annotations
@@ -36,13 +42,31 @@ OOM = "out-of-memory batches"
 UNREADABLE = "unreadable records"
 
 
+PEER = "peer_nonfinite"  # patches.nan_guard: this rank skipped because a peer saw it
+
+
 @dataclass
 class Skip:
-    """One optimizer step that did not update the weights."""
+    """One optimizer step that did not update the weights (once, however many ranks)."""
 
     step: int
-    kind: str  # nonfinite_loss, nonfinite_grad, loss_spike, overflow
+    kind: str  # nonfinite_loss, nonfinite_grad, loss_spike, overflow (peer_nonfinite:
+    #            only followers' records were found)
     loss: float | None = None
+    seen_on: list[int] = field(default_factory=list)      # ranks that saw the bad value
+    followed_on: list[int] = field(default_factory=list)  # ranks that followed a peer
+
+
+@dataclass
+class RankFigures:
+    """What one rank of a job of several recorded."""
+
+    seen: int = 0        # skipped steps where this rank saw the bad value
+    followed: int = 0    # skipped steps this rank took only because a peer saw one
+    micro_batches: int = 0
+    overflows: int = 0
+    ooms: int = 0
+    dropped: int = 0
 
 
 @dataclass
@@ -66,12 +90,25 @@ class Facts:
     ooms: int = 0
     freeze: dict[str, Any] | None = None
     patch_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    ranks: dict[int, RankFigures] = field(default_factory=dict)  # {} for one process
 
 
 @dataclass
 class Finding:
     name: str
     detail: str
+
+
+def number(value: Any) -> float | None:
+    """A record's number: an int or float, or the strict-JSON strings ``"NaN"``,
+    ``"Infinity"``, ``"-Infinity"`` (:func:`patches._run.strict_json`); else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if value in ("NaN", "Infinity", "-Infinity"):
+        return float(value.replace("Infinity", "inf"))
+    return None
 
 
 def _finite(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -96,13 +133,37 @@ def _streak(steps: list[int]) -> int:
     return longest
 
 
+# Counters of what one rank saw (patches.stats()): a job's figure is their sum over ranks.
+# Every other counter holds the same value on every rank (an agreed decision, the scale):
+# a job's figure is one rank's.
+PER_RANK = ("nonfinite_losses", "nonfinite_grads", "spikes", "skipped_micro_batches",
+            "peer_skips", "oom_skipped")
+
+
 def _patch_stats(run: Run) -> dict[str, dict[str, float]]:
-    """The patches' counters of each process of the run (headless_runs.jsonl), summed."""
-    total: dict[str, dict[str, float]] = {}
+    """The patches' counters of each process of the run (headless_runs.jsonl), summed;
+    across the ranks of one job only :data:`PER_RANK` counters add up, the agreed ones
+    are taken once."""
     folder_ends = [r for r in run.get(reading.HEADLESS)
                    if r.get("event") in ("finished", "interrupted")
                    and isinstance(r.get("patch_stats"), dict)
                    and r.get("run_folder") in (None, run.folder)]
+    by_rank: dict[int | None, list[dict[str, Any]]] = {}
+    for record in folder_ends:
+        by_rank.setdefault(reading.rank_of(record), []).append(record)
+    total: dict[str, dict[str, float]] = {}
+    for records in by_rank.values():
+        for patch, counts in _sum_stats(records).items():
+            into = total.setdefault(patch, {})
+            for name, value in counts.items():
+                into[name] = (into.get(name, 0) + value if name in PER_RANK
+                              else max(into.get(name, value), value))
+    return total
+
+
+def _sum_stats(folder_ends: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """One process line's counters (a run and its resumes), summed."""
+    total: dict[str, dict[str, float]] = {}
     for record in folder_ends:
         for patch, counts in record["patch_stats"].items():
             if not isinstance(counts, dict):
@@ -117,35 +178,75 @@ def _patch_stats(run: Run) -> dict[str, dict[str, float]]:
     return total
 
 
-def facts(run: Run) -> Facts:
-    """The figures of ``run``."""
-    f = Facts(run=run)
+def _cause_rank(kind: str) -> int:
+    return _CAUSE.index(kind) if kind in _CAUSE else len(_CAUSE)
+
+
+_CAUSE = ("nonfinite_loss", "loss_spike", "nonfinite_grad")
+
+
+def _skips_of_events(run: Run, f: Facts) -> tuple[dict[int, Skip], list[int]]:
+    """Skipped steps from the NaN guard's events of every rank, each step once."""
     skips: dict[int, Skip] = {}
     streaks = [0]
     for event in run.get(reading.EVENTS):
         step = _step_of(event)
         if step is None:
             continue
+        rank = reading.rank_of(event) or 0
         if event.get("micro_batch"):
             f.micro_batches.append(step)
+            f.ranks.setdefault(rank, RankFigures()).micro_batches += 1
             continue
-        loss = event.get("loss")
-        skips[step] = Skip(step, str(event.get("kind", "nonfinite")),
-                           loss if isinstance(loss, (int, float)) else None)
+        kind = str(event.get("kind", "nonfinite"))
+        skip = skips.setdefault(step, Skip(step, kind))
+        if kind == PEER:
+            skip.followed_on.append(rank)
+            f.ranks.setdefault(rank, RankFigures()).followed += 1
+        else:
+            # the seeing rank names the kind; a NaN loss (the cause) over the NaN gradients
+            # DDP's all-reduce carries from it to the other ranks
+            if not skip.seen_on or _cause_rank(kind) < _cause_rank(skip.kind):
+                skip.kind, skip.loss = kind, number(event.get("loss"))
+            skip.seen_on.append(rank)
+            f.ranks.setdefault(rank, RankFigures()).seen += 1
         consecutive = event.get("consecutive")
         if isinstance(consecutive, int):
             streaks.append(consecutive)
-    scale_records = sorted((r for r in run.get(reading.SCALE) if _step_of(r) is not None),
+    for skip in skips.values():
+        skip.seen_on.sort()
+        skip.followed_on.sort()
+    return skips, streaks
+
+
+def facts(run: Run) -> Facts:
+    """The figures of ``run`` (all its ranks)."""
+    f = Facts(run=run)
+    several = reading.ranks(run)
+    skips, streaks = _skips_of_events(run, f)
+    all_scale = [r for r in run.get(reading.SCALE) if _step_of(r) is not None]
+    # every rank's scaler takes the same steps (found-inf is agreed): the series of one
+    first_rank = min((reading.rank_of(r) or 0 for r in all_scale), default=0)
+    scale_records = sorted((r for r in all_scale if (reading.rank_of(r) or 0) == first_rank),
                            key=lambda r: (_step_of(r) or 0))
-    for record in scale_records:
+    overflows: set[int] = set()
+    guard_steps = set(skips)
+    for record in sorted(all_scale, key=lambda r: (_step_of(r) or 0)):
         step = _step_of(record) or 0
-        if record.get("overflow"):
-            f.overflows.append(step)
-        if record.get("overflow") and step not in skips:
-            loss = record.get("loss")  # a NaN batch under a scaler is its overflow
-            bad_loss = isinstance(loss, (int, float)) and not math.isfinite(loss)
-            skips[step] = Skip(step, "nonfinite_loss" if bad_loss else "overflow",
-                               loss if isinstance(loss, (int, float)) else None)
+        if not record.get("overflow"):
+            continue
+        rank = reading.rank_of(record) or 0
+        overflows.add(step)
+        f.ranks.setdefault(rank, RankFigures()).overflows += 1
+        if step in guard_steps:  # the guard's events say who saw it
+            continue
+        if step not in skips:
+            loss = number(record.get("loss"))  # a NaN batch under a scaler is its overflow
+            bad_loss = loss is not None and not math.isfinite(loss)
+            skips[step] = Skip(step, "nonfinite_loss" if bad_loss else "overflow", loss)
+        if rank not in skips[step].seen_on:
+            skips[step].seen_on.append(rank)
+    f.overflows = sorted(overflows)
     f.skips = sorted(skips.values(), key=lambda s: s.step)
     f.longest_streak = max(max(streaks), _streak([s.step for s in f.skips]))
 
@@ -160,15 +261,15 @@ def facts(run: Run) -> Facts:
 
     if scale_records:
         f.scale_source = reading.SCALE
-        first = scale_records[0].get("scale_before")
-        if isinstance(first, (int, float)):  # the scale the run started with
-            f.scale.append((min(0, _step_of(scale_records[0]) or 0), float(first)))
+        first = number(scale_records[0].get("scale_before"))
+        if first is not None:  # the scale the run started with
+            f.scale.append((min(0, _step_of(scale_records[0]) or 0), first))
         for record in scale_records:
-            value = record.get("scale")
-            before = record.get("scale_before")
-            if isinstance(value, (int, float)):
-                f.scale.append((_step_of(record) or 0, float(value)))
-                if isinstance(before, (int, float)) and value < before:
+            value = number(record.get("scale"))
+            before = number(record.get("scale_before"))
+            if value is not None:
+                f.scale.append((_step_of(record) or 0, value))
+                if before is not None and value < before:
                     f.backoffs += 1
     else:
         for name, group in (("amp_scaler", "TrainIterStats"),
@@ -179,10 +280,25 @@ def facts(run: Run) -> Facts:
                 f.backoffs = sum(b < a for (_, a), (_, b) in zip(series, series[1:]))
                 break
 
+    keys: set[str] = set()
     for record in run.get(reading.DROPPED):
+        f.ranks.setdefault(reading.rank_of(record) or 0, RankFigures()).dropped += 1
+        key = record.get("key")
+        if isinstance(key, str):  # the same sample dropped on several ranks counts once
+            if key in keys:
+                continue
+            keys.add(key)
         f.dropped[str(record.get("reason", "unknown"))] += 1
         f.dropped_splits[str(record.get("split", "?"))] += 1
     f.ooms = len(run.get(reading.OOM))
+    for record in run.get(reading.OOM):
+        f.ranks.setdefault(reading.rank_of(record) or 0, RankFigures()).ooms += 1
+    if several:
+        for rank in several:
+            f.ranks.setdefault(rank, RankFigures())
+        f.ranks = dict(sorted(f.ranks.items()))
+    else:
+        f.ranks = {}
     f.patch_stats = _patch_stats(run)
     seen = [s for series in (*f.losses.values(), f.lr, f.grad_norm) for s, _ in series[-1:]]
     seen += [s.step for s in f.skips] + [s for s, _ in f.scale[-1:]]
@@ -242,6 +358,32 @@ def verdict(f: Facts) -> list[Finding]:
     return found
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _rank_lines(f: Facts) -> list[str]:
+    """A job of several ranks: who saw each skipped step, who followed, per-rank counts."""
+    lines = [f"ranks: {len(f.ranks)} ({', '.join(map(str, f.ranks))}); a step skipped on "
+             f"every rank counts once"]
+    for skip in f.skips[:10]:
+        parts = []
+        if skip.seen_on:
+            parts.append(f"seen on {_ranks_text(skip.seen_on)}")
+        if skip.followed_on:
+            parts.append(f"followed on {_ranks_text(skip.followed_on)}")
+        if not skip.seen_on:
+            parts.append("no rank's record says it saw the bad value")
+        lines.append(f"  step {skip.step} ({skip.kind}): " + ", ".join(parts))
+    for rank, r in f.ranks.items():
+        extra = "".join(f", {n} {what}" for n, what in (
+            (r.micro_batches, "micro-batches left out"), (r.overflows, "overflows"),
+            (r.ooms, "out-of-memory batches"), (r.dropped, "dropped samples")) if n)
+        lines.append(f"  rank {rank}: saw {r.seen} bad step(s), followed a peer in "
+                     f"{r.followed}{extra}")
+    return lines
+
+
 def headline(findings: list[Finding]) -> str:
     """``healthy``, or the names of the findings, worst first."""
     return ", ".join(dict.fromkeys(x.name for x in findings)) if findings else HEALTHY
@@ -266,9 +408,11 @@ def describe(f: Facts, findings: list[Finding]) -> list[str]:
     if f.micro_batches:
         lines.append(f"non-finite micro-batches left out (step not skipped): "
                      f"{len(f.micro_batches)}")
+    if f.ranks:
+        lines.extend(_rank_lines(f))
     events = run.get(reading.EVENTS)
-    samples = Counter(s for e in events for s in (e.get("samples") or [])
-                      if isinstance(s, str))
+    samples = Counter(s for e in events if e.get("kind") != PEER  # a follower's batch was fine
+                      for s in (e.get("samples") or []) if isinstance(s, str))
     if samples:
         lines.append("samples seen most in bad batches: " + ", ".join(
             f"{s} ({n})" for s, n in samples.most_common(5)))

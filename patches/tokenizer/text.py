@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -40,9 +41,22 @@ ENGLISH_SAMPLE: tuple[str, ...] = (
 MANIFEST_COLUMN = "text"
 
 
+# A table's first column naming audio files: a manifest (or an LJSpeech-style metadata file)
+# without the coqui header, whose paths and names must not become vocabulary.
+_AUDIO_COLUMN = re.compile(r"^[^|,;\t]*\.(wav|flac|mp3|ogg|opus|m4a|aac)\s*[|,;\t]", re.I)
+# The longest piece between two spaces the corpus may hold (--max-word-chars): XTTS splits
+# text at spaces and BPE learning time grows with the square of a piece's length (measured,
+# tokenizers 0.22: 20,000 characters 0.5 s, 80,000 characters 5.7 s; a 9 MB line: hours).
+MAX_WORD_CHARS = 1000
+
+
 def read_lines(path: str | os.PathLike[str], *, what: str = "corpus") -> list[str]:
     """The text lines of ``path``: a plain text file (one line each, blank lines skipped)
-    or a coqui manifest (the ``text`` column of an ``audio_file|text|speaker_name`` file)."""
+    or a coqui manifest (the ``text`` column of an ``audio_file|text|speaker_name`` file).
+
+    A UTF-8 byte-order mark is dropped. A table that is not a coqui manifest (``|``
+    columns without that header, or audio file names in its first column) is refused:
+    read as text, its paths, ids and speaker names would become vocabulary."""
     path = Path(path)
     if not path.is_file():
         raise TokenizerToolError(
@@ -50,7 +64,7 @@ def read_lines(path: str | os.PathLike[str], *, what: str = "corpus") -> list[st
             f"a line, or a coqui manifest with the header 'audio_file|text|speaker_name'. "
             f"Check the path.")
     try:
-        raw = path.read_text(encoding="utf-8")
+        raw = path.read_text(encoding="utf-8-sig")  # -sig: a leading BOM is not text
     except UnicodeDecodeError as exc:
         raise TokenizerToolError(
             f"the {what} {path} is not UTF-8 text (byte {exc.start} cannot be decoded). "
@@ -58,21 +72,51 @@ def read_lines(path: str | os.PathLike[str], *, what: str = "corpus") -> list[st
             f"or check that you named the text file and not an audio or model file.") from None
     lines = [line.strip() for line in raw.splitlines()]
     lines = [line for line in lines if line]
-    if lines and "|" in lines[0]:
-        header = [name.strip().lower() for name in lines[0].split("|")]
-        if MANIFEST_COLUMN in header and "audio_file" in header:
-            column = header.index(MANIFEST_COLUMN)
-            texts = []
-            for line in lines[1:]:
-                fields = line.split("|")
-                if len(fields) > column and fields[column].strip():
-                    texts.append(fields[column].strip())
-            lines = texts
+    header = [name.strip().lower() for name in lines[0].split("|")] if lines else []
+    if MANIFEST_COLUMN in header and "audio_file" in header:
+        column = header.index(MANIFEST_COLUMN)
+        texts = []
+        for line in lines[1:]:
+            fields = line.split("|")
+            if len(fields) > column and fields[column].strip():
+                texts.append(fields[column].strip())
+        lines = texts
+    elif lines:
+        piped = sum("|" in line for line in lines)
+        audio = sum(bool(_AUDIO_COLUMN.match(line)) for line in lines)
+        if 2 * piped > len(lines) or 2 * audio > len(lines):
+            found = (f"{audio} of its {len(lines)} lines start with an audio file name"
+                     if 2 * audio > len(lines) else
+                     f"{piped} of its {len(lines)} lines hold '|'-separated columns")
+            raise TokenizerToolError(
+                f"the {what} {path} looks like a dataset table, not text: {found}, and its "
+                f"first line {lines[0][:80]!r} is not the coqui header "
+                f"'audio_file|text|speaker_name'. Read as text, its file names and speaker "
+                f"names would become tokens. Give a text file with one sentence a line, or a "
+                f"coqui manifest with that header (its text column is then read).")
     if not lines:
         raise TokenizerToolError(
             f"the {what} {path} holds no text (no non-empty line; for a manifest, no row with "
             f"a transcript). Expected sentences of the language, one a line.")
     return lines
+
+
+def check_word_lengths(texts: Sequence[str], limit: int, source: str) -> None:
+    """Refuse text holding a piece of more than ``limit`` characters between spaces (see
+    :data:`MAX_WORD_CHARS`), before the BPE learning that would take hours on it."""
+    for number, text in enumerate(texts, start=1):
+        if len(text) <= limit:
+            continue
+        longest = max(text.split(" "), key=len)
+        if len(longest) > limit:
+            raise TokenizerToolError(
+                f"the corpus {source} holds a piece of {len(longest):,} characters without a "
+                f"space (text line {number}, after cleaning: {longest[:40]!r}...). XTTS splits "
+                f"text at spaces, and learning BPE pieces from one this long takes time that "
+                f"grows with the square of its length (80,000 characters: about 6 s; a 9 MB "
+                f"line: hours), so nothing was done. Expected sentences, one a line, with "
+                f"spaces between words. Split the text, or raise --max-word-chars (now "
+                f"{limit:,}) if it is really one word.")
 
 
 def load_function(spec: str) -> Callable[..., str]:
@@ -169,9 +213,11 @@ def words_of(lines: Iterable[str]) -> list[str]:
 
 
 def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
-                 suffix: str) -> Path:
-    """Where to write, refusing to overwrite the input (unless ``in_place``) or an existing
-    file (unless ``force``)."""
+                 suffix: str, inputs: Sequence[tuple[str, str | os.PathLike[str]]] = ()
+                 ) -> Path:
+    """Where to write, refusing to overwrite the input (unless ``in_place``), an existing
+    file (unless ``force``), a folder, or any of ``inputs`` ((what, path): the corpus, the
+    base text; never, even with ``force``)."""
     if in_place:
         if out is not None and out.resolve() != src.resolve():
             raise TokenizerToolError(
@@ -186,6 +232,18 @@ def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
         raise TokenizerToolError(
             f"--output {out} is the input tokenizer itself. The input is never overwritten "
             f"unless you pass --in-place; name another output file.")
+    from .._output import same_file
+
+    for name, path in inputs:
+        if same_file(out, path):
+            raise TokenizerToolError(
+                f"--output {out} is the {name} {path}, an input of this command; it is never "
+                f"overwritten, with --force or without. Name a new file for the extended "
+                f"tokenizer (e.g. {src.with_name(src.stem + suffix + src.suffix)}).")
+    if out.is_dir():
+        raise TokenizerToolError(
+            f"--output {out} is a folder; nothing was written. Name the file to write in it "
+            f"(e.g. {out / (src.stem + suffix + src.suffix)}).")
     if out.exists() and not force:
         raise TokenizerToolError(
             f"--output {out} exists already; nothing was written. Pass --force to replace it, "
@@ -214,4 +272,5 @@ def sample_base_text(path: str | os.PathLike[str] | None) -> tuple[list[str], st
 
 
 __all__ = ["read_lines", "load_function", "language_cleaner", "make_preprocess", "words_of",
-           "check_output", "write_bytes_atomic", "sample_base_text", "ENGLISH_SAMPLE"]
+           "check_output", "check_word_lengths", "write_bytes_atomic", "sample_base_text",
+           "ENGLISH_SAMPLE", "MAX_WORD_CHARS"]

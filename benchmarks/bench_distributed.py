@@ -1,0 +1,196 @@
+"""Step-time overhead of the patches under DDP and FSDP2: 2 ranks, CPU, gloo.
+
+The method of bench_overhead.py on every rank of a real torchrun job: the same small
+transformer step (AdamW, ``clip_grad_norm_(..., 1.0)``), the model wrapped in
+``DistributedDataParallel`` or sharded with FSDP2's ``fully_shard``; blocks of steps
+patched and unpatched alternate (``patches.apply``/``revert`` in the running job, the order
+flipped every round), and the ratio is the median over rounds of patched/unpatched block
+medians, read on rank 0 (a DDP/FSDP2 step waits for both ranks, so rank 0's time is the
+job's). Each setting is its own torchrun job: one that crashes or hangs is reported as
+such and the others still run.
+
+On a machine with 2 or more CUDA GPUs ``--device cuda`` runs the same jobs with NCCL, one
+GPU a rank, each step timed to its end (``torch.cuda.synchronize``); the GPU suite
+(benchmarks/gpu/test_gpu_multi.py) does that.
+
+Run: .venv/bin/python benchmarks/bench_distributed.py [--rounds N] [--steps N] [--only ddp]
+     [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# (label, wrapping, fused AdamW)
+SETTINGS = {
+    "ddp": ("DDP, fp32 + clip, all default patches", "ddp", False),
+    "ddp-fused": ("DDP, fp32 + clip, fused AdamW, all default patches", "ddp", True),
+    "fsdp2": ("FSDP2 (fully_shard), fp32 + clip, all default patches", "fsdp2", False),
+}
+
+
+def block(model, opt, steps: int, data, device: str) -> list[float]:
+    """bench_overhead.py's fp32 step (AdamW, clip 1.0), each timed to its end on a GPU."""
+    import torch
+
+    x, y = data
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def rank_main(setting: str, rounds: int, steps: int, device: str) -> None:
+    """One rank of the job (started by torchrun with ``--rank-job``)."""
+    sys.path[:0] = [ROOT, HERE]
+    import torch
+    import torch.distributed as dist
+
+    import patches
+    from bench_overhead import make_model
+
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank = dist.get_rank()
+    _, wrapping, fused = SETTINGS[setting]
+    model = make_model().to(device)
+    if wrapping == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model[0].layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    generator = torch.Generator().manual_seed(rank)
+    data = (torch.randn(8, 64, 128, generator=generator).to(device),
+            torch.randn(8, 64, 128, generator=generator).to(device))
+    patches.revert()
+    try:
+        block(model, opt, 3, data, device)  # warm-up, unpatched
+        patches.apply(quiet=True)
+        block(model, opt, 3, data, device)  # warm-up, patched (a crash shows here)
+        timed: dict[str, list[float]] = {"patched": [], "unpatched": []}
+        ratios = []
+        for r in range(rounds):
+            order = ["patched", "unpatched"] if r % 2 == 0 else ["unpatched", "patched"]
+            medians = {}
+            for mode in order:
+                patches.apply(quiet=True) if mode == "patched" else patches.revert()
+                times = block(model, opt, steps, data, device)
+                timed[mode] += times
+                medians[mode] = statistics.median(times)
+            ratios.append(medians["patched"] / medians["unpatched"])
+    except Exception as exc:  # every rank meets the same failure at the same step
+        if rank == 0:
+            print(f"RESULT crashed {_describe(exc)}", flush=True)
+        raise
+    finally:
+        patches.revert()
+    if rank == 0:
+        med = {k: statistics.median(v) * 1e3 for k, v in timed.items()}
+        print(f"RESULT {med['unpatched']:.2f} {med['patched']:.2f} "
+              f"{statistics.median(ratios):.3f}", flush=True)
+    dist.destroy_process_group()
+
+
+def _describe(exc: BaseException) -> str:
+    """The exception and the innermost frame of this library it went through."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f"{os.sep}patches{os.sep}" in f.filename]
+    where = (f" in patches/{frames[-1].filename.rsplit(os.sep + 'patches' + os.sep, 1)[1]}:"
+             f"{frames[-1].lineno} ({frames[-1].name})" if frames else "")
+    text = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}{where}{': ' + text if text else ''}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_setting(setting: str, rounds: int, steps: int, timeout: float,
+                device: str = "cpu") -> str:
+    """One torchrun job; its table row (or what went wrong)."""
+    label = SETTINGS[setting][0]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+               "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+               "--max-restarts=0", os.path.abspath(__file__), "--rank-job", setting,
+               "--rounds", str(rounds), "--steps", str(steps), "--device", device]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
+    env.update(OMP_NUM_THREADS="1", TRAINING_PATCHES_QUIET="1")
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"| {label} | - | - | hung: killed after {timeout:.0f} s |"
+    results = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode == 0 and results:
+        unpatched, patched, ratio = results[-1].split()
+        return f"| {label} | {unpatched} | {patched} | {ratio} |"
+    why = results[-1] if results else (out.strip().splitlines() or ["no output"])[-1]
+    return f"| {label} | - | - | patched run FAILED: {why} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--only", default="", help="run only the settings whose key "
+                        f"contains this text ({', '.join(SETTINGS)})")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per job")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL, one GPU a rank (needs 2 GPUs)")
+    parser.add_argument("--rank-job", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_job:
+        rank_main(args.rank_job, args.rounds, args.steps, args.device)
+        return
+    import torch
+
+    where = ("gloo, 1 thread a rank" if args.device == "cpu" else
+             f"NCCL, {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__},"
+          f" 2 ranks (torchrun, {where}), {args.rounds} rounds x {args.steps} steps")
+    print(f"| step ({args.device.upper()}, small transformer, 2 ranks) | unpatched ms | patched ms "
+          "| ratio (median of rounds) |")
+    print("|---|---|---|---|", flush=True)
+    failed = False
+    for key in SETTINGS:
+        if args.only in key:
+            start = time.perf_counter()
+            row = run_setting(key, args.rounds, args.steps, args.timeout, args.device)
+            failed |= "FAILED" in row or "hung" in row
+            print(row, f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

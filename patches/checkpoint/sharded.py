@@ -1,0 +1,413 @@
+"""Sharded checkpoints of FSDP2 models through ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a folder ``<prefix>_<step>.dcp`` written by every rank together:
+
+- DCP's files (``__<rank>_<n>.distcp``, ``.metadata``): the model and optimizer state
+  dicts of ``torch.distributed.checkpoint.state_dict.get_state_dict``, each rank its shards;
+- ``rng.rank<R>.pt``: each rank's own RNG states; ``meta.pt`` (rank 0): step, scheduler,
+  scaler, runtime counters, ``extra``;
+- ``manifest.json`` (rank 0, after every rank reported its files): format, step,
+  generation, world size, vocabulary size, parameter shapes, NaN/Inf names and the size
+  and SHA-256 of every file above;
+- ``COMMITTED`` (rank 0, LAST): the SHA-256 of the manifest. A folder without it, or whose
+  manifest does not match it, is incomplete: never resumed, never pruned.
+
+Loading goes through DCP too, so a checkpoint saved by N ranks loads into M ranks (DCP
+reshards). Every step runs on every rank and its outcome (or the first error) reaches
+all of them (:mod:`._collective`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import _dist
+from .._log import info
+from . import _collective
+from ._validate import iter_tensors, nonfinite_flags
+from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
+from .errors import CheckpointError, CheckpointMismatchError
+from .optimizer import _as_list, _restart_scaler, _restart_scheduler
+from .report import LoadReport, _runtime_state, restarted
+from .rng import capture_rng_state, restore_rng_state, state_for_rank
+
+logger = logging.getLogger("training_patches")
+
+DCP_SUFFIX = ".dcp"
+DCP_FORMAT = "training-patches-dcp-checkpoint/1"
+MANIFEST_NAME = "manifest.json"
+COMMIT_NAME = "COMMITTED"
+META_NAME = "meta.pt"
+
+
+def _rng_name(rank: int) -> str:
+    return f"rng.rank{rank}.pt"
+
+
+def is_sharded_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has DTensor parameters (FSDP2 ``fully_shard``, tensor parallel)."""
+    return any(_dist.is_dtensor(p) for p in model.parameters())
+
+
+def _on_writer(fn: Callable[[], Any]) -> Any:
+    return _collective.on_writer(fn) if _collective.active() else fn()
+
+
+def _on_every_rank(fn: Callable[[Callable[..., None]], Any], *, gather: bool) -> Any:
+    """``fn(gate)`` on every rank; one error everywhere if any failed; else, with
+    ``gather``, every rank's result in rank order (plain values only), or this rank's."""
+    if not _collective.active():
+        result = fn(lambda failure=None: None)
+        return [result] if gather else result
+    result = _collective.on_every_rank(fn)
+    return _collective.all_gather(result) if gather else result
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_folder_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) for a complete folder; (None, why) otherwise. Never raises."""
+    marker, man = folder / COMMIT_NAME, folder / MANIFEST_NAME
+    try:
+        if not marker.is_file():
+            return None, ("has no commit marker (its save did not complete: a rank was "
+                          "stopped or failed before every rank had written its shards)")
+        if not man.is_file():
+            return None, "has a commit marker but no manifest.json"
+        raw = man.read_bytes()
+        if marker.read_text().strip() != hashlib.sha256(raw).hexdigest():
+            return None, "has a manifest.json that does not match its commit marker"
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        return None, f"cannot be read ({str(exc)[:120]})"
+    if not isinstance(data, dict) or data.get("format") != DCP_FORMAT:
+        return None, f"has a manifest whose format is not {DCP_FORMAT!r}"
+    for key in ("step", "generation", "world_size"):
+        value = data.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return None, f"has a manifest whose {key!r} is {value!r}, expected a whole number"
+    if not isinstance(data.get("files"), dict) or not data["files"]:
+        return None, "has a manifest without its list of files"
+    return data, None
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete sharded checkpoint (files not hashed), or None."""
+    return read_folder_manifest(folder)[1]
+
+
+def check_folder(folder: str | os.PathLike[str], *, verify_hash: bool = True) -> str | None:
+    """Why ``folder`` cannot be loaded (marker, manifest, every file's size and, with
+    ``verify_hash``, SHA-256), or None. Never raises."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "is not a folder"
+    manifest, problem = read_folder_manifest(folder)
+    if problem is not None:
+        return problem
+    for name, info_ in manifest["files"].items():
+        path = folder / name
+        try:
+            size = path.stat().st_size
+            if size != info_.get("bytes"):
+                return f"has {name} of {size} bytes, its manifest says {info_.get('bytes')}"
+            if verify_hash and _sha256(path) != info_.get("sha256"):
+                return f"has {name} whose SHA-256 does not match its manifest (damaged)"
+        except OSError as exc:
+            return f"lacks {name} ({exc.strerror or exc})"
+    return None
+
+
+def complete_folders(output_dir: str | os.PathLike[str]) -> list[tuple[Path, dict[str, Any]]]:
+    """Folders in ``output_dir`` with a commit marker and a valid manifest, newest first."""
+    output_dir = Path(output_dir)
+    found = []
+    try:
+        entries = list(output_dir.iterdir()) if output_dir.is_dir() else []
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.endswith(DCP_SUFFIX) or entry.is_symlink() or not entry.is_dir():
+            continue
+        manifest, _ = read_folder_manifest(entry)
+        if manifest is not None:
+            found.append((entry, manifest))
+    found.sort(key=lambda item: (item[1]["generation"], item[1]["step"]), reverse=True)
+    return found
+
+
+def remove_folder(folder: Path) -> None:
+    """Delete a checkpoint folder, its commit marker first (an interrupted removal leaves an
+    incomplete folder, never a marker that vouches for missing shards)."""
+    (folder / COMMIT_NAME).unlink(missing_ok=True)
+    _fsync_dir(folder)
+    shutil.rmtree(folder)
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def _dcp_call(what: str, folder: Path, call: Callable[[], Any]) -> Any:
+    """A DCP save/load whose failure becomes one paragraph, the same on every rank.
+
+    DCP's ``CheckpointException`` derives from BaseException and holds every failing
+    rank's exception; it is said once, by its lowest failing rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call()
+    except CheckpointException as exc:
+        failures = exc.failures
+        source = min(failures) if failures else None
+        cause = failures[source][0] if source is not None else exc
+        text = f"{type(cause).__name__}: {str(cause)[:300]}"
+        if what == "save":
+            after = (f"The folder {folder} has no commit marker, so it is never resumed; the "
+                     f"checkpoints already in {folder.parent} are unchanged. Fix the cause (free "
+                     f"space, permissions) and save again.")
+        else:
+            after = ("The model and optimizer may be partly loaded: build them again (or "
+                     "restart the job) before resuming from another checkpoint.")
+        raise CheckpointError(
+            f"training-patches: the sharded (DCP) {what} of {folder} failed on rank {source} "
+            f"({text}). {after}") from cause
+
+
+def _own_files(folder: Path, rank: int) -> list[str]:
+    names = [p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_")]
+    names.append(_rng_name(rank))
+    if rank == 0:
+        names += [".metadata", META_NAME]
+    return sorted(names)
+
+
+def _state_dicts(model: torch.nn.Module, optimizers: list[Any]) -> tuple[dict, dict | None]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizers:
+        return get_state_dict(model, optimizers)
+    return get_model_state_dict(model), None
+
+
+def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any,
+                 scheduler: Any, scaler: Any, extra: dict[str, Any]) -> Path:
+    """Every rank writes its shards of ``step`` into ``manager.folder_for(step)``; rank 0
+    writes the manifest and then the commit marker; every rank returns the folder."""
+    import torch.distributed.checkpoint as dcp
+
+    from .. import __version__, _api
+
+    folder = manager.folder_for(step)
+    optimizers = _as_list(optimizer)
+
+    def prepare() -> None:
+        if folder.exists():  # an earlier save of this step (another branch) or a torn one
+            remove_folder(folder)
+        folder.mkdir(parents=True)
+
+    _on_writer(prepare)
+
+    def write_rank(gate: Callable[..., None]) -> dict[str, Any]:
+        rank = _dist.rank()
+        msd, osd = _state_dicts(model, optimizers)
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        named = [(f"model.{k}", _dist.local(v), k not in params) for k, v in msd.items()
+                 if isinstance(v, torch.Tensor)]
+        if osd is not None:
+            named += [(f"optimizer.state.{k}", _dist.local(v), False)
+                      for k, v in iter_tensors(osd.get("state", {}))]
+        nonfinite = nonfinite_flags(named)
+        state = {"model": msd} if osd is None else {"model": msd, "optimizer": osd}
+        _dcp_call("save", folder, lambda: dcp.save(state, checkpoint_id=str(folder)))
+        atomic_torch_save(capture_rng_state(), folder / _rng_name(rank), check_space=False)
+        if rank == 0:
+            meta = {
+                "step": step,
+                "scheduler": [s.state_dict() for s in _as_list(scheduler) if s is not None] or None,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "training_patches": {"version": __version__, "runtime": _api.runtime_state()},
+                "extra": extra,
+                "epoch": extra.get("epoch") if isinstance(extra.get("epoch"), int) else None,
+            }
+            atomic_torch_save(meta, folder / META_NAME, check_space=False)
+        files = {name: {"bytes": (folder / name).stat().st_size,
+                        "sha256": _sha256(folder / name)} for name in _own_files(folder, rank)}
+        return {"files": files, "nonfinite": nonfinite,
+                "shapes": {k: list(v.shape) for k, v in msd.items()
+                           if isinstance(v, torch.Tensor)},
+                "has_optimizer": osd is not None}
+
+    reports = _on_every_rank(write_rank, gather=True)
+
+    def commit() -> Path:
+        files: dict[str, Any] = {}
+        nonfinite: list[str] = []
+        for report in reports:
+            files.update(report["files"])
+            nonfinite += [n for n in report["nonfinite"] if n not in nonfinite]
+        shapes = reports[0]["shapes"]
+        vocab = next((int(v[0]) for k, v in shapes.items()
+                      if k.endswith("text_embedding.weight")), None)
+        manifest = {
+            "format": DCP_FORMAT,
+            "written_by": f"training-patches {__version__} CheckpointManager (DCP)",
+            "step": step,
+            "generation": manager._next_generation(),
+            "world_size": len(reports),
+            "vocab_size": vocab,
+            "param_shapes": shapes,
+            "has_optimizer": reports[0]["has_optimizer"],
+            "nonfinite": nonfinite,
+            "amp": bool(scaler is not None and getattr(scaler, "_enabled", False)),
+            "files": files,
+            "writer": {"rank": _dist.rank(), "host": host_name(), "pid": os.getpid()},
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        if nonfinite:
+            logger.warning(
+                "training-patches: the sharded checkpoint being saved holds NaN or Inf in %d "
+                "tensor(s) (%s); it is written, but resume('auto') will pass over it and "
+                "load_checkpoint refuses it unless allow_nonfinite=True",
+                len(nonfinite), ", ".join(nonfinite[:5]))
+        text = json.dumps(manifest, indent=1)
+        atomic_text(folder / MANIFEST_NAME, text)
+        # The commit marker LAST: every rank has reported its files; it vouches for the
+        # manifest by its hash.
+        atomic_text(folder / COMMIT_NAME, hashlib.sha256(text.encode("utf-8")).hexdigest() + "\n")
+        manager._point_latest(folder)
+        info("training-patches: sharded checkpoint step %d written to %s by %d rank(s)",
+             step, folder, len(reports))
+        manager._prune(keep_path=folder)
+        return folder
+
+    return _on_writer(commit)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                 scaler: Any, *, policy: str, restore_rng: bool | None, verify_hash: bool,
+                 allow_nonfinite: bool) -> Any:
+    """Load a sharded checkpoint folder into ``model`` (FSDP2 or plain; any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    problem = _on_writer(lambda: check_folder(path, verify_hash=verify_hash))
+    if problem is not None:
+        raise CheckpointError(
+            f"training-patches: cannot load the sharded checkpoint {path}: the folder {problem}. "
+            f"Nothing was loaded. Resume from another checkpoint (CheckpointManager.resume('auto') "
+            f"picks the newest complete one by itself); {path} was left as it is.")
+    manifest, _ = read_folder_manifest(path)
+    if manifest["nonfinite"] and not allow_nonfinite:
+        raise CheckpointError(
+            f"training-patches: cannot load {path}: it held NaN or Inf when it was saved "
+            f"({', '.join(manifest['nonfinite'][:5])}). Nothing was loaded. Resume from an "
+            f"earlier checkpoint, or pass allow_nonfinite=True to load it anyway.")
+    optimizers = _as_list(optimizer)
+    schedulers = [s for s in _as_list(scheduler) if s is not None]
+    effective = policy
+    if policy == "remap" and optimizers and not manifest.get("has_optimizer"):
+        effective = "reset"
+        info("training-patches: %s has no optimizer state; optimizer, scheduler and scaler "
+             "start fresh together", path)
+    if restore_rng is None:
+        restore_rng = effective == "remap"
+    rank, world = _dist.rank(), max(_dist.world_size(), 1)
+
+    def load_rank(gate: Callable[..., None]) -> Any:
+        msd, osd = _state_dicts(model, optimizers)
+        shapes = {k: list(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
+        if shapes != manifest["param_shapes"]:
+            differ = sorted(k for k in set(shapes) | set(manifest["param_shapes"])
+                            if shapes.get(k) != manifest["param_shapes"].get(k))
+            raise CheckpointMismatchError(
+                f"training-patches: cannot load the sharded checkpoint {path} into this model: "
+                f"{len(differ)} tensor(s) differ in name or shape ({', '.join(differ[:4])}; e.g. "
+                f"{differ[0]} is {manifest['param_shapes'].get(differ[0])} in the checkpoint and "
+                f"{shapes.get(differ[0])} in the model). Nothing was loaded. A sharded checkpoint "
+                f"loads only into the same architecture; to grow the vocabulary, load the model "
+                f"unsharded first (a single-file checkpoint through load_checkpoint before "
+                f"fully_shard), then shard it.")
+        meta = torch.load(path / META_NAME, weights_only=True)
+        rng = None
+        if restore_rng:
+            states: list[Any] = [None] * manifest["world_size"]
+            if rank < manifest["world_size"]:
+                states[rank] = torch.load(path / _rng_name(rank), weights_only=True)
+            rng = state_for_rank(states, rank, world, str(path))
+        gate()  # every rank read its parts: only now change anything
+        state = {"model": msd}
+        if effective == "remap" and osd is not None:
+            state["optimizer"] = osd
+        _dcp_call("load", path, lambda: dcp.load(state, checkpoint_id=str(path)))
+        if "optimizer" in state:
+            set_state_dict(model, optimizers, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        else:
+            set_model_state_dict(model, state["model"])
+        report = LoadReport(path=str(path), policy=effective, step=int(meta["step"]),
+                            epoch=meta.get("epoch"), extra=dict(meta.get("extra") or {}))
+        report.loaded.append("model")
+        if effective == "remap":
+            if optimizers:
+                report.restored.append("optimizer")
+            if schedulers and meta.get("scheduler"):
+                for saved, sched in zip(meta["scheduler"], schedulers):
+                    sched.load_state_dict(dict(saved))
+                report.restored.append("scheduler")
+            if scaler is not None and getattr(scaler, "_enabled", True) and meta.get("scaler"):
+                scaler.load_state_dict(dict(meta["scaler"]))
+                report.restored.append("scaler")
+            runtime = _runtime_state(meta.get("training_patches"))
+            if runtime is not None:
+                from .. import _api
+
+                _api.load_runtime_state(runtime)
+                report.runtime_state_restored = True
+        else:
+            for opt in optimizers:
+                opt.state = defaultdict(dict)
+                for group in opt.param_groups:
+                    if "initial_lr" in group:
+                        group["lr"] = group["initial_lr"]
+            for sched in schedulers:
+                _restart_scheduler(sched)
+            if scaler is not None:
+                _restart_scaler(scaler)
+            report.reset += restarted(optimizers, schedulers, scaler)
+            report.step = 0
+        if rng is not None:
+            restore_rng_state(rng)
+            report.rng_restored = True
+        return report
+
+    report = _on_every_rank(load_rank, gather=False)
+    info("training-patches: %s (sharded, saved by %d rank(s), loaded on %d)",
+         report.summary(), manifest["world_size"], world)
+    return report
+
+
+__all__ = ["DCP_SUFFIX", "DCP_FORMAT", "is_sharded_model", "save_sharded", "load_sharded",
+           "check_folder", "complete_folders", "folder_problem", "remove_folder",
+           "read_folder_manifest"]

@@ -1,0 +1,81 @@
+"""Rank script (FSDP2, 2 shards): base-vocab freeze drift, ShardedGradScaler defaults, and a
+refused layout.
+
+    fsdp_freeze.py freeze OUT_DIR VOCAB   (TRAINING_PATCHES_BASE_VOCAB set by the test)
+    fsdp_freeze.py scaler OUT_DIR
+    fsdp_freeze.py refuse OUT_DIR
+"""
+
+import patches.auto  # noqa: F401  (first, as users write it)
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import patches
+from patches.vocab_freeze import VocabFreezeError
+from tiny_gpt import TinyGPT, batch, loss_of
+
+what, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+result: dict = {}
+
+if what == "freeze":
+    vocab = int(sys.argv[3])
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=vocab)
+    for module in (model.text_embedding, model.block, model.text_head):
+        fully_shard(module)
+    fully_shard(model)
+    names = ("text_embedding.weight", "text_head.weight", "text_head.bias")
+    params = dict(model.named_parameters())
+    before = {n: params[n].full_tensor().clone() for n in names}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(10):
+        opt.zero_grad()
+        loss_of(model, batch(generator, vocab=vocab)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    after = {n: params[n].full_tensor() for n in names}
+    result = {"before": before, "after": after}
+elif what == "scaler":
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    scaler = ShardedGradScaler("cpu")
+    result = {"type": type(scaler).__name__, "scale": scaler.get_scale(),
+              "sharded": isinstance(scaler, ShardedGradScaler)}
+    torch.manual_seed(0)
+    model = TinyGPT()
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(4):
+            opt.zero_grad()
+            loss = loss_of(model, batch(generator))
+            if step == 2 and rank == 0:
+                loss = loss * float("nan")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        result["stats"] = scaler.stats()
+    except Exception as exc:  # noqa: BLE001 - reported to the test as what cannot run on CPU
+        result["step_error"] = f"{type(exc).__name__}: {exc}"
+elif what == "refuse":
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    mesh = init_device_mesh("cpu", (2,))
+    model = TinyGPT()
+    head = model.text_head
+    head.weight = torch.nn.Parameter(DTensor.from_local(head.weight.detach(), mesh, [Partial()]))
+    try:
+        patches.freeze_base_vocab(model, 64)
+        result["error"] = None
+    except VocabFreezeError as exc:
+        result["error"] = str(exc)
+torch.save(result, os.path.join(out, f"result{rank}.pt"))
+dist.destroy_process_group()

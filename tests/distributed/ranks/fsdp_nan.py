@@ -1,0 +1,89 @@
+"""Rank script: a NaN loss on rank 0 and a NaN gradient on rank 1 at known steps, under DDP
+or FSDP2, AdamW with weight decay; then the same run with those steps left out (reference).
+
+    fsdp_nan.py ddp|fsdp2 OUT_DIR [foreach|forloop|fused]
+
+Writes OUT_DIR/result<rank>.pt: the guard's stats, this rank's events, the full parameters
+of the guarded run and of the reference run.
+"""
+
+import patches.auto  # noqa: F401  (first, as users write it)
+
+import glob
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from patches import _run, grad_clip, nan_guard
+from tiny_gpt import TinyGPT, batch, loss_of
+
+STEPS = 12
+NAN_LOSS = {3: 0, 8: 0}  # step -> the rank whose loss is NaN
+NAN_GRAD = {5: 1, 10: 1}  # step -> the rank whose gradient (after the sync) is NaN
+
+mode, out = sys.argv[1], sys.argv[2]
+variant = sys.argv[3] if len(sys.argv) > 3 else "foreach"
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+_run.set_output_dir(os.path.join(out, f"rank{rank}"))
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for module in (model.text_embedding, model.block, model.text_head):
+            fully_shard(module)
+        fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    kwargs = {"foreach": variant == "foreach", "fused": variant == "fused" or None}
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **kwargs)
+
+
+def train(inject: bool) -> torch.nn.Module:
+    model, opt = build()
+    generator = torch.Generator().manual_seed(100 + rank)
+    for step in range(1, STEPS + 1):
+        tokens = batch(generator)
+        bad_step = step in NAN_LOSS or step in NAN_GRAD
+        if bad_step and not inject:
+            continue  # the reference: this step never happened
+        opt.zero_grad()
+        loss = loss_of(model, tokens)
+        if inject and NAN_LOSS.get(step) == rank:
+            loss = loss * float("nan")
+        loss.backward()
+        if inject and NAN_GRAD.get(step) == rank:
+            grad = model.text_head.weight.grad if mode == "fsdp2" else \
+                model.module.text_head.weight.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local[0, 0] = float("nan")  # this rank's own shard (FSDP2) / copy (DDP) only
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return model
+
+
+def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        state[name.removeprefix("module.")] = value.detach().clone()
+    return state
+
+
+guarded = full(train(inject=True))
+stats = nan_guard.stats()
+clip = grad_clip.stats()
+events = []
+for path in sorted(glob.glob(os.path.join(out, f"rank{rank}", "nonfinite_events*.jsonl"))):
+    with open(path, encoding="utf-8") as handle:
+        events += [json.loads(line) for line in handle if line.strip()]
+reference = full(train(inject=False))
+torch.save({"stats": stats, "clip": clip, "events": events, "guarded": guarded,
+            "reference": reference}, os.path.join(out, f"result{rank}.pt"))
+dist.destroy_process_group()

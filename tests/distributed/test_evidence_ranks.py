@@ -1,0 +1,69 @@
+"""Evidence of a real 2-rank torchrun job (gloo, CPU): each rank appends to its own files,
+every line strict JSON with its own rank, none interleaved; ``training-patches report``
+merges the ranks into one run where the NaN step rank 0 saw is one skipped step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jobs
+import pytest
+
+from patches import cli
+from patches.report import build, find_runs
+
+RANKS = jobs.HERE / "ranks"
+N_OOM, N_DROPPED = 40, 15
+
+
+def _strict(path: Path) -> list[dict]:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"bare {constant} in {path}")
+    return [json.loads(line, parse_constant=refuse)
+            for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("evidence_job")
+    jobs.torchrun(RANKS / "evidence_writer.py", str(out), str(N_OOM), str(N_DROPPED),
+                  timeout=180)
+    return out
+
+
+def test_evidence_each_rank_writes_its_own_files(job_dir: Path) -> None:
+    names = sorted(p.name for p in job_dir.glob("*.jsonl"))
+    assert names == [f"{stem}.rank{r}.jsonl" for stem in
+                     ("dropped_samples", "nonfinite_events", "oom_events") for r in (0, 1)]
+    for rank in (0, 1):
+        stats = json.loads((job_dir / f"job.rank{rank}.json").read_text())
+        assert stats["identical"] and stats["finite"]
+        assert stats["nan_guard"]["skipped"] == 1 and stats["nan_guard"]["steps"] == 6
+        ooms = _strict(job_dir / f"oom_events.rank{rank}.jsonl")
+        assert len(ooms) == N_OOM  # whole lines, none lost or interleaved with a peer's
+        assert all(e["rank"] == rank and e["world_size"] == 2 for e in ooms)
+        assert [e["trainer_step"] for e in ooms] == list(range(N_OOM))
+        assert all(s.startswith(f"r{rank}_") for e in ooms for s in e["samples"])
+        dropped = _strict(job_dir / f"dropped_samples.rank{rank}.jsonl")
+        assert len(dropped) == N_DROPPED + 1
+        assert all(e["rank"] == rank and e["world_size"] == 2 for e in dropped)
+        (event,) = _strict(job_dir / f"nonfinite_events.rank{rank}.jsonl")
+        assert event["rank"] == rank and event["world_size"] == 2 and event["step"] == 3
+    (seen,) = _strict(job_dir / "nonfinite_events.rank0.jsonl")
+    assert seen["kind"] == "nonfinite_loss" and seen["loss"] == "NaN"
+
+
+def test_evidence_report_merges_the_ranks(job_dir: Path, capsys) -> None:
+    (run,) = find_runs(str(job_dir))
+    f = build(run).facts
+    (skip,) = f.skips  # skipped on both ranks: one skipped step of the run
+    assert skip.step == 3 and skip.kind == "nonfinite_loss" and skip.seen_on[0] == 0
+    # rank 1 received rank 0's NaN through DDP's gradient all-reduce: it saw NaN gradients
+    # (this branch), or followed its peer (peer_nonfinite, the guard's own labelling)
+    assert sorted(skip.seen_on + skip.followed_on) == [0, 1]
+    assert f.ooms == 2 * N_OOM and sum(f.dropped.values()) == 2 * N_DROPPED + 1
+    assert cli.main(["report", str(job_dir), "--out", str(job_dir / "r.png")]) == 1
+    out = capsys.readouterr().out
+    assert "skipped steps: 1 (nonfinite_loss 1) at steps 3" in out
+    assert "ranks: 2 (0, 1)" in out and f"out-of-memory batches skipped: {2 * N_OOM}" in out
