@@ -112,6 +112,7 @@ def rank_main(setting: str, rounds: int, steps: int, device: str) -> None:
         med = {k: statistics.median(v) * 1e3 for k, v in timed.items()}
         print(f"RESULT {med['unpatched']:.2f} {med['patched']:.2f} "
               f"{statistics.median(ratios):.3f}", flush=True)
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -262,4 +262,5 @@ elif MODE == "fsdp_single":
     except Exception as exc:  # noqa: BLE001 - the test reads it
         say("ERROR", f"{type(exc).__name__}: {exc}")
 
+dist.barrier()  # no rank tears gloo down while a peer still talks to it
 dist.destroy_process_group()

@@ -78,4 +78,5 @@ elif what == "refuse":
     except VocabFreezeError as exc:
         result["error"] = str(exc)
 torch.save(result, os.path.join(out, f"result{rank}.pt"))
+dist.barrier()  # no rank tears gloo down while a peer still talks to it
 dist.destroy_process_group()

@@ -86,4 +86,5 @@ for path in sorted(glob.glob(os.path.join(out, f"rank{rank}", "nonfinite_events*
 reference = full(train(inject=False))
 torch.save({"stats": stats, "clip": clip, "events": events, "guarded": guarded,
             "reference": reference}, os.path.join(out, f"result{rank}.pt"))
+dist.barrier()  # no rank tears gloo down while a peer still talks to it
 dist.destroy_process_group()

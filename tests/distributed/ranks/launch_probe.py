@@ -25,6 +25,7 @@ if "MASTER_ADDR" in os.environ:
     ones = torch.ones(1)
     dist.all_reduce(ones)
     world = int(ones.item())
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 patches = sys.modules.get("patches")
 applied = patches.applied() if patches is not None else None
