@@ -42,7 +42,8 @@ from ._validate import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, 
                         manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
 from .atomic import atomic_torch_save, atomic_write
 from .errors import CheckpointError, CheckpointMismatchError, DiskFullError, UnsafeCheckpointError
-from .load import POLICIES, LoadReport, load_checkpoint
+from .load import POLICIES, LoadReport, load_checkpoint, warn_weights_only
+from .report import PARTS, STATUSES, Part
 from .manager import LATEST, CheckpointManager
 from .plan import VOCAB_SUFFIXES
 from .rng import capture_rng_state, restore_rng_state
@@ -62,5 +63,5 @@ __all__ = [
     "UnsafeCheckpointError", "CheckpointMismatchError", "read_checkpoint", "check_file",
     "newest_valid_beside", "atomic_write", "atomic_torch_save", "capture_rng_state",
     "restore_rng_state", "DiskFullError", "manifest_path", "read_manifest", "Manifest",
-    "check_folder", "DCP_SUFFIX",
+    "check_folder", "DCP_SUFFIX", "warn_weights_only", "Part", "PARTS", "STATUSES",
 ]

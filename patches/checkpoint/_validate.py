@@ -204,6 +204,53 @@ def _zip_crc_problem(path: Path) -> str | None:
     return None
 
 
+# safetensors: an 8-byte little-endian header length, then that many bytes of JSON, then the
+# tensor data; the package refuses headers over 100 MB, so nothing longer is one.
+_SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def _safetensors_check(path: Path, size: int) -> tuple[bool, str | None]:
+    """(is it a safetensors file, why it cannot be loaded as one or None). Reads the header
+    only; the tensor data is not read."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(9)
+            length = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
+            if head[8:9] != b"{" or not 2 <= length <= _SAFETENSORS_MAX_HEADER:
+                return False, None
+            if length > size - 8:
+                return True, (f"is a safetensors file cut short: its header alone declares "
+                              f"{length + 8} bytes, the file has {size}")
+            handle.seek(8)
+            header = json.loads(handle.read(length).decode("utf-8"))
+    except OSError:
+        return False, None
+    except (ValueError, RecursionError):
+        return True, "is a safetensors file whose JSON header cannot be read (damaged)"
+    entries = ([v for k, v in header.items() if k != "__metadata__"]
+               if isinstance(header, dict) else None)
+    if entries is None or not all(
+            isinstance(e, dict) and isinstance(e.get("data_offsets"), list)
+            and len(e["data_offsets"]) == 2 and all(_is_count(o) for o in e["data_offsets"])
+            for e in entries):
+        return True, ("is a safetensors file whose header does not list tensors as safetensors "
+                      "writes them")
+    end = 8 + length + max((e["data_offsets"][1] for e in entries), default=0)
+    if size < end:
+        return True, (f"is a safetensors file cut short: its header declares {end} bytes, the "
+                      f"file has {size}")
+    return True, None
+
+
+def _safetensors_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("safetensors") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _check(path: Path, verify_hash: bool) -> tuple[str, str] | None:
     """(kind, reason) of the first problem of ``path``, or None (see :func:`check_file`)."""
     try:
@@ -224,6 +271,14 @@ def _check(path: Path, verify_hash: bool) -> tuple[str, str] | None:
         if verify_hash and _sha256(path) != manifest.sha256:
             return "hash", ("does not match the SHA-256 in its manifest (changed or damaged "
                             "on disk)")
+    is_st, problem = _safetensors_check(path, size)
+    if is_st:
+        if problem is not None:
+            return "safetensors", problem
+        if not _safetensors_installed():
+            return "safetensors-missing", ("is a safetensors file, and the safetensors package "
+                                           "is not installed in this environment")
+        return None
     try:
         with open(path, "rb") as handle:
             head = handle.read(4)
@@ -255,7 +310,9 @@ def check_file(path: str | os.PathLike[str], *, verify_hash: bool = True) -> str
     must pass its schema, the size must match and, with ``verify_hash``, the SHA-256.
     Without one, the file must be a zip archive whose directory (written at the very
     end) is intact and, with ``verify_hash``, whose records match the CRC-32s torch
-    stored; or torch's legacy format (its magic number first). Nothing is unpickled
+    stored; or torch's legacy format (its magic number first); or a safetensors file
+    whose header is complete and whose data is as long as the header says (with the
+    ``safetensors`` package installed to read it). Nothing is unpickled
     here; this never raises.
     """
     found = _check(Path(path), verify_hash)
@@ -402,6 +459,19 @@ def _problem_error(path: Path, kind: str, reason: str) -> CheckpointError:
             f"Expected every record to match the CRC-32 torch.save stored for it; a file "
             f"damaged on disk or in a copy does not. Nothing was loaded. {_what_to_do(path)} "
             f"If you trust it, load it with verify_hash=False.")
+    if kind == "safetensors-missing":
+        return CheckpointError(
+            f"training-patches: cannot load the checkpoint {path}: the file {reason}. The loader "
+            f"reads files written by torch.save itself and safetensors files through that "
+            f"package (its header was read and is complete). Nothing was loaded; {path} was left "
+            f"as it is. Install it (pip install safetensors) and load again, or convert the file "
+            f"once with safetensors.torch.load_file and torch.save where it is installed.")
+    if kind == "safetensors":
+        return CheckpointError(
+            f"training-patches: cannot load the checkpoint {path}: the file {reason}. Expected a "
+            f"complete safetensors file (an 8-byte header length, a JSON header, then every "
+            f"tensor's bytes); a copy or download interrupted half-way leaves such a file. "
+            f"Nothing was loaded. {_what_to_do(path)}")
     if kind == "manifest":
         return CheckpointError(
             f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
@@ -450,6 +520,10 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
     config class, an argparse Namespace): it unpickles with ``weights_only=False``, which
     runs whatever code the file names, and logs a WARNING saying so. Never use it on a
     file you did not make.
+
+    A safetensors file (recognised by its header, whatever its name) is read through the
+    ``safetensors`` package as a bare state dict; without the package it is refused with a
+    paragraph saying so, and a safetensors file cut short is refused as such.
     """
     path = Path(path)
     found = _check(path, verify_hash)
@@ -462,9 +536,12 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
             if unsafe:
                 raise _unsafe_error(path, unsafe)
         raise _problem_error(path, kind, reason)
-    if not verify_hash:
+    has_manifest = manifest_path(path).is_file()
+    if not verify_hash and (has_manifest or zipfile.is_zipfile(path)):
         info("training-patches: the %s of %s was not checked (verify_hash=False)",
-             "SHA-256" if manifest_path(path).is_file() else "CRC-32", path)
+             "SHA-256" if has_manifest else "CRC-32", path)
+    if _safetensors_check(path, path.stat().st_size)[0]:
+        return _read_safetensors(path)
     use_mmap = mmap and zipfile.is_zipfile(path)
     if trusted:
         logger.warning("training-patches: loading %s with trusted=True: its pickle may import "
@@ -481,6 +558,22 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
             f"training-patches: {path} holds a {type(loaded).__name__}, not a dict of states. "
             f"Expected a dict with 'model' (a state dict) or a state dict itself. "
             f"{_what_to_do(path)}")
+    return dict(loaded)
+
+
+def _read_safetensors(path: Path) -> dict[str, Any]:
+    """The tensors of a safetensors file (a bare state dict); reading it runs no code."""
+    from safetensors.torch import load_file
+
+    try:
+        loaded = load_file(str(path), device="cpu")
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+        raise CheckpointError(
+            f"training-patches: cannot load the checkpoint {path}: the safetensors package "
+            f"refused it ({type(exc).__name__}: {str(exc)[:200]}). Expected a complete "
+            f"safetensors file. Nothing was loaded. {_what_to_do(path)}") from exc
+    info("training-patches: %s is a safetensors file: read its %d tensor(s) through the "
+         "safetensors package (a bare state dict: no optimizer, step or RNG)", path, len(loaded))
     return dict(loaded)
 
 

@@ -20,7 +20,7 @@ from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import (_as_list, _check_plain_state, _detach_from_file, _remap_optimizer_state,
                         _restart_scaler, _restart_scheduler, restore_optimizer, snapshot_optimizer)
 from .plan import _MODEL_KEYS, _Plan, _plan_model, check_finite
-from .report import LoadReport, _runtime_state, restarted
+from .report import LoadReport, _runtime_state, restarted, set_rng_part
 from .rng import capture_rng_state, restore_rng_state, state_for_rank
 from .sharded import is_sharded_model, load_sharded
 
@@ -82,6 +82,7 @@ def load_checkpoint(
     trusted: bool = False,
     truncate: bool = False,
     collective: bool | None = None,
+    resume_step: bool = True,
 ) -> LoadReport:
     """Load ``path`` into ``model`` (and the optimizer, scheduler, scaler) safely, all or
     nothing.
@@ -116,6 +117,19 @@ def load_checkpoint(
             states and scalars load without it.
         collective: agree with the other ranks (below); None: when a process group of
             more than one rank is up. False: this process alone (a call on some ranks only).
+        resume_step: False for a weights-only start that counts from step 0 (coqui's
+            ``restore_path``, XTTS's ``xtts_checkpoint``): ``report.step`` is 0 and the
+            report says the saved step was dropped; :func:`warn_weights_only` then names
+            what the file held that the start lost.
+
+    The returned :class:`LoadReport` says in ``parts`` what happened to each part (model,
+    optimizer, scheduler, scaler, step, rng: restored / remapped / reset / dropped /
+    absent); the one INFO line is built from it. A WARNING names the parts a load lost
+    without being asked to: the step and the scheduler/scaler state of a file that has no
+    optimizer state (``remap`` then restarts all three). A key prefix stripped or added
+    (``module.``, ``_orig_mod.``) and values cast to the model's dtypes (a bf16 file, an
+    fp32 model) each get an INFO line. A safetensors file is read through the
+    ``safetensors`` package.
 
     Every tensor is validated before anything is touched: present, with data (not
     meta), the planned shape and kind of dtype, and finite. A refused load leaves the
@@ -154,7 +168,8 @@ def load_checkpoint(
     args = dict(policy=policy, freeze=freeze, strict=strict, restore_rng=restore_rng,
                 vocab_modules=vocab_modules, start_token_row=start_token_row, mmap=mmap,
                 seed=seed, key_filter=key_filter, verify_hash=verify_hash,
-                allow_nonfinite=allow_nonfinite, trusted=trusted, truncate=truncate)
+                allow_nonfinite=allow_nonfinite, trusted=trusted, truncate=truncate,
+                resume_step=resume_step)
     if collective is False or not _collective.active():
         return _load_file(path, model, optimizer, scheduler, scaler, gate=None, **args)
     return _collective.on_every_rank(
@@ -166,7 +181,8 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
                strict: bool, restore_rng: bool | None, vocab_modules: Sequence[str],
                start_token_row: str | bool, mmap: bool, seed: int,
                key_filter: Callable[[str], bool] | None, verify_hash: bool,
-               allow_nonfinite: bool, trusted: bool, truncate: bool) -> LoadReport:
+               allow_nonfinite: bool, trusted: bool, truncate: bool,
+               resume_step: bool = True) -> LoadReport:
     """:func:`load_checkpoint` of one file on this rank; ``gate()`` (every rank together)
     runs after every check and before the first change."""
     ckpt = read_checkpoint(path, mmap=mmap, verify_hash=verify_hash, trusted=trusted)
@@ -189,7 +205,8 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
             f"training-patches: cannot load {path}: its 'extra' is a {type(extra).__name__}, "
             f"expected a dict (what CheckpointManager.save(**extra) writes). Nothing was loaded. "
             f"{_what_to_do(path)}")
-    report = LoadReport(path=str(path), policy=policy, step=_step_of(path, meta),
+    saved_step = _step_of(path, meta) if any(meta.get(k) is not None for k in STEP_KEYS) else None
+    report = LoadReport(path=str(path), policy=policy, step=saved_step or 0, saved_step=saved_step,
                         epoch=meta.get("epoch") if isinstance(meta.get("epoch"), int)
                         and not isinstance(meta.get("epoch"), bool) else None,
                         extra=dict(extra or {}), checkpoint=ckpt)
@@ -201,8 +218,6 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
     if policy == "remap" and optimizers:
         if not saved_opts:
             effective = "reset"  # nothing to keep: the matched set starts fresh together
-            info("training-patches: %s has no optimizer state; optimizer, scheduler and scaler "
-                 "start fresh together", path)
         elif len(saved_opts) != len(optimizers):
             raise CheckpointMismatchError(
                 f"training-patches: {path} holds the state of {len(saved_opts)} optimizer(s), "
@@ -226,6 +241,7 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
     scaler_on = scaler is not None and getattr(scaler, "_enabled", True)
     if effective == "remap" and scaler_on and saved_scaler:
         _check_plain_state(path, "scaler", saved_scaler, scaler)
+    asked_rng = restore_rng
     if restore_rng is None:
         restore_rng = effective == "remap"
     rng = next((meta[k] for k in RNG_KEYS if isinstance(meta.get(k), Mapping)), None)
@@ -233,6 +249,7 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
     if restore_rng and isinstance(rng_ranks, list) and rng_ranks:
         # Every rank's state was saved: each rank takes its own.
         rng = state_for_rank(rng_ranks, _dist.rank(), max(_dist.world_size(), 1), str(path))
+    rng_in_file = rng is not None or (isinstance(rng_ranks, list) and bool(rng_ranks))
     rng = rng if restore_rng else None
     runtime = _runtime_state(meta.get("training_patches")) if effective == "remap" else None
     if effective == "remap" and isinstance(meta.get("training_patches"), Mapping) and runtime is None:
@@ -325,10 +342,136 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
         report.base_vocab_size, report.vocab_size = plan.rows.old_rows, plan.rows.new_rows
         report.start_row_moved = plan.rows.start_row_last
     report.policy = effective if policy == "remap" else policy
+    if not resume_step:
+        report.step = 0
     if plan.rows is not None and plan.rows.added > 0 and freeze:
         report.freeze = _enable_freeze(model, plan, vocab_modules)
-    info("training-patches: %s", report.summary())
+    _set_parts(report, plan, policy=policy, effective=effective, optimizers=optimizers,
+               schedulers=schedulers, scaler=scaler, scaler_on=scaler_on, saved_opts=saved_opts,
+               saved_scheds=saved_scheds, saved_scaler=saved_scaler, rng_in_file=rng_in_file,
+               asked_rng=asked_rng, resume_step=resume_step)
+    _say(path, report, plan, fell_back=effective != policy)
     return report
+
+
+def _set_parts(report: LoadReport, plan: _Plan, *, policy: str, effective: str,
+               optimizers: list[Any], schedulers: list[Any], scaler: Any, scaler_on: bool,
+               saved_opts: list[Any], saved_scheds: list[Any], saved_scaler: Any,
+               rng_in_file: bool, asked_rng: bool | None, resume_step: bool) -> None:
+    """Fill ``report.parts`` from what :func:`_load_file` did (read from the plan and the
+    decisions it acted on, not from what was asked)."""
+    fell_back = effective != policy
+    # why a part was started fresh: the policy asked for it, or the file has no optimizer state
+    why = "policy reset" if not fell_back else "the file has no optimizer state"
+    if plan.rows is not None:
+        rows = plan.rows
+        change = (f"grown by {rows.added} vocabulary row(s) near the old rows' mean"
+                  if rows.added >= 0 else
+                  f"cut by their last {-rows.added} vocabulary row(s) (truncate=True)")
+        report.set_part("model", "remapped", f"{len(plan.state)} tensor(s), "
+                        f"{len(plan.resized)} of them {change}", in_file=True)
+    else:
+        report.set_part("model", "restored", f"{len(plan.state)} tensor(s)", in_file=True)
+
+    def fresh_or_dropped(name: str, given: bool, in_file: bool, restarted: bool) -> None:
+        if restarted:
+            detail = "absent in file" if not in_file else (
+                f"{why}; the file's state not loaded")
+            report.set_part(name, "reset", detail, in_file=in_file)
+        elif in_file:
+            report.set_part(name, "dropped", f"no {name} passed" if not given
+                            else f"the {name} passed is disabled", in_file=True)
+        else:
+            report.set_part(name, "absent", "left as passed" if given else "")
+
+    if optimizers and effective == "remap":
+        n = len(optimizers)
+        own = f"{n} optimizers" if n > 1 else ""
+        if report.optimizer_moments_resized:
+            moments = (f"moments of {len(report.optimizer_moments_resized)} grown parameter(s) "
+                       "resized: new rows' first moment 0, second moment the old rows' mean")
+            report.set_part("optimizer", "remapped", "; ".join(p for p in (own, moments) if p),
+                            in_file=True)
+        else:
+            report.set_part("optimizer", "restored", own, in_file=True)
+    else:
+        fresh_or_dropped("optimizer", bool(optimizers), bool(saved_opts), bool(optimizers))
+    if schedulers and effective == "remap" and saved_scheds:
+        report.set_part("scheduler", "restored", in_file=True)
+    else:
+        fresh_or_dropped("scheduler", bool(schedulers), bool(saved_scheds),
+                         bool(schedulers) and effective == "reset")
+    if scaler_on and effective == "remap" and saved_scaler:
+        report.set_part("scaler", "restored", in_file=True)
+    else:
+        fresh_or_dropped("scaler", scaler is not None, bool(saved_scaler),
+                         scaler_on and effective == "reset")
+    saved = report.saved_step
+    if saved is None:
+        report.set_part("step", "absent", "resuming at 0")
+    elif effective == "reset":
+        report.set_part("step", "reset", f"saved {saved}, resuming at 0: {why}", in_file=True)
+    elif not resume_step:
+        report.set_part("step", "dropped", f"saved {saved}; a weights-only start counts from 0",
+                        in_file=True)
+    else:
+        report.set_part("step", "restored", in_file=True)
+    set_rng_part(report, in_file=rng_in_file, asked=asked_rng, why=why, rank=_dist.rank(),
+                 restore=asked_rng is True or (asked_rng is None and effective == "remap"))
+
+
+def _say(path: Path, report: LoadReport, plan: _Plan, *, fell_back: bool) -> None:
+    """The log lines of a load, every one read from ``report`` and ``plan``."""
+    if plan.prefix_stripped or plan.prefix_added:
+        report.prefix_stripped, report.prefix_added = plan.prefix_stripped, plan.prefix_added
+        report.renamed_keys = len(plan.aligned)
+        how = " and ".join(
+            [f"stripped the prefix {plan.prefix_stripped!r} from"] * bool(plan.prefix_stripped)
+            + [f"added the prefix {plan.prefix_added!r} to"] * bool(plan.prefix_added))
+        info("training-patches: %s: %s %d key(s) of the file to match the model's names "
+             "(e.g. %s -> %s)", path, how, report.renamed_keys,
+             *next(iter((ck, key) for key, ck in plan.aligned.items())))
+    if plan.casts:
+        report.dtype_casts = dict(plan.casts)
+        pairs: dict[tuple[str, str], int] = {}
+        for pair in plan.casts.values():
+            pairs[pair] = pairs.get(pair, 0) + 1
+        info("training-patches: %s: %d tensor(s) were cast to the model's dtypes (%s); the "
+             "values loaded are the cast ones", path, len(plan.casts),
+             ", ".join(f"{n} {a} -> {b}" for (a, b), n in sorted(pairs.items())))
+    info("training-patches: %s", report.summary())
+    lost = report.not_restored()
+    others = [n for n in ("scheduler", "scaler") if n in lost]
+    if fell_back and (report.saved_step or others):
+        logger.warning(
+            "training-patches: %s has no optimizer state, so the optimizer, scheduler and "
+            "scaler start fresh together (policy 'remap' falls back to 'reset': never a mix) "
+            "and the run resumes at step 0 (the file's step: %s)%s. To resume where it "
+            "stopped, save the optimizer state with the weights (CheckpointManager.save(step, "
+            "model, optimizer, ...)); to start fresh on purpose, pass policy='reset'.", path,
+            report.saved_step, f"; its {_and(others)} state was not loaded"
+            if others else "")
+
+
+def warn_weights_only(report: LoadReport, why: str, hint: str) -> bool:
+    """For a weights-only start (``resume_step=False``): one WARNING naming the training
+    state the file holds that the load did not restore (optimizer, scheduler, scaler
+    state, a step > 0), with ``why`` (who dropped it) and ``hint`` (how to resume
+    instead). Nothing is logged, and False returned, when the file held none of it."""
+    lost = report.not_restored()
+    held = [f"step {report.saved_step}" if name == "step" else f"{name} state"
+            for name in lost if name in ("optimizer", "scheduler", "scaler")
+            or (name == "step" and report.saved_step)]
+    if not held:
+        return False
+    logger.warning("training-patches: %s holds %s that this load did not restore: %s. The "
+                   "optimizer starts with no saved moments and the step counts from 0. %s",
+                   report.path, _and(held), why, hint)
+    return True
+
+
+def _and(items: Sequence[str]) -> str:
+    return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
 
 
 def _enable_freeze(model: torch.nn.Module, plan: _Plan, vocab_modules: Sequence[str]) -> Any:

@@ -4,7 +4,7 @@ decision to grow (never shrink) the text vocabulary. Pure: nothing here changes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -41,6 +41,13 @@ def _model_state(ckpt: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]
 
 def _align_keys(ckpt_keys: Iterable[str], model_keys: Iterable[str]) -> dict[str, str]:
     """model key -> checkpoint key, allowing one prefix difference (``module.``, ``xtts.``)."""
+    return _align_keys_how(ckpt_keys, model_keys)[0]
+
+
+def _align_keys_how(ckpt_keys: Iterable[str], model_keys: Iterable[str],
+                    ) -> tuple[dict[str, str], str, str]:
+    """:func:`_align_keys` and how: (model key -> checkpoint key, the prefix stripped from
+    the checkpoint's keys, the prefix added to them); both prefixes "" when none was."""
     ckpt_keys = list(ckpt_keys)
     model_set = set(model_keys)
     transforms: list[tuple[str, str]] = [("", "")]
@@ -50,6 +57,7 @@ def _align_keys(ckpt_keys: Iterable[str], model_keys: Iterable[str]) -> dict[str
     transforms += [(p, "") for p in firsts | set(_KNOWN_PREFIXES)]
     transforms += [("", q) for q in model_firsts | set(_KNOWN_PREFIXES)]
     best: dict[str, str] = {}
+    how = ("", "")
     for strip, add in transforms:
         mapping: dict[str, str] = {}
         for key in ckpt_keys:
@@ -59,8 +67,8 @@ def _align_keys(ckpt_keys: Iterable[str], model_keys: Iterable[str]) -> dict[str
             if target in model_set:
                 mapping[target] = key
         if len(mapping) > len(best):
-            best = mapping
-    return best
+            best, how = mapping, (strip, add)
+    return best, how[0], how[1]
 
 
 def _kind(tensor: torch.Tensor) -> str:
@@ -169,6 +177,10 @@ class _Plan:
     rows: RowPlan | None
     missing: list[str]
     unexpected: list[str]
+    prefix_stripped: str = ""
+    prefix_added: str = ""
+    # model key -> (saved dtype, model dtype) where they differ: load_state_dict casts them
+    casts: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],
@@ -201,7 +213,7 @@ def _plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
     if key_filter is not None:
         source = {k: v for k, v in source.items() if key_filter(k)}
     target = model.state_dict()
-    aligned = _align_keys(source, target)
+    aligned, stripped, added = _align_keys_how(source, target)
     missing = sorted(set(target) - set(aligned))
     unexpected = sorted(set(source) - set(aligned.values()))
     vocab: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -234,6 +246,8 @@ def _plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
             f"pass strict=False to load the keys that match.")
     rows: RowPlan | None = None
     state: dict[str, torch.Tensor] = {key: source[ck] for key, ck in aligned.items()}
+    casts = {key: (_dtype_name(source[ck].dtype), _dtype_name(target[key].dtype))
+             for key, ck in aligned.items() if source[ck].dtype != target[key].dtype}
     if vocab:
         olds = {old[0] for old, _ in vocab.values()}
         news = {new[0] for _, new in vocab.values()}
@@ -253,4 +267,8 @@ def _plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
             old = state[key]
             grown = grow_bias(old, rows, generator) if old.dim() == 1 else grow_rows(old, rows, generator)
             state[key] = grown.to(dtype=target[key].dtype)
-    return _Plan(aligned, state, vocab, rows, missing, unexpected)
+    return _Plan(aligned, state, vocab, rows, missing, unexpected, stripped, added, casts)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

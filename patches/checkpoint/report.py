@@ -6,6 +6,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+# The parts of a checkpoint a load reports on, in the order of the log line.
+PARTS = ("model", "optimizer", "scheduler", "scaler", "step", "rng")
+# restored: the file's state is in the object as saved. remapped: it is, adapted to the
+# grown (or truncated) vocabulary. reset: the loader started the object (or the step) fresh.
+# dropped: the file holds it, and it was not used (nothing received it, or the caller asked
+# not to). absent: the file does not hold it (an object passed is left as it was).
+STATUSES = ("restored", "remapped", "reset", "dropped", "absent")
+_SHOWN = {"rng": "RNG"}
+
+
+@dataclass(frozen=True)
+class Part:
+    """The fate of one part of a checkpoint: a status of :data:`STATUSES` and why."""
+
+    status: str
+    detail: str = ""
+    in_file: bool = False  # the file holds this part (a "reset" or "dropped" lost it)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"Part.status must be one of {STATUSES}, got {self.status!r}")
+
+    def __str__(self) -> str:
+        return f"{self.status} ({self.detail})" if self.detail else self.status
+
 
 @dataclass
 class LoadReport:
@@ -14,6 +39,15 @@ class LoadReport:
     ``step`` is the step to resume at: the checkpoint's step under ``remap``, 0 under
     ``reset``. ``resized`` maps each grown tensor to (old shape, new shape);
     ``kept_rows`` counts the trained rows copied unchanged into each of them.
+
+    ``parts`` says, for each of :data:`PARTS` (model, optimizer, scheduler, scaler, step,
+    rng), what happened to it as a :class:`Part` (``report.parts["optimizer"].status`` is
+    one of restored / remapped / reset / dropped / absent); the log line is built from
+    it. ``saved_step`` is the step the file holds (None: it has none).
+    ``prefix_stripped``/``prefix_added`` and ``renamed_keys``: the key prefix removed from
+    (or added to) that many of the file's keys to match the model (``module.``,
+    ``_orig_mod.``, ``xtts.``). ``dtype_casts`` maps each model key whose saved dtype
+    differs from the model's to (saved dtype, model dtype): the values were cast.
     """
 
     path: str
@@ -36,14 +70,45 @@ class LoadReport:
     freeze: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     checkpoint: dict[str, Any] = field(default_factory=dict, repr=False)
+    parts: dict[str, Part] = field(default_factory=dict)
+    saved_step: int | None = None
+    prefix_stripped: str = ""
+    prefix_added: str = ""
+    renamed_keys: int = 0
+    dtype_casts: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def vocab_grew(self) -> bool:
         return bool(self.resized)
 
+    def set_part(self, name: str, status: str, detail: str = "", *,
+                 in_file: bool = False) -> None:
+        """Record what happened to the part ``name`` (one of :data:`PARTS`)."""
+        if name not in PARTS:
+            raise ValueError(f"LoadReport part must be one of {PARTS}, got {name!r}")
+        self.parts[name] = Part(status, detail, in_file)
+
+    def not_restored(self) -> list[str]:
+        """The parts the file holds that this load did not use (``reset`` or ``dropped``)."""
+        return [name for name, part in self.parts.items()
+                if part.in_file and part.status in ("reset", "dropped")]
+
+    def parts_line(self) -> str:
+        """``model restored (...), optimizer reset (...), ...``: every part in order."""
+        shown = []
+        for name in PARTS:
+            part = self.parts.get(name)
+            if part is not None:
+                label = _SHOWN.get(name, name)
+                if name == "step" and part.status == "restored":
+                    label = f"step {self.step}"
+                shown.append(f"{label} {part}")
+        return ", ".join(shown)
+
     def summary(self) -> str:
-        """One paragraph for the log."""
-        parts = [f"loaded {self.path} (step {self.step}, policy {self.policy})"]
+        """One paragraph for the log, built from ``parts`` and the fields above."""
+        head = f"loaded {self.path} (policy {self.policy})"
+        parts = [f"{head}: {self.parts_line()}" if self.parts else head]
         if self.resized:
             parts.append(
                 f"vocabulary {self.base_vocab_size} -> {self.vocab_size} rows"
@@ -53,18 +118,36 @@ class LoadReport:
                     for name, (old, new) in self.resized.items()))
             if self.start_row_moved:
                 parts.append("start-text token row moved to the new last row")
-        if self.restored:
-            parts.append("restored: " + ", ".join(self.restored))
-        if self.reset:
-            parts.append("fresh: " + ", ".join(self.reset))
-        if self.optimizer_moments_resized:
+        if not self.parts:  # a report built by hand, without parts: the plain lists
+            if self.restored:
+                parts.append("restored: " + ", ".join(self.restored))
+            if self.reset:
+                parts.append("fresh: " + ", ".join(self.reset))
+        if self.optimizer_moments_resized and "optimizer" not in self.parts:
             parts.append(f"optimizer moments resized for {len(self.optimizer_moments_resized)} "
                          "parameter(s) (new rows: first moment 0, second moment = old rows' mean)")
+        if self.runtime_state_restored:
+            parts.append("runtime counters restored")
         if self.missing_keys or self.unexpected_keys:
             parts.append(f"not in checkpoint: {len(self.missing_keys)} key(s); "
                          f"not in model: {len(self.unexpected_keys)} key(s) (strict=False)")
         return "; ".join(parts)
 
+
+def set_rng_part(report: LoadReport, *, in_file: bool, asked: bool | None, restore: bool,
+                 why: str, rank: int) -> None:
+    """``report.parts["rng"]``: ``restore`` is whether the load meant to restore it
+    (``restore_rng`` as given, or resolved from the policy when None); ``why`` is the
+    reason the policy gives when it did not."""
+    if report.rng_restored:
+        report.set_part("rng", "restored", in_file=True)
+    elif not in_file:
+        report.set_part("rng", "absent")
+    elif not restore:
+        report.set_part("rng", "dropped", "restore_rng=False" if asked is False else why,
+                        in_file=True)
+    else:  # saved by fewer ranks than this job has: this rank keeps its current RNG
+        report.set_part("rng", "absent", f"none saved for rank {rank}; its current RNG is kept")
 
 
 def _runtime_state(ours: Any) -> dict[str, dict[str, float]] | None:

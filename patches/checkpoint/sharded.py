@@ -27,7 +27,7 @@ import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -38,7 +38,7 @@ from ._validate import iter_tensors, nonfinite_flags
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import _as_list, _restart_scaler, _restart_scheduler
-from .report import LoadReport, _runtime_state, restarted
+from .report import LoadReport, _runtime_state, restarted, set_rng_part
 from .rng import capture_rng_state, restore_rng_state, state_for_rank
 
 logger = logging.getLogger("training_patches")
@@ -331,6 +331,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
         effective = "reset"
         info("training-patches: %s has no optimizer state; optimizer, scheduler and scaler "
              "start fresh together", path)
+    asked_rng = restore_rng
     if restore_rng is None:
         restore_rng = effective == "remap"
     rank, world = _dist.rank(), max(_dist.world_size(), 1)
@@ -400,12 +401,49 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
         if rng is not None:
             restore_rng_state(rng)
             report.rng_restored = True
+        _sharded_parts(report, policy=policy, effective=effective, optimizers=optimizers,
+                       schedulers=schedulers, scaler=scaler, has_optimizer=bool(
+                           manifest.get("has_optimizer")), meta=meta,
+                       tensors=len(msd), asked_rng=asked_rng)
         return report
 
     report = _on_every_rank(load_rank, gather=False)
     info("training-patches: %s (sharded, saved by %d rank(s), loaded on %d)",
          report.summary(), manifest["world_size"], world)
     return report
+
+
+def _sharded_parts(report: LoadReport, *, policy: str, effective: str, optimizers: list[Any],
+                   schedulers: list[Any], scaler: Any, has_optimizer: bool,
+                   meta: Mapping[str, Any], tensors: int, asked_rng: bool | None) -> None:
+    """``report.parts`` of a sharded load (see :func:`patches.checkpoint.load._set_parts`)."""
+    why = "policy reset" if effective == policy else "the folder has no optimizer state"
+
+    def other(name: str, given: bool, in_file: bool, restored: bool) -> None:
+        if restored:
+            report.set_part(name, "restored", in_file=True)
+        elif given and effective == "reset":
+            report.set_part(name, "reset", f"{why}; the file's state not loaded" if in_file
+                            else "absent in file", in_file=in_file)
+        elif in_file:
+            report.set_part(name, "dropped", f"no {name} passed", in_file=True)
+        else:
+            report.set_part(name, "absent", "left as passed" if given else "")
+
+    scaler_on = scaler is not None and getattr(scaler, "_enabled", True)
+    report.set_part("model", "restored", f"{tensors} tensor(s)", in_file=True)
+    other("optimizer", bool(optimizers), has_optimizer, "optimizer" in report.restored)
+    other("scheduler", bool(schedulers), bool(meta.get("scheduler")),
+          "scheduler" in report.restored)
+    other("scaler", scaler_on, bool(meta.get("scaler")), "scaler" in report.restored)
+    report.saved_step = int(meta["step"])
+    if effective == "reset":
+        report.set_part("step", "reset", f"saved {report.saved_step}, resuming at 0: {why}",
+                        in_file=True)
+    else:
+        report.set_part("step", "restored", in_file=True)
+    set_rng_part(report, in_file=True, asked=asked_rng, why=why, rank=_dist.rank(),
+                 restore=asked_rng is True or (asked_rng is None and effective == "remap"))
 
 
 __all__ = ["DCP_SUFFIX", "DCP_FORMAT", "is_sharded_model", "save_sharded", "load_sharded",

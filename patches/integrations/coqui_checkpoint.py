@@ -33,7 +33,8 @@ import torch
 
 from .. import _options
 from .._log import info, logger
-from ..checkpoint import (CheckpointError, atomic_torch_save, check_file, load_checkpoint)
+from ..checkpoint import (CheckpointError, atomic_torch_save, check_file, load_checkpoint,
+                          warn_weights_only)
 
 IO = "trainer.io"
 PATCH = "checkpoint"
@@ -73,7 +74,12 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
                 self.epochs_done = 0
         else:
             # restore_path alone: weights only, fresh optimizer/scheduler/scaler (upstream).
-            load_checkpoint(local_path(path), self.model, restore_rng=False)
+            report = load_checkpoint(local_path(path), self.model, restore_rng=False,
+                                     resume_step=False)
+            warn_weights_only(
+                report, "restore_path loads the model weights only, as upstream coqui does",
+                "To resume that run with them, pass continue_path=<its run folder> instead; to "
+                "fine-tune from its weights on purpose, nothing needs to change.")
             self.total_steps_done = 0
             self.epochs_done = 0
             self.reset_lr()

@@ -23,9 +23,8 @@ import os
 from typing import Any, Callable
 
 from .. import _options
-from .._log import info
 from .._registry import Integration, Site, is_enabled, register_integration
-from ..checkpoint import load_checkpoint
+from ..checkpoint import load_checkpoint, warn_weights_only
 from ..vocab_freeze import freeze_base_vocab
 from .coqui_checkpoint import is_local, local_path
 
@@ -51,9 +50,19 @@ def make_gpt_trainer_load_checkpoint(original: Callable[..., Any]) -> Callable[.
         if not is_local(checkpoint_path) or not local_path(checkpoint_path).is_file():
             return original(self, config, checkpoint_path, eval=eval, strict=strict, **kwargs)
         # XTTS drops the DVAE and mel-spectrogram keys of GPTTrainer checkpoints and loads
-        # into self.xtts; the loader aligns the "xtts." prefix by itself.
-        load_checkpoint(local_path(checkpoint_path), self.xtts, strict=strict, restore_rng=False,
-                        key_filter=_xtts_state_filter)
+        # into self.xtts; the loader aligns the "xtts." prefix by itself. Weights only:
+        # GPTTrainer.__init__ calls this before any optimizer exists, and the coqui Trainer
+        # then counts from step 0, so the report says the saved step was dropped.
+        report = load_checkpoint(local_path(checkpoint_path), self.xtts, strict=strict,
+                                 restore_rng=False, key_filter=_xtts_state_filter,
+                                 resume_step=False)
+        if not eval:
+            warn_weights_only(
+                report, "xtts_checkpoint loads the model weights only (GPTTrainer builds no "
+                "optimizer before it, and the coqui Trainer counts from step 0)",
+                "To resume that run with its optimizer, scheduler and step, start the coqui "
+                "Trainer with continue_path=<its run folder> instead; to fine-tune from its "
+                "weights on purpose, nothing needs to change.")
         if eval:
             self.xtts.gpt.init_gpt_for_inference(kv_cache=self.args.kv_cache, use_deepspeed=False)
             self.eval()
@@ -73,8 +82,15 @@ def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
         # a coqui Trainer checkpoint holds the whole GPTTrainer: keep xtts.gpt.* only
         return key.startswith("xtts.gpt.") or not key.startswith(("xtts.", *_XTTS_IGNORED))
 
-    return load_checkpoint(path, gpt_trainer.xtts.gpt, restore_rng=False, freeze=freeze,
-                           strict=True, key_filter=gpt_keys)
+    report = load_checkpoint(path, gpt_trainer.xtts.gpt, restore_rng=False, freeze=freeze,
+                             strict=True, key_filter=gpt_keys, resume_step=False)
+    warn_weights_only(
+        report, "gpt_checkpoint loads the GPT weights only (GPTTrainer builds no optimizer "
+        "before it, and the coqui Trainer counts from step 0)",
+        "To resume that run with its optimizer, scheduler and step, start the coqui Trainer "
+        "with continue_path=<its run folder> instead; to fine-tune from its weights on "
+        "purpose, nothing needs to change.")
+    return report
 
 
 def make_gpt_trainer_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -91,8 +107,7 @@ def make_gpt_trainer_init(original: Callable[..., None]) -> Callable[..., None]:
             original(self, config, *args, **kwargs)
         finally:
             model_args.gpt_checkpoint = path
-        report = load_gpt_checkpoint(self, local_path(path))
-        info("gpt_checkpoint loaded through training-patches: %s", report.summary())
+        load_gpt_checkpoint(self, local_path(path))  # the loader logs what it did
         return None
     return __init__
 

@@ -175,9 +175,13 @@ def test_ckpt_fsdp2_sharded_save_and_reshard(tmp_path: Path, saved_by: int,
     assert loaded["EQUAL"][0][0][0] is True, "full parameters and optimizer state must be equal"
     assert loaded["EQUAL"][0][0][1] > 20  # parameters, moments and steps were compared
     for rank in range(loaded_by):
-        path, step, extra, rng_restored = loaded["RESUMED"][rank][0]
+        path, step, extra, rng_restored, parts = loaded["RESUMED"][rank][0]
         assert Path(path).name == "ckpt_000000003.dcp" and step == 3 and extra["pos"] == 30
         assert rng_restored is (rank < saved_by)
+        # The report (and the log line built from it) says what each rank got.
+        assert parts["optimizer"] == "restored" and parts["step"] == "restored"
+        assert parts["rng"] == ("restored" if rank < saved_by else
+                                f"absent (none saved for rank {rank}; its current RNG is kept)")
         assert loaded["STEPPED"][rank][0] == "ckpt_000000004.dcp"
     # Rank 0 (and rank 1 when it was saved) draws its own stream on.
     for rank in range(min(saved_by, loaded_by)):

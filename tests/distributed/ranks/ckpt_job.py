@@ -193,7 +193,8 @@ elif MODE == "fsdp_resume":
     manager = CheckpointManager(OUT, keep=2)
     path = manager.resume("auto")
     report = load_checkpoint(path, model, opt)
-    say("RESUMED", [str(path), report.step, report.extra, report.rng_restored])
+    say("RESUMED", [str(path), report.step, report.extra, report.rng_restored,
+                     {name: str(part) for name, part in report.parts.items()}])
     say("DRAWS", draws())
     full = flat(full_state(model, opt))  # gathered on rank 0 only (cpu_offload)
     if RANK == 0:
