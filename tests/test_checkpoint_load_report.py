@@ -266,3 +266,22 @@ def test_xtts_checkpoint_says_what_it_dropped(tiny_xtts, tmp_path, caplog, clean
     assert "xtts_checkpoint loads the model weights only" in warnings[0]
     assert "continue_path" in warnings[0]
     assert "stripped the prefix 'xtts.'" in caplog.text
+
+
+def test_sharded_folder_without_optimizer_state_warns_and_reports_parts(tmp_path, caplog):
+    """The same report from a sharded (DCP) folder, here written by one process."""
+    from patches.checkpoint import CheckpointManager
+    from patches.checkpoint.sharded import save_sharded
+
+    model, _, _ = _trained()
+    folder = save_sharded(CheckpointManager(tmp_path / "run"), 4, model, None, None, None, {})
+    fresh, fresh_opt, fresh_sched = _fresh()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        report = load_checkpoint(folder, fresh, fresh_opt, fresh_sched)
+    assert torch.equal(fresh.body.weight, model.body.weight)
+    assert report.step == 0 and report.saved_step == 4
+    assert _status(report) == {"model": "restored", "optimizer": "reset", "scheduler": "reset",
+                               "scaler": "absent", "step": "reset", "rng": "dropped"}
+    (warning,) = _lines(caplog, logging.WARNING)
+    assert "has no optimizer state" in warning and "(the folder's step: 4)" in warning
+    assert "step reset (saved 4, resuming at 0: the folder has no optimizer state)" in caplog.text

@@ -78,6 +78,15 @@ def test_restore_74_to_82_keeps_every_trained_row(tiny_xtts, tiny_xtts_extended_
     assert (new_rows - mean).abs().max() < 1e-3 * emb[:73].std(0).mean()
     assert (head.bias.detach()[73:81] - head_b[:73].mean()).abs().max() < 1e-3 * head_b[:73].std()
     assert "74 -> 82 rows" in caplog.text
+    # restore_path takes the weights only (as upstream): the line and a WARNING say that the
+    # file's optimizer state and step were not restored (issue 19: no silent drop).
+    saved = torch.load(ckpt, weights_only=False)["step"]
+    line = next(r.getMessage() for r in caplog.records if f"loaded {ckpt}" in r.getMessage())
+    assert "model remapped" in line and "optimizer dropped (no optimizer passed)" in line
+    assert f"step dropped (saved {saved}; a weights-only start counts from 0)" in line
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+              and "restore_path loads the model weights only" in r.getMessage()]
+    assert len(warned) == 1 and f"holds optimizer state and step {saved}" in warned[0]
     # The base rows are frozen by the loader (vocab_freeze), and the loss does not jump.
     first = _first_loss(trainer)
     assert math.isfinite(first) and first < base_loss * 1.25, (first, base_loss)

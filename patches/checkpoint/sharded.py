@@ -329,8 +329,16 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
     effective = policy
     if policy == "remap" and optimizers and not manifest.get("has_optimizer"):
         effective = "reset"
-        info("training-patches: %s has no optimizer state; optimizer, scheduler and scaler "
-             "start fresh together", path)
+        if manifest.get("step"):
+            logger.warning(
+                "training-patches: %s has no optimizer state, so the optimizer, scheduler and "
+                "scaler start fresh together (policy 'remap' falls back to 'reset': never a "
+                "mix) and the run resumes at step 0 (the folder's step: %s). To resume where it "
+                "stopped, save the optimizer state with the weights; to start fresh on purpose, "
+                "pass policy='reset'.", path, manifest["step"])
+        else:
+            info("training-patches: %s has no optimizer state; optimizer, scheduler and scaler "
+                 "start fresh together", path)
     asked_rng = restore_rng
     if restore_rng is None:
         restore_rng = effective == "remap"
