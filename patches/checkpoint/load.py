@@ -205,7 +205,8 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
             f"training-patches: cannot load {path}: its 'extra' is a {type(extra).__name__}, "
             f"expected a dict (what CheckpointManager.save(**extra) writes). Nothing was loaded. "
             f"{_what_to_do(path)}")
-    saved_step = _step_of(path, meta) if any(meta.get(k) is not None for k in STEP_KEYS) else None
+    saved_step = (_step_of(path, meta) if any(meta.get(k) is not None for k in STEP_KEYS)
+                  else None)
     report = LoadReport(path=str(path), policy=policy, step=saved_step or 0, saved_step=saved_step,
                         epoch=meta.get("epoch") if isinstance(meta.get("epoch"), int)
                         and not isinstance(meta.get("epoch"), bool) else None,
@@ -344,6 +345,10 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
     report.policy = effective if policy == "remap" else policy
     if not resume_step:
         report.step = 0
+    if plan.prefix_stripped or plan.prefix_added:
+        report.prefix_stripped, report.prefix_added = plan.prefix_stripped, plan.prefix_added
+        report.renamed_keys = len(plan.aligned)  # every matched key went through the prefix
+    report.dtype_casts = dict(plan.casts)
     if plan.rows is not None and plan.rows.added > 0 and freeze:
         report.freeze = _enable_freeze(model, plan, vocab_modules)
     _set_parts(report, plan, policy=policy, effective=effective, optimizers=optimizers,
@@ -421,23 +426,20 @@ def _set_parts(report: LoadReport, plan: _Plan, *, policy: str, effective: str,
 
 
 def _say(path: Path, report: LoadReport, plan: _Plan, *, fell_back: bool) -> None:
-    """The log lines of a load, every one read from ``report`` and ``plan``."""
-    if plan.prefix_stripped or plan.prefix_added:
-        report.prefix_stripped, report.prefix_added = plan.prefix_stripped, plan.prefix_added
-        report.renamed_keys = len(plan.aligned)
+    """The log lines of a load, every one read from ``report`` (and the plan it acted on)."""
+    if report.renamed_keys:
         how = " and ".join(
-            [f"stripped the prefix {plan.prefix_stripped!r} from"] * bool(plan.prefix_stripped)
-            + [f"added the prefix {plan.prefix_added!r} to"] * bool(plan.prefix_added))
+            [f"stripped the prefix {report.prefix_stripped!r} from"] * bool(report.prefix_stripped)
+            + [f"added the prefix {report.prefix_added!r} to"] * bool(report.prefix_added))
         info("training-patches: %s: %s %d key(s) of the file to match the model's names "
              "(e.g. %s -> %s)", path, how, report.renamed_keys,
              *next(iter((ck, key) for key, ck in plan.aligned.items())))
-    if plan.casts:
-        report.dtype_casts = dict(plan.casts)
+    if report.dtype_casts:
         pairs: dict[tuple[str, str], int] = {}
-        for pair in plan.casts.values():
+        for pair in report.dtype_casts.values():
             pairs[pair] = pairs.get(pair, 0) + 1
         info("training-patches: %s: %d tensor(s) were cast to the model's dtypes (%s); the "
-             "values loaded are the cast ones", path, len(plan.casts),
+             "values loaded are the cast ones", path, len(report.dtype_casts),
              ", ".join(f"{n} {a} -> {b}" for (a, b), n in sorted(pairs.items())))
     info("training-patches: %s", report.summary())
     lost = report.not_restored()
