@@ -286,7 +286,7 @@ def test_cli_never_overwrites_the_input_or_an_existing_output(files, tmp_path, c
     out = tmp_path / "taken.json"
     out.write_text("mine", encoding="utf-8")
     rc, _, err = _main(capsys, *args, "--output", out)
-    assert rc == 2 and "exists already" in err and "--force" in err
+    assert rc == 2 and "already exists" in err and "--force" in err
     assert out.read_text(encoding="utf-8") == "mine"
     assert _main(capsys, *args, "--output", out, "--force")[0] == 0
     assert json.loads(out.read_text(encoding="utf-8"))["model"]["type"] == "BPE"
