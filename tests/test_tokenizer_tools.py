@@ -607,3 +607,52 @@ def test_numbers_out_of_range_are_refused(files, capsys, command, option, value)
     assert info.value.code == 2
     assert f"argument {option}: expected" in capsys.readouterr().err
     assert not Path("never.json").exists()
+
+
+def test_a_g2p_that_raises_in_verify_tokenizer_is_one_paragraph(files, tmp_path,
+                                                                  capsys) -> None:
+    """verify-tokenizer --text with a --g2p that raises: exit 2, one paragraph naming the
+    function, the text file and its line, no traceback, no --json written."""
+    g2p = tmp_path / "bad_g2p.py"
+    g2p.write_text("def g2p(text):\n    if 'ቡና' in text:\n        raise KeyError(text[:3])\n"
+                   "    return text\n", encoding="utf-8")
+    rc, out, err = _main(capsys, "verify-tokenizer", files["vocab"], "--text", files["corpus"],
+                         "--language", "am", "--g2p", f"{g2p}:g2p", "--json",
+                         tmp_path / "v.json")
+    assert rc == 2 and out == "" and not (tmp_path / "v.json").exists()
+    _one_paragraph(err)
+    assert f"--g2p {g2p}:g2p failed on --text {files['corpus']}, text line 4" in err, err
+    assert "KeyError" in err
+
+
+def test_verify_json_is_strict_and_names_each_finding(files, tmp_path, capsys) -> None:
+    """--json -: stdout is one strict JSON object with the same findings the text shows and
+    the exit code; --json never replaces an input, even with --force."""
+    rc, text, _ = _main(capsys, "verify-tokenizer", files["vocab"], "--language", "am")
+    rc_json, out, _ = _main(capsys, "verify-tokenizer", files["vocab"], "--language", "am",
+                            "--json", "-")
+    assert rc == rc_json == 1  # the base vocab has no [am] token
+    doc = json.loads(out, parse_constant=lambda name: pytest.fail(f"not JSON: {name}"))
+    assert doc["tool"] == "training-patches verify-tokenizer" and doc["format"] == 1
+    assert doc["ok"] is False and doc["exit_code"] == 1
+    statuses = {f["what"]: f["status"] for f in doc["findings"]}
+    for finding in doc["findings"]:
+        assert f"{finding['what']}" in text and finding["detail"] in text
+    assert "FAIL" in statuses.values()
+    before = _sha(files["corpus"])
+    rc, _, err = _main(capsys, "verify-tokenizer", files["vocab"], "--text", files["corpus"],
+                       "--no-cleaner", "--json", files["corpus"], "--force")
+    assert rc == 2 and "an input of this command" in err and _sha(files["corpus"]) == before
+    _one_paragraph(err)
+
+
+def test_extended_tokenizer_file_mode_follows_the_umask(files, tmp_path, capsys) -> None:
+    out = tmp_path / "vocab_am.json"
+    old = os.umask(0o027)
+    try:
+        rc, _, err = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus",
+                           files["corpus"], "--language", "am", "-o", out)
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    assert out.stat().st_mode & 0o777 == 0o640
