@@ -103,11 +103,13 @@ def test_output_dir_holding_a_run_subfolder_is_found(tmp_path, capsys, monkeypat
     runs = find_runs(str(tmp_path))
     assert [r.folder for r in runs] == [str(run)]
     assert runs[0].shared_folders == [str(tmp_path)]
-    monkeypatch.chdir(run)  # the picture goes to the current folder
+    here = tmp_path.parent / f"{tmp_path.name}_here"  # outside the run's folders
+    here.mkdir()
+    monkeypatch.chdir(here)  # the picture goes to the current folder
     assert cli.main(["report", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert f"run: {run}" in out and "skipped steps: 1" in out
-    assert (run / f"training_report_{tmp_path.name}.png").is_file()
+    assert (here / f"training_report_{tmp_path.name}.png").is_file()
 
 
 def test_stalled_loss_and_unstable_scale_are_named_with_figures(tmp_path) -> None:
@@ -419,3 +421,18 @@ def test_json_file_never_replaces_a_run_file(tmp_path, capsys) -> None:
     assert cli.main(["report", str(run), "--json", str(out), "--no-picture"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert cli.main(["report", str(run), "--json", str(out), "--no-picture", "--force"]) == 1
+
+
+def test_no_default_picture_inside_the_run_folder(tmp_path, capsys, monkeypatch) -> None:
+    """Run from inside the run's folder, the default picture would land among the run's
+    files: it is not drawn, and the report says how to ask for it."""
+    run = tmp_path / "am_run"
+    _run_with_records(run)
+    listing = {p.name: _sha(p) for p in run.iterdir()}
+    monkeypatch.chdir(run)
+    assert cli.main(["report", "."]) == 1
+    out = capsys.readouterr().out
+    assert "picture: not drawn: the current folder is the run's own folder" in out
+    assert {p.name: _sha(p) for p in run.iterdir()} == listing
+    assert cli.main(["report", ".", "--out", "mine.png"]) == 1  # asked for: written
+    assert (run / "mine.png").is_file()

@@ -508,7 +508,10 @@ def test_two_runs_writing_the_same_new_output_cannot_both_write(files, tmp_path)
     assert not [p for p in tmp_path.iterdir() if ".tp-tmp-" in p.name]
 
 
-def test_sigterm_ends_extend_tokenizer_with_nothing_written(files, tmp_path) -> None:
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_ends_extend_tokenizer_with_nothing_written(files, tmp_path, signum,
+                                                              code) -> None:
+    """SIGTERM (Ctrl-C) mid-corpus: exit 143 (130), one line, no traceback, no file."""
     g2p = tmp_path / "barrier_g2p.py"
     g2p.write_text(BARRIER_G2P, encoding="utf-8")
     gates = tmp_path / "gates"
@@ -522,13 +525,13 @@ def test_sigterm_ends_extend_tokenizer_with_nothing_written(files, tmp_path) -> 
         while not list(gates.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert list(gates.iterdir()), "the run never reached its corpus"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=20)
     finally:
         proc.kill()
-    assert proc.returncode == 143, (stdout, stderr)
+    assert proc.returncode == code, (stdout, stderr)
     _one_paragraph(stderr)
-    assert "SIGTERM" in stderr and "nothing was written" in stderr
+    assert signal.Signals(signum).name in stderr and "nothing was written" in stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "barrier_g2p.py", "gates"]
 

@@ -271,9 +271,15 @@ def _report(args: argparse.Namespace) -> int:
               f"checkpoints of a plain loop).", file=sys.stderr)
         return 2
     out = None
+    in_run = False
     if not args.no_picture:
         out = args.out if args.out is not None else default_out(folder)
-        if os.path.isdir(out):
+        if args.out is None:  # the default never lands in a run's own folder
+            here = os.path.abspath(".")
+            in_run = any(here in (run.folder, *run.shared_folders)
+                         for run in find_runs(folder, scalars=False))
+            out = None if in_run else out
+        elif os.path.isdir(out):
             out = os.path.join(out, REPORT_NAME)
     try:
         json_exists = args.json is not None and check_json_out(args.json, folder, out,
@@ -308,6 +314,9 @@ def _report(args: argparse.Namespace) -> int:
             print(f"  {other.run.folder}: {other.headline}")
     if args.no_picture:
         print("picture: not drawn (--no-picture)")
+    elif in_run:
+        print("picture: not drawn: the current folder is the run's own folder, which the "
+              "report writes into only when asked (--out FILE.png)")
     else:
         print(f"picture: {png}" if png else "picture: not drawn (matplotlib is missing: pip "
               "install 'training-patches[tools]')")
