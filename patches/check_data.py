@@ -121,6 +121,8 @@ REASONS: dict[str, tuple[str, str]] = {  # reason -> (what it means, what to do)
 
 
 PROG = "training-patches check-data"
+MAX_WORKERS = 1024  # --workers: beyond any machine's cores, a typo (a pool this big would
+#                     fork until the machine runs out of processes)
 
 
 class ManifestError(ValueError):
@@ -801,10 +803,10 @@ def clean_manifest_text(manifest: str, out: str, header: str, clips: Iterable[Cl
     return buffer.getvalue()
 
 
-def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> dict[str, bool]:
+def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
     """The shared output rule (:func:`patches._output.check_output`) for --json and
     --clean-manifest: never the manifest, the tokenizer or (with ``rows``) an audio file it
-    names, never each other. Returns path -> whether it exists (then replaced)."""
+    names, never each other; an existing file only with --force."""
     from ._output import OutputRefused, check_output
 
     stem, suffix = Path(args.manifest).stem, Path(args.manifest).suffix
@@ -814,17 +816,15 @@ def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> dict[s
                if os.path.exists(row.audio_path)]
     outputs = [("--json", args.json, "check.json"),
                ("--clean-manifest", args.clean_manifest, f"{stem}.clean{suffix}")]
-    found = {}
     for what, path, example in outputs:
         if path is None:
             continue
         others = [(o_what, o_path) for o_what, o_path, _ in outputs if o_what != what]
         try:
-            found[path] = check_output(path, prog=PROG, what=what, force=args.force,
-                                       inputs=inputs, others=others, example=example)
+            check_output(path, prog=PROG, what=what, force=args.force, inputs=inputs,
+                         others=others, example=example)
         except OutputRefused as exc:
             raise ManifestError(str(exc)) from None
-    return found
 
 
 def _check_installed(tokenizer: str | None) -> None:
@@ -848,16 +848,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
-    return number
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -892,7 +882,7 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
         _check_outputs(args)  # before the manifest is read: a refusal costs nothing
         _check_installed(args.tokenizer)
         manifest = read_manifest(args.manifest)
-        exists = _check_outputs(args, manifest[1])  # ... and never one of its audio files
+        _check_outputs(args, manifest[1])  # ... and never one of its audio files
         report, clips = check_manifest(args.manifest, options, manifest=manifest)
     except ManifestError as exc:
         print(str(exc), file=sys.stderr)
@@ -902,7 +892,7 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
     print("\n".join(summary_lines(report, clips)), file=text)
     try:
         if args.json:
-            where = write_json(args.json, report, replace=exists[args.json], prog=PROG)
+            where = write_json(args.json, report, replace=args.force, prog=PROG)
             if args.json != STDOUT:
                 written.append(args.json)
             print(f"\nreport: {where}", file=text)
@@ -912,7 +902,7 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
             cleaned = clean_manifest_text(args.manifest, args.clean_manifest, header, clips)
             try:
                 write_file(args.clean_manifest, cleaned.encode("utf-8"),
-                           replace=exists[args.clean_manifest])
+                           replace=args.force)
             except OutputExists:
                 raise OutputRefused(
                     f"{PROG}: --clean-manifest {args.clean_manifest} was created by another "
@@ -956,8 +946,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="write the header and the rows without errors (never the input)")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing --json/--clean-manifest file")
-    parser.add_argument("--workers", type=_positive_int, default=_cores(),
-                        help="decoding processes (default: all cores)")
+    parser.add_argument("--workers", type=number(int, low=1, high=MAX_WORKERS,
+                                                 what="decoding processes"),
+                        default=_cores(), help="decoding processes (default: all cores)")
     parser.add_argument("--max-audio-seconds", type=number(above=MIN_SECONDS, high=3600),
                         default=MAX_WAV_LENGTH / XTTS_SAMPLE_RATE,
                         help="longest clip (default: XTTS max_wav_length, 11.61 s)")

@@ -85,8 +85,9 @@ def _doctor(args: argparse.Namespace) -> int:
     from ._output import STDOUT, OutputRefused, check_output, write_json
 
     try:  # before the checks: a refused --json costs nothing
-        exists = args.json is not None and check_output(args.json, prog=PROG, what="--json",
-                                                        force=args.force, example="doctor.json")
+        if args.json is not None:
+            check_output(args.json, prog=PROG, what="--json", force=args.force,
+                         example="doctor.json")
     except OutputRefused as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -98,7 +99,7 @@ def _doctor(args: argparse.Namespace) -> int:
                 "tool": PROG, "format": JSON_FORMAT, "ok": not failed,
                 "exit_code": 1 if failed else 0,
                 "checks": [{"status": status.strip(), "what": what, "detail": detail}
-                           for status, what, detail in checks]}, replace=exists, prog=PROG)
+                           for status, what, detail in checks]}, replace=args.force, prog=PROG)
         except (OutputRefused, OSError) as exc:
             print(str(exc) if isinstance(exc, OutputRefused) else
                   f"{PROG}: could not write --json {args.json} ({exc.strerror or exc}). "

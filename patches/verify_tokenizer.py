@@ -54,18 +54,19 @@ def _verify(args: argparse.Namespace) -> int:
     from .tokenizer.verify import FAIL, verify
 
     try:
-        exists = args.json is not None and check_output(
-            args.json, prog=PROG, what="--json", force=args.force, example="verify.json",
-            inputs=[("tokenizer", args.tokenizer), ("--base", args.base),
-                    ("--checkpoint", args.checkpoint),
-                    *(("--text", text) for text in args.text or ())])
+        if args.json is not None:
+            check_output(args.json, prog=PROG, what="--json", force=args.force,
+                         example="verify.json",
+                         inputs=[("tokenizer", args.tokenizer), ("--base", args.base),
+                                 ("--checkpoint", args.checkpoint),
+                                 *(("--text", text) for text in args.text or ())])
         preprocess = make_preprocess(args.language, g2p=args.g2p,
                                      clean=not args.no_cleaner) if args.text else (lambda t: t)
         found = verify(args.tokenizer, base=args.base, base_size=args.base_size,
                        language=args.language, texts=args.text or (), preprocess=preprocess,
                        checkpoint=args.checkpoint, max_unk_rate=args.max_unk_rate)
         if args.json is not None:
-            write_json(args.json, findings_json(args.tokenizer, found), replace=exists,
+            write_json(args.json, findings_json(args.tokenizer, found), replace=args.force,
                        prog=PROG)
     except (TokenizerToolError, CheckpointError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

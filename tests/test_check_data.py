@@ -430,7 +430,8 @@ def test_outputs_that_would_lose_a_file_or_crash_are_refused(dataset, tmp_path, 
 
 @pytest.mark.parametrize("option,value", [
     ("--max-audio-seconds", "nan"), ("--max-audio-seconds", "-1"), ("--min-snr", "inf"),
-    ("--max-text-tokens", "-5"), ("--rate-tolerance", "nan"), ("--rate-tolerance", "0.5")])
+    ("--max-text-tokens", "-5"), ("--rate-tolerance", "nan"), ("--rate-tolerance", "0.5"),
+    ("--workers", "0"), ("--workers", "100000"), ("--workers", "2.5")])
 def test_numbers_out_of_range_are_refused(dataset, option, value, capsys) -> None:
     """A limit no clip can fail (nan: every comparison false) is a usage error, not a pass."""
     manifest, _, _ = dataset

@@ -282,8 +282,8 @@ def _report(args: argparse.Namespace) -> int:
         elif os.path.isdir(out):
             out = os.path.join(out, REPORT_NAME)
     try:
-        json_exists = args.json is not None and check_json_out(args.json, folder, out,
-                                                               args.force)
+        if args.json is not None:
+            check_json_out(args.json, folder, out, args.force)
         if out is None:
             runs = find_runs(folder)
             if not runs:
@@ -292,7 +292,7 @@ def _report(args: argparse.Namespace) -> int:
         else:
             reports, png = write_report(folder, out)
         if args.json is not None:
-            write_json(args.json, report_json(folder, reports, png), replace=json_exists,
+            write_json(args.json, report_json(folder, reports, png), replace=args.force,
                        prog=JSON_TOOL)
     except (NoRunFound, ReportOutputError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
