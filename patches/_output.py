@@ -19,7 +19,8 @@
   thread, so ``finally`` blocks run (temporary files removed, worker pools ended) and the
   command exits 143 (130) with one line instead of a traceback or orphaned workers.
 
-Nothing here imports torch: the tools' ``--help`` and their refusals stay fast.
+Importing this module imports no torch (only :func:`json_text` reaches :mod:`patches._run`
+for its ``strict_json``).
 """
 
 from __future__ import annotations

@@ -121,6 +121,7 @@ REASONS: dict[str, tuple[str, str]] = {  # reason -> (what it means, what to do)
 
 
 PROG = "training-patches check-data"
+JSON_FORMAT = 1  # of the --json report: raised when a key changes meaning or goes away
 MAX_WORKERS = 1024  # --workers: beyond any machine's cores, a typo (a pool this big would
 #                     fork until the machine runs out of processes)
 
@@ -892,7 +893,10 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
     print("\n".join(summary_lines(report, clips)), file=text)
     try:
         if args.json:
-            where = write_json(args.json, report, replace=args.force, prog=PROG)
+            failed = bool(report["summary"]["flagged_clips"] or report["summary"]["problems"])
+            where = write_json(args.json, {"tool": PROG, "format": JSON_FORMAT,
+                                           "exit_code": 1 if failed else 0, **report},
+                               replace=args.force, prog=PROG)
             if args.json != STDOUT:
                 written.append(args.json)
             print(f"\nreport: {where}", file=text)

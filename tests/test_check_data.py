@@ -496,5 +496,8 @@ def test_json_report_is_strict_follows_the_umask_and_can_go_to_stdout(dataset, t
 
     assert run([str(manifest), "--workers", "1", "--json", "-"]) == 1
     captured = capsys.readouterr()
-    assert strict(captured.out) == strict(out.read_text(encoding="utf-8"))
+    doc = strict(captured.out)
+    assert doc == strict(out.read_text(encoding="utf-8"))
+    assert doc["tool"] == "training-patches check-data" and doc["format"] == 1
+    assert doc["exit_code"] == 1 and doc["summary"]["flagged_clips"] == 7
     assert "clips: 15" in captured.err and "result:" in captured.err
