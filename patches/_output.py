@@ -6,12 +6,21 @@
   with ``replace`` it is swapped in with ``os.replace``. The file's mode follows the umask
   (``mkstemp`` would leave it 0600).
 - :func:`same_file`: whether two paths name one file (the same path, or a link to it).
+- :func:`check_output`: the one rule every command applies to a path it is asked to
+  write, before it reads or computes anything: never an input (even with ``--force``),
+  never another output of the same command, never a folder, only in an existing folder,
+  and an existing file only with ``--force``. A command never picks a default inside a
+  run's folder: its defaults are the current folder (``report``'s picture) or stdout.
+- :func:`write_json` / :func:`json_text`: the ``--json`` outputs: one strict JSON object
+  (NaN and infinities written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``,
+  as in the run records), to stdout for ``-`` or through :func:`write_file`.
 - :func:`number`: the argparse type of a numeric option, finite and in its range.
 - :func:`stop_on_signals`: SIGTERM (and SIGINT) raise :class:`Interrupted` in the main
   thread, so ``finally`` blocks run (temporary files removed, worker pools ended) and the
   command exits 143 (130) with one line instead of a traceback or orphaned workers.
 
-Nothing here imports torch: the tools' ``--help`` and their refusals stay fast.
+Importing this module imports no torch (only :func:`json_text` reaches :mod:`patches._run`
+for its ``strict_json``).
 """
 
 from __future__ import annotations
@@ -19,11 +28,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
+
+
+STDOUT = "-"  # --json -: the JSON object on stdout
+
+
+class OutputRefused(ValueError):
+    """A path a command was asked to write breaks :func:`check_output`'s rule; the message
+    is one paragraph for the user and nothing was written."""
 
 
 class OutputExists(FileExistsError):
@@ -56,6 +75,82 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def check_output(path: str | os.PathLike[str], *, prog: str, what: str, force: bool = False,
+                 inputs: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
+                 others: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
+                 example: str | None = None) -> bool:
+    """Raise :class:`OutputRefused` unless ``path`` (the value of option ``what`` of the
+    command ``prog``) may be written; return whether a file is there (to be replaced).
+
+    Refused: any of ``inputs`` ((name, path) pairs; with ``--force`` too), any of ``others``
+    (the command's other outputs), a folder (with ``--force`` too), a path whose folder is
+    missing or is a file, and an existing file without ``force``. ``example`` is a file
+    name to suggest. ``-`` (stdout) is always allowed."""
+    path = os.fspath(path)
+    if path == STDOUT:
+        return False
+    suggest = f" (e.g. {example})" if example else ""
+    for name, source in inputs:
+        if source is not None and same_file(path, source):
+            raise OutputRefused(
+                f"{prog}: {what} {path} is the {name} ({os.fspath(source)}), an input of this "
+                f"command; an input is never overwritten, with --force or without, so nothing "
+                f"was written. Give a new file name{suggest}.")
+    for name, other in others:
+        if other is not None and os.fspath(other) != STDOUT and same_file(path, other):
+            raise OutputRefused(
+                f"{prog}: {what} {path} and {name} {os.fspath(other)} are the same file: one "
+                f"output would replace the other, so nothing was written. Expected two "
+                f"different paths; give each its own name.")
+    if os.path.isdir(path):
+        raise OutputRefused(
+            f"{prog}: {what} {path} is a folder; nothing was written (--force never replaces "
+            f"a folder). Expected a file name; give a file in it"
+            + (f" (e.g. {os.path.join(path, os.path.basename(example))})." if example else "."))
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise OutputRefused(
+            f"{prog}: {what} {path}: its folder {parent} does not exist (or is a file); "
+            f"nothing was written. Expected a file in an existing folder. Create the folder "
+            f"or give another path.")
+    exists = os.path.lexists(path)
+    if exists and not force:
+        raise OutputRefused(
+            f"{prog}: {what} {path} already exists; nothing was written. Expected a path that "
+            f"does not exist yet. Give another path, or pass --force to replace it.")
+    return exists
+
+
+def json_text(value: Any) -> str:
+    """``value`` as indented strict JSON (see the module docstring), newline-terminated;
+    objects JSON lacks (paths, ...) become strings."""
+    from ._run import strict_json
+
+    return json.dumps(strict_json(value), ensure_ascii=False, indent=1, allow_nan=False,
+                      default=str) + "\n"
+
+
+def write_json(path: str | os.PathLike[str], value: Any, *, replace: bool = False,
+               prog: str = "training-patches", what: str = "--json") -> str:
+    """Write ``value`` (:func:`json_text`) to stdout for ``-``, else atomically to ``path``
+    (created if absent, or replaced when ``replace``); returns where it went. Another
+    program creating ``path`` meanwhile is :class:`OutputRefused`, its file kept."""
+    text = json_text(value)
+    path = os.fspath(path)
+    if path == STDOUT:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return "stdout"
+    try:
+        write_file(path, text.encode("utf-8"), replace=replace)
+    except OutputExists:
+        raise OutputRefused(
+            f"{prog}: {what} {path} was created by another program while this command ran; "
+            f"it was left as it is and nothing was written. Run again with another path, or "
+            f"pass --force to replace it.") from None
+    return path
 
 
 def write_file(path: str | os.PathLike[str], data: bytes, *, replace: bool = False) -> Path:
@@ -158,5 +253,5 @@ def number(kind: type = float, *, low: float | None = None, high: float | None =
     return parse
 
 
-__all__ = ["write_file", "same_file", "stop_on_signals", "number", "Interrupted",
-           "OutputExists"]
+__all__ = ["write_file", "same_file", "check_output", "json_text", "write_json",
+           "stop_on_signals", "number", "Interrupted", "OutputExists", "OutputRefused", "STDOUT"]

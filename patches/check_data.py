@@ -120,6 +120,12 @@ REASONS: dict[str, tuple[str, str]] = {  # reason -> (what it means, what to do)
 }
 
 
+PROG = "training-patches check-data"
+JSON_FORMAT = 1  # of the --json report: raised when a key changes meaning or goes away
+MAX_WORKERS = 1024  # --workers: beyond any machine's cores, a typo (a pool this big would
+#                     fork until the machine runs out of processes)
+
+
 class ManifestError(ValueError):
     """The manifest cannot be checked at all (bad usage): one paragraph for the user."""
 
@@ -633,14 +639,17 @@ def _load_tokenizer(path: str | None, language: str) -> TextTokenizer | None:
             f"in .model). Pass the tokenizer file the trainer uses.") from None
 
 
-def check_manifest(path: str, options: Options) -> tuple[dict[str, Any], list[Clip]]:
+def check_manifest(path: str, options: Options,
+                   manifest: tuple[list[str], list[Row]] | None = None
+                   ) -> tuple[dict[str, Any], list[Clip]]:
     """Check every row of a manifest; returns the JSON report and the clips.
 
+    ``manifest``: what :func:`read_manifest` returned for ``path``, if already read.
     :class:`ManifestError` when the manifest itself cannot be read.
     """
     from tqdm import tqdm
 
-    header, rows = read_manifest(path)
+    header, rows = manifest if manifest is not None else read_manifest(path)
     tokenizer = _load_tokenizer(options.tokenizer, options.language)  # fails before decoding
     clips = [Clip(row) for row in rows]
     paths = [row.audio_path for row in rows]
@@ -795,29 +804,28 @@ def clean_manifest_text(manifest: str, out: str, header: str, clips: Iterable[Cl
     return buffer.getvalue()
 
 
-def _check_output(path: str | None, manifest: str, force: bool, what: str) -> None:
-    if path is None:
-        return
-    if os.path.abspath(path) == os.path.abspath(manifest) or (
-            os.path.exists(path) and os.path.samefile(path, manifest)):
-        raise ManifestError(f"training-patches check-data: {what} {path} is the manifest being "
-                            f"checked. Expected a new file name; the input is never "
-                            f"overwritten. Give another path (e.g. {Path(manifest).stem}"
-                            f".clean{Path(manifest).suffix}).")
-    if os.path.isdir(path):
-        example = os.path.join(path, "check.json" if what == "--json" else "clean.csv")
-        raise ManifestError(f"training-patches check-data: {what} {path} is a folder. Expected "
-                            f"a file name (--force never replaces a folder). Give a file in it, "
-                            f"e.g. {example}.")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ManifestError(f"training-patches check-data: {what} {path}: its folder {parent} "
-                            f"does not exist (or is a file). Expected a file in an existing "
-                            f"folder. Create the folder or give another path.")
-    if os.path.exists(path) and not force:
-        raise ManifestError(f"training-patches check-data: {what} {path} already exists. "
-                            f"Expected a path that does not exist yet. Give another path, or "
-                            f"pass --force to replace it.")
+def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
+    """The shared output rule (:func:`patches._output.check_output`) for --json and
+    --clean-manifest: never the manifest, the tokenizer or (with ``rows``) an audio file it
+    names, never each other; an existing file only with --force."""
+    from ._output import OutputRefused, check_output
+
+    stem, suffix = Path(args.manifest).stem, Path(args.manifest).suffix
+    inputs: list[tuple[str, str | None]] = [("manifest being checked", args.manifest),
+                                            ("--tokenizer", args.tokenizer)]
+    inputs += [(f"audio file (manifest line {row.line_no})", row.audio_path) for row in rows
+               if os.path.exists(row.audio_path)]
+    outputs = [("--json", args.json, "check.json"),
+               ("--clean-manifest", args.clean_manifest, f"{stem}.clean{suffix}")]
+    for what, path, example in outputs:
+        if path is None:
+            continue
+        others = [(o_what, o_path) for o_what, o_path, _ in outputs if o_what != what]
+        try:
+            check_output(path, prog=PROG, what=what, force=args.force, inputs=inputs,
+                         others=others, example=example)
+        except OutputRefused as exc:
+            raise ManifestError(str(exc)) from None
 
 
 def _check_installed(tokenizer: str | None) -> None:
@@ -843,16 +851,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
-    return number
-
-
 def _run(args: argparse.Namespace) -> int:
     """The command: SIGINT and SIGTERM end it and its workers within seconds, exit 130/143,
     one line, no report or manifest written."""
@@ -874,8 +872,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace, written: list[str]) -> int:
-    from ._output import same_file
-    from .checkpoint.atomic import atomic_text
+    from ._output import OutputExists, OutputRefused, STDOUT, write_file, write_json
 
     options = Options(language=args.language, tokenizer=args.tokenizer, workers=args.workers,
                       max_audio_seconds=args.max_audio_seconds,
@@ -883,36 +880,52 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
                       rate_tolerance=args.rate_tolerance,
                       progress=False if args.no_progress else None)
     try:
-        _check_output(args.clean_manifest, args.manifest, args.force, "--clean-manifest")
-        _check_output(args.json, args.manifest, args.force, "--json")
-        if args.json and args.clean_manifest and same_file(args.json, args.clean_manifest):
-            raise ManifestError(f"training-patches check-data: --json {args.json} and "
-                                f"--clean-manifest {args.clean_manifest} are the same file: one "
-                                f"would replace the other. Expected two different paths. Give "
-                                f"each its own name.")
+        _check_outputs(args)  # before the manifest is read: a refusal costs nothing
         _check_installed(args.tokenizer)
-        report, clips = check_manifest(args.manifest, options)
+        manifest = read_manifest(args.manifest)
+        _check_outputs(args, manifest[1])  # ... and never one of its audio files
+        report, clips = check_manifest(args.manifest, options, manifest=manifest)
     except ManifestError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    print("\n".join(summary_lines(report, clips)))
-    if args.json:
-        atomic_text(Path(args.json), json.dumps(report, ensure_ascii=False, indent=1) + "\n")
-        written.append(args.json)
-        print(f"\nreport: {args.json}")
-    if args.clean_manifest:
-        with open(args.manifest, encoding="utf-8") as handle:
-            header = handle.readline()
-        text = clean_manifest_text(args.manifest, args.clean_manifest, header, clips)
-        atomic_text(Path(args.clean_manifest), text)
-        written.append(args.clean_manifest)
-        print(f"clean manifest: {args.clean_manifest} ({report['summary']['clean_clips']} of "
-              f"{report['summary']['clips']} rows)")
+    # --json -: the JSON object alone on stdout, the table on stderr
+    text = sys.stderr if args.json == STDOUT else sys.stdout
+    print("\n".join(summary_lines(report, clips)), file=text)
+    try:
+        if args.json:
+            failed = bool(report["summary"]["flagged_clips"] or report["summary"]["problems"])
+            where = write_json(args.json, {"tool": PROG, "format": JSON_FORMAT,
+                                           "exit_code": 1 if failed else 0, **report},
+                               replace=args.force, prog=PROG)
+            if args.json != STDOUT:
+                written.append(args.json)
+            print(f"\nreport: {where}", file=text)
+        if args.clean_manifest:
+            with open(args.manifest, encoding="utf-8") as handle:
+                header = handle.readline()
+            cleaned = clean_manifest_text(args.manifest, args.clean_manifest, header, clips)
+            try:
+                write_file(args.clean_manifest, cleaned.encode("utf-8"),
+                           replace=args.force)
+            except OutputExists:
+                raise OutputRefused(
+                    f"{PROG}: --clean-manifest {args.clean_manifest} was created by another "
+                    f"program while this command ran; it was left as it is. Run again with "
+                    f"another path, or pass --force to replace it.") from None
+            written.append(args.clean_manifest)
+            print(f"clean manifest: {args.clean_manifest} ({report['summary']['clean_clips']} "
+                  f"of {report['summary']['clips']} rows)", file=text)
+    except (OutputRefused, OSError) as exc:
+        done = f" ({' and '.join(written)} had been written)" if written else ""
+        print(f"{exc}{done}" if isinstance(exc, OutputRefused) else
+              f"{PROG}: could not write {exc.filename or 'an output'}: {exc.strerror or exc}"
+              f"{done}. Expected a writable place; give another path.", file=sys.stderr)
+        return 2
     summary = report["summary"]
     failed = bool(summary["flagged_clips"] or summary["problems"])
     print(f"\nresult: {summary['flagged_clips']} of {summary['clips']} clips with errors"
           + (f", {len(summary['problems'])} dataset error(s)" if summary["problems"] else "")
-          + f" (exit {1 if failed else 0})")
+          + f" (exit {1 if failed else 0})", file=text)
     return 1 if failed else 0
 
 
@@ -930,13 +943,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokenizer", metavar="FILE",
                         help="XTTS vocab.json or SentencePiece .model: report [UNK] tokens and "
                              "the token count")
-    parser.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    parser.add_argument("--json", metavar="FILE",
+                        help="write the full report as one strict JSON object (NaN/Infinity "
+                             "as strings); - puts it on stdout and the table on stderr")
     parser.add_argument("--clean-manifest", metavar="FILE",
                         help="write the header and the rows without errors (never the input)")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing --json/--clean-manifest file")
-    parser.add_argument("--workers", type=_positive_int, default=_cores(),
-                        help="decoding processes (default: all cores)")
+    parser.add_argument("--workers", type=number(int, low=1, high=MAX_WORKERS,
+                                                 what="decoding processes"),
+                        default=_cores(), help="decoding processes (default: all cores)")
     parser.add_argument("--max-audio-seconds", type=number(above=MIN_SECONDS, high=3600),
                         default=MAX_WAV_LENGTH / XTTS_SAMPLE_RATE,
                         help="longest clip (default: XTTS max_wav_length, 11.61 s)")

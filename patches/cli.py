@@ -7,14 +7,21 @@
     training-patches verify-tokenizer    a tokenizer (and checkpoint) checked before training
     training-patches check-data MANIFEST what in a dataset will hurt a fine-tune
 
-Each prints for a person and exits non-zero when something needs attention.
+Each prints for a person and exits non-zero when something needs attention. Shared by all
+(patches/_output.py): a usage error (an unknown option, a number out of its range) is one
+paragraph on stderr with exit 2; Ctrl-C and SIGTERM end a command with exit 130/143 and
+one line, no traceback; every output file follows one rule (:func:`patches._output.check_output`).
+`report`, `verify-tokenizer`, `doctor` and `check-data` write a strict JSON object with
+``--json FILE`` (``--json -``: on stdout, instead of the text).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Sequence
+import signal
+import sys
+from typing import NoReturn, Sequence
 
 # Each subcommand lives in its own module, which has ``register(sub)``: it adds its parser(s)
 # with ``set_defaults(handler=...)``; a handler takes the parsed args and returns the exit
@@ -24,11 +31,20 @@ COMMAND_MODULES: tuple[str, ...] = ("patches.doctor", "patches.report", "patches
                                      "patches.check_data")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with a one-paragraph usage error: the error and where the options
+    are listed, not the 10-line usage block above a bad number."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}. Nothing was done; `{self.prog} --help` "
+                     f"lists the options.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``training-patches`` parser with every subcommand."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="training-patches", description=__doc__.splitlines()[0])
+    parser = Parser(prog="training-patches", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"training-patches {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
@@ -37,9 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; returns its exit code."""
+    """Run one subcommand; returns its exit code (130/143 after Ctrl-C/SIGTERM)."""
+    from ._output import Interrupted, stop_on_signals
+
     args = build_parser().parse_args(argv)
-    return int(args.handler(args))
+    try:
+        # check-data and extend-tokenizer say themselves what a signal left written; the
+        # other commands write their one output atomically at the end: nothing half-written.
+        # (``run`` execs the trainer, which gets the default handlers back.)
+        with stop_on_signals():
+            return int(args.handler(args))
+    except (Interrupted, KeyboardInterrupt) as exc:
+        stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"training-patches {args.command}: {stop}; stopped (its output files are written "
+              f"whole or not at all: no partial file is left).", file=sys.stderr)
+        return stop.exit_code
 
 
 if __name__ == "__main__":

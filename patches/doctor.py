@@ -1,4 +1,8 @@
-"""``training-patches doctor``: what this machine can train with, and what is missing."""
+"""``training-patches doctor``: what this machine can train with, and what is missing.
+
+``--json FILE`` (``-``: stdout, instead of the text) writes one strict JSON object:
+``{"tool", "format", "ok", "exit_code", "checks": [{"status": "ok"|"warn"|"FAIL", "what",
+"detail"}]}``. Exit 1 when a check FAILs."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import os
 import sys
 
 OK, WARN, FAIL = "ok  ", "warn", "FAIL"
+PROG = "training-patches doctor"
+JSON_FORMAT = 1  # raised when a key changes meaning or goes away
 
 
 def _version(dist: str) -> str | None:
@@ -76,14 +82,45 @@ def settings_check() -> tuple[str, str, str]:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from ._output import STDOUT, OutputRefused, check_output, write_json
+
+    try:  # before the checks: a refused --json costs nothing
+        if args.json is not None:
+            check_output(args.json, prog=PROG, what="--json", force=args.force,
+                         example="doctor.json")
+    except OutputRefused as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     checks = doctor_checks()
+    failed = any(status == FAIL for status, _, _ in checks)
+    if args.json is not None:
+        try:
+            write_json(args.json, {
+                "tool": PROG, "format": JSON_FORMAT, "ok": not failed,
+                "exit_code": 1 if failed else 0,
+                "checks": [{"status": status.strip(), "what": what, "detail": detail}
+                           for status, what, detail in checks]}, replace=args.force, prog=PROG)
+        except (OutputRefused, OSError) as exc:
+            print(str(exc) if isinstance(exc, OutputRefused) else
+                  f"{PROG}: could not write --json {args.json} ({exc.strerror or exc}). "
+                  f"Expected a writable place; give another path.", file=sys.stderr)
+            return 2
+        if args.json == STDOUT:  # the JSON object is the whole of stdout
+            return 1 if failed else 0
     width = max(len(what) for _, what, _ in checks)
     for status, what, detail in checks:
         print(f"[{status}] {what:<{width}}  {detail}")
-    return 1 if any(status == FAIL for status, _, _ in checks) else 0
+    if args.json is not None:
+        print(f"json: {args.json}")
+    return 1 if failed else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``doctor`` to the ``training-patches`` command."""
-    sub.add_parser("doctor", help="check this machine for what a fine-tune needs"
-                   ).set_defaults(handler=_doctor)
+    cmd = sub.add_parser("doctor", help="check this machine for what a fine-tune needs",
+                         description=__doc__.split("\n\n", 1)[1])
+    cmd.add_argument("--json", metavar="FILE",
+                     help="also write the checks as one strict JSON object; - puts it on "
+                          "stdout instead of the text")
+    cmd.add_argument("--force", action="store_true", help="replace an existing --json FILE")
+    cmd.set_defaults(handler=_doctor)

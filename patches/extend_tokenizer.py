@@ -49,6 +49,7 @@ def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | N
     """Each corpus line through --g2p and the cleaner, with a progress bar (stderr, when it
     is a terminal) counted in characters: a large corpus shows it is moving."""
     from .tokenizer import TokenizerToolError
+    from .tokenizer.errors import FrontEndError
 
     try:
         from tqdm import tqdm
@@ -61,11 +62,9 @@ def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | N
         for number, line in enumerate(raw, start=1):
             try:
                 texts.append(preprocess(line))
-            except Exception as exc:  # noqa: BLE001 - the user's front-end or cleaner failed
-                raise TokenizerToolError(
-                    f"{'--g2p ' + g2p if g2p else 'the language cleaner'} failed on corpus "
-                    f"text line {number} ({line[:60]!r}): {type(exc).__name__}: {exc}. "
-                    f"Nothing was written. Fix the function or that line of the corpus.") from None
+            except FrontEndError as exc:  # the user's front-end or the cleaner failed
+                raise TokenizerToolError(exc.at(f"corpus text line {number} ({line[:60]!r})")
+                                         ) from None
             if bar is not None:
                 bar.update(len(line))
     finally:

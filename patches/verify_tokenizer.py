@@ -25,30 +25,68 @@ and tokens per character. With --checkpoint (model.pth): whether its text_embedd
 text_head rows fit the vocabulary and what training-patches' loader would do with them
 (load as is, grow keeping the trained rows, or refuse) and which rows it freezes.
 
+--json FILE writes the findings as one strict JSON object ({"tool", "format", "tokenizer",
+"ok", "exit_code", "findings": [{"status", "what", "detail"}]}); --json - puts it on
+stdout instead of the text.
+
 Exit codes: 0 every check passed, 1 a check FAILED, 2 bad input (a file that is not a
-tokenizer, a missing file)."""
+tokenizer, a missing file, a --g2p that fails, a refused --json)."""
+
+JSON_FORMAT = 1  # raised when a key changes meaning or goes away
+
+
+def findings_json(tokenizer: str, found: list) -> dict:
+    """The ``--json`` object of a list of :class:`patches.tokenizer.verify.Finding`."""
+    from .tokenizer.verify import FAIL
+
+    failed = any(f.status == FAIL for f in found)
+    return {"tool": PROG, "format": JSON_FORMAT, "tokenizer": tokenizer, "ok": not failed,
+            "exit_code": 1 if failed else 0,
+            "findings": [{"status": f.status.strip(), "what": f.what, "detail": f.detail}
+                         for f in found]}
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from ._output import STDOUT, OutputRefused, check_output, write_json
     from .checkpoint import CheckpointError
     from .tokenizer import TokenizerToolError
     from .tokenizer.text import make_preprocess
     from .tokenizer.verify import FAIL, verify
 
     try:
+        if args.json is not None:
+            check_output(args.json, prog=PROG, what="--json", force=args.force,
+                         example="verify.json",
+                         inputs=[("tokenizer", args.tokenizer), ("--base", args.base),
+                                 ("--checkpoint", args.checkpoint),
+                                 *(("--text", text) for text in args.text or ())])
         preprocess = make_preprocess(args.language, g2p=args.g2p,
                                      clean=not args.no_cleaner) if args.text else (lambda t: t)
         found = verify(args.tokenizer, base=args.base, base_size=args.base_size,
                        language=args.language, texts=args.text or (), preprocess=preprocess,
                        checkpoint=args.checkpoint, max_unk_rate=args.max_unk_rate)
+        if args.json is not None:
+            write_json(args.json, findings_json(args.tokenizer, found), replace=args.force,
+                       prog=PROG)
     except (TokenizerToolError, CheckpointError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except OutputRefused as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: could not write --json {args.json} ({exc.strerror or exc}). Expected "
+              f"a writable place; give another path.", file=sys.stderr)
+        return 2
+    failed = [f for f in found if f.status == FAIL]
+    if args.json == STDOUT:  # the JSON object is the whole of stdout
+        return 1 if failed else 0
     width = max(len(f.what) for f in found)
     for f in found:
         print(f"[{f.status}] {f.what:<{width}}  {f.detail}")
-    failed = [f for f in found if f.status == FAIL]
     print(f"verdict: {'FAILED (' + str(len(failed)) + ' check(s))' if failed else 'OK'}")
+    if args.json is not None:
+        print(f"json: {args.json}")
     return 1 if failed else 0
 
 
@@ -79,4 +117,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="the G2P/front-end the trainer applies before tokenizing")
     cmd.add_argument("--no-cleaner", action="store_true",
                      help="measure --text as it is, without the language's cleaner")
+    cmd.add_argument("--json", metavar="FILE",
+                     help="also write the findings as one strict JSON object; - puts it on "
+                          "stdout instead of the text")
+    cmd.add_argument("--force", action="store_true", help="replace an existing --json FILE")
     cmd.set_defaults(handler=_verify)

@@ -430,7 +430,8 @@ def test_outputs_that_would_lose_a_file_or_crash_are_refused(dataset, tmp_path, 
 
 @pytest.mark.parametrize("option,value", [
     ("--max-audio-seconds", "nan"), ("--max-audio-seconds", "-1"), ("--min-snr", "inf"),
-    ("--max-text-tokens", "-5"), ("--rate-tolerance", "nan"), ("--rate-tolerance", "0.5")])
+    ("--max-text-tokens", "-5"), ("--rate-tolerance", "nan"), ("--rate-tolerance", "0.5"),
+    ("--workers", "0"), ("--workers", "100000"), ("--workers", "2.5")])
 def test_numbers_out_of_range_are_refused(dataset, option, value, capsys) -> None:
     """A limit no clip can fail (nan: every comparison false) is a usage error, not a pass."""
     manifest, _, _ = dataset
@@ -451,3 +452,52 @@ def test_a_line_longer_than_csv_allows_is_one_paragraph(tmp_path, capsys) -> Non
     captured = capsys.readouterr()
     _one_paragraph(captured.err)
     assert "line 3 (9,000,014 characters)" in captured.err and captured.out == ""
+
+
+def test_outputs_never_replace_an_audio_file_or_the_tokenizer(dataset, tmp_path,
+                                                              capsys) -> None:
+    """An output naming an audio file of the manifest or the --tokenizer is an input:
+    refused even with --force, the file byte for byte as it was."""
+    manifest, clean, _ = dataset
+    audio = manifest.parent / clean[0][0]
+    before = audio.read_bytes()
+    assert run([str(manifest), "--workers", "1", "--clean-manifest", str(audio),
+                "--force"]) == 2
+    err = capsys.readouterr().err
+    _one_paragraph(err)
+    assert "audio file (manifest line 2)" in err and "an input of this command" in err
+    assert audio.read_bytes() == before
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text("{}", encoding="utf-8")
+    assert run([str(manifest), "--workers", "1", "--tokenizer", str(vocab), "--json",
+                str(vocab), "--force"]) == 2
+    assert "is the --tokenizer" in capsys.readouterr().err
+    assert vocab.read_text(encoding="utf-8") == "{}"
+
+
+def test_json_report_is_strict_follows_the_umask_and_can_go_to_stdout(dataset, tmp_path,
+                                                                       capsys) -> None:
+    """--json FILE: mode from the umask (not mkstemp's 0600); --json -: the JSON object
+    alone on stdout, the table on stderr; both strict JSON, the same report."""
+    import os
+
+    manifest, _, _ = dataset
+    out = tmp_path / "check.json"
+    old = os.umask(0o022)
+    try:
+        assert run([str(manifest), "--workers", "1", "--json", str(out)]) == 1
+    finally:
+        os.umask(old)
+    capsys.readouterr()
+    assert out.stat().st_mode & 0o777 == 0o644
+
+    def strict(text: str) -> dict:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"not JSON: {name}"))
+
+    assert run([str(manifest), "--workers", "1", "--json", "-"]) == 1
+    captured = capsys.readouterr()
+    doc = strict(captured.out)
+    assert doc == strict(out.read_text(encoding="utf-8"))
+    assert doc["tool"] == "training-patches check-data" and doc["format"] == 1
+    assert doc["exit_code"] == 1 and doc["summary"]["flagged_clips"] == 7
+    assert "clips: 15" in captured.err and "result:" in captured.err

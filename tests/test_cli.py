@@ -47,3 +47,120 @@ def test_version(capsys) -> None:
         cli.main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"training-patches {patches.__version__}"
+
+
+# -- every command: one-paragraph usage errors, --json, signals (issue 19) ---------------------
+
+import math  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def strict_loads(text: str) -> object:
+    """json.loads that refuses NaN/Infinity, as strict JSON parsers (jq, JavaScript) do."""
+    def refuse(name: str) -> object:
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("argv", [
+    ["check-data", "m.csv", "--max-audio-seconds", "nan"],
+    ["check-data", "m.csv", "--min-snr", "inf"],
+    ["verify-tokenizer", "vocab.json", "--max-unk-rate", "nan"],
+    ["extend-tokenizer", "vocab.json", "--corpus", "c.txt", "--new-pieces", "-3"],
+    ["report", "run", "--no-such-option"],
+])
+def test_a_usage_error_is_one_paragraph_and_exit_2(argv, capsys) -> None:
+    """A bad number or option: the error and where the options are listed, on one line,
+    not argparse's usage block above it."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "usage:" not in captured.err and "--help" in captured.err
+
+
+def test_doctor_json_on_stdout_is_the_whole_output_and_strict(capsys) -> None:
+    assert cli.main(["doctor", "--json", "-"]) == 0
+    doc = strict_loads(capsys.readouterr().out)  # stdout holds the JSON object and nothing else
+    assert doc["tool"] == "training-patches doctor" and doc["format"] == 1
+    assert doc["ok"] is True and doc["exit_code"] == 0
+    checks = {c["what"]: c for c in doc["checks"]}
+    import torch
+
+    assert checks["torch"] == {"status": "ok", "what": "torch", "detail": torch.__version__}
+    assert {c["status"] for c in doc["checks"]} <= {"ok", "warn", "FAIL"}
+
+
+def test_doctor_json_file_follows_the_output_rule(tmp_path, capsys, monkeypatch) -> None:
+    """--json FILE: created with the umask's mode; an existing file only with --force; a
+    folder never; the text still printed."""
+    out = tmp_path / "doctor.json"
+    old = os.umask(0o027)
+    try:
+        assert cli.main(["doctor", "--json", str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert "[ok  ] torch" in capsys.readouterr().out
+    assert out.stat().st_mode & 0o777 == 0o640  # mkstemp's 0600 would not follow the umask
+    assert strict_loads(out.read_text(encoding="utf-8"))["tool"] == "training-patches doctor"
+    out.write_text("mine", encoding="utf-8")
+    assert cli.main(["doctor", "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--force" in err and len(err.strip().splitlines()) == 1
+    assert out.read_text(encoding="utf-8") == "mine"
+    assert cli.main(["doctor", "--json", str(out), "--force"]) == 0
+    assert strict_loads(out.read_text(encoding="utf-8"))["ok"] is True
+    capsys.readouterr()
+    assert cli.main(["doctor", "--json", str(tmp_path), "--force"]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def _tool(argv: list[str], cwd: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "patches", *argv], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_ends_verify_tokenizer_with_one_line(tmp_path, signum, code) -> None:
+    """Ctrl-C (SIGTERM) while verify-tokenizer runs the user's --g2p: exit 130 (143), one
+    line on stderr, no traceback, no --json file."""
+    pytest.importorskip("tokenizers")
+    from demo.xtts_tiny import DEFAULT_TEXTS, train_bpe_vocab
+
+    vocab = train_bpe_vocab(list(DEFAULT_TEXTS), tmp_path / "vocab.json", languages=("en",),
+                            vocab_size=74)
+    (tmp_path / "text.txt").write_text("hello there\n" * 50, encoding="utf-8")
+    (tmp_path / "slow_g2p.py").write_text(
+        "import pathlib, time\n"
+        "def g2p(text):\n"
+        "    pathlib.Path('started').touch()\n"
+        "    time.sleep(60)\n"
+        "    return text\n", encoding="utf-8")
+    proc = _tool(["verify-tokenizer", str(vocab), "--text", "text.txt", "--no-cleaner",
+                  "--g2p", "slow_g2p.py:g2p", "--json", "v.json"], tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    assert signal.Signals(signum).name in stderr and "verify-tokenizer" in stderr
+    assert not (tmp_path / "v.json").exists()

@@ -103,11 +103,13 @@ def test_output_dir_holding_a_run_subfolder_is_found(tmp_path, capsys, monkeypat
     runs = find_runs(str(tmp_path))
     assert [r.folder for r in runs] == [str(run)]
     assert runs[0].shared_folders == [str(tmp_path)]
-    monkeypatch.chdir(run)  # the picture goes to the current folder
+    here = tmp_path.parent / f"{tmp_path.name}_here"  # outside the run's folders
+    here.mkdir()
+    monkeypatch.chdir(here)  # the picture goes to the current folder
     assert cli.main(["report", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert f"run: {run}" in out and "skipped steps: 1" in out
-    assert (run / f"training_report_{tmp_path.name}.png").is_file()
+    assert (here / f"training_report_{tmp_path.name}.png").is_file()
 
 
 def test_stalled_loss_and_unstable_scale_are_named_with_figures(tmp_path) -> None:
@@ -344,3 +346,93 @@ def test_default_picture_goes_to_the_current_folder_not_the_run(tmp_path, capsys
     assert cli.main(["report", str(run)]) == 1  # its own picture: replaced, not refused
     assert png.stat().st_mtime_ns >= first and "picture:" in capsys.readouterr().out
     assert sorted(p.name for p in here.iterdir()) == [png.name]
+
+
+# -- a truncated TensorBoard file, --json (issue 19) -------------------------------------------
+
+def test_a_truncated_tensorboard_file_is_never_healthy(tmp_path, capsys) -> None:
+    """The last record of the event file cut short (a run killed mid-write): TensorBoard's
+    reader stops quietly before it, so the figures look whole; the report names the
+    truncation, the verdict is not healthy, exit 1."""
+    _tensorboard(tmp_path, [5.0 - 0.3 * i for i in range(12)])
+    tfevents = next(tmp_path.glob("events.out.tfevents.*"))
+    assert cli.main(["report", str(tmp_path), "--no-picture"]) == 0  # whole: healthy
+    assert "verdict: healthy" in capsys.readouterr().out
+    data = tfevents.read_bytes()
+    tfevents.write_bytes(data[:-30])
+    assert cli.main(["report", str(tmp_path), "--no-picture"]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: incomplete TensorBoard file" in out and "healthy" not in out
+    assert f"{tfevents} is truncated" in out and f"the file ends at byte {len(data) - 30:,}" in out
+    assert "health: needs a look" in out
+
+
+def _strict(text: str) -> dict:
+    def refuse(name: str) -> object:
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_on_stdout_is_strict_and_the_whole_output(tmp_path, capsys) -> None:
+    """--json -: stdout is one strict JSON object (the NaN loss of a skipped step as the
+    string "NaN"), with the verdict and figures the text gives; no picture drawn with
+    --no-picture."""
+    _tensorboard(tmp_path, [5.0 - 0.3 * i for i in range(12)])
+    (tmp_path / "nonfinite_events.jsonl").write_text(
+        '{"step": 4, "trainer_step": 3, "kind": "nonfinite_loss", "loss": NaN, '
+        '"consecutive": 1}\n', encoding="utf-8")  # an older writer's bare NaN
+    assert cli.main(["report", str(tmp_path), "--json", "-", "--no-picture"]) == 1
+    captured = capsys.readouterr()
+    doc = _strict(captured.out)
+    assert doc["tool"] == "training-patches report" and doc["format"] == 1
+    assert doc["healthy"] is False and doc["exit_code"] == 1 and doc["picture"] is None
+    (run,) = doc["runs"]
+    assert run["folder"] == str(tmp_path) and run["verdict"] == "skipped steps"
+    assert run["skipped_steps"] == [{"step": 3, "kind": "nonfinite_loss", "loss": "NaN",
+                                     "seen_on_ranks": [0], "followed_on_ranks": []}]
+    assert run["loss"]["first"] == [0, 5.0] and run["loss"]["logged"] == 12
+    assert run["findings"][0]["name"] == "skipped steps"
+    assert run["tensorboard"]["incomplete"] == []
+    assert not list(Path.cwd().iterdir())  # --no-picture: nothing drawn
+
+
+def test_json_file_never_replaces_a_run_file(tmp_path, capsys) -> None:
+    """--json naming one of the run's records, its TensorBoard file or the --out picture is
+    refused even with --force (the files byte for byte as they were); a report JSON it
+    wrote before is replaced with --force, refused without."""
+    run = tmp_path / "run"
+    files = _run_with_records(run)
+    files["tensorboard"] = next(run.glob("events.out.tfevents.*"))
+    before = {name: _sha(path) for name, path in files.items()}
+    for name, path in files.items():
+        assert cli.main(["report", str(run), "--json", str(path), "--force"]) == 2, name
+        err = capsys.readouterr().err
+        _one_paragraph(err)
+        assert "an input of this command" in err, err
+    assert cli.main(["report", str(run), "--json", str(tmp_path / "a.png"),
+                     "--out", str(tmp_path / "a.png")]) == 2
+    assert "are the same file" in capsys.readouterr().err
+    assert {name: _sha(path) for name, path in files.items()} == before
+    out = run / "report.json"  # asked for: a new file in the run folder is written
+    assert cli.main(["report", str(run), "--json", str(out), "--no-picture"]) == 1
+    assert _strict(out.read_text(encoding="utf-8"))["runs"][0]["verdict"] == "skipped steps"
+    capsys.readouterr()
+    assert cli.main(["report", str(run), "--json", str(out), "--no-picture"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["report", str(run), "--json", str(out), "--no-picture", "--force"]) == 1
+
+
+def test_no_default_picture_inside_the_run_folder(tmp_path, capsys, monkeypatch) -> None:
+    """Run from inside the run's folder, the default picture would land among the run's
+    files: it is not drawn, and the report says how to ask for it."""
+    run = tmp_path / "am_run"
+    _run_with_records(run)
+    listing = {p.name: _sha(p) for p in run.iterdir()}
+    monkeypatch.chdir(run)
+    assert cli.main(["report", "."]) == 1
+    out = capsys.readouterr().out
+    assert "picture: not drawn: the current folder is the run's own folder" in out
+    assert {p.name: _sha(p) for p in run.iterdir()} == listing
+    assert cli.main(["report", ".", "--out", "mine.png"]) == 1  # asked for: written
+    assert (run / "mine.png").is_file()

@@ -286,7 +286,7 @@ def test_cli_never_overwrites_the_input_or_an_existing_output(files, tmp_path, c
     out = tmp_path / "taken.json"
     out.write_text("mine", encoding="utf-8")
     rc, _, err = _main(capsys, *args, "--output", out)
-    assert rc == 2 and "exists already" in err and "--force" in err
+    assert rc == 2 and "already exists" in err and "--force" in err
     assert out.read_text(encoding="utf-8") == "mine"
     assert _main(capsys, *args, "--output", out, "--force")[0] == 0
     assert json.loads(out.read_text(encoding="utf-8"))["model"]["type"] == "BPE"
@@ -508,7 +508,10 @@ def test_two_runs_writing_the_same_new_output_cannot_both_write(files, tmp_path)
     assert not [p for p in tmp_path.iterdir() if ".tp-tmp-" in p.name]
 
 
-def test_sigterm_ends_extend_tokenizer_with_nothing_written(files, tmp_path) -> None:
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_ends_extend_tokenizer_with_nothing_written(files, tmp_path, signum,
+                                                              code) -> None:
+    """SIGTERM (Ctrl-C) mid-corpus: exit 143 (130), one line, no traceback, no file."""
     g2p = tmp_path / "barrier_g2p.py"
     g2p.write_text(BARRIER_G2P, encoding="utf-8")
     gates = tmp_path / "gates"
@@ -522,13 +525,13 @@ def test_sigterm_ends_extend_tokenizer_with_nothing_written(files, tmp_path) -> 
         while not list(gates.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert list(gates.iterdir()), "the run never reached its corpus"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=20)
     finally:
         proc.kill()
-    assert proc.returncode == 143, (stdout, stderr)
+    assert proc.returncode == code, (stdout, stderr)
     _one_paragraph(stderr)
-    assert "SIGTERM" in stderr and "nothing was written" in stderr
+    assert signal.Signals(signum).name in stderr and "nothing was written" in stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "barrier_g2p.py", "gates"]
 
@@ -607,3 +610,52 @@ def test_numbers_out_of_range_are_refused(files, capsys, command, option, value)
     assert info.value.code == 2
     assert f"argument {option}: expected" in capsys.readouterr().err
     assert not Path("never.json").exists()
+
+
+def test_a_g2p_that_raises_in_verify_tokenizer_is_one_paragraph(files, tmp_path,
+                                                                  capsys) -> None:
+    """verify-tokenizer --text with a --g2p that raises: exit 2, one paragraph naming the
+    function, the text file and its line, no traceback, no --json written."""
+    g2p = tmp_path / "bad_g2p.py"
+    g2p.write_text("def g2p(text):\n    if 'ቡና' in text:\n        raise KeyError(text[:3])\n"
+                   "    return text\n", encoding="utf-8")
+    rc, out, err = _main(capsys, "verify-tokenizer", files["vocab"], "--text", files["corpus"],
+                         "--language", "am", "--g2p", f"{g2p}:g2p", "--json",
+                         tmp_path / "v.json")
+    assert rc == 2 and out == "" and not (tmp_path / "v.json").exists()
+    _one_paragraph(err)
+    assert f"--g2p {g2p}:g2p failed on --text {files['corpus']}, text line 4" in err, err
+    assert "KeyError" in err
+
+
+def test_verify_json_is_strict_and_names_each_finding(files, tmp_path, capsys) -> None:
+    """--json -: stdout is one strict JSON object with the same findings the text shows and
+    the exit code; --json never replaces an input, even with --force."""
+    rc, text, _ = _main(capsys, "verify-tokenizer", files["vocab"], "--language", "am")
+    rc_json, out, _ = _main(capsys, "verify-tokenizer", files["vocab"], "--language", "am",
+                            "--json", "-")
+    assert rc == rc_json == 1  # the base vocab has no [am] token
+    doc = json.loads(out, parse_constant=lambda name: pytest.fail(f"not JSON: {name}"))
+    assert doc["tool"] == "training-patches verify-tokenizer" and doc["format"] == 1
+    assert doc["ok"] is False and doc["exit_code"] == 1
+    statuses = {f["what"]: f["status"] for f in doc["findings"]}
+    for finding in doc["findings"]:
+        assert f"{finding['what']}" in text and finding["detail"] in text
+    assert "FAIL" in statuses.values()
+    before = _sha(files["corpus"])
+    rc, _, err = _main(capsys, "verify-tokenizer", files["vocab"], "--text", files["corpus"],
+                       "--no-cleaner", "--json", files["corpus"], "--force")
+    assert rc == 2 and "an input of this command" in err and _sha(files["corpus"]) == before
+    _one_paragraph(err)
+
+
+def test_extended_tokenizer_file_mode_follows_the_umask(files, tmp_path, capsys) -> None:
+    out = tmp_path / "vocab_am.json"
+    old = os.umask(0o027)
+    try:
+        rc, _, err = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus",
+                           files["corpus"], "--language", "am", "-o", out)
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    assert out.stat().st_mode & 0o777 == 0o640

@@ -5,8 +5,10 @@ the coqui Trainer's TensorBoard files, prints the figures and a verdict (:mod:`.
 and draws one PNG page (:mod:`.plotting`, matplotlib imported only then). The command puts
 the page in the current folder (``training_report_<RUN_DIR's name>.png``) unless ``--out``
 says where; it writes only a new ``.png`` or a picture it drew before, never one of the
-run's records. Exit code 0: healthy; 1: something needs a look; 2: no run found, RUN_DIR
-is not a folder, or ``--out`` was refused (nothing written).
+run's records. ``--json FILE`` writes the same findings as one JSON object
+(:func:`report_json`; ``-``: on stdout, instead of the text). Exit code 0: healthy; 1:
+something needs a look; 2: no run found, RUN_DIR is not a folder, or ``--out``/``--json``
+was refused (nothing written).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .verdict import HEALTHY, Facts, Finding, describe, facts, headline, verdict
 REPORT_NAME = "training_report.png"
 
 __all__ = ["REPORT_NAME", "Report", "ReportOutputError", "build", "write_report", "check_out",
+           "report_json", "JSON_FORMAT",
            "default_out", "is_report_picture", "find_runs", "read_jsonl", "facts", "verdict",
            "headline", "register"]
 
@@ -149,6 +152,82 @@ def default_out(run_dir: str | os.PathLike[str]) -> str:
     return f"training_report_{name}.png"
 
 
+JSON_TOOL = "training-patches report"
+JSON_FORMAT = 1  # raised when a key changes meaning or goes away (new keys may be added)
+
+
+def _run_json(report: Report) -> dict[str, Any]:
+    f, run = report.facts, report.run
+    loss = f.losses.get("loss", [])
+    return {
+        "folder": run.folder, "shared_folders": run.shared_folders,
+        "verdict": report.headline, "healthy": report.healthy,
+        "findings": [{"name": x.name, "detail": x.detail} for x in report.findings],
+        "steps": f.steps,
+        "skipped_steps": [{"step": s.step, "kind": s.kind, "loss": s.loss,
+                           "seen_on_ranks": s.seen_on, "followed_on_ranks": s.followed_on}
+                          for s in f.skips],
+        "longest_skip_streak": f.longest_streak,
+        "micro_batches_left_out": len(f.micro_batches),
+        "loss": {"first": list(loss[0]), "last": list(loss[-1]), "logged": len(loss)}
+        if loss else None,
+        "loss_scale": {"first": f.scale[0][1], "last": f.scale[-1][1],
+                       "backoffs": f.backoffs, "source": f.scale_source} if f.scale else None,
+        "dropped_samples": dict(f.dropped), "oom_batches": f.ooms,
+        "frozen_rows": f.freeze,
+        "ranks": {str(rank): vars(figures) for rank, figures in f.ranks.items()},
+        "records": run.files, "unreadable_lines": run.broken_lines,
+        "tensorboard": {"files": run.tb_files, "problem": run.tb_problem,
+                        "incomplete": run.tb_incomplete},
+    }
+
+
+def report_json(folder: str | os.PathLike[str], reports: list[Report], png: str | None
+                ) -> dict[str, Any]:
+    """The ``--json`` object: ``tool``, ``format`` (:data:`JSON_FORMAT`), ``run_dir``,
+    ``healthy`` and ``exit_code`` (as the command's), ``picture`` (the PNG's path or null)
+    and ``runs``: one object per run, oldest first (the newest is the one drawn), with its
+    ``verdict``, ``findings`` ([{name, detail}]) and figures (see the user guide)."""
+    healthy = all(r.healthy for r in reports)
+    return {"tool": JSON_TOOL, "format": JSON_FORMAT,
+            "run_dir": os.path.abspath(os.fspath(folder)), "healthy": healthy,
+            "exit_code": 0 if healthy else 1, "picture": png,
+            "runs": [_run_json(r) for r in reports]}
+
+
+def _is_report_json(path: str) -> bool:
+    """A JSON file this command wrote (its ``tool`` key), which ``--force`` may replace."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle).get("tool") == JSON_TOOL
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_json_out(path: str, folder: str, png: str | None, force: bool) -> bool:
+    """The shared output rule (:func:`patches._output.check_output`) for ``--json``:
+    never the picture, never a file of a run under ``folder`` (its records, TensorBoard
+    files, checkpoints; a report JSON written there before may be replaced with --force).
+    Returns whether a file is there."""
+    from .._output import STDOUT, check_output
+
+    if path == STDOUT:
+        return False
+    inputs: list[tuple[str, str | None]] = []
+    target = os.path.dirname(os.path.abspath(path))
+    if os.path.lexists(path) and not _is_report_json(path):
+        for run in find_runs(folder, scalars=False):
+            if target in (run.folder, *run.shared_folders):
+                inputs.append((f"record of the run in {target}", path))
+    try:
+        return check_output(path, prog=JSON_TOOL, what="--json", force=force, inputs=inputs,
+                            others=[("--out", png)], example="report.json")
+    except ValueError as exc:
+        raise ReportOutputError(str(exc)) from None
+
+
 def write_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
                  ) -> tuple[list[Report], str | None]:
     """Reports of every run under ``folder`` (newest last) and the PNG of the newest.
@@ -183,24 +262,49 @@ def write_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | N
 
 
 def _report(args: argparse.Namespace) -> int:
+    from .._output import STDOUT, write_json
+
     folder = args.run_dir
     if not os.path.isdir(folder):
         print(f"training-patches report: {folder} is not a folder. Give the run's output "
               f"folder (the one holding headless_runs.jsonl, the coqui run folder, or the "
               f"checkpoints of a plain loop).", file=sys.stderr)
         return 2
-    out = args.out if args.out is not None else default_out(folder)
-    if os.path.isdir(out):
-        out = os.path.join(out, REPORT_NAME)
+    out = None
+    in_run = False
+    if not args.no_picture:
+        out = args.out if args.out is not None else default_out(folder)
+        if args.out is None:  # the default never lands in a run's own folder
+            here = os.path.abspath(".")
+            in_run = any(here in (run.folder, *run.shared_folders)
+                         for run in find_runs(folder, scalars=False))
+            out = None if in_run else out
+        elif os.path.isdir(out):
+            out = os.path.join(out, REPORT_NAME)
     try:
-        reports, png = write_report(folder, out)
-    except (NoRunFound, ReportOutputError) as exc:
+        if args.json is not None:
+            check_json_out(args.json, folder, out, args.force)
+        if out is None:
+            runs = find_runs(folder)
+            if not runs:
+                raise NoRunFound(no_run_message(folder))
+            reports, png = [build(run) for run in runs], None
+        else:
+            reports, png = write_report(folder, out)
+        if args.json is not None:
+            write_json(args.json, report_json(folder, reports, png), replace=args.force,
+                       prog=JSON_TOOL)
+    except (NoRunFound, ReportOutputError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"training-patches report: could not write the picture {out} ({exc}); choose "
-              f"another place with --out.", file=sys.stderr)
+        print(f"training-patches report: could not write {exc.filename or out} "
+              f"({exc.strerror or exc}); choose another place with --out or --json.",
+              file=sys.stderr)
         return 2
+    healthy = all(r.healthy for r in reports)
+    if args.json == STDOUT:  # the JSON object is the whole of stdout
+        return 0 if healthy else 1
     newest = reports[-1]
     print("\n".join(newest.lines))
     others = reports[:-1]
@@ -208,9 +312,16 @@ def _report(args: argparse.Namespace) -> int:
         print(f"{len(others)} other run(s) under {folder} (pass the folder to see one):")
         for other in others:
             print(f"  {other.run.folder}: {other.headline}")
-    print(f"picture: {png}" if png else
-          "picture: not drawn (matplotlib is missing: pip install 'training-patches[tools]')")
-    healthy = all(r.healthy for r in reports)
+    if args.no_picture:
+        print("picture: not drawn (--no-picture)")
+    elif in_run:
+        print("picture: not drawn: the current folder is the run's own folder, which the "
+              "report writes into only when asked (--out FILE.png)")
+    else:
+        print(f"picture: {png}" if png else "picture: not drawn (matplotlib is missing: pip "
+              "install 'training-patches[tools]')")
+    if args.json is not None:
+        print(f"json: {args.json}")
     print("health: OK" if healthy else "health: needs a look (see the verdict above)")
     return 0 if healthy else 1
 
@@ -230,6 +341,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "before (replaced), or a folder (FOLDER/training_report.png). "
                           "Default: training_report_<RUN_DIR's name>.png in the current "
                           "folder; never one of the run's own files")
+    rep.add_argument("--no-picture", action="store_true",
+                     help="draw no PNG (the text, and --json, only)")
+    rep.add_argument("--json", metavar="FILE", default=None,
+                     help="also write the findings as one strict JSON object (NaN/Infinity "
+                          "as strings); - puts it on stdout instead of the text. Never one "
+                          "of the run's files; an existing FILE only with --force")
+    rep.add_argument("--force", action="store_true",
+                     help="replace an existing --json FILE")
     rep.set_defaults(handler=_report)
 
 

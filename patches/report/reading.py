@@ -51,7 +51,8 @@ class Run:
     broken_lines: dict[str, int] = field(default_factory=dict)  # file -> unreadable lines
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     tb_files: list[str] = field(default_factory=list)
-    tb_problem: str | None = None
+    tb_problem: str | None = None  # the TensorBoard files could not be read at all
+    tb_incomplete: list[str] = field(default_factory=list)  # a file cut off or damaged
     newest: float = 0.0  # mtime of its newest file
 
     def get(self, name: str) -> list[dict[str, Any]]:
@@ -198,6 +199,38 @@ def _read_folder(run: Run, folder: str, names: list[str]) -> None:
             run.broken_lines[path] = broken
 
 
+def tfrecord_damage(path: str) -> str | None:
+    """Why the TFRecord framing of a TensorBoard file does not add up, or None if it does.
+
+    An event file is a chain of records: an 8-byte little-endian length, its 4-byte CRC,
+    the data, the data's 4-byte CRC. TensorBoard's reader stops quietly at a record that
+    ends past the end of the file, so a run killed mid-write, a full disk or a file cut
+    in a copy would look like a shorter, healthy run; walking the lengths tells."""
+    import struct
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            position = records = 0
+            while position < size:
+                head = handle.read(12)
+                if len(head) < 12:
+                    return (f"{path} ends inside a record header at byte {position:,} of "
+                            f"{size:,}, after {records} complete record(s)")
+                (length,) = struct.unpack("<Q", head[:8])
+                end = position + 12 + length + 4
+                if end > size:
+                    return (f"{path} is truncated: record {records + 1} at byte {position:,} "
+                            f"says {length:,} bytes of data, but the file ends at byte "
+                            f"{size:,}; only the {records} record(s) before it were read")
+                handle.seek(length + 4, os.SEEK_CUR)
+                position = end
+                records += 1
+    except OSError as exc:
+        return f"{path} could not be read ({exc})"
+    return None
+
+
 def read_scalars(run: Run, tb_names: list[str]) -> None:
     """The TensorBoard scalars of the run folder, by tag, as (step, value) sorted by step.
 
@@ -207,6 +240,7 @@ def read_scalars(run: Run, tb_names: list[str]) -> None:
     run.tb_files = [os.path.join(run.folder, n) for n in tb_names]
     if not tb_names:
         return
+    run.tb_incomplete = [problem for problem in map(tfrecord_damage, run.tb_files) if problem]
     try:
         from tensorboard.backend.event_processing import event_accumulator
     except ImportError:
@@ -224,7 +258,8 @@ def read_scalars(run: Run, tb_names: list[str]) -> None:
                 for event in acc.Scalars(tag):
                     series[int(event.step)] = float(event.value)
         except Exception as exc:  # noqa: BLE001 - a damaged file is reported, not fatal
-            run.tb_problem = f"{path} could not be read fully ({type(exc).__name__}: {exc})"
+            run.tb_incomplete.append(f"{path} could not be read fully "
+                                     f"({type(exc).__name__}: {exc})")
     run.scalars = {tag: sorted(values.items()) for tag, values in by_tag.items()}
 
 

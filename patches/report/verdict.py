@@ -40,6 +40,7 @@ SKIPPED = "skipped steps"
 DROPPED = "dropped samples"
 OOM = "out-of-memory batches"
 UNREADABLE = "unreadable records"
+TB_INCOMPLETE = "incomplete TensorBoard file"
 
 
 PEER = "peer_nonfinite"  # patches.nan_guard: this rank skipped because a peer saw it
@@ -351,6 +352,11 @@ def verdict(f: Facts) -> list[Finding]:
     if f.ooms:
         found.append(Finding(OOM, f"{f.ooms} batches skipped for lack of GPU memory "
                                   f"(oom_events.jsonl)"))
+    if f.run.tb_incomplete:  # the figures above may miss the run's last steps
+        found.append(Finding(TB_INCOMPLETE, "; ".join(f.run.tb_incomplete)
+                             + " (the run was stopped while writing it, the disk filled, the "
+                               "file was cut in a copy, or it is still being written: the "
+                               "figures end where it does)"))
     if f.run.broken:
         found.append(Finding(UNREADABLE, "; ".join(
             f"{n} unreadable lines in {p}" for p, n in f.run.broken_lines.items())
@@ -437,6 +443,8 @@ def describe(f: Facts, findings: list[Finding]) -> list[str]:
         lines.append(f"frozen rows: {f.freeze['detail']}")
     if run.tb_problem:
         lines.append(f"TensorBoard: {run.tb_problem}")
+    for problem in run.tb_incomplete:
+        lines.append(f"TensorBoard: {problem}")
     for path, n in run.broken_lines.items():
         lines.append(f"{n} unreadable line(s) in {path}")
     lines.append(f"verdict: {headline(findings)}")

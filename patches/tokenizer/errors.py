@@ -8,4 +8,19 @@ class TokenizerToolError(ValueError):
     was found, what was expected and what to do; the CLI prints it and exits 2."""
 
 
-__all__ = ["TokenizerToolError"]
+class FrontEndError(TokenizerToolError):
+    """The user's ``--g2p`` function or the language's cleaner raised on a text. ``stage``
+    names it, ``text`` is the text, ``cause`` the exception; the commands add where the
+    text came from (:meth:`at`)."""
+
+    def __init__(self, stage: str, text: str, cause: BaseException) -> None:
+        self.stage, self.text, self.cause = stage, text, cause
+        super().__init__(self.at(f"the text {text[:60]!r}"))
+
+    def at(self, where: str) -> str:
+        """The one-paragraph message, the failing text described as ``where``."""
+        return (f"{self.stage} failed on {where}: {type(self.cause).__name__}: {self.cause}. "
+                f"Nothing was written. Fix the function, or that text.")
+
+
+__all__ = ["TokenizerToolError", "FrontEndError"]

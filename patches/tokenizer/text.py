@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from .errors import TokenizerToolError
+from .errors import FrontEndError, TokenizerToolError
 
 # Base-language text checked when no --base-text is given: everyday English with
 # punctuation, the language XTTS v2 and most base tokenizers know best.
@@ -197,10 +197,19 @@ def make_preprocess(language: str | None, *, g2p: str | None = None,
     cleaner = language_cleaner(language) if (clean and language) else None
 
     def preprocess(text: str) -> str:
+        # The user's function (or a cleaner) raising is their bug to see in one paragraph
+        # naming it and the text, not a traceback through this module.
+        original = text
         if front is not None:
-            text = str(front(text, language) if with_language else front(text))
+            try:
+                text = str(front(text, language) if with_language else front(text))
+            except Exception as exc:  # noqa: BLE001 - any failure of the user's code
+                raise FrontEndError(f"--g2p {g2p}", original, exc) from None
         if cleaner is not None:
-            text = cleaner(text)
+            try:
+                text = cleaner(text)
+            except Exception as exc:  # noqa: BLE001
+                raise FrontEndError(f"the {language} cleaner", original, exc) from None
         return text
 
     return preprocess
@@ -228,39 +237,28 @@ def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
         raise TokenizerToolError(
             f"no output file given. Pass --output FILE (e.g. {src.with_name(src.stem + suffix + src.suffix)}); "
             f"the input {src} is only overwritten with --in-place.")
-    if out.exists() and out.resolve() == src.resolve():
+    from .._output import OutputRefused, check_output, same_file
+
+    if same_file(out, src):  # a link to it too
         raise TokenizerToolError(
             f"--output {out} is the input tokenizer itself. The input is never overwritten "
             f"unless you pass --in-place; name another output file.")
-    from .._output import same_file
-
-    for name, path in inputs:
-        if same_file(out, path):
-            raise TokenizerToolError(
-                f"--output {out} is the {name} {path}, an input of this command; it is never "
-                f"overwritten, with --force or without. Name a new file for the extended "
-                f"tokenizer (e.g. {src.with_name(src.stem + suffix + src.suffix)}).")
-    if out.is_dir():
-        raise TokenizerToolError(
-            f"--output {out} is a folder; nothing was written. Name the file to write in it "
-            f"(e.g. {out / (src.stem + suffix + src.suffix)}).")
-    if out.exists() and not force:
-        raise TokenizerToolError(
-            f"--output {out} exists already; nothing was written. Pass --force to replace it, "
-            f"or name a new file.")
-    if not out.parent.is_dir():
-        raise TokenizerToolError(
-            f"--output {out}: the folder {out.parent} does not exist. Create it or name a file "
-            f"in an existing folder.")
+    example = src.with_name(src.stem + suffix + src.suffix)
+    try:  # the rule every command follows (patches/_output.py)
+        check_output(out, prog="training-patches extend-tokenizer", what="--output",
+                     force=force, inputs=inputs, example=str(example))
+    except OutputRefused as exc:
+        raise TokenizerToolError(str(exc).split(": ", 1)[1]) from None
     return out
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> Path:
-    """``path`` complete or untouched: a temporary file in the same folder, fsynced, then
-    ``os.replace`` (see :func:`patches.checkpoint.atomic.atomic_write`)."""
-    from ..checkpoint.atomic import atomic_write
+    """``path`` complete or untouched, replaced if there: a fsynced temporary file in the
+    same folder, then ``os.replace``; its mode follows the umask
+    (:func:`patches._output.write_file`)."""
+    from .._output import write_file
 
-    return atomic_write(path, lambda handle: handle.write(data))
+    return write_file(path, data, replace=True)
 
 
 def sample_base_text(path: str | os.PathLike[str] | None) -> tuple[list[str], str]:

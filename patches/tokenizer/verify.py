@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .bpe import START, UNK, load_vocab_json, xtts_text
-from .errors import TokenizerToolError
+from .errors import FrontEndError, TokenizerToolError
 
 OK, WARN, FAIL = "ok  ", "warn", "FAIL"
 
@@ -201,8 +201,12 @@ def _text_findings(tok: Any, lines: Sequence[str], source: str, language: str | 
     tokens = unknown = extended = chars = bad_lines = 0
     char_counts: collections.Counter[str] = collections.Counter()
     example = ""
-    for line in lines:
-        text = preprocess(line)
+    for number, line in enumerate(lines, start=1):
+        try:
+            text = preprocess(line)
+        except FrontEndError as exc:
+            raise TokenizerToolError(exc.at(f"--text {source}, text line {number} "
+                                            f"({line[:60]!r})")) from None
         ids = tok.encode(text, language)
         tokens += len(ids)
         unknown += sum(1 for i in ids if i == tok.unk)
