@@ -563,9 +563,9 @@ def _load_report_record(report: Any) -> dict[str, Any] | None:
 
 def extended_vocab(s: Settings) -> Path:
     """``--extend-vocab``: the base vocab.json extended for ``s.language`` in the output
-    folder (reused on a resume); see :func:`patches.tokenizer.bpe.extend_for_run`."""
-    from patches.tokenizer import TokenizerToolError
-    from patches.tokenizer.bpe import extend_for_run
+    folder (reused on a resume); see :func:`patches.tools.tokenizer.bpe.extend_for_run`."""
+    from patches.tools.tokenizer import TokenizerToolError
+    from patches.tools.tokenizer.bpe import extend_for_run
 
     try:
         path, _, _ = extend_for_run(s.files["vocab"], s.extend_vocab, s.output_dir, s.language)
@@ -687,7 +687,7 @@ def train(s: Settings) -> dict[str, Any]:
     }
     logger.info("training-patches: finished: %s", result)
     _record(s.output_dir, "finished", **result)
-    from patches.report import log_report
+    from patches.tools.report import log_report
     log_report(s.output_dir)  # <output-dir>/training_report.png: `training-patches report`
     return result
 

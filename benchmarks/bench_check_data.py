@@ -2,7 +2,7 @@
 
 Generates ``--clips`` speech-like 22.05 kHz 16-bit mono clips (WAV, or ``--format flac``) (2-10 s, slices of
 demo.xtts_tiny.speech_like) with Amharic transcripts and a coqui manifest in a temporary
-folder, then runs :func:`patches.check_data.check_manifest` on it with 1 worker and with
+folder, then runs :func:`patches.tools.check_data.check_manifest` on it with 1 worker and with
 ``--workers`` (default: all cores), ``--rounds`` times each, alternating. Also measured on
 1 core: decoding alone (soundfile), to show how much of a clip's time is decoding. The CPU
 seconds of all processes (the parent and the pool's workers) show what the pool costs: on a
@@ -75,7 +75,7 @@ def main() -> int:
 
     import soundfile as sf
 
-    from patches.check_data import Options, check_manifest
+    from patches.tools.check_data import Options, check_manifest
 
     with tempfile.TemporaryDirectory(prefix="bench_check_data_") as tmp:
         manifest, audio_seconds = make_dataset(Path(tmp), args.clips, args.format)

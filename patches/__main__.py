@@ -1,5 +1,5 @@
 """``python -m patches``: the ``training-patches`` command."""
 
-from patches.cli import main
+from patches.tools.cli import main
 
 raise SystemExit(main())

@@ -18,7 +18,7 @@ import pytest
 import soundfile as sf
 
 from demo.xtts_tiny import SAMPLE_RATE, speech_like
-from patches import check_data, cli
+from patches.tools import check_data, cli
 
 WORDS = ["ሰላም", "እንዴት", "ነህ", "ዛሬ", "ጥሩ", "ቀን", "ነው", "አዲስ", "አበባ", "ከተማ", "ቤት",
          "ትምህርት", "መጽሐፍ", "ውሃ", "ቡና", "እናት", "አባት", "ልጅ", "ገበያ", "መንገድ"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from patches import cli
+from patches.tools import cli
 
 
 def test_doctor_lists_torch_and_exits_zero(capsys) -> None:

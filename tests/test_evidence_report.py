@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from patches import _run, cli
-from patches.report import build, find_runs
+from patches.tools.report import build, find_runs
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 
@@ -162,7 +162,7 @@ def test_evidence_ooms_summed_dropped_samples_once(
 
 def test_evidence_agreed_counters_of_ranks_taken_once(tmp_path: Path) -> None:
     """headless_runs.jsonl with one finishing record per rank: steps/skipped are agreed."""
-    from patches.report.verdict import _patch_stats
+    from patches.tools.report.verdict import _patch_stats
 
     ends = [{"event": "finished", "rank": r, "world_size": 2, "patch_stats": {
         "nan_guard": {"steps": 20, "skipped": 1, "nonfinite_losses": 1 - r, "peer_skips": r},

@@ -366,7 +366,7 @@ def test_doctor_reports_the_error_activation_stops_with(
     import argparse
 
     import patches
-    from patches import doctor
+    from patches.tools import doctor
 
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -381,7 +381,7 @@ def test_doctor_reports_the_error_activation_stops_with(
 
 
 def test_doctor_settings_ok(monkeypatch: pytest.MonkeyPatch) -> None:
-    from patches import doctor
+    from patches.tools import doctor
 
     monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "12000")
     assert doctor.settings_check() == (doctor.OK, "settings",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "patches"
 # Modules above the generic patches: they may import the integrations.
-TOP = {"patches", "patches.auto", "patches.__main__", "patches.cli", "patches.launcher"}
+TOP = {"patches", "patches.auto", "patches.__main__", "patches.cli", "patches.tools.cli", "patches.tools.launcher"}
 
 
 def _module_name(path: Path) -> str:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import patches
-from patches import cli
-from patches.report import build, find_runs, write_report
-from patches.report.plotting import PANELS
+from patches.tools import cli
+from patches.tools.report import build, find_runs, write_report
+from patches.tools.report.plotting import PANELS
 
 pytest.importorskip("matplotlib")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import jobs
 import pytest
 
-from patches import cli
-from patches.report import build, find_runs
+from patches.tools import cli
+from patches.tools.report import build, find_runs
 
 RANKS = jobs.HERE / "ranks"
 N_OOM, N_DROPPED = 40, 15

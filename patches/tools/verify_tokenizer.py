@@ -3,7 +3,7 @@
     training-patches verify-tokenizer vocab_am.json --base base/vocab.json --language am \\
         --text data/train.csv --checkpoint base/model.pth
 
-The checks are :func:`patches.tokenizer.verify.verify`; this module is their command line.
+The checks are :func:`patches.tools.tokenizer.verify.verify`; this module is their command line.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ JSON_FORMAT = 1  # raised when a key changes meaning or goes away
 
 
 def findings_json(tokenizer: str, found: list) -> dict:
-    """The ``--json`` object of a list of :class:`patches.tokenizer.verify.Finding`."""
+    """The ``--json`` object of a list of :class:`patches.tools.tokenizer.verify.Finding`."""
     from .tokenizer.verify import FAIL
 
     failed = any(f.status == FAIL for f in found)
@@ -47,8 +47,8 @@ def findings_json(tokenizer: str, found: list) -> dict:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ._output import STDOUT, OutputRefused, check_output, write_json
-    from .checkpoint import CheckpointError
+    from .._output import STDOUT, OutputRefused, check_output, write_json
+    from ..checkpoint import CheckpointError
     from .tokenizer import TokenizerToolError
     from .tokenizer.text import make_preprocess
     from .tokenizer.verify import FAIL, verify
@@ -92,7 +92,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``verify-tokenizer`` to the ``training-patches`` command."""
-    from ._output import number
+    from .._output import number
 
     cmd = sub.add_parser("verify-tokenizer", help="check a tokenizer (and a checkpoint) before "
                          "training", description=DESCRIPTION,

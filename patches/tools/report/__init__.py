@@ -211,7 +211,7 @@ def check_json_out(path: str, folder: str, png: str | None, force: bool) -> bool
     never the picture, never a file of a run under ``folder`` (its records, TensorBoard
     files, checkpoints; a report JSON written there before may be replaced with --force).
     Returns whether a file is there."""
-    from .._output import STDOUT, check_output
+    from ..._output import STDOUT, check_output
 
     if path == STDOUT:
         return False
@@ -250,7 +250,7 @@ def write_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | N
         fig = reports[-1].figure()
     except ImportError:
         return reports, None
-    from .._output import OutputExists
+    from ..._output import OutputExists
 
     try:
         return reports, save(fig, path, replace=exists)
@@ -262,7 +262,7 @@ def write_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | N
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .._output import STDOUT, write_json
+    from ..._output import STDOUT, write_json
 
     folder = args.run_dir
     if not os.path.isdir(folder):
@@ -360,7 +360,7 @@ def log_report(folder: str | os.PathLike[str]) -> str | None:
     For trainers (headlessXttsTrain.py calls it last): a report that cannot be made is
     a WARNING, never an error of the finished run. Returns the PNG's path, or None.
     """
-    from .._log import logger
+    from ..._log import logger
 
     try:
         reports, png = write_report(folder)

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._log import logger
+from ..._log import logger
 
 EVENTS = "nonfinite_events.jsonl"
 DROPPED = "dropped_samples.jsonl"

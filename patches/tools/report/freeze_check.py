@@ -35,7 +35,7 @@ def _newest_checkpoint(folder: str) -> str | None:
 
 
 def _vocab_tensors(path: str) -> dict[str, Any]:
-    from ..checkpoint import read_checkpoint
+    from ...checkpoint import read_checkpoint
 
     state = read_checkpoint(path)
     state = state.get("model", state) if isinstance(state, dict) else {}

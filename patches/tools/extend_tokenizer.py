@@ -5,7 +5,7 @@
     training-patches extend-tokenizer checkpoints/bpe.model --corpus train.csv \\
         --language am --output bpe_am.model
 
-The library is :mod:`patches.tokenizer`; this module is its command line.
+The library is :mod:`patches.tools.tokenizer`; this module is its command line.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | N
 
 
 def _extend(args: argparse.Namespace) -> int:
-    from ._output import Interrupted, stop_on_signals
+    from .._output import Interrupted, stop_on_signals
     from .tokenizer import TokenizerToolError
 
     try:
@@ -97,7 +97,7 @@ def _extend(args: argparse.Namespace) -> int:
 
 def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
     """The extension, or :class:`TokenizerToolError` with nothing written."""
-    from ._output import OutputExists, write_file
+    from .._output import OutputExists, write_file
     from .tokenizer import TokenizerToolError
     from .tokenizer.text import (check_output, check_word_lengths, make_preprocess, read_lines,
                                  sample_base_text)
@@ -159,7 +159,7 @@ def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``extend-tokenizer`` to the ``training-patches`` command."""
-    from ._output import number
+    from .._output import number
 
     cmd = sub.add_parser("extend-tokenizer", help="extend a vocab.json or SentencePiece model "
                          "for a new language, base ids kept", description=DESCRIPTION,

@@ -23,12 +23,19 @@ import signal
 import sys
 from typing import NoReturn, Sequence
 
-# Each subcommand lives in its own module, which has ``register(sub)``: it adds its parser(s)
+# Each subcommand lives in its own module, which has ``register(sub)``: it adds its parser
 # with ``set_defaults(handler=...)``; a handler takes the parsed args and returns the exit
-# code. Heavy imports stay inside the handlers, so ``--help`` is fast.
-COMMAND_MODULES: tuple[str, ...] = ("patches.doctor", "patches.report", "patches.launcher",
-                                     "patches.extend_tokenizer", "patches.verify_tokenizer",
-                                     "patches.check_data")
+# code. Only the module of the command being run is imported (the others get a bare parser
+# for their name), so one tool never loads another's code; ``build_parser()`` with no
+# command, or a top-level ``--help``, imports them all.
+COMMANDS: dict[str, str] = {  # subcommand -> its module, in the order --help lists them
+    "doctor": "patches.tools.doctor",
+    "report": "patches.tools.report",
+    "run": "patches.tools.launcher",
+    "extend-tokenizer": "patches.tools.extend_tokenizer",
+    "verify-tokenizer": "patches.tools.verify_tokenizer",
+    "check-data": "patches.tools.check_data.checks",
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -40,23 +47,34 @@ class Parser(argparse.ArgumentParser):
                      f"lists the options.\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``training-patches`` parser with every subcommand."""
-    from . import __version__
+def command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` runs (its first word that is not an option), or None."""
+    word = next((arg for arg in argv if not arg.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``training-patches`` parser: every subcommand in full, or with ``command`` only
+    that one (the others by name, so a mistyped name is still told apart)."""
+    from .. import __version__
 
     parser = Parser(prog="training-patches", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"training-patches {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for name, module in COMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns its exit code (130/143 after Ctrl-C/SIGTERM)."""
-    from ._output import Interrupted, stop_on_signals
+    from .._output import Interrupted, stop_on_signals
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(command_of(argv)).parse_args(argv)
     try:
         # check-data and extend-tokenizer say themselves what a signal left written; the
         # other commands write their one output atomically at the end: nothing half-written.

@@ -1,7 +1,7 @@
 """``training-patches run COMMAND ...``: the patches in a program that has no line for them.
 
 In the style of ``ddtrace-run`` and ``opentelemetry-instrument``: the command runs with
-``patches/_bootstrap`` first on ``PYTHONPATH``, so every Python process it starts (the
+``patches/tools/_bootstrap`` first on ``PYTHONPATH``, so every Python process it starts (the
 trainer, its spawned DataLoader workers, each ``torchrun`` rank) loads our
 ``sitecustomize``, which applies the patches the moment ``torch`` is imported. A process
 that never imports torch (pip, a shell script's helpers) pays nothing.
@@ -26,9 +26,9 @@ import sys
 from typing import Mapping, Sequence
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
-# The folder holding the ``patches`` package: on the child's path too, so a checkout that
-# is not pip-installed works under the launcher.
-LIBRARY_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The folder holding the ``patches`` package (this file is patches/tools/launcher.py): on the
+# child's path too, so a checkout that is not pip-installed works under the launcher.
+LIBRARY_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Set in the child's environment: tells the bootstrap (and a curious user) who started it.
 LAUNCHED_ENV = "TRAINING_PATCHES_LAUNCHED"
 # The folder of the interpreter running the launcher (one that imports torch and the

@@ -205,7 +205,7 @@ def png_bytes(fig: Any) -> bytes:
 def save(fig: Any, path: str, *, replace: bool = True) -> str:
     """Write ``fig`` as a PNG to ``path`` (complete or absent) and close it; returns the
     path. ``replace=False``: only if nothing is there (else :class:`OutputExists`)."""
-    from .._output import write_file
+    from ..._output import write_file
 
     write_file(path, png_bytes(fig), replace=replace)
     return path

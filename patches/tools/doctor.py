@@ -69,8 +69,8 @@ def settings_check() -> tuple[str, str, str]:
     """The ``TRAINING_PATCHES_*`` settings, validated by the very function activation uses
     (:func:`patches._api.check_settings`): FAIL with activation's own paragraph when the
     one import line would stop on them."""
-    from ._api import check_settings
-    from ._options import ConfigError
+    from .._api import check_settings
+    from .._options import ConfigError
 
     env = {k: v for k, v in os.environ.items() if k.startswith("TRAINING_PATCHES_")}
     try:
@@ -82,7 +82,7 @@ def settings_check() -> tuple[str, str, str]:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ._output import STDOUT, OutputRefused, check_output, write_json
+    from .._output import STDOUT, OutputRefused, check_output, write_json
 
     try:  # before the checks: a refused --json costs nothing
         if args.json is not None:

@@ -402,7 +402,7 @@ def _stop_workers(pool: Any) -> None:
 
 def script_of(language: str) -> str | None:
     """The script name of a language code (``am`` -> ``Ethiopic``), or None if not known."""
-    from .languages import base_code, get_language
+    from ...languages import base_code, get_language
 
     code = base_code(language)
     registered = get_language(code)
@@ -470,14 +470,14 @@ class TextTokenizer:
 
 
 def _cleaner(language: str) -> Callable[[str], str]:
-    from .languages import _plain_cleaner, get_language
+    from ...languages import _plain_cleaner, get_language
 
     registered = get_language(language)
     return registered.cleaner if registered else _plain_cleaner
 
 
 def _char_limit(language: str) -> int | None:
-    from .languages import get_language
+    from ...languages import get_language
 
     registered = get_language(language)
     return registered.char_limit if registered else None
@@ -808,7 +808,7 @@ def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
     """The shared output rule (:func:`patches._output.check_output`) for --json and
     --clean-manifest: never the manifest, the tokenizer or (with ``rows``) an audio file it
     names, never each other; an existing file only with --force."""
-    from ._output import OutputRefused, check_output
+    from ..._output import OutputRefused, check_output
 
     stem, suffix = Path(args.manifest).stem, Path(args.manifest).suffix
     inputs: list[tuple[str, str | None]] = [("manifest being checked", args.manifest),
@@ -854,7 +854,7 @@ def _cores() -> int:
 def _run(args: argparse.Namespace) -> int:
     """The command: SIGINT and SIGTERM end it and its workers within seconds, exit 130/143,
     one line, no report or manifest written."""
-    from ._output import Interrupted, stop_on_signals
+    from ..._output import Interrupted, stop_on_signals
 
     written: list[str] = []
     try:
@@ -872,7 +872,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace, written: list[str]) -> int:
-    from ._output import OutputExists, OutputRefused, STDOUT, write_file, write_json
+    from ..._output import OutputExists, OutputRefused, STDOUT, write_file, write_json
 
     options = Options(language=args.language, tokenizer=args.tokenizer, workers=args.workers,
                       max_audio_seconds=args.max_audio_seconds,
@@ -931,7 +931,7 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``check-data`` to the ``training-patches`` command."""
-    from ._output import number
+    from ..._output import number
 
     parser = sub.add_parser(
         "check-data", help="check a coqui manifest's audio and transcripts before training",
