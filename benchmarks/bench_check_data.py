@@ -75,7 +75,7 @@ def main() -> int:
 
     import soundfile as sf
 
-    from patches.tools.check_data import Options, check_manifest
+    from patches.tools.check_data import CheckDataOptions, check_manifest
 
     with tempfile.TemporaryDirectory(prefix="bench_check_data_") as tmp:
         manifest, audio_seconds = make_dataset(Path(tmp), args.clips, args.format)
@@ -85,8 +85,8 @@ def main() -> int:
         for _ in range(args.rounds):
             for workers in (1, args.workers):
                 start, cpu_start = time.perf_counter(), _cpu_seconds()
-                report, _ = check_manifest(str(manifest), Options(workers=workers,
-                                                                  progress=False))
+                report, _ = check_manifest(str(manifest), CheckDataOptions(workers=workers,
+                                                                             progress=False))
                 times[str(workers)].append(time.perf_counter() - start)
                 cpu[str(workers)].append(_cpu_seconds() - cpu_start)
                 assert report["summary"]["clips"] == args.clips

@@ -26,7 +26,7 @@ from .._registry import PatchSpec, register
 from . import amharic
 
 __all__ = ["Language", "register_language", "unregister_language", "get_language",
-           "registered_languages", "COQUI_LANGUAGES"]
+           "registered_languages", "plain_cleaner", "COQUI_LANGUAGES"]
 
 # What coqui-tts 0.28's VoiceBpeTokenizer.preprocess_text handles by itself.
 COQUI_LANGUAGES = frozenset({"ar", "cs", "de", "en", "es", "fr", "hi", "hu", "it", "ja", "ko",
@@ -54,7 +54,7 @@ _lock = threading.Lock()
 _languages: dict[str, Language] = {}
 
 
-def _plain_cleaner(text: str) -> str:
+def plain_cleaner(text: str) -> str:
     """The cleaner of a language registered without one: NFC, lowercase, single spaces."""
     return " ".join(unicodedata.normalize("NFC", text).lower().split())
 
@@ -113,7 +113,7 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
             raise _options.ConfigError(
                 f"training-patches: the language {key!r} is {where}. Pass replace=True to "
                 f"register_language to use your cleaner and limit instead.")
-        language = Language(key, cleaner or _plain_cleaner, char_limit, name, alias_keys)
+        language = Language(key, cleaner or plain_cleaner, char_limit, name, alias_keys)
         _languages[key] = language
     info("training-patches: language %r registered (char limit %d)", key, char_limit)
     return language

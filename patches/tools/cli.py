@@ -34,7 +34,7 @@ COMMANDS: dict[str, str] = {  # subcommand -> its module, in the order --help li
     "run": "patches.tools.launcher",
     "extend-tokenizer": "patches.tools.extend_tokenizer",
     "verify-tokenizer": "patches.tools.verify_tokenizer",
-    "check-data": "patches.tools.check_data.checks",
+    "check-data": "patches.tools.check_data.command",
 }
 
 
