@@ -1,15 +1,40 @@
-"""The package's shape, read from its source with ``ast``: generic patches never import an
-upstream integration, nothing imports in a cycle, and the installed package carries no
-demo or test fixture."""
+"""The package's shape, read from its source with ``ast``: three layers, each importing only
+its own and the ones below it, no private name taken from another package, nothing
+imported in a cycle, and the installed package carries no demo or test fixture.
+
+The layers, bottom to top:
+
+0. generic patches: the core (``patches._*``), the patch modules, ``checkpoint/``,
+   ``languages/``: torch and each other only;
+1. model layouts and integrations: ``patches/integrations/`` (coqui Trainer, XTTS, ...);
+2. tools: ``patches/tools/`` (the ``training-patches`` command and what only it uses).
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "patches"
-# Modules above the generic patches: they may import the integrations.
-TOP = {"patches", "patches.auto", "patches.__main__", "patches.cli", "patches.tools.cli", "patches.tools.launcher"}
+GENERIC, INTEGRATIONS, TOOLS = 0, 1, 2
+# Entry modules outside the folders of their layer: ``import patches`` registers the
+# integrations (so it sits with them) and must never load a tool; ``python -m patches`` and
+# the old console-script path ``patches.cli`` are the command line.
+ENTRY_LAYERS = {"patches": INTEGRATIONS, "patches.auto": INTEGRATIONS,
+                "patches.__main__": TOOLS, "patches.cli": TOOLS}
+# Imports of a private name (``_x``: a module, function, class or constant) from another
+# package that remain today, each with why it is allowed (importer -> imported name).
+PRIVATE_ALLOWED = {
+    # The XTTS preflight runs the loader's own reading and key alignment on a checkpoint
+    # before training starts, so it cannot disagree with load_checkpoint; the checkpoint
+    # rework (issue 21, item 3) gives them a public name, then these two go.
+    "patches.integrations.xtts_preflight -> patches.checkpoint.plan._model_state",
+    "patches.integrations.xtts_preflight -> patches.checkpoint.plan._align_keys",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -51,18 +76,143 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def _is_integration(name: str) -> bool:
-    return name == "patches.integrations" or name.startswith("patches.integrations.")
+def _module_level_graph() -> dict[str, set[str]]:
+    """Like :func:`import_graph`, without the imports inside functions (run on a call)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        todo: list[ast.AST] = list(tree.body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                targets = _resolve(name, is_package, node)
+            else:
+                todo += list(ast.iter_child_nodes(node))
+                continue
+            graph[name] |= {target for target in targets if target in modules and target != name}
+    return graph
 
 
-def _is_generic(name: str) -> bool:
-    return not (_is_integration(name) or name in TOP or name.startswith("patches.tools"))
+def layer(name: str) -> int:
+    """The layer of a module (see the module docstring)."""
+    if name in ENTRY_LAYERS:
+        return ENTRY_LAYERS[name]
+    for prefix, level in (("patches.tools", TOOLS), ("patches.integrations", INTEGRATIONS)):
+        if name == prefix or name.startswith(prefix + "."):
+            return level
+    return GENERIC
 
 
-def test_no_generic_module_imports_an_integration() -> None:
-    upward = sorted(f"{src} -> {dst}" for src, dsts in import_graph().items()
-                    if _is_generic(src) for dst in dsts if _is_integration(dst))
-    assert upward == []
+def upward_edges(graph: dict[str, set[str]]) -> list[str]:
+    """``src -> dst`` for each import of a higher layer. A module's own parent packages do
+    not count: Python runs them before the module anyway (``from . import x``)."""
+    return sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
+                  if layer(dst) > layer(src) and not src.startswith(dst + "."))
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    """Generic patches never import an integration or a tool; integrations never a tool."""
+    assert upward_edges(import_graph()) == []
+
+
+def test_the_layer_rule_can_fail() -> None:
+    graph = {"patches.nan_guard": {"patches.integrations.coqui_trainer"},
+             "patches.integrations.xtts_gpt": {"patches.tools.report"},
+             "patches.checkpoint.load": {"patches", "patches._api"},  # parent: not counted
+             "patches.tools.cli": {"patches.integrations", "patches.nan_guard"}}
+    assert upward_edges(graph) == [
+        "patches.integrations.xtts_gpt -> patches.tools.report",
+        "patches.nan_guard -> patches.integrations.coqui_trainer"]
+
+
+def _unit(name: str, packages: set[str]) -> str:
+    """The top-level package a module belongs to: ``patches.checkpoint``, ``patches.tools``,
+    ... or ``patches`` for the modules directly in it."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if ".".join(parts[:2]) in packages else "patches"
+
+
+def private_imports() -> list[str]:
+    """``importer -> name`` for each private name taken from another package: a private
+    module (``_x``) imported from outside the package holding it (the core modules
+    ``patches._*`` belong to the whole package, so every subpackage may use them), or a
+    private function, class or constant imported from another top-level package."""
+    modules = _modules()
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+    found: set[str] = set()
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_package, node)[0]
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                if parts[0] != "patches":
+                    continue
+                for i, part in enumerate(parts[1:], start=1):
+                    if not part.startswith("_") or part.startswith("__"):
+                        continue
+                    owner = ".".join(parts[:i])  # the module or package holding the name
+                    if owner in packages:  # a private module: only inside its package
+                        allowed = name == owner or name.startswith(owner + ".")
+                    else:  # a private attribute: only inside the owner's top-level package
+                        allowed = _unit(owner, packages) == _unit(name, packages)
+                    if not allowed:
+                        found.add(f"{name} -> {'.'.join(parts[:i + 1])}")
+    return sorted(found)
+
+
+def test_no_private_name_is_imported_across_packages() -> None:
+    assert sorted(set(private_imports()) - PRIVATE_ALLOWED) == []
+    # an entry whose import is gone is dropped from the list, so the list stays true
+    assert sorted(PRIVATE_ALLOWED - set(private_imports())) == []
+
+
+def test_import_patches_auto_loads_no_tool() -> None:
+    """``import patches.auto`` (and so ``import patches``) reaches no tool module: the
+    module-level imports from it, with the parent packages each one runs first."""
+    graph = _module_level_graph()
+    seen, todo = set(), ["patches.auto"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+        todo += [*graph.get(name, ()), *parents]
+    assert sorted(n for n in seen if layer(n) == TOOLS) == []
+    assert "patches.integrations.coqui_trainer" in seen  # the walk does reach the patches
+
+
+@pytest.mark.slow
+def test_a_command_imports_only_its_own_tool() -> None:
+    """In a fresh interpreter: ``import patches.auto`` loads no tool module, and the parser
+    built for one command (as ``training-patches doctor`` builds it) loads that command's
+    module and the CLI only."""
+    code = ("import sys\n"
+            "import patches.auto\n"
+            "print(sorted(m for m in sys.modules if m.startswith('patches.tools')))\n"
+            "from patches.tools import cli\n"
+            "cli.build_parser(cli.command_of(['doctor', '--json', '-']))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('patches.tools')))\n")
+    env = {"TRAINING_PATCHES_QUIET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    after_auto, after_parser = done.stdout.splitlines()
+    assert after_auto == "[]"
+    assert after_parser == str(["patches.tools", "patches.tools.cli", "patches.tools.doctor"])
 
 
 def test_no_import_cycles() -> None:
