@@ -4,9 +4,11 @@ Importing this package changes nothing; :func:`apply` and :func:`revert` are the
 only doors. ``from utils import training_patches`` (or ``import patches.auto``)
 applies the default set once. See TRAINING_PATCHES_README.md.
 
-Layout: the generic patches (one module each) import only torch, the registry and
-each other; :mod:`patches.integrations` adds what is specific to one upstream
-(coqui Trainer, XTTS) on top of them.
+Layout, in three layers (``tests/test_import_graph.py``): the generic patches (one module
+each, with the core ``_*`` modules, ``checkpoint`` and ``languages``) import torch and each
+other; :mod:`patches.integrations` adds what is specific to one upstream (coqui Trainer,
+XTTS) on top of them; :mod:`patches.tools` (the ``training-patches`` command) sits above
+both and is never imported from here.
 """
 
 from __future__ import annotations

@@ -38,6 +38,27 @@ def test_report_on_a_missing_folder_is_a_clear_error(tmp_path, capsys) -> None:
     assert "is not a folder" in capsys.readouterr().err
 
 
+def _options_of(parser, command: str) -> set[str]:
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return {f for a in sub.choices[command]._actions for f in a.option_strings}
+
+
+def test_each_command_is_built_from_its_own_module() -> None:
+    """The parser for one command (all that ``training-patches COMMAND`` imports) has that
+    command in full, the same as the parser of every command; the others only by name."""
+    full = cli.build_parser()
+    sub = next(a for a in full._actions if a.dest == "command")
+    assert list(sub.choices) == list(cli.COMMANDS)
+    for command in cli.COMMANDS:
+        one = cli.build_parser(command)
+        assert _options_of(one, command) == _options_of(full, command), command
+        assert all(_options_of(one, other) == {"-h", "--help"}
+                   for other in cli.COMMANDS if other != command)
+    assert cli.command_of(["--version"]) is None
+    assert cli.command_of(["check-data", "m.csv", "--json", "-"]) == "check-data"
+    assert cli.command_of(["run", "python", "doctor"]) == "run"
+
+
 def test_version(capsys) -> None:
     import pytest
 
