@@ -376,7 +376,7 @@ def test_doctor_reports_the_error_activation_stops_with(
     status, what, detail = doctor.settings_check()
     assert (status, what) == (doctor.FAIL, "settings")
     assert detail.startswith(str(activation.value))
-    assert doctor._doctor(argparse.Namespace()) == 1
+    assert doctor._doctor(argparse.Namespace(json=None, force=False)) == 1
     assert "[FAIL] settings" in capsys.readouterr().out
 
 
