@@ -267,9 +267,10 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
         if folder.exists():  # an earlier save of this step (another branch) or a torn one
             remove_folder(folder)
         folder.mkdir(parents=True)
-        # Who will write the commit marker: what the sweep of a later save judges by.
-        atomic_text(folder / WRITER_NAME, json.dumps(
-            {"host": host_name(), "pid": os.getpid(), "step": step}))
+        # Who will write the commit marker: what the sweep of a later save judges by. No
+        # fsync: a record lost or torn by a crash only means the folder is never swept.
+        (folder / WRITER_NAME).write_text(json.dumps(
+            {"host": host_name(), "pid": os.getpid(), "step": step}), encoding="utf-8")
 
     _on_writer(prepare)
 
