@@ -575,9 +575,9 @@ def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
                 _state.loss_from_backward = True
             if ((_state.accumulating or _state.accumulation_hint)
                     and not bool(torch.isfinite(self.detach()).all())):
-                _on_bad_micro_batch(self)
                 _state.left_out += 1
                 if not _dist.collectives():
+                    _on_bad_micro_batch(self)
                     return None
                 # Several ranks: the peers' backward of this micro-batch may all-reduce
                 # (DDP's synced micro-batch, every micro-batch without no_sync) or
@@ -586,7 +586,12 @@ def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
                 # runs, with exactly the same communication, and every parameter takes a
                 # zero gradient from it: the same micro-batch is left out on every rank.
                 with _zero_leaf_gradients(self):
-                    return original(self, gradient, retain_graph, create_graph, inputs)
+                    result = original(self, gradient, retain_graph, create_graph, inputs)
+                # Recorded (and replayed) only now: a replay's backward on this rank alone
+                # while DDP still expects this micro-batch's gradients would start a
+                # reduction of its own.
+                _on_bad_micro_batch(self)
+                return result
         return original(self, gradient, retain_graph, create_graph, inputs)
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__

@@ -61,11 +61,21 @@ def sync(model: torch.nn.Module, final: bool) -> contextlib.AbstractContextManag
 def train(inject: bool) -> torch.nn.Module:
     model, opt = build()
     generator = torch.Generator().manual_seed(100 + rank)
+    current: list[torch.Tensor] = []
+    if mode != "fsdp2":
+        # As the coqui integration does: the guard may re-run a bad batch on this rank
+        # alone through the bare module (no DDP forward) to name where the NaN started;
+        # here the re-run is finite (a NaN that does not come back), so its backward
+        # reaches every parameter, where DDP's gradient hooks are.
+        bare = model.module
+        nan_guard.set_replay(lambda: nan_guard.find_nonfinite_source(
+            bare, lambda: loss_of(bare, current[0])))
     for step in range(1, STEPS + 1):
         opt.zero_grad()
         for micro in range(ACCUM):
             with sync(model, final=micro == ACCUM - 1):
-                loss = loss_of(model, batch(generator)) / ACCUM
+                current[:] = [batch(generator)]
+                loss = loss_of(model, current[0]) / ACCUM
                 if (step, micro, rank) in BAD:
                     # the reference: the same backward (the same communication), adding 0
                     loss = loss * (float("nan") if inject else 0.0)
