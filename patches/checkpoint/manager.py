@@ -34,7 +34,7 @@ from .errors import CheckpointError, DiskFullError
 from .optimizer import _as_list
 from .rng import capture_rng_state
 from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
-                      is_sharded_model, remove_folder, save_sharded)
+                      is_sharded_model, remove_folder, save_sharded, sweep_incomplete)
 
 logger = logging.getLogger("training_patches")
 
@@ -250,15 +250,19 @@ class CheckpointManager:
                            "resume('auto') does not need it", path, latest, exc)
 
     def _sweep_temp(self) -> None:
-        """Remove temporary files of this manager's saves whose writer is dead (killed).
+        """Remove temporary files and incomplete sharded folders of this manager's saves
+        whose writer is dead (killed).
 
-        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``) are
-        touched, and only those written on THIS host whose pid no longer runs: on a
-        shared filesystem another machine's save in progress is never touched (a pid says
-        nothing across hosts), nor are temporary names without a host (older versions).
+        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``, and
+        ``<prefix>_<step>.dcp`` folders without a commit marker) are touched, and only
+        those written on THIS host whose pid no longer runs: on a shared filesystem
+        another machine's save in progress is never touched (a pid says nothing across
+        hosts), nor are temporary names without a host (older versions). Runs on the
+        writer only, at the start of a save.
         """
         if not self.output_dir.is_dir():
             return
+        sweep_incomplete(self.output_dir, self.folder_pattern, _pid_alive)
         mark = re.compile(rf"^\.{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
                           rf"{TMP_OWNER.pattern}")
         here = host_name()
