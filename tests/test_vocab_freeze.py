@@ -16,8 +16,8 @@ from torch import nn
 
 import patches
 from patches import SafeGradScaler, freeze_base_vocab
-from patches.vocab_freeze import (VocabFreezeError, freeze_of, frozen_rows, new_rows,
-                                  start_row_is_last)
+from patches.vocab_freeze import (VocabFreezeError, freeze_of, frozen_rows, live_freezes,
+                                  new_rows, start_row_is_last)
 
 BASE, VOCAB, DIM = 40, 52, 16
 
@@ -214,6 +214,48 @@ def test_explicit_modules_and_second_freeze_replaces_first() -> None:
     assert _max_diff(model.embed.weight[BASE:], before["e"][BASE:]) > 0.0
 
 
+def test_one_block_per_model_with_the_true_share(caplog: pytest.LogCaptureFixture) -> None:
+    """The same tensors frozen under two names (an Xtts's ``gpt.*``, then its GPTTrainer's
+    ``xtts.gpt.*``) give one block, whose freeze line states the share of rows that
+    train and a parameter share that is never a false 0.0%."""
+    class Xtts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = UnifiedVoiceLike()
+            self.decoder = nn.Linear(512, 512)  # the big rest of the model
+
+    class Trainer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.xtts = Xtts()
+
+    model = Trainer()
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        first = freeze_base_vocab(model.xtts, BASE)
+        second = freeze_base_vocab(model, BASE)
+    lines = [r.getMessage() for r in caplog.records if "[Extended Vocab Fix]" in r.getMessage()]
+    assert sum("Freezing" in line for line in lines) == 1, lines
+    assert sum("Detected extended vocabulary" in line for line in lines) == 1, lines
+    freezing = next(line for line in lines if "Freezing" in line)
+    total = sum(p.numel() for p in model.xtts.parameters())
+    assert (f"Freezing {BASE} of {VOCAB} rows (76.9%; {VOCAB - BASE} rows train, 23.1%) of "
+            f"gpt.text_embedding.weight, gpt.text_head.weight, gpt.text_head.bias: "
+            f"{BASE * (2 * DIM + 1):,} parameters, ") in freezing
+    share = 100 * BASE * (2 * DIM + 1) / total
+    assert f"{share:.1f}%" in freezing and f"of the model's {total:,}" in freezing
+    assert first.released and not second.released
+    assert freeze_of(model.xtts.gpt.text_embedding.weight) is second
+    # a freeze of the same tensors with other rows is a change: said, with its own block
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        freeze_base_vocab(model, BASE - 4)
+    assert "Replacing the earlier freeze of xtts.gpt.text_embedding.weight" in caplog.text
+    assert f"Freezing {BASE - 4} of {VOCAB} rows" in caplog.text
+    # a share far below 0.1% keeps its digits
+    from patches.vocab_freeze import _percent
+    assert _percent(9546, 78_166_512) == "0.012%" and _percent(0, 10) == "0.0%"
+
+
 def test_fp16_safe_grad_scaler_skip_and_nan_grads() -> None:
     """CPU fp16 autocast + SafeGradScaler: an overflow step is skipped; fp32 NaN grads
     stepped by the optimizer do not reach the base rows either."""
@@ -291,6 +333,32 @@ def test_coqui_trainer_env_activation(tiny_xtts, tiny_xtts_extended_vocab, tiny_
     frozen, trained = _xtts_rows(gpt)
     assert_base_frozen_new_trained(before, gpt, frozen, trained)
     assert freeze_of(gpt.text_head.weight).steps == 7
+
+
+@xtts
+def test_xtts_checkpoint_growth_prints_one_freeze_block(tiny_xtts, tiny_xtts_extended_vocab,
+                                                        tmp_path, clean_patches, one_thread,
+                                                        monkeypatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """GPTTrainer with an ``xtts_checkpoint`` of the base vocabulary: the loader freezes
+    Xtts's ``gpt.*`` after the growth, the GPTTrainer hook the same tensors as
+    ``xtts.gpt.*``: one ``[Extended Vocab Fix]`` block, not two."""
+    monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "74")
+    patches.apply(["vocab_freeze", "checkpoint"])
+    base = tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "base"))
+    torch.save({"model": base.state_dict()}, tmp_path / "base.pth")
+    config = tiny_xtts.make_config(tmp_path / "run", vocab=tiny_xtts_extended_vocab,
+                                   xtts_checkpoint=str(tmp_path / "base.pth"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        model = tiny_xtts.make_model(config)
+    lines = [r.getMessage() for r in caplog.records if "[Extended Vocab Fix]" in r.getMessage()]
+    assert sum("Freezing" in line for line in lines) == 1, lines
+    assert sum("Base tokens: 0-72, 81" in line for line in lines) == 1, lines
+    assert "Freezing 74 of 82 rows (90.2%; 8 rows train, 9.8%)" in caplog.text
+    assert "(0.0%)" not in caplog.text
+    handle = freeze_of(model.xtts.gpt.text_head.weight)
+    assert [h for h in live_freezes() if h.covers_same(handle)] == [handle]
 
 
 @xtts
