@@ -115,6 +115,7 @@ INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
+    module="TTS",
     describe="gpt_checkpoint/xtts_checkpoint through the vocabulary-aware loader; "
              "TRAINING_PATCHES_BASE_VOCAB freezes every GPTTrainer",
     sites=(
