@@ -361,6 +361,92 @@ def test_xtts_checkpoint_growth_prints_one_freeze_block(tiny_xtts, tiny_xtts_ext
     assert [h for h in live_freezes() if h.covers_same(handle)] == [handle]
 
 
+def _rewrite_vocab(src, out, edit) -> str:
+    """A copy of the vocab.json ``src`` with ``edit(ids)`` applied to its token -> id map
+    (model vocab and added tokens alike); a token mapped to None is dropped."""
+    import json
+
+    data = json.loads(open(src, encoding="utf-8").read())
+    ids = {**data["model"]["vocab"], **{a["content"]: a["id"] for a in data["added_tokens"]}}
+    new = edit(dict(ids))
+    data["model"]["vocab"] = {t: new[t] for t in data["model"]["vocab"] if new.get(t) is not None}
+    data["added_tokens"] = [{**a, "id": new[a["content"]]} for a in data["added_tokens"]
+                            if new.get(a["content"]) is not None]
+    # tokenizers renumbers an added token the model vocab lacks: list each one there too
+    data["model"]["vocab"].update({a["content"]: a["id"] for a in data["added_tokens"]})
+    with open(out, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(data, ensure_ascii=False))
+    return str(out)
+
+
+class _Gpt(nn.Module):
+    """What the check reads of XTTS's GPT: the text embedding and the start/stop ids."""
+
+    def __init__(self, rows: int, start: int | None, stop: int | None = 0) -> None:
+        super().__init__()
+        self.text_embedding = nn.Embedding(rows, 4)
+        self.start_text_token, self.stop_text_token = start, stop
+
+
+@xtts
+def test_vocab_layout_problems_against_tokenizer_and_model(tiny_xtts, tiny_xtts_extended_vocab,
+                                                           tmp_path) -> None:
+    from patches.integrations.xtts_gpt import vocab_layout_problems
+
+    good = str(tiny_xtts_extended_vocab)  # [am] 73, new 74..80, [START] moved to 81
+    assert vocab_layout_problems(good, _Gpt(82, 81), 74) == []
+    assert vocab_layout_problems(str(tiny_xtts.vocab), _Gpt(74, 73), 74) == []
+    # a third-party extender: [START] dropped, its id 73 given to [am]
+    dropped = _rewrite_vocab(good, tmp_path / "dropped.json",
+                             lambda ids: {**ids, "[START]": None})
+    problems = vocab_layout_problems(dropped, _Gpt(81, None), 74)
+    assert any(p.startswith("[START] missing") for p in problems), problems
+    assert any("row 73 ([am]) keeps the base model's row 73" in p for p in problems), problems
+    # [START] moved into the new range but not last: row 73 is still frozen for [am]
+    moved = _rewrite_vocab(good, tmp_path / "moved.json", lambda ids: {
+        **ids, "[START]": 80, **{t: 81 for t, i in ids.items() if i == 80}})
+    problems = vocab_layout_problems(moved, _Gpt(82, 80), 74)
+    assert any("[START] is id 80, a new row that trains" in p and "row 73 ([am])" in p
+               for p in problems), problems
+    # the model's ids disagree with the tokenizer's; rows disagree with the ids
+    problems = vocab_layout_problems(good, _Gpt(83, 73, stop=2), 74)
+    assert "the model's start_text_token is 73, but the tokenizer's [START] is id 81" in problems
+    assert "the model's stop_text_token is 2, but the tokenizer's [STOP] is id 0" in problems
+    assert "the text embedding has 83 rows, the tokenizer 82 ids" in problems
+
+
+@xtts
+def test_activation_on_a_broken_vocabulary_warns_and_strict_stops(
+        tiny_xtts, tiny_xtts_extended_vocab, tmp_path, clean_patches, one_thread, monkeypatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """TRAINING_PATCHES_BASE_VOCAB on a GPTTrainer whose vocabulary lost [START] (its id
+    given to [am]): a WARNING before the freeze block, not only "Base tokens: 0-73";
+    under TRAINING_PATCHES_STRICT=1 the GPTTrainer is not built."""
+    monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "74")
+    patches.apply(["vocab_freeze"])
+    dropped = _rewrite_vocab(tiny_xtts_extended_vocab, tmp_path / "dropped.json",
+                             lambda ids: {**ids, "[START]": None})
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "ok",
+                                                   vocab=tiny_xtts_extended_vocab))
+    assert "Base tokens: 0-72, 81" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and "[Extended Vocab Fix]" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "broken", vocab=dropped))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and "[Extended Vocab Fix]" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    assert "[START] missing" in warnings[0] and "row 73 ([am])" in warnings[0]
+    assert dropped in warnings[0] and "verify-tokenizer" in warnings[0]
+    assert "Base tokens: 0-73 (frozen)" in caplog.text  # what was done, after the warning
+    patches.revert()
+    patches.apply(["vocab_freeze"], strict=True)
+    with pytest.raises(VocabFreezeError, match=r"STRICT=1.*\[START\] missing"):
+        tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "strict", vocab=dropped))
+
+
 @xtts
 def test_coqui_trainer_without_freeze_moves_base_rows(tiny_xtts, tiny_xtts_extended_vocab,
                                                       tmp_path, clean_patches, one_thread,
