@@ -413,6 +413,10 @@ def test_vocab_layout_problems_against_tokenizer_and_model(tiny_xtts, tiny_xtts_
     assert "the model's start_text_token is 73, but the tokenizer's [START] is id 81" in problems
     assert "the model's stop_text_token is 2, but the tokenizer's [STOP] is id 0" in problems
     assert "the text embedding has 83 rows, the tokenizer 82 ids" in problems
+    # a dataset language needs its [lang] special token (under its code or an alias)
+    assert vocab_layout_problems(good, _Gpt(82, 81), 74, ["am", "en", "am-ET"]) == []
+    problems = vocab_layout_problems(good, _Gpt(82, 81), 74, ["de"])
+    assert len(problems) == 1 and problems[0].startswith("dataset language 'de': [de] is missing")
 
 
 @xtts

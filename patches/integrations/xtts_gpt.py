@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .. import _options
 from .._log import info, logger
@@ -99,12 +99,14 @@ def make_gpt_trainer_init(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
-                          base_tokens: int) -> list[str]:
+                          base_tokens: int, data_languages: Sequence[str] = ()) -> list[str]:
     """What is wrong between the tokenizer, the XTTS ``GPT`` and a freeze of the first
     ``base_tokens`` tokens: the special tokens ``verify-tokenizer`` fails on ([STOP] 0,
-    [UNK] 1, [SPACE], [START]), the model's start/stop token ids against the tokenizer's,
-    the rows against the ids, and a frozen row that would keep a base row for another
-    token (a [START] dropped or moved into the new range). Empty when all agree."""
+    [UNK] 1, [SPACE], [START], the ``[lang]`` token of each of ``data_languages``, under
+    its code or a registered alias), the model's start/stop token ids against the
+    tokenizer's, the rows against the ids, and a frozen row that would keep a base row for
+    another token (a [START] dropped or moved into the new range). Empty when all agree."""
+    from .. import languages
     from ..tokenizer.errors import TokenizerToolError
     from ..tokenizer.verify import FAIL, open_tokenizer
     from ..vocab_freeze import _describe, frozen_rows, row_layout
@@ -116,6 +118,15 @@ def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
     if not hasattr(tok, "vocab"):
         return []  # a SentencePiece model: not an XTTS vocabulary
     problems = [f"{f.what} {f.detail}" for f in tok.special_findings(None) if f.status == FAIL]
+    for given in dict.fromkeys(languages.base_code(lang) for lang in data_languages if lang):
+        registered = languages.get_language(given)
+        # XTTS writes Chinese as [zh-cn] (VoiceBpeTokenizer.encode)
+        codes = [given, *(["zh-cn"] if given == "zh" else [])] + [
+            c for c in (registered.codes if registered else ()) if c != given]
+        if not any(f"[{code}]" in tok.specials for code in codes):
+            problems += [f"dataset language {given!r}: {f.what} {f.detail}"
+                         for f in tok.special_findings(given) if f.status == FAIL
+                         and f.what == f"[{given}]"]
     for attr, token in (("start_text_token", "[START]"), ("stop_text_token", "[STOP]")):
         model_id, tok_id = getattr(gpt, attr, None), tok.vocab.get(token)
         if tok_id is not None and model_id != tok_id:
@@ -153,12 +164,15 @@ def check_vocab_layout(gpt_trainer: Any, base_tokens: int) -> list[str]:
     gpt = getattr(getattr(gpt_trainer, "xtts", None), "gpt", None)
     if not path or gpt is None or not hasattr(gpt, "text_embedding"):
         return []
-    problems = vocab_layout_problems(path, gpt, base_tokens)
+    datasets = getattr(getattr(gpt_trainer, "config", None), "datasets", None) or []
+    data_languages = [str(getattr(d, "language", "") or "") for d in datasets]
+    problems = vocab_layout_problems(path, gpt, base_tokens, data_languages)
     if not problems:
         return []
     text = (f"the vocabulary {path} and the model do not fit a freeze of the first "
             f"{base_tokens} tokens (TRAINING_PATCHES_BASE_VOCAB): " + "; ".join(problems)
-            + f". Expected [STOP] 0, [UNK] 1, [SPACE] and [START] as special tokens, the "
+            + f". Expected [STOP] 0, [UNK] 1, [SPACE], [START] and each dataset language's "
+            f"[lang] as special tokens, the "
             f"model's start/stop ids equal to them, and [START] either kept at its base id or "
             f"moved to the last id. `training-patches verify-tokenizer {path} --base-size "
             f"{base_tokens}` shows the layout; fix the vocabulary (extend-tokenizer keeps it) "
