@@ -270,8 +270,28 @@ def _is_distributions_copy(distribution: str, module: str, origin: str | None) -
     if not origin:
         return True  # a namespace package: nothing to tell apart
     target = os.path.realpath(origin)
-    return any(os.path.realpath(str(dist.locate_file(candidate))) == target
-               for candidate in (f"{module}/__init__.py", f"{module}.py"))
+    if any(os.path.realpath(str(dist.locate_file(candidate))) == target
+           for candidate in (f"{module}/__init__.py", f"{module}.py")):
+        return True
+    return _editable_source(dist) is not None and target.startswith(
+        _editable_source(dist) + os.sep)  # type: ignore[operator]
+
+
+def _editable_source(dist: importlib.metadata.Distribution) -> str | None:
+    """The source folder of an editable install (``pip install -e``), from PEP 610's
+    ``direct_url.json``; None for any other install."""
+    import json
+    import os
+    from urllib.parse import unquote, urlparse
+
+    try:
+        info = json.loads(dist.read_text("direct_url.json") or "{}")
+    except (ValueError, OSError):
+        return None
+    url = urlparse(str(info.get("url", "")))
+    if not (info.get("dir_info") or {}).get("editable") or url.scheme != "file":
+        return None
+    return os.path.realpath(unquote(url.path))
 
 
 def _static_version(package_dir: str) -> str | None:

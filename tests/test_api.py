@@ -210,3 +210,30 @@ def test_banner_names_where_each_version_was_read() -> None:
         imported = _run("import TTS, patches.auto")
         assert f"coqui-tts {_registry._distribution_version('coqui-tts')} [TTS.__version__]" \
             in imported.stderr
+
+
+def test_an_editable_install_is_the_distributions_own_copy(tmp_path, monkeypatch) -> None:
+    """``pip install -e``: the package lives in the source folder that PEP 610's
+    direct_url.json names, not under site-packages; it is not a vendored copy."""
+    site, src = tmp_path / "site", tmp_path / "src"
+    (src / "tp_editable_pkg").mkdir(parents=True)
+    (src / "tp_editable_pkg" / "__init__.py").write_text("__version__ = VERSION = '1.0'\n")
+    info = site / "tp_editable_pkg-1.2.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-editable-pkg\nVersion: 1.2\n")
+    (info / "direct_url.json").write_text(
+        '{"url": "%s", "dir_info": {"editable": true}}' % src.as_uri())
+    monkeypatch.syspath_prepend(str(src))
+    monkeypatch.syspath_prepend(str(site))
+    integ = _registry.Integration("tp_editable", "tp-editable-pkg", ">=1,<2", (),
+                                  module="tp_editable_pkg")
+    found = _registry.upstream_version(integ)
+    assert (found.version, found.vendored) == ("1.2", False), found
+    # the same package under another folder first on sys.path is a vendored copy
+    other = tmp_path / "vendor" / "tp_editable_pkg"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("__version__ = '0.5'\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "vendor"))
+    found = _registry.upstream_version(integ)
+    assert (found.version, found.vendored) == ("0.5", True), found
+    assert _registry._version_problem(integ, found) is not None
