@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -251,8 +252,6 @@ class UpstreamVersion:
 
 
 def _package_dir(origin: str | None) -> str:
-    import os
-
     if not origin:
         return "?"
     return os.path.dirname(origin) if os.path.basename(origin) == "__init__.py" else origin
@@ -261,8 +260,6 @@ def _package_dir(origin: str | None) -> str:
 @functools.lru_cache(maxsize=None)
 def _is_distributions_copy(distribution: str, module: str, origin: str | None) -> bool:
     """True when ``origin`` (a module's file) is the one ``distribution`` installed."""
-    import os
-
     try:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -273,15 +270,14 @@ def _is_distributions_copy(distribution: str, module: str, origin: str | None) -
     if any(os.path.realpath(str(dist.locate_file(candidate))) == target
            for candidate in (f"{module}/__init__.py", f"{module}.py")):
         return True
-    return _editable_source(dist) is not None and target.startswith(
-        _editable_source(dist) + os.sep)  # type: ignore[operator]
+    source = _editable_source(dist)
+    return source is not None and target.startswith(source + os.sep)
 
 
 def _editable_source(dist: importlib.metadata.Distribution) -> str | None:
     """The source folder of an editable install (``pip install -e``), from PEP 610's
     ``direct_url.json``; None for any other install."""
     import json
-    import os
     from urllib.parse import unquote, urlparse
 
     try:
@@ -298,7 +294,6 @@ def _static_version(package_dir: str) -> str | None:
     """``__version__ = "x.y"`` in a package's ``__init__.py``, else its ``VERSION`` file
     (coqui TTS 0.22 reads that one): read without importing the package."""
     import ast
-    import os
 
     try:
         tree = ast.parse(open(os.path.join(package_dir, "__init__.py"), encoding="utf-8").read())
