@@ -187,6 +187,7 @@ def test_pickle_round_trip_keeps_counters() -> None:
                     reason="torch warns only where CUDA is not available")
 def test_cuda_warning_points_at_the_users_line_and_the_type_reads_as_built(
         clean_patches: None) -> None:
+    import inspect
     import warnings
 
     import patches
@@ -194,7 +195,8 @@ def test_cuda_warning_points_at_the_users_line_and_the_type_reads_as_built(
     patches.apply(["grad_scaler"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        scaler = torch.cuda.amp.GradScaler(); line = __import__("inspect").currentframe().f_lineno  # noqa: E702
+        line = inspect.currentframe().f_lineno + 1  # the next line builds the scaler
+        scaler = torch.cuda.amp.GradScaler()
     cuda = [w for w in caught if "CUDA is not available" in str(w.message)]
     assert len(cuda) == 1
     assert (cuda[0].filename, cuda[0].lineno) == (__file__, line)
