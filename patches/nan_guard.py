@@ -655,10 +655,12 @@ def find_nonfinite_source(model: torch.nn.Module,
                           closure: Callable[[], torch.Tensor]) -> dict[str, Any]:
     """Re-run one batch (``closure`` returns its loss) with forward hooks and anomaly mode.
 
-    Returns the first module whose input or output was non-finite and the backward
-    operation anomaly mode named. RNG state is restored, gradients are cleared: the
-    run continues as if the replay never happened. Costs one slow step: call it for
-    the first bad batch, never every step.
+    Returns ``found`` (True when the re-run named a culprit), the first module whose
+    input or output was non-finite and the backward operation anomaly mode named; when
+    nothing was named, ``reason`` says why (the re-run stayed finite, or only gradients
+    went infinite, which anomaly mode does not flag). RNG state is restored, gradients
+    are cleared: the run continues as if the replay never happened. Costs one slow step:
+    call it for the first bad batch, never every step.
     """
     found: dict[str, Any] = {}
 
@@ -701,6 +703,10 @@ def find_nonfinite_source(model: torch.nn.Module,
                 lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
                 found["forward_call"] = lines[-1]
                 break
+        if "module" not in found and "operation" not in found:
+            found.update(found=False, reason=_nothing_found_reason(model))
+        else:
+            found = {"found": True, **found}
     finally:
         for handle in handles:
             handle.remove()
@@ -711,6 +717,23 @@ def find_nonfinite_source(model: torch.nn.Module,
             p.grad = grad
         _state.replaying = False
     return found
+
+
+def _nothing_found_reason(model: torch.nn.Module) -> str:
+    """Why a replay named no module: read from the gradients the re-run left."""
+    bad = [name for name, p in model.named_parameters()
+           if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    if bad:
+        return (f"the re-run's loss and every module's inputs and outputs were finite, but "
+                f"the gradients of {', '.join(bad[:3])}"
+                + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+                + " were not: infinite values from an overflow in backward, which anomaly "
+                  "mode (it checks for NaN only) does not trace to an operation")
+    return ("the batch was re-run with forward hooks and anomaly mode and its loss, every "
+            "module's inputs and outputs and its gradients were finite: the non-finite value "
+            "did not recur (it came from state the re-run does not reproduce, e.g. the loss "
+            "scale of a mixed-precision step, RNG drawn differently, or a nondeterministic "
+            "kernel)")
 
 
 # -- the patch -----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import _dist
+from .. import _dist, _run
 from .._log import info
 from . import _collective
 from ._validate import (FORMAT, MANIFEST_SUFFIX, Manifest, _sha256, _what_to_do, check_file,
@@ -105,6 +105,10 @@ class CheckpointManager:
         self.collective = collective
         self.pattern = re.compile(rf"^{re.escape(prefix)}_(\d+)\.pt$")
         self.folder_pattern = re.compile(rf"^{re.escape(prefix)}_(\d+){re.escape(DCP_SUFFIX)}$")
+        # A plain loop names no run folder: its reports (nonfinite_events.jsonl, ...) go
+        # beside its checkpoints unless set_output_dir / TRAINING_PATCHES_OUTPUT_DIR says
+        # otherwise (a torch.save path does the same, see patches._run.saw_checkpoint).
+        _run.saw_checkpoint_folder(self.output_dir)
 
     def path_for(self, step: int) -> Path:
         """The file of ``step``'s checkpoint (it may not exist)."""
@@ -136,6 +140,7 @@ class CheckpointManager:
         (every rank writes its shards) into :meth:`folder_for` ``(step)``.
         """
         step = _as_step(step)
+        _run.saw_checkpoint_folder(self.output_dir)  # the folder of the newest save wins
         if is_sharded_model(model):
             return save_sharded(self, step, model, optimizer, scheduler, scaler, extra)
         if not self._collective():
