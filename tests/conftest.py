@@ -92,3 +92,160 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.distributed)
             if not gloo:
                 item.add_marker(pytest.mark.skip(reason="torch.distributed with gloo is not available"))
+
+
+# -- the markers are right: ``--check-markers`` (used by ``make test-fast``) -------------
+#
+# The fast tier is ``-m "not slow and not xtts and not distributed"``. A test that needs
+# coqui (imports TTS or trainer, at module level or while it runs, or takes a tiny_xtts
+# fixture) must be ``xtts``; one whose call takes more than SLOW_S seconds must be ``slow``.
+# With --check-markers such a test fails, with what to add. The time rule takes the smaller
+# of wall-clock and CPU time (this process plus the subprocesses it waited for): a machine
+# busy with other work stretches the wall clock, not the CPU time, and torch's threads
+# stretch the CPU time, not the wall clock, so neither alone flags a fast test.
+
+COQUI = ("TTS", "trainer")
+SLOW_S = 2.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--check-markers", action="store_true", default=False,
+        help=f"fail a test that needs coqui (TTS/trainer) without the xtts marker, or whose "
+             f"call takes over {SLOW_S:g} s (wall and CPU) without the slow marker")
+
+
+class _CoquiImports:
+    """While entered, records every ``import TTS...``/``import trainer...`` statement run
+    (``builtins.__import__`` sees an import even when the module is already loaded, so
+    what an earlier test or file imported does not hide it) and every such module that
+    appears in ``sys.modules`` (``importlib.import_module``)."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def __enter__(self) -> "_CoquiImports":
+        import builtins
+        import sys
+
+        self._before = {name for name in sys.modules if name.partition(".")[0] in COQUI}
+        self._original = original = builtins.__import__
+
+        def watching(name, globals=None, locals=None, fromlist=(), level=0):
+            if level == 0 and name.partition(".")[0] in COQUI:
+                self.seen.add(name)
+            return original(name, globals, locals, fromlist, level)
+
+        builtins.__import__ = watching
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import builtins
+        import sys
+
+        builtins.__import__ = self._original
+        self.seen |= {name for name in sys.modules
+                      if name.partition(".")[0] in COQUI} - self._before
+
+
+_MODULE_COQUI_KEY = pytest.StashKey[set]()
+_ITEM_COQUI_KEY = pytest.StashKey[set]()
+_ITEM_TIME_KEY = pytest.StashKey[tuple]()
+_WAITS_KEY = pytest.StashKey[list]()
+
+
+def _checking(config: pytest.Config) -> bool:
+    return bool(config.getoption("--check-markers", default=False))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """Under --check-markers: which test files import coqui when they are imported."""
+    if not (_checking(collector.config) and isinstance(collector, pytest.Module)):
+        return (yield)
+    with _CoquiImports() as watch:
+        report = yield
+    collector.stash[_MODULE_COQUI_KEY] = watch.seen
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if not _checking(item.config):
+        return (yield)
+    with _CoquiImports() as watch:
+        try:
+            return (yield)
+        finally:
+            item.stash[_ITEM_COQUI_KEY] = watch.seen
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    if not _checking(item.config):
+        return (yield)
+    import os
+    import time
+
+    def cpu() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    wall0, cpu0 = time.perf_counter(), cpu()
+    with _CoquiImports() as watch:
+        try:
+            return (yield)
+        finally:
+            item.stash[_ITEM_COQUI_KEY] = item.stash.get(_ITEM_COQUI_KEY, set()) | watch.seen
+            item.stash[_ITEM_TIME_KEY] = (time.perf_counter() - wall0, cpu() - cpu0)
+
+
+def _marker_faults(item: pytest.Item) -> list[str]:
+    """What --check-markers finds wrong with ``item``'s markers (empty: nothing)."""
+    faults = []
+    if item.get_closest_marker("xtts") is None:
+        module = item.getparent(pytest.Module)
+        coqui = sorted(item.stash.get(_ITEM_COQUI_KEY, set())
+                       | (module.stash.get(_MODULE_COQUI_KEY, set()) if module else set()))
+        fixtures = sorted(name for name in getattr(item, "fixturenames", ())
+                          if name.startswith("tiny_xtts"))
+        if coqui or fixtures:
+            found = ", ".join([f"imports {name}" for name in coqui[:3]]
+                              + [f"uses fixture {name}" for name in fixtures])
+            faults.append(f"it needs coqui ({found}) but is not marked xtts: add "
+                          f"@pytest.mark.xtts (or pytestmark = pytest.mark.xtts in its file)")
+    if item.get_closest_marker("slow") is None and _ITEM_TIME_KEY in item.stash:
+        wall, cpu = item.stash[_ITEM_TIME_KEY]
+        if min(wall, cpu) > SLOW_S:
+            faults.append(f"its call took {wall:.1f} s wall clock and {cpu:.1f} s CPU time "
+                          f"(over {SLOW_S:g} s) but it is not marked slow: add "
+                          f"@pytest.mark.slow, or make it faster")
+        elif wall > SLOW_S:
+            item.config.stash.setdefault(_WAITS_KEY, []).append(
+                f"{item.nodeid}: {wall:.1f} s wall clock, {cpu:.1f} s CPU")
+    return faults
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.when == "call" and report.passed and _checking(item.config):
+        faults = _marker_faults(item)
+        if faults:
+            report.outcome = "failed"
+            report.longrepr = (f"--check-markers: {item.nodeid} passed, but "
+                               + "; and ".join(faults))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """Under --check-markers: unmarked tests slow by the wall clock only (waiting, or a
+    machine busy with other work) are listed, not failed."""
+    if not _checking(config):
+        return
+    waits = config.stash.get(_WAITS_KEY, [])
+    if waits:
+        terminalreporter.write_sep("-", f"--check-markers: over {SLOW_S:g} s by the wall clock "
+                                        f"only (not failed)")
+        for line in waits:
+            terminalreporter.write_line(line)

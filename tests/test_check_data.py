@@ -189,6 +189,7 @@ def test_a_clean_dataset_exits_zero(tmp_path, capsys) -> None:
     assert "clips: 3  clean: 3  with errors: 0" in out
 
 
+@pytest.mark.xtts
 def test_unknown_tokens_under_an_xtts_vocab(tmp_path) -> None:
     from demo.xtts_tiny import train_bpe_vocab
 
@@ -230,6 +231,7 @@ def test_unknown_tokens_under_a_sentencepiece_model(tmp_path) -> None:
     assert all(c["errors"] == [] for c in clips[:-1])
 
 
+@pytest.mark.xtts
 def test_a_vocab_without_the_language_token_fails(tmp_path, capsys) -> None:
     from demo.xtts_tiny import train_bpe_vocab
 
@@ -352,6 +354,7 @@ def test_a_bad_tokenizer_file_is_a_usage_error(dataset, tmp_path, capsys) -> Non
 # -- a signal ends the command and its workers (issue 19) -------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_ends_check_data_and_its_workers_within_seconds(tmp_path, signum,
                                                                   code) -> None:

@@ -70,6 +70,7 @@ def _sha(path: Path) -> str:
 # -- XTTS vocab.json ------------------------------------------------------------------------
 
 
+@pytest.mark.xtts
 def test_xtts_vocab_extended_with_amharic_keeps_ids_merges_and_english(files, tmp_path,
                                                                        capsys) -> None:
     from tokenizers import Tokenizer
@@ -470,6 +471,7 @@ def _tool(argv: list, env_extra: dict) -> subprocess.Popen:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_two_runs_writing_the_same_new_output_cannot_both_write(files, tmp_path) -> None:
     """Two extend-tokenizer runs started together, both past the "output exists?" check
     before either writes (a barrier in --g2p): exactly one writes, the other is refused in
@@ -508,6 +510,7 @@ def test_two_runs_writing_the_same_new_output_cannot_both_write(files, tmp_path)
     assert not [p for p in tmp_path.iterdir() if ".tp-tmp-" in p.name]
 
 
+@pytest.mark.slow
 def test_sigterm_ends_extend_tokenizer_with_nothing_written(files, tmp_path) -> None:
     g2p = tmp_path / "barrier_g2p.py"
     g2p.write_text(BARRIER_G2P, encoding="utf-8")
