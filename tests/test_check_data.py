@@ -189,7 +189,6 @@ def test_a_clean_dataset_exits_zero(tmp_path, capsys) -> None:
     assert "clips: 3  clean: 3  with errors: 0" in out
 
 
-@pytest.mark.xtts
 def test_unknown_tokens_under_an_xtts_vocab(tmp_path) -> None:
     from demo.xtts_tiny import train_bpe_vocab
 
@@ -231,7 +230,6 @@ def test_unknown_tokens_under_a_sentencepiece_model(tmp_path) -> None:
     assert all(c["errors"] == [] for c in clips[:-1])
 
 
-@pytest.mark.xtts
 def test_a_vocab_without_the_language_token_fails(tmp_path, capsys) -> None:
     from demo.xtts_tiny import train_bpe_vocab
 

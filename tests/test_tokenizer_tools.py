@@ -70,7 +70,6 @@ def _sha(path: Path) -> str:
 # -- XTTS vocab.json ------------------------------------------------------------------------
 
 
-@pytest.mark.xtts
 def test_xtts_vocab_extended_with_amharic_keeps_ids_merges_and_english(files, tmp_path,
                                                                        capsys) -> None:
     from tokenizers import Tokenizer
