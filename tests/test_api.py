@@ -104,6 +104,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
                           text=True, env=full_env, timeout=300)
 
 
+@pytest.mark.slow
 def test_activation_line_applies_once_with_banner() -> None:
     result = _run(
         "from utils import training_patches\n"
@@ -118,6 +119,7 @@ def test_activation_line_applies_once_with_banner() -> None:
     assert "[off] anomaly" in result.stderr
 
 
+@pytest.mark.slow
 def test_activation_quiet_and_env_disable() -> None:
     result = _run("from utils import training_patches\nimport patches\n"
                   "print(','.join(sorted(patches.applied())))\n",
@@ -127,6 +129,7 @@ def test_activation_quiet_and_env_disable() -> None:
     assert "applying training patches" not in result.stderr
 
 
+@pytest.mark.slow
 def test_activation_with_a_bad_variable_fails_clearly() -> None:
     result = _run("from utils import training_patches", TRAINING_PATCHES_INIT_SCALE="big")
     assert result.returncode != 0

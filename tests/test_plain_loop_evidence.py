@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import TinyTextModel
 from torch import nn
 
 import patches
@@ -29,14 +30,8 @@ def _fresh_state(monkeypatch: pytest.MonkeyPatch):
     patches.reset_runtime_state()
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.text_embedding = nn.Embedding(20, 8)
-        self.proj = nn.Linear(8, 20)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.text_embedding(ids))
+def Tiny() -> TinyTextModel:
+    return TinyTextModel(20, 8, hidden=False)
 
 
 def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,11 +7,13 @@ the maximum absolute difference is exactly 0.0.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
 import pytest
 import torch
+from tiny_models import TinyTextModel
 from torch import nn
 
 import patches
@@ -22,17 +24,8 @@ from patches.vocab_freeze import (VocabFreezeError, freeze_of, frozen_rows, live
 BASE, VOCAB, DIM = 40, 52, 16
 
 
-class UnifiedVoiceLike(nn.Module):
-    """IndexTTS-style: text_embedding / text_head on the model itself."""
-
-    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
-        super().__init__()
-        self.text_embedding = nn.Embedding(vocab, dim)
-        self.body = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
-        self.text_head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.text_head(self.body(self.text_embedding(tokens)))
+# IndexTTS-style: text_embedding / text_head on the model itself.
+UnifiedVoiceLike = functools.partial(TinyTextModel, VOCAB, DIM, "tanh")
 
 
 def _batches(steps: int, vocab: int = VOCAB, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
