@@ -157,6 +157,7 @@ TTS_022_INIT = ("import os\n"
                 "__version__ = version\n")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_registry._distribution_version("coqui-tts") is None,
                     reason="the point is a vendored TTS beside an installed coqui-tts")
 @pytest.mark.parametrize("order", ["vendored-tts-imported-first", "patches-first"])
@@ -200,6 +201,7 @@ def test_a_version_unreadable_before_import_is_checked_at_import(tmp_path) -> No
             f"{os.path.join(vendor, 'TTS')})") in after
 
 
+@pytest.mark.slow
 def test_banner_names_where_each_version_was_read() -> None:
     """The installed copies: metadata before the import, the module's own after it."""
     result = _run("import torch, patches.auto")
