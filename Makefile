@@ -1,10 +1,11 @@
 # The two commands of README.md: `make demo` and `make test`. Each sets up what it needs.
+# `make test-fast` is the inner loop while changing the code (README.md, "Test tiers").
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench gpu-suite setup ffmpeg clean
+.PHONY: demo test test-fast bench gpu-suite setup ffmpeg clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +23,13 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The unit tier, under a minute on 2 cores: no coqui (xtts), nothing slow (subprocess
+# matrices, real trainings), no torchrun (distributed). --check-markers (tests/conftest.py)
+# fails a test run here that imports coqui or whose call takes over 2 s.
+FAST := not slow and not xtts and not distributed
+test-fast: setup
+	$(PY) -m pytest -q -m "$(FAST)" --check-markers
 
 bench: setup
 	$(PY) benchmarks/run.py

@@ -14,7 +14,11 @@ GPU a rank, each step timed to its end (``torch.cuda.synchronize``); the GPU sui
 (benchmarks/gpu/test_gpu_multi.py) does that.
 
 Run: .venv/bin/python benchmarks/bench_distributed.py [--rounds N] [--steps N] [--only ddp]
-     [--device cuda]
+     [--device cuda] [--breakdown]
+
+``--breakdown`` also prints, per setting, the median time of each phase of the step
+(forward, backward, clip, optimizer step) patched and unpatched, and of the NaN guard's
+agreement all-reduce (timed inside the optimizer step), on rank 0.
 """
 
 from __future__ import annotations
@@ -39,9 +43,20 @@ SETTINGS = {
 }
 
 
-def block(model, opt, steps: int, data, device: str) -> list[float]:
-    """bench_overhead.py's fp32 step (AdamW, clip 1.0), each timed to its end on a GPU."""
+PHASES = ("forward", "backward", "clip", "optimizer step")
+
+
+def block(model, opt, steps: int, data, device: str,
+          phases: dict[str, list[float]] | None = None, bare_flag: bool = False) -> list[float]:
+    """bench_overhead.py's fp32 step (AdamW, clip 1.0), each timed to its end on a GPU;
+    with ``phases``, each phase's time is appended there too (CPU: no sync needed); with
+    ``bare_flag``, one all-reduce (MAX) of 3 floats and its host read before the optimizer
+    step, as the NaN guard's agreement does, and nothing else (what that collective alone
+    costs in this step)."""
     import torch
+    import torch.distributed as dist
+
+    flag = torch.zeros(3, device=device)
 
     x, y = data
     times = []
@@ -49,16 +64,42 @@ def block(model, opt, steps: int, data, device: str) -> list[float]:
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        t_fwd = time.perf_counter()
         loss.backward()
+        t_bwd = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t_clip = time.perf_counter()
+        if bare_flag:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            bool(flag[0])
         opt.step()
         if device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        times.append(end - start)
+        if phases is not None:
+            for name, took in zip(PHASES, (t_fwd - start, t_bwd - t_fwd, t_clip - t_bwd,
+                                           end - t_clip)):
+                phases.setdefault(name, []).append(took)
     return times
 
 
-def rank_main(setting: str, rounds: int, steps: int, device: str) -> None:
+def _timed_agreement(sink: list[float]) -> None:
+    """Time the NaN guard's one agreement all-reduce (``nan_guard._agree``) into ``sink``."""
+    from patches import nan_guard
+
+    agree = nan_guard._agree
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return agree(*args, **kwargs)
+        finally:
+            sink.append(time.perf_counter() - start)
+    nan_guard._agree = timed
+
+
+def rank_main(setting: str, rounds: int, steps: int, device: str, breakdown: bool) -> None:
     """One rank of the job (started by torchrun with ``--rank-job``)."""
     sys.path[:0] = [ROOT, HERE]
     import torch
@@ -87,6 +128,11 @@ def rank_main(setting: str, rounds: int, steps: int, device: str) -> None:
     data = (torch.randn(8, 64, 128, generator=generator).to(device),
             torch.randn(8, 64, 128, generator=generator).to(device))
     patches.revert()
+    phases: dict[str, dict[str, list[float]]] = {"patched": {}, "unpatched": {}}
+    agreement: list[float] = []
+    bare_ratios: list[float] = []
+    if breakdown:
+        _timed_agreement(agreement)
     try:
         block(model, opt, 3, data, device)  # warm-up, unpatched
         patches.apply(quiet=True)
@@ -98,10 +144,15 @@ def rank_main(setting: str, rounds: int, steps: int, device: str) -> None:
             medians = {}
             for mode in order:
                 patches.apply(quiet=True) if mode == "patched" else patches.revert()
-                times = block(model, opt, steps, data, device)
+                times = block(model, opt, steps, data, device,
+                              phases[mode] if breakdown else None)
                 timed[mode] += times
                 medians[mode] = statistics.median(times)
             ratios.append(medians["patched"] / medians["unpatched"])
+            if breakdown:  # the unpatched step plus one bare all-reduce of the flag
+                patches.revert()
+                times = block(model, opt, steps, data, device, None, bare_flag=True)
+                bare_ratios.append(statistics.median(times) / medians["unpatched"])
     except Exception as exc:  # every rank meets the same failure at the same step
         if rank == 0:
             print(f"RESULT crashed {_describe(exc)}", flush=True)
@@ -112,6 +163,18 @@ def rank_main(setting: str, rounds: int, steps: int, device: str) -> None:
         med = {k: statistics.median(v) * 1e3 for k, v in timed.items()}
         print(f"RESULT {med['unpatched']:.2f} {med['patched']:.2f} "
               f"{statistics.median(ratios):.3f}", flush=True)
+        if breakdown:
+            for name in PHASES:
+                u, p = (statistics.median(phases[m][name]) * 1e3
+                        for m in ("unpatched", "patched"))
+                print(f"PHASE {name}: unpatched {u:.2f} ms, patched {p:.2f} ms", flush=True)
+            if agreement:
+                print(f"PHASE of which the guard's agreement all-reduce: "
+                      f"{statistics.median(agreement) * 1e3:.2f} ms median "
+                      f"({len(agreement)} calls)", flush=True)
+            print(f"PHASE unpatched + one bare 3-float all-reduce before the step, over "
+                  f"unpatched: {statistics.median(bare_ratios):.3f} (median of rounds)",
+                  flush=True)
     dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
@@ -135,13 +198,14 @@ def _free_port() -> int:
 
 
 def run_setting(setting: str, rounds: int, steps: int, timeout: float,
-                device: str = "cpu") -> str:
+                device: str = "cpu", breakdown: bool = False) -> str:
     """One torchrun job; its table row (or what went wrong)."""
     label = SETTINGS[setting][0]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
                "--max-restarts=0", os.path.abspath(__file__), "--rank-job", setting,
                "--rounds", str(rounds), "--steps", str(steps), "--device", device]
+    command += ["--breakdown"] if breakdown else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
     env.update(OMP_NUM_THREADS="1", TRAINING_PATCHES_QUIET="1")
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -155,7 +219,9 @@ def run_setting(setting: str, rounds: int, steps: int, timeout: float,
     results = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("RESULT ")]
     if proc.returncode == 0 and results:
         unpatched, patched, ratio = results[-1].split()
-        return f"| {label} | {unpatched} | {patched} | {ratio} |"
+        notes = "".join(f"\n  {line[6:]}" for line in out.splitlines()
+                        if line.startswith("PHASE "))
+        return f"| {label} | {unpatched} | {patched} | {ratio} |{notes}"
     why = results[-1] if results else (out.strip().splitlines() or ["no output"])[-1]
     return f"| {label} | - | - | patched run FAILED: {why} |"
 
@@ -169,10 +235,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per job")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: NCCL, one GPU a rank (needs 2 GPUs)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print each phase's median time (forward, backward, clip, "
+                        "optimizer step) and the NaN guard's agreement all-reduce, rank 0")
     parser.add_argument("--rank-job", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_job:
-        rank_main(args.rank_job, args.rounds, args.steps, args.device)
+        rank_main(args.rank_job, args.rounds, args.steps, args.device, args.breakdown)
         return
     import torch
 
@@ -187,7 +256,8 @@ def main() -> None:
     for key in SETTINGS:
         if args.only in key:
             start = time.perf_counter()
-            row = run_setting(key, args.rounds, args.steps, args.timeout, args.device)
+            row = run_setting(key, args.rounds, args.steps, args.timeout, args.device,
+                              args.breakdown)
             failed |= "FAILED" in row or "hung" in row
             print(row, f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
     sys.exit(1 if failed else 0)

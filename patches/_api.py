@@ -293,13 +293,16 @@ def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
     for name, why in left_off.items():
         lines.append(f"  [off] {name:<{width}}  {why}")
     for name, integ in _registry.integrations().items():
-        version = _registry._distribution_version(integ.distribution)
+        # the version of the code this process runs: the imported module's __version__
+        # (a trainer may vendor its own TTS/), package metadata only where it has none
+        found = _registry.checked_version(integ)
         if _registry.integration_off(name):
             lines.append(f"  [off] {name:<{width}}  left off by TRAINING_PATCHES_DISABLE")
-        elif version is None:
+        elif found.version is None and not found.vendored:
             lines.append(f"  [ - ] {name:<{width}}  {integ.distribution} not installed")
         else:
-            lines.append(f"  [int] {name:<{width}}  {integ.distribution} {version} "
+            lines.append(f"  [int] {name:<{width}}  {integ.distribution} "
+                         f"{found.version or '(version unknown)'} [{found.source}] "
                          f"({integ.supported}): {integ.describe}")
     for problem in problems:
         lines.append(f"  WARNING {problem.patch}: {problem.message}")

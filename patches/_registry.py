@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -103,6 +104,9 @@ class Integration:
     sites: tuple[Site, ...]
     describe: str = ""
     reset: Callable[[], None] | None = None
+    # The top-level package this process imports for the distribution ("TTS" for
+    # coqui-tts): its version is the one checked, since a trainer may vendor its own copy.
+    module: str = ""
 
     def patches(self) -> list[str]:
         return sorted({site.patch for site in self.sites})
@@ -232,32 +236,212 @@ def _distribution_version(distribution: str) -> str | None:
         return None
 
 
-def check_versions() -> list[Problem]:
-    """Each integration whose upstream is installed at a version outside its range."""
+@dataclass(frozen=True)
+class UpstreamVersion:
+    """The version of an integration's upstream that this process runs (or will import),
+    and where it was read: ``source`` is short (for the banner), ``detail`` names the path.
+
+    ``vendored``: the package that is (or will be) imported is not the installed
+    distribution's copy (a trainer that ships its own ``TTS/``).
+    """
+
+    version: str | None
+    source: str
+    detail: str
+    vendored: bool = False
+
+
+def _package_dir(origin: str | None) -> str:
+    if not origin:
+        return "?"
+    return os.path.dirname(origin) if os.path.basename(origin) == "__init__.py" else origin
+
+
+@functools.lru_cache(maxsize=None)
+def _is_distributions_copy(distribution: str, module: str, origin: str | None) -> bool:
+    """True when ``origin`` (a module's file) is the one ``distribution`` installed."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    if not origin:
+        return True  # a namespace package: nothing to tell apart
+    target = os.path.realpath(origin)
+    if any(os.path.realpath(str(dist.locate_file(candidate))) == target
+           for candidate in (f"{module}/__init__.py", f"{module}.py")):
+        return True
+    source = _editable_source(dist)
+    return source is not None and target.startswith(source + os.sep)
+
+
+def _editable_source(dist: importlib.metadata.Distribution) -> str | None:
+    """The source folder of an editable install (``pip install -e``), from PEP 610's
+    ``direct_url.json``; None for any other install."""
+    import json
+    from urllib.parse import unquote, urlparse
+
+    try:
+        info = json.loads(dist.read_text("direct_url.json") or "{}")
+    except (ValueError, OSError):
+        return None
+    url = urlparse(str(info.get("url", "")))
+    if not (info.get("dir_info") or {}).get("editable") or url.scheme != "file":
+        return None
+    return os.path.realpath(unquote(url.path))
+
+
+def _static_version(package_dir: str) -> str | None:
+    """``__version__ = "x.y"`` in a package's ``__init__.py``, else its ``VERSION`` file
+    (coqui TTS 0.22 reads that one): read without importing the package."""
+    import ast
+
+    try:
+        tree = ast.parse(open(os.path.join(package_dir, "__init__.py"), encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError):
+        tree = None
+    for node in getattr(tree, "body", []):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets) and \
+                isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return node.value.value
+    try:
+        text = open(os.path.join(package_dir, "VERSION"), encoding="utf-8").read().strip()
+    except OSError:
+        return None
+    return text.splitlines()[0].strip() if text else None
+
+
+def upstream_version(integ: Integration) -> UpstreamVersion:
+    """The version of ``integ``'s upstream this process runs: the imported module's
+    ``__version__``; before the import, the copy ``import`` would find (the installed
+    distribution's metadata, or a vendored package's ``__version__``/``VERSION`` read
+    without importing it); package metadata only when the module states no version."""
+    import importlib.util
+
+    meta = _distribution_version(integ.distribution)
+    name = integ.module
+    if not name:
+        return UpstreamVersion(meta, "package metadata", "package metadata")
+    module = sys.modules.get(name)
+    if module is not None:
+        where = _package_dir(getattr(module, "__file__", None))
+        version = getattr(module, "__version__", None)
+        vendored = not _is_distributions_copy(integ.distribution, name,
+                                              getattr(module, "__file__", None))
+        if isinstance(version, str) and version:
+            return UpstreamVersion(version, f"{name}.__version__",
+                                   f"{name}.__version__ of the imported {name} at {where}",
+                                   vendored)
+        return UpstreamVersion(
+            None if vendored else meta,
+            f"{name} has no __version__" + ("" if vendored else "; package metadata"),
+            f"the imported {name} at {where} has no __version__"
+            + (f" and is not {integ.distribution}'s installed copy, so its version is unknown"
+               if vendored else f"; read from {integ.distribution}'s package metadata"),
+            vendored)
+    try:
+        spec = importlib.util.find_spec(name)  # a top-level name: finds, imports nothing
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return UpstreamVersion(None, f"{name} not importable",
+                               f"no {name} package can be imported")
+    origin = spec.origin if spec.origin not in (None, "namespace") else None
+    if _is_distributions_copy(integ.distribution, name, origin):
+        return UpstreamVersion(meta, f"package metadata; {name} not imported yet",
+                               f"{integ.distribution}'s package metadata ({name} not "
+                               f"imported yet)")
+    where = _package_dir(origin)
+    version = _static_version(where)
+    return UpstreamVersion(
+        version, f"{name} at {where}, not imported yet",
+        f"the {name} that will be imported is {where}, not {integ.distribution}'s installed "
+        f"copy" + (f" ({meta})" if meta else "")
+        + (f"; its version {version} read from its files" if version else
+           "; its version could not be read before it is imported"), True)
+
+
+def _version_problem(integ: Integration, found: UpstreamVersion) -> Problem | None:
+    """A Problem when the upstream this process runs is outside the integration's range
+    (or a vendored copy whose version cannot be read)."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
+    if found.version is None and not found.vendored:
+        return None  # not installed: the banner says so, nothing lands
+    try:
+        ok = found.version is not None and Version(found.version) in SpecifierSet(integ.supported)
+    except InvalidVersion:
+        ok = False
+    if ok:
+        return None
+    return Problem(
+        ", ".join(integ.patches()), "version", integ.name,
+        f"{integ.distribution} {found.version or '(version unknown)'} is what this process "
+        f"runs ({found.detail}); integration {integ.name} supports {integ.distribution} "
+        f"{integ.supported}. Its sites are applied where they exist, but behaviour inside "
+        f"{integ.distribution} is unverified")
+
+
+def check_versions() -> list[Problem]:
+    """Each integration whose upstream, as this process runs it, is outside its range."""
     problems = []
     for integ in _integrations.values():
-        version = _distribution_version(integ.distribution)
-        if version is None or integ.name in _integrations_off:
+        if integ.name in _integrations_off:
             _version_problems.pop(integ.name, None)
             continue
-        try:
-            ok = Version(version) in SpecifierSet(integ.supported)
-        except InvalidVersion:
-            ok = False
-        if ok:
+        found = upstream_version(integ)
+        _checked_versions[integ.name] = found
+        if (found.version is not None or found.vendored) and integ.module and \
+                integ.module not in sys.modules:
+            _watch_import(integ)
+        problem = _version_problem(integ, found)
+        if problem is None:
             _version_problems.pop(integ.name, None)
             continue
-        problem = Problem(
-            ", ".join(integ.patches()), "version", integ.name,
-            f"{integ.distribution} {version} is installed; integration {integ.name} supports "
-            f"{integ.distribution} {integ.supported}. Its sites are applied where they exist, "
-            f"but behaviour inside {integ.distribution} is unverified")
         _version_problems[integ.name] = problem
         problems.append(problem)
     return problems
+
+
+# What check_versions() read for each integration (the banner shows it).
+_checked_versions: dict[str, UpstreamVersion] = {}
+_watched: set[str] = set()
+
+
+def _watch_import(integ: Integration) -> None:
+    """Check the version again once the module is really imported: the copy found before
+    the import was judged from its files, the imported module's ``__version__`` decides."""
+    if integ.name in _watched:
+        return
+    _watched.add(integ.name)
+
+    def on_import(module: ModuleType) -> None:
+        _watched.discard(integ.name)
+        if integ.name in _integrations_off or not any(
+                site.patch in _active for site in integ.sites):
+            return
+        before = _checked_versions.get(integ.name)
+        found = upstream_version(integ)
+        _checked_versions[integ.name] = found
+        if before is not None and before.version == found.version:
+            return  # what the banner said holds
+        problem = _version_problem(integ, found)
+        if problem is None:
+            _version_problems.pop(integ.name, None)
+            logger.info("training-patches: %s is %s (%s), not %s as read before the import",
+                        integ.distribution, found.version, found.detail,
+                        before.version if before is not None else "known")
+            return
+        _version_problems[integ.name] = problem
+        _report(problem, None, ("", integ.name))
+
+    wrapt.register_post_import_hook(on_import, integ.module)
+
+
+def checked_version(integ: Integration) -> UpstreamVersion:
+    """What the last :func:`check_versions` read for ``integ`` (read now if never)."""
+    return _checked_versions.get(integ.name) or upstream_version(integ)
 
 
 def _report(problem: Problem, activation: _Activation | None, key: tuple[str, str]) -> None:
@@ -277,7 +461,8 @@ def _site_problem(spec: PatchSpec, site: Site, integration: str | None, kind: st
                   detail: str) -> Problem:
     owner = f"integration {integration}" if integration else f"patch {spec.name}"
     dist = _integrations[integration].distribution if integration else "torch"
-    version = _distribution_version(dist) or "?"
+    version = (upstream_version(_integrations[integration]).version if integration
+               else _distribution_version(dist)) or "?"
     lost = site.lost or f"what {spec.name} does at this site"
     return Problem(spec.name, kind, str(site),
                    f"{site} {detail} ({dist} {version}, {owner}); therefore NOT protected: {lost}")

@@ -119,6 +119,16 @@ def saw_checkpoint(path: str | os.PathLike[str]) -> None:
         _checkpoint_dir = os.path.dirname(os.path.abspath(text))
 
 
+def saw_checkpoint_folder(folder: str | os.PathLike[str]) -> None:
+    """A checkpoint folder the run writes into (a ``CheckpointManager``'s): like
+    :func:`saw_checkpoint`, for writers whose files are not named by a ``torch.save``
+    path (temporary names, DCP folders)."""
+    global _checkpoint_dir
+    text = os.fspath(folder)
+    if "://" not in text:
+        _checkpoint_dir = os.path.abspath(text)
+
+
 def report_dir() -> str:
     """:func:`output_dir`, else ``./training_patches`` (absolute): reports always have a home."""
     return output_dir() or os.path.abspath(DEFAULT_DIR)

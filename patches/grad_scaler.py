@@ -26,7 +26,10 @@ group, so every rank skips alike) is kept.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import threading
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -86,12 +89,54 @@ class LossScaleFloorError(FloatingPointError):
     """Gradients stayed non-finite with the loss scale already at its floor."""
 
 
-class SafeGradScaler(_TorchGradScaler):
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller_frame() -> Any:
+    """The first frame outside this package: the line that built the scaler."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            _PACKAGE_DIR):
+        frame = frame.f_back
+    return frame
+
+
+def _warn_at_caller(caught: list[warnings.WarningMessage]) -> None:
+    """Re-issue torch's warnings (``GradScaler is enabled, but CUDA is not available``) at
+    the user's line: torch's ``stacklevel=2`` would name our ``__init__``, which only the
+    patch put between the user and torch."""
+    frame = _caller_frame()
+    for w in caught:
+        if frame is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            continue
+        module_globals = frame.f_globals
+        warnings.warn_explicit(
+            w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
+            module=module_globals.get("__name__"),
+            registry=module_globals.setdefault("__warningregistry__", {}),
+            module_globals=module_globals)
+
+
+class _ScalerType(type):
+    """Shows a scaler class as what the user built: ``SafeGradScaler(torch.cuda.amp.GradScaler)``
+    (the class the patch put at that name), not the name of our internal subclass."""
+
+    def __repr__(cls) -> str:
+        return f"<class '{cls.__module__}.SafeGradScaler({cls._tp_built_as})'>"
+
+
+class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
     """A ``torch.amp.GradScaler`` with safe defaults, skip counters and a floor.
 
     Arguments left as ``None`` come from the options (``TRAINING_PATCHES_*``
     variables or ``patches.apply(...)``); arguments a trainer passes win.
+    ``repr()`` of the class and of a scaler names the torch class the user built
+    (``SafeGradScaler(torch.cuda.amp.GradScaler)``).
     """
+
+    # The torch class the user's code asked for, which this class stands in for.
+    _tp_built_as = "torch.amp.GradScaler"
 
     def __init__(
         self,
@@ -108,14 +153,18 @@ class SafeGradScaler(_TorchGradScaler):
         log_interval: int | None = None,
     ) -> None:
         opts = _options.current()
-        super().__init__(
-            device,
-            init_scale=opts.init_scale if init_scale is None else init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=opts.growth_interval if growth_interval is None else growth_interval,
-            enabled=enabled,
-        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            super().__init__(
+                device,
+                init_scale=opts.init_scale if init_scale is None else init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=(opts.growth_interval if growth_interval is None
+                                 else growth_interval),
+                enabled=enabled,
+            )
+        _warn_at_caller(caught)
         self.hysteresis = opts.hysteresis if hysteresis is None else int(hysteresis)
         self.min_scale = opts.min_scale if min_scale is None else float(min_scale)
         self.max_floor_skips = opts.max_floor_skips if max_floor_skips is None else max_floor_skips
@@ -341,6 +390,11 @@ class SafeGradScaler(_TorchGradScaler):
 
     # -- state -------------------------------------------------------------
 
+    def __repr__(self) -> str:
+        state = (f"scale={self.get_scale():g}, growth_interval={self._growth_interval}"
+                 if self._enabled else "enabled=False")
+        return f"SafeGradScaler({self._tp_built_as}, device={self._device!r}, {state})"
+
     def stats(self) -> dict[str, float]:
         """Counters and scale as plain numbers (one host read)."""
         if not self._enabled:
@@ -385,6 +439,8 @@ class SafeGradScaler(_TorchGradScaler):
 class CudaSafeGradScaler(SafeGradScaler):
     """SafeGradScaler with the signature of the deprecated ``torch.cuda.amp.GradScaler``."""
 
+    _tp_built_as = "torch.cuda.amp.GradScaler"
+
     def __init__(self, init_scale: float | None = None, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int | None = None,
                  enabled: bool = True, **kwargs: Any) -> None:
@@ -412,6 +468,7 @@ def sharded_scaler_class(original: type) -> type:
     class SafeShardedGradScaler(SafeGradScaler, original):  # type: ignore[misc, valid-type]
         __doc__ = (f"SafeGradScaler's defaults, counters and floor on "
                    f"{original.__module__}.{original.__qualname__}.")
+        _tp_built_as = "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
 
         def __init__(self, device: str = "cuda", init_scale: float | None = None,
                      backoff_factor: float = 0.5, growth_factor: float = 2.0,

@@ -27,7 +27,11 @@ in plain loops and in the coqui Trainer:
   loss is checked before its backward (``Tensor.backward``; one host read, where the
   trainer usually reads the loss for its log anyway): a non-finite micro-batch adds
   nothing to the accumulated gradient and the step uses the others. Without
-  accumulation nothing is read there: the step-level check below decides;
+  accumulation nothing is read there: the step-level check below decides. With several
+  ranks the micro-batch's backward still runs (DDP's and FSDP2's gradient hooks
+  communicate as for any other micro-batch, so no peer waits), with a zero gradient
+  reaching every parameter; where every micro-batch of every rank was non-finite, the
+  step leaves every parameter as it was, as in one process;
 - step accounting: by default the LR scheduler still steps on a skipped step
   (``lr_step_on_skip=1``), so the trainer's own step counter, the scheduler and the step
   in its checkpoints stay equal and a resume finds the LR the schedule expects; with
@@ -53,12 +57,13 @@ was (the gradient all-reduce or reduce-scatter spreads it) count as the peer's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.utils import get_total_norm
@@ -106,6 +111,8 @@ class _State:
         # steps take more than one, each loss is checked before its backward (one host read),
         # so a non-finite micro-batch is left out instead of dropping the whole step.
         self.backwards = 0
+        self.left_out = 0  # of those, non-finite micro-batches left out
+        self.kept_none = False  # the last step left out every micro-batch it had
         self.accumulating = False  # the last step took more than one backward
         self.accumulation_hint = False  # an integration said steps accumulate
         self.loss_from_backward = False  # pending_loss came from Tensor.backward
@@ -180,22 +187,25 @@ def _remember_loss(loss: torch.Tensor, bad: torch.Tensor, opts: _options.Options
 
 
 def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every rank's decision: (any rank's flag, any rank's non-finite loss flag).
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Every rank's decision: (any rank's flag, any rank's non-finite loss flag, whether
+    any rank kept a micro-batch of this step).
 
-    One all-reduce (MAX) of a plain two-element tensor: DTensors are never reduced (a
+    One all-reduce (MAX) of a plain three-element tensor: DTensors are never reduced (a
     collective on one has no sharding strategy). The second value tells a rank whose
     gradients are non-finite only because a peer's NaN loss reached them through the
-    gradient sync that the peer saw it. Without a process group: ``(bad, None)``.
+    gradient sync that the peer saw it. The third tells a rank that left out every
+    micro-batch of the step whether a peer kept one (else the step has no gradient
+    anywhere). Without a process group: ``(bad, None, None)``.
     """
     if not _dist.collectives():
-        return bad, None
+        return bad, None, None
     dist = torch.distributed
-    shared = torch.stack([bad, bad_loss if bad_loss is not None else torch.zeros_like(bad)]
-                         ).to(torch.float32)
+    shared = torch.stack([bad, bad_loss if bad_loss is not None else torch.zeros_like(bad),
+                          torch.full_like(bad, not _state.kept_none)]).to(torch.float32)
     dist.all_reduce(shared, op=dist.ReduceOp.MAX)
     agreed = shared > 0
-    return agreed[0], agreed[1]
+    return agreed[0], agreed[1], agreed[2]
 
 
 def _local_flag(flag: torch.Tensor) -> torch.Tensor:
@@ -206,7 +216,8 @@ def _local_flag(flag: torch.Tensor) -> torch.Tensor:
 def _step_boundary() -> None:
     """An optimizer step (taken, or skipped by a scaler): did it take several backwards?"""
     _state.accumulating = _state.backwards > 1
-    _state.backwards = 0
+    _state.kept_none = 0 < _state.backwards <= _state.left_out
+    _state.backwards = _state.left_out = 0
 
 
 def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
@@ -242,7 +253,14 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
         bad_loss = ~torch.isfinite(loss)
         spike = _spike_flag(loss, opts)
         bad = bad | bad_loss if spike is None else bad | bad_loss | spike
-    bad, any_bad_loss = _agree(bad, bad_loss)
+    bad, any_bad_loss, any_kept = _agree(bad, bad_loss)
+    if _state.kept_none and any_kept is not None and not bool(any_kept):
+        # Every micro-batch of this step was non-finite on every rank: the zero gradients
+        # they left (see _zero_leaf_gradients) go, as one process leaves None, so the
+        # optimizer leaves every parameter as it was (one read, on such a rank only).
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
     _state.host_steps += 1
     _state.counts["steps"] += 1
     if loss is not None:
@@ -519,6 +537,32 @@ def _on_bad_micro_batch(loss: torch.Tensor) -> None:
                    f"; source: {event['source']}" if event.get("source") else "", path)
 
 
+@contextlib.contextmanager
+def _zero_leaf_gradients(loss: torch.Tensor) -> Iterator[None]:
+    """While a backward of ``loss`` runs, every gradient reaching a leaf (a parameter's
+    ``AccumulateGrad``) is replaced by zeros; every other node runs as usual, so the
+    gradient hooks of DDP and FSDP2 communicate exactly as for a good micro-batch.
+    Walks the graph once: only for a non-finite micro-batch, never per step."""
+    handles = []
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad: the leaf's gradient lands here
+            handles.append(node.register_prehook(
+                lambda grads: tuple(None if g is None else torch.zeros_like(g)
+                                    for g in grads)))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None,
                  create_graph: bool = False, inputs: Any = None) -> Any:
@@ -531,8 +575,23 @@ def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
                 _state.loss_from_backward = True
             if ((_state.accumulating or _state.accumulation_hint)
                     and not bool(torch.isfinite(self.detach()).all())):
+                _state.left_out += 1
+                if not _dist.collectives():
+                    _on_bad_micro_batch(self)
+                    return None
+                # Several ranks: the peers' backward of this micro-batch may all-reduce
+                # (DDP's synced micro-batch, every micro-batch without no_sync) or
+                # all-gather and reduce-scatter (FSDP2): leaving it out here would leave
+                # them waiting (a hang, or gloo aborting on mismatched collectives). So it
+                # runs, with exactly the same communication, and every parameter takes a
+                # zero gradient from it: the same micro-batch is left out on every rank.
+                with _zero_leaf_gradients(self):
+                    result = original(self, gradient, retain_graph, create_graph, inputs)
+                # Recorded (and replayed) only now: a replay's backward on this rank alone
+                # while DDP still expects this micro-batch's gradients would start a
+                # reduction of its own.
                 _on_bad_micro_batch(self)
-                return None
+                return result
         return original(self, gradient, retain_graph, create_graph, inputs)
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__
@@ -596,10 +655,12 @@ def find_nonfinite_source(model: torch.nn.Module,
                           closure: Callable[[], torch.Tensor]) -> dict[str, Any]:
     """Re-run one batch (``closure`` returns its loss) with forward hooks and anomaly mode.
 
-    Returns the first module whose input or output was non-finite and the backward
-    operation anomaly mode named. RNG state is restored, gradients are cleared: the
-    run continues as if the replay never happened. Costs one slow step: call it for
-    the first bad batch, never every step.
+    Returns ``found`` (True when the re-run named a culprit), the first module whose
+    input or output was non-finite and the backward operation anomaly mode named; when
+    nothing was named, ``reason`` says why (the re-run stayed finite, or only gradients
+    went infinite, which anomaly mode does not flag). RNG state is restored, gradients
+    are cleared: the run continues as if the replay never happened. Costs one slow step:
+    call it for the first bad batch, never every step.
     """
     found: dict[str, Any] = {}
 
@@ -642,6 +703,10 @@ def find_nonfinite_source(model: torch.nn.Module,
                 lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
                 found["forward_call"] = lines[-1]
                 break
+        if "module" not in found and "operation" not in found:
+            found.update(found=False, reason=_nothing_found_reason(model))
+        else:
+            found = {"found": True, **found}
     finally:
         for handle in handles:
             handle.remove()
@@ -652,6 +717,23 @@ def find_nonfinite_source(model: torch.nn.Module,
             p.grad = grad
         _state.replaying = False
     return found
+
+
+def _nothing_found_reason(model: torch.nn.Module) -> str:
+    """Why a replay named no module: read from the gradients the re-run left."""
+    bad = [name for name, p in model.named_parameters()
+           if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    if bad:
+        return (f"the re-run's loss and every module's inputs and outputs were finite, but "
+                f"the gradients of {', '.join(bad[:3])}"
+                + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+                + " were not: infinite values from an overflow in backward, which anomaly "
+                  "mode (it checks for NaN only) does not trace to an operation")
+    return ("the batch was re-run with forward hooks and anomaly mode and its loss, every "
+            "module's inputs and outputs and its gradients were finite: the non-finite value "
+            "did not recur (it came from state the re-run does not reproduce, e.g. the loss "
+            "scale of a mixed-precision step, RNG drawn differently, or a nondeterministic "
+            "kernel)")
 
 
 # -- the patch -----------------------------------------------------------------------

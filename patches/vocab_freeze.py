@@ -318,6 +318,29 @@ def freeze_of(param: torch.Tensor) -> VocabFreeze | None:
     return handle if handle is not None and not handle.released else None
 
 
+def _storage(param: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
+    """(data pointer, shape) of ``param``'s local tensor: the same tensor reached under two
+    names (``gpt.*`` of an Xtts, ``xtts.gpt.*`` of its GPTTrainer) or through a new
+    Parameter object over the same memory. None where there is no memory (meta)."""
+    local = _dist.local(param)
+    ptr = local.data_ptr() if local.device.type != "meta" else 0
+    return (ptr, tuple(local.shape)) if ptr else None
+
+
+def _freezes_of(params: Iterable[torch.Tensor]) -> list[VocabFreeze]:
+    """The live freezes holding any of ``params``, by identity or by memory."""
+    found: dict[int, VocabFreeze] = {}
+    storages = {key for key in map(_storage, params) if key is not None}
+    for param in params:
+        handle = freeze_of(param)
+        if handle is not None:
+            found[id(handle)] = handle
+    for handle in live_freezes():
+        if any(_storage(entry.param) in storages for entry in handle._entries):
+            found[id(handle)] = handle
+    return list(found.values())
+
+
 # Every live freeze, held weakly: a model thrown away takes its freeze with it. One global
 # optimizer step post-hook serves them all (registered with the first freeze and kept: it
 # costs an empty loop, and removing it could happen inside torch's loop over the hooks),
@@ -405,6 +428,13 @@ class VocabFreeze:
     def frozen_values(self) -> dict[str, torch.Tensor]:
         """The stored base rows of each tensor (the values they are kept at)."""
         return {entry.path: entry.stored for entry in self._entries if entry.stored is not None}
+
+    def covers_same(self, other: VocabFreeze) -> bool:
+        """True when ``other`` freezes the same tensors (by memory) at the same rows."""
+        mine = {_storage(entry.param) for entry in self._entries}
+        theirs = {_storage(entry.param) for entry in other._entries}
+        return (None not in mine and mine == theirs and self.rows == other.rows
+                and self.until_step == other.until_step and not self.released)
 
     def frozen_numel(self) -> int:
         """Frozen elements over all ranks (whole tensors, not this rank's shards)."""
@@ -622,22 +652,39 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
     start_last = layout.last_row_kept
     base_vocab_size = layout.base_rows(base_vocab_size)
     with _lock:
-        for entry in entries:
-            previous = freeze_of(entry.param)
-            if previous is not None:
-                logger.debug("%s replacing an earlier freeze of %s", TAG, entry.path)
-                previous.remove()
+        previous = _freezes_of([entry.param for entry in entries])
         handle = VocabFreeze(entries, vocab_size, base_vocab_size, start_last,
                              None if until_step is None else int(until_step), root=model,
                              layout=layout)
+        # The same tensors frozen again with the same rows (XTTS: the loader freezes
+        # Xtts's gpt.*, the GPTTrainer hook then xtts.gpt.*, one model): one freeze, one block.
+        same = len(previous) == 1 and previous[0].covers_same(handle)
+        for earlier in previous:
+            logger.debug("%s replacing the earlier freeze of %s", TAG, ", ".join(earlier.paths))
+            earlier.remove()
         handle.refresh()
         handle._attach()
-    _log_start(handle, model)
+    if same:
+        logger.debug("%s %s: the same tensors and rows were frozen already (as %s); the freeze "
+                     "is renewed, nothing else changes", TAG, ", ".join(handle.paths),
+                     ", ".join(previous[0].paths))
+    else:
+        _log_start(handle, model, previous)
     return handle
 
 
-def _log_start(handle: VocabFreeze, model: nn.Module) -> None:
+def _percent(part: int, whole: int) -> str:
+    """``part`` of ``whole`` as a percentage that is never rounded to a false 0.0%."""
+    share = 100.0 * part / max(whole, 1)
+    return f"{share:.1f}%" if share >= 0.1 or share == 0 else f"{share:.2g}%"
+
+
+def _log_start(handle: VocabFreeze, model: nn.Module,
+               replaced: Sequence[VocabFreeze] = ()) -> None:
     vocab, base = handle.vocab_size, handle.base_vocab_size
+    for earlier in replaced:
+        info("%s Replacing the earlier freeze of %s (rows %s frozen)", TAG,
+             ", ".join(earlier.paths), _describe(earlier.rows))
     if base == vocab:
         info("%s Vocabulary not extended (%d tokens = base size): all text rows frozen",
              TAG, vocab)
@@ -653,11 +700,14 @@ def _log_start(handle: VocabFreeze, model: nn.Module) -> None:
         info("%s New tokens: %s (trainable)", TAG, _describe([handle.new_rows]))
     total = sum(p.numel() for p in model.parameters())
     frozen = handle.frozen_numel()
+    frozen_rows_n = sum(len(r) for r in handle.rows)
     until = (f", released after {handle.until_step} optimizer steps"
              if handle.until_step is not None else "")
-    info("%s Freezing %s / %s parameters (%.1f%%) in %s: gradients zeroed, rows restored after "
-         "every optimizer step%s", TAG, f"{frozen:,}", f"{total:,}",
-         100.0 * frozen / max(total, 1), ", ".join(handle.paths), until)
+    info("%s Freezing %d of %d rows (%s; %d rows train, %s) of %s: %s parameters, %s of the "
+         "model's %s; gradients zeroed, rows restored after every optimizer step%s", TAG,
+         frozen_rows_n, vocab, _percent(frozen_rows_n, vocab), vocab - frozen_rows_n,
+         _percent(vocab - frozen_rows_n, vocab), ", ".join(handle.paths), f"{frozen:,}",
+         _percent(frozen, total), f"{total:,}", until)
     sharded = [entry for entry in handle._entries if _dist.is_dtensor(entry.param)]
     if sharded:
         info("%s Sharded tensors (%s): rank %d freezes and restores its own rows %s", TAG,

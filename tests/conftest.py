@@ -92,3 +92,183 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.distributed)
             if not gloo:
                 item.add_marker(pytest.mark.skip(reason="torch.distributed with gloo is not available"))
+
+
+# -- the markers are right: ``--check-markers`` (used by ``make test-fast``) -------------
+#
+# The fast tier is ``-m "not slow and not xtts and not distributed"``: it must pass without
+# coqui. With --check-markers, a test not marked ``xtts`` runs with coqui hidden (``import
+# TTS...``/``import trainer...`` raise ModuleNotFoundError): one that needs it fails, or is
+# skipped by importorskip and that skip is turned into a failure; a code path that falls back
+# without coqui passes. A test file that imports coqui when it is collected, or a test that
+# takes a tiny_xtts fixture, fails too. A test not marked ``slow`` fails when its call took
+# more than SLOW_S seconds of both wall-clock and CPU time (this process plus the
+# subprocesses it waited for): a machine busy with other work stretches the wall clock, not
+# the CPU time, and torch's threads stretch the CPU time, not the wall clock.
+
+COQUI = ("TTS", "trainer")
+SLOW_S = 2.0
+HIDDEN = "--check-markers hides coqui from tests not marked xtts"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--check-markers", action="store_true", default=False,
+        help=f"run tests not marked xtts with coqui (TTS, trainer) hidden and fail those that "
+             f"need it; fail tests not marked slow whose call takes over {SLOW_S:g} s")
+
+
+def _is_coqui(name: str) -> bool:
+    return name.partition(".")[0] in COQUI
+
+
+class _CoquiImports:
+    """While entered, every ``import TTS...``/``import trainer...`` statement is recorded in
+    ``tried`` and, with ``hide``, raises ModuleNotFoundError (``builtins.__import__`` sees an
+    import even when the module is already loaded, so what a file collected earlier imported
+    does not leak through). ``appeared``: coqui modules new in ``sys.modules`` on exit (an
+    ``importlib.import_module``, which goes around ``__import__``)."""
+
+    def __init__(self, hide: bool = False) -> None:
+        self.hide = hide
+        self.tried: set[str] = set()
+        self.appeared: set[str] = set()
+
+    def __enter__(self) -> "_CoquiImports":
+        import builtins
+        import sys
+
+        self._before = {name for name in sys.modules if _is_coqui(name)}
+        self._original = original = builtins.__import__
+
+        def watching(name, globals=None, locals=None, fromlist=(), level=0):
+            if level == 0 and _is_coqui(name):
+                self.tried.add(name)
+                if self.hide:
+                    raise ModuleNotFoundError(f"No module named {name!r} ({HIDDEN}: mark the "
+                                              f"test @pytest.mark.xtts if it needs coqui)",
+                                              name=name)
+            return original(name, globals, locals, fromlist, level)
+
+        builtins.__import__ = watching
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import builtins
+        import sys
+
+        builtins.__import__ = self._original
+        self.appeared = {name for name in sys.modules if _is_coqui(name)} - self._before
+
+
+_MODULE_COQUI_KEY = pytest.StashKey[set]()
+_ITEM_COQUI_KEY = pytest.StashKey[set]()
+_ITEM_TIME_KEY = pytest.StashKey[tuple]()
+_WAITS_KEY = pytest.StashKey[list]()
+
+
+def _checking(config: pytest.Config) -> bool:
+    return bool(config.getoption("--check-markers", default=False))
+
+
+def _hidden(item: pytest.Item) -> bool:
+    """Whether ``item`` runs with coqui hidden: --check-markers and no xtts marker."""
+    return _checking(item.config) and item.get_closest_marker("xtts") is None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """Under --check-markers: which test files import coqui when they are imported (not
+    hidden here: a file marked xtts may, and its tests are deselected after collection)."""
+    if not (_checking(collector.config) and isinstance(collector, pytest.Module)):
+        return (yield)
+    with _CoquiImports() as watch:
+        report = yield
+    collector.stash[_MODULE_COQUI_KEY] = watch.tried | watch.appeared
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if not _hidden(item):
+        return (yield)
+    with _CoquiImports(hide=True) as watch:
+        try:
+            return (yield)
+        finally:
+            item.stash[_ITEM_COQUI_KEY] = watch.appeared
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    if not _checking(item.config):
+        return (yield)
+    import os
+    import time
+
+    def cpu() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    wall0, cpu0 = time.perf_counter(), cpu()
+    with _CoquiImports(hide=_hidden(item)) as watch:
+        try:
+            return (yield)
+        finally:
+            item.stash[_ITEM_COQUI_KEY] = item.stash.get(_ITEM_COQUI_KEY, set()) | watch.appeared
+            item.stash[_ITEM_TIME_KEY] = (time.perf_counter() - wall0, cpu() - cpu0)
+
+
+def _marker_faults(item: pytest.Item) -> list[str]:
+    """What --check-markers finds wrong with a passed ``item``'s markers (empty: nothing)."""
+    faults = []
+    if item.get_closest_marker("xtts") is None:
+        module = item.getparent(pytest.Module)
+        coqui = sorted(item.stash.get(_ITEM_COQUI_KEY, set())
+                       | (module.stash.get(_MODULE_COQUI_KEY, set()) if module else set()))
+        fixtures = sorted(name for name in getattr(item, "fixturenames", ())
+                          if name.startswith("tiny_xtts"))
+        if coqui or fixtures:
+            found = ", ".join([f"imports {name}" for name in coqui[:3]]
+                              + [f"uses fixture {name}" for name in fixtures])
+            faults.append(f"it needs coqui ({found}) but is not marked xtts: add "
+                          f"@pytest.mark.xtts (or pytestmark = pytest.mark.xtts in its file)")
+    if item.get_closest_marker("slow") is None and _ITEM_TIME_KEY in item.stash:
+        wall, cpu = item.stash[_ITEM_TIME_KEY]
+        if min(wall, cpu) > SLOW_S:
+            faults.append(f"its call took {wall:.1f} s wall clock and {cpu:.1f} s CPU time "
+                          f"(over {SLOW_S:g} s) but it is not marked slow: add "
+                          f"@pytest.mark.slow, or make it faster")
+        elif wall > SLOW_S:
+            item.config.stash.setdefault(_WAITS_KEY, []).append(
+                f"{item.nodeid}: {wall:.1f} s wall clock, {cpu:.1f} s CPU")
+    return faults
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if not _checking(item.config):
+        return report
+    if report.skipped and HIDDEN in str(report.longrepr):
+        report.outcome = "failed"
+        report.longrepr = (f"--check-markers: {item.nodeid} skips without coqui (an "
+                           f"importorskip) but is not marked xtts: add @pytest.mark.xtts")
+    elif report.when == "call" and report.passed:
+        faults = _marker_faults(item)
+        if faults:
+            report.outcome = "failed"
+            report.longrepr = (f"--check-markers: {item.nodeid} passed, but "
+                               + "; and ".join(faults))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """Under --check-markers: unmarked tests slow by the wall clock only (waiting, or a
+    machine busy with other work) are listed, not failed."""
+    waits = config.stash.get(_WAITS_KEY, []) if _checking(config) else []
+    if waits:
+        terminalreporter.write_sep("-", f"--check-markers: over {SLOW_S:g} s by the wall clock "
+                                        f"only (not failed)")
+        for line in waits:
+            terminalreporter.write_line(line)

@@ -104,6 +104,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
                           text=True, env=full_env, timeout=300)
 
 
+@pytest.mark.slow
 def test_activation_line_applies_once_with_banner() -> None:
     result = _run(
         "from utils import training_patches\n"
@@ -118,6 +119,7 @@ def test_activation_line_applies_once_with_banner() -> None:
     assert "[off] anomaly" in result.stderr
 
 
+@pytest.mark.slow
 def test_activation_quiet_and_env_disable() -> None:
     result = _run("from utils import training_patches\nimport patches\n"
                   "print(','.join(sorted(patches.applied())))\n",
@@ -127,7 +129,116 @@ def test_activation_quiet_and_env_disable() -> None:
     assert "applying training patches" not in result.stderr
 
 
+@pytest.mark.slow
 def test_activation_with_a_bad_variable_fails_clearly() -> None:
     result = _run("from utils import training_patches", TRAINING_PATCHES_INIT_SCALE="big")
     assert result.returncode != 0
     assert "TRAINING_PATCHES_INIT_SCALE" in result.stderr and "'big'" in result.stderr
+
+
+def _vendored_tts(root: "os.PathLike[str]", init: str, version_file: str | None = None) -> str:
+    """A trainer's own copy of ``TTS/`` (as recipe forks ship coqui TTS 0.22), on a folder
+    that goes first on sys.path; returns that folder."""
+    package = os.path.join(os.fspath(root), "TTS")
+    os.makedirs(package)
+    with open(os.path.join(package, "__init__.py"), "w", encoding="utf-8") as handle:
+        handle.write(init)
+    if version_file is not None:
+        with open(os.path.join(package, "VERSION"), "w", encoding="utf-8") as handle:
+            handle.write(version_file + "\n")
+    return os.fspath(root)
+
+
+# coqui TTS 0.22's own TTS/__init__.py: the version is read from the VERSION file
+TTS_022_INIT = ("import os\n"
+                "with open(os.path.join(os.path.dirname(__file__), 'VERSION'), 'r', "
+                "encoding='utf-8') as f:\n"
+                "    version = f.read().strip()\n"
+                "__version__ = version\n")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_registry._distribution_version("coqui-tts") is None,
+                    reason="the point is a vendored TTS beside an installed coqui-tts")
+@pytest.mark.parametrize("order", ["vendored-tts-imported-first", "patches-first"])
+def test_banner_reads_the_version_of_the_tts_actually_imported(tmp_path, order: str) -> None:
+    vendor = _vendored_tts(tmp_path, TTS_022_INIT, "0.22.0")
+    installed = _registry._distribution_version("coqui-tts")
+    lines = [f"import sys; sys.path.insert(0, {vendor!r})"]
+    lines += (["import TTS", "import patches.auto"] if order.startswith("vendored")
+              else ["import patches.auto", "import TTS"])
+    lines.append("print(TTS.__file__)")
+    result = _run("\n".join(lines))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == os.path.join(vendor, "TTS", "__init__.py")
+    banner = result.stderr
+    source = ("TTS.__version__" if order.startswith("vendored")
+              else f"TTS at {os.path.join(vendor, 'TTS')}, not imported yet")
+    assert f"[int] xtts_gpt       coqui-tts 0.22.0 [{source}] (>=0.24,<0.29)" in banner
+    assert f"coqui-tts {installed}" not in banner
+    assert ("WARNING checkpoint, vocab_freeze: coqui-tts 0.22.0 is what this process runs"
+            in banner)
+    assert "integration xtts_gpt supports coqui-tts >=0.24,<0.29" in banner
+    # strict mode refuses to run an unverified upstream
+    strict = _run("\n".join(lines), TRAINING_PATCHES_STRICT="1")
+    assert strict.returncode != 0 and "PatchSiteError" in strict.stderr
+    assert "coqui-tts 0.22.0" in strict.stderr
+
+
+@pytest.mark.skipif(_registry._distribution_version("coqui-tts") is None,
+                    reason="the point is a vendored TTS beside an installed coqui-tts")
+def test_a_version_unreadable_before_import_is_checked_at_import(tmp_path) -> None:
+    """A vendored TTS whose __version__ is computed: the banner says the version is not
+    known yet (a WARNING), and the import itself then says which version it is."""
+    vendor = _vendored_tts(tmp_path, "__version__ = '.'.join(['0', '22', '1'])\n")
+    result = _run(f"import sys; sys.path.insert(0, {vendor!r})\n"
+                  "import patches.auto\nimport TTS\n")
+    assert result.returncode == 0, result.stderr
+    assert "coqui-tts (version unknown) [TTS at" in result.stderr
+    banner, _, after = result.stderr.partition("Options:")
+    assert "its version could not be read before it is imported" in banner
+    assert ("coqui-tts 0.22.1 is what this process runs (TTS.__version__ of the imported TTS at "
+            f"{os.path.join(vendor, 'TTS')})") in after
+
+
+@pytest.mark.slow
+def test_banner_names_where_each_version_was_read() -> None:
+    """The installed copies: metadata before the import, the module's own after it."""
+    result = _run("import torch, patches.auto")
+    assert result.returncode == 0, result.stderr
+    for integ in _registry.integrations().values():
+        version = _registry._distribution_version(integ.distribution)
+        if version is not None:
+            assert (f"{integ.distribution} {version} [package metadata; {integ.module} not "
+                    f"imported yet]") in result.stderr
+    if _registry._distribution_version("coqui-tts") is not None:
+        imported = _run("import TTS, patches.auto")
+        assert f"coqui-tts {_registry._distribution_version('coqui-tts')} [TTS.__version__]" \
+            in imported.stderr
+
+
+def test_an_editable_install_is_the_distributions_own_copy(tmp_path, monkeypatch) -> None:
+    """``pip install -e``: the package lives in the source folder that PEP 610's
+    direct_url.json names, not under site-packages; it is not a vendored copy."""
+    site, src = tmp_path / "site", tmp_path / "src"
+    (src / "tp_editable_pkg").mkdir(parents=True)
+    (src / "tp_editable_pkg" / "__init__.py").write_text("__version__ = VERSION = '1.0'\n")
+    info = site / "tp_editable_pkg-1.2.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-editable-pkg\nVersion: 1.2\n")
+    (info / "direct_url.json").write_text(
+        '{"url": "%s", "dir_info": {"editable": true}}' % src.as_uri())
+    monkeypatch.syspath_prepend(str(src))
+    monkeypatch.syspath_prepend(str(site))
+    integ = _registry.Integration("tp_editable", "tp-editable-pkg", ">=1,<2", (),
+                                  module="tp_editable_pkg")
+    found = _registry.upstream_version(integ)
+    assert (found.version, found.vendored) == ("1.2", False), found
+    # the same package under another folder first on sys.path is a vendored copy
+    other = tmp_path / "vendor" / "tp_editable_pkg"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("__version__ = '0.5'\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "vendor"))
+    found = _registry.upstream_version(integ)
+    assert (found.version, found.vendored) == ("0.5", True), found
+    assert _registry._version_problem(integ, found) is not None

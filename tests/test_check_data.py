@@ -352,6 +352,7 @@ def test_a_bad_tokenizer_file_is_a_usage_error(dataset, tmp_path, capsys) -> Non
 # -- a signal ends the command and its workers (issue 19) -------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_ends_check_data_and_its_workers_within_seconds(tmp_path, signum,
                                                                   code) -> None:

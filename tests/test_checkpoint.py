@@ -23,6 +23,7 @@ from torch import nn
 
 import patches
 from patches import checkpoint as ck
+from patches import vocab_freeze  # noqa: F401  (a growth's freeze: if it cannot import, fail)
 from patches.checkpoint import (CheckpointError, CheckpointManager, CheckpointMismatchError,
                                 UnsafeCheckpointError, load_checkpoint)
 
@@ -350,7 +351,6 @@ def test_prefixed_keys_and_coqui_lists_load(tmp_path):
 
 
 def test_freeze_is_enabled_after_a_growth_when_available(tmp_path):
-    pytest.importorskip("patches.vocab_freeze")
     *_, path = _trained_checkpoint(tmp_path, vocab=20)
     model, opt, sched, scaler = _fresh(28)
     report = load_checkpoint(path, model, opt, sched, scaler)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import TinyTextModel
 from torch import nn
 
 from patches.checkpoint import (CheckpointError, CheckpointManager, check_file, load_checkpoint,
@@ -42,15 +43,7 @@ VOCAB, HIDDEN = 12, 8
 NAME = "ckpt_000000005.pt"
 
 
-class TinyGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.text_embedding = nn.Embedding(VOCAB, HIDDEN)
-        self.body = nn.Linear(HIDDEN, HIDDEN)
-        self.text_head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.text_head(torch.relu(self.body(self.text_embedding(tokens))))
+TinyGPT = functools.partial(TinyTextModel, VOCAB, HIDDEN)
 
 
 def _objects(seed: int):

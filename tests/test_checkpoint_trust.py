@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import TinyTextModel
 from torch import nn
 
 from patches import checkpoint as ck
@@ -31,17 +32,11 @@ torch.set_num_threads(1)
 VOCAB, HIDDEN = 20, 16
 
 
-class TinyGPT(nn.Module):
+class TinyGPT(TinyTextModel):
     """Five parameters: text_embedding, body (weight, bias), text_head (weight, bias)."""
 
     def __init__(self, vocab: int = VOCAB) -> None:
-        super().__init__()
-        self.text_embedding = nn.Embedding(vocab, HIDDEN)
-        self.body = nn.Linear(HIDDEN, HIDDEN)
-        self.text_head = nn.Linear(HIDDEN, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.text_head(torch.relu(self.body(self.text_embedding(tokens))))
+        super().__init__(vocab, HIDDEN)
 
 
 def _objects(seed: int = 0, steps: int = 2):

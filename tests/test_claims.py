@@ -10,6 +10,7 @@ from typing import Callable
 import pytest
 import torch
 from sync_count import count_host_reads
+from tiny_models import TinyTextModel
 from torch import nn
 
 import patches
@@ -110,14 +111,8 @@ def test_a_guard_that_checked_scaler_steps_would_read_twice(
 
 # -- new vocabulary rows: the first Adam update at a realistic step count -------------------
 
-class _Vocab(nn.Module):
-    def __init__(self, rows: int, dim: int = 16) -> None:
-        super().__init__()
-        self.text_embedding = nn.Embedding(rows, dim)
-        self.text_head = nn.Linear(dim, rows)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.text_head(self.text_embedding(ids))
+def _Vocab(rows: int) -> TinyTextModel:
+    return TinyTextModel(rows, 16, hidden=False)
 
 
 def _first_update_ratio(tmp_path: Path, old: int = 24, new: int = 32,

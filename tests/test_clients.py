@@ -132,6 +132,7 @@ def _assert_xtts_run(harness: dict, base: dict[str, Path], out: Path) -> None:
         assert moved.sum() > 0, name  # the new Amharic rows trained
 
 
+@pytest.mark.xtts
 def test_xtts_card_line_with_the_projects_namespace_utils(xtts_base, tmp_path) -> None:
     """The card's ``from utils import training_patches`` with our checkout on the path:
     ``utils`` merges with the project's, so ``utils.gpt_train`` is still theirs."""
@@ -145,6 +146,7 @@ def test_xtts_card_line_with_the_projects_namespace_utils(xtts_base, tmp_path) -
     _assert_xtts_run(harness, xtts_base, out)
 
 
+@pytest.mark.xtts
 def test_xtts_regular_utils_with_the_copied_file(xtts_base, tmp_path) -> None:
     project = _xtts_project(tmp_path, regular_utils=True)
     out = tmp_path / "out"
@@ -153,6 +155,7 @@ def test_xtts_regular_utils_with_the_copied_file(xtts_base, tmp_path) -> None:
     _assert_xtts_run(harness, xtts_base, out)
 
 
+@pytest.mark.xtts
 def test_xtts_launcher_with_no_line(xtts_base, tmp_path) -> None:
     project = _xtts_project(tmp_path, drop_line=True)
     out = tmp_path / "out"
@@ -162,6 +165,7 @@ def test_xtts_launcher_with_no_line(xtts_base, tmp_path) -> None:
     _assert_xtts_run(harness, xtts_base, out)
 
 
+@pytest.mark.xtts
 def test_xtts_a_nan_micro_batch_is_exactly_the_run_without_it(xtts_base, tmp_path) -> None:
     """The 15 other micro-batches are used: the guarded run (its replay that finds the
     source included) ends bit-identical to a run in which that micro-batch's loss was
@@ -183,6 +187,7 @@ def test_xtts_a_nan_micro_batch_is_exactly_the_run_without_it(xtts_base, tmp_pat
                            start["gpt.gpt.h.0.mlp.c_fc.weight"])  # the step did happen
 
 
+@pytest.mark.xtts
 @pytest.mark.parametrize("loader", ["patches", "upstream"])
 def test_xtts_continue_after_growth_keeps_every_row_and_the_lr_schedule(xtts_base, tmp_path,
                                                                          loader) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.xtts
 pytest.importorskip("TTS")
 
 import patches  # noqa: E402

@@ -90,6 +90,7 @@ def test_second_demo_replaces_only_its_own_folder(tmp_path: Path) -> None:
     assert (other / "keep.txt").is_file()
 
 
+@pytest.mark.xtts
 def test_demo_refuses_a_folder_it_did_not_make(tmp_path: Path) -> None:
     pytest.importorskip("TTS")
     (tmp_path / "mine.txt").write_text("keep me", encoding="utf-8")
@@ -99,6 +100,7 @@ def test_demo_refuses_a_folder_it_did_not_make(tmp_path: Path) -> None:
     assert (tmp_path / "mine.txt").read_text(encoding="utf-8") == "keep me"
 
 
+@pytest.mark.slow
 def test_demo_takes_no_base_files(tmp_path: Path) -> None:
     result = _run("--demo", "--base-dir", str(tmp_path), timeout=120)
     assert result.returncode == 2

@@ -181,3 +181,28 @@ def test_pickle_round_trip_keeps_counters() -> None:
     copy_ = pickle.loads(pickle.dumps(scaler))
     assert copy_.get_scale() == scaler.get_scale()
     assert copy.copy(copy_.stats()) == scaler.stats()
+
+
+@pytest.mark.skipif(not torch.cuda.amp.common.amp_definitely_not_available(),
+                    reason="torch warns only where CUDA is not available")
+def test_cuda_warning_points_at_the_users_line_and_the_type_reads_as_built(
+        clean_patches: None) -> None:
+    import inspect
+    import warnings
+
+    import patches
+
+    patches.apply(["grad_scaler"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # the next line builds the scaler
+        scaler = torch.cuda.amp.GradScaler()
+    cuda = [w for w in caught if "CUDA is not available" in str(w.message)]
+    assert len(cuda) == 1
+    assert (cuda[0].filename, cuda[0].lineno) == (__file__, line)
+    assert isinstance(scaler, SafeGradScaler)
+    assert repr(type(scaler)) == \
+        "<class 'patches.grad_scaler.SafeGradScaler(torch.cuda.amp.GradScaler)'>"
+    assert repr(scaler) == \
+        "SafeGradScaler(torch.cuda.amp.GradScaler, device='cuda', enabled=False)"
+    assert repr(SafeGradScaler("cpu")).startswith("SafeGradScaler(torch.amp.GradScaler, ")

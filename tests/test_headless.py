@@ -34,6 +34,7 @@ def test_first_import_is_the_activation_line() -> None:
     assert [alias.name for alias in first.names] == ["training_patches"]
 
 
+@pytest.mark.slow
 def test_help_documents_every_option() -> None:
     sys.path.insert(0, str(ROOT))
     import headlessXttsTrain
@@ -52,6 +53,7 @@ def test_help_documents_every_option() -> None:
         assert needed in flags
 
 
+@pytest.mark.slow
 def test_help_comes_without_the_banner() -> None:
     """``--help`` prints the help, not the activation's 20-line banner first (issue 19); any
     other start still shows the banner (here: an unknown flag, refused by argparse)."""
@@ -65,6 +67,7 @@ def test_help_comes_without_the_banner() -> None:
     assert "applying training patches" in other.stderr and "unrecognized" in other.stderr
 
 
+@pytest.mark.slow
 def test_missing_base_file_is_a_clear_error(tmp_path: Path) -> None:
     base = tmp_path / "base"
     base.mkdir()
@@ -81,6 +84,7 @@ def test_missing_base_file_is_a_clear_error(tmp_path: Path) -> None:
     assert "model.pth not found" not in result.stderr  # only what is missing is named
 
 
+@pytest.mark.slow
 def test_bf16_on_cpu_and_extend_vocab_are_clear_errors(tmp_path: Path) -> None:
     base = tmp_path / "base"
     base.mkdir()

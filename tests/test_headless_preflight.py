@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import pytest
 
+pytestmark = pytest.mark.xtts
 pytest.importorskip("TTS")
 
 ROOT = Path(__file__).resolve().parents[1]

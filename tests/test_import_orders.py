@@ -18,6 +18,9 @@ PROBE = os.path.join(os.path.dirname(__file__), "order_probe.py")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from patches import _registry  # noqa: E402
 
+# A fresh interpreter (torch imported) per case, patches x orders of them: the slow tier.
+pytestmark = pytest.mark.slow
+
 PATCHES = list(_registry.specs())  # every patch the library has
 ORDERS = {
     "import-then-apply": (["import", "apply"], "patched"),

@@ -214,6 +214,33 @@ def test_find_nonfinite_source_names_module_and_operation() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_replay_that_finds_nothing_says_why_in_the_event(guard: str) -> None:
+    """The bad value came from outside the batch's forward/backward (here: the loss is
+    multiplied by NaN only on the real step), so the replay names no module: the event's
+    ``source`` says so and why, instead of an unexplained ``{}``."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    nan_guard.set_replay(lambda: nan_guard.find_nonfinite_source(
+        model, lambda: model(x).pow(2).mean()))
+    for step in range(1, 4):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        if step == 2:
+            loss = loss * float("nan")
+        loss.backward()
+        opt.step()
+    with open(os.path.join(guard, "nonfinite_events.jsonl")) as handle:
+        events = [json.loads(line) for line in handle]
+    assert len(events) == 1
+    source = events[0]["source"]
+    assert source["found"] is False and "module" not in source
+    assert "did not recur" in source["reason"]
+    # a replay that does find the culprit says so
+    found = nan_guard.find_nonfinite_source(model, lambda: model(x).pow(2).mean() * float("nan"))
+    assert found["found"] is True and found["module"] == "loss"
+
+
 def test_loss_spike_guard_skips_and_counts_separately(clean_patches: None) -> None:
     nan_guard.reset()
     patches.apply(["nan_guard"], spike_k=6, spike_window=20)

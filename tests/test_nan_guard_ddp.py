@@ -20,6 +20,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_fault_on_one_rank_is_skipped_on_both(tmp_path) -> None:
     inject = [4, 11, 12, 25]
     mp.spawn(worker, args=(2, free_port(), str(tmp_path), inject), nprocs=2, join=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import TinyTextModel
 from torch import nn
 
 import patches
@@ -29,14 +30,8 @@ def _fresh_state(monkeypatch: pytest.MonkeyPatch):
     patches.reset_runtime_state()
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.text_embedding = nn.Embedding(20, 8)
-        self.proj = nn.Linear(8, 20)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.text_embedding(ids))
+def Tiny() -> TinyTextModel:
+    return TinyTextModel(20, 8, hidden=False)
 
 
 def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +84,39 @@ def test_without_any_folder_events_go_to_training_patches(
     _loss(model, 0, poison=True).backward()
     opt.step()
     assert (tmp_path / "training_patches" / "nonfinite_events.jsonl").exists()
+
+
+def test_events_go_beside_the_checkpoint_managers_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """CheckpointManager writes through temporary files (no torch.save path names the
+    folder): creating it is enough for the run's reports to go beside its checkpoints,
+    before the first save too; ./training_patches/ is never made."""
+    from patches.checkpoint import CheckpointManager
+
+    monkeypatch.chdir(tmp_path)
+    patches.apply()
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = CheckpointManager(tmp_path / "run_a" / "ckpts", keep=2)
+    for step in range(1, 5):
+        opt.zero_grad()
+        _loss(model, step, poison=(step in (1, 3))).backward()
+        opt.step()
+        if step == 2:
+            manager.save(step, model, opt)
+    events = tmp_path / "run_a" / "ckpts" / "nonfinite_events.jsonl"
+    assert [json.loads(line)["step"] for line in events.open()] == [1, 3]
+    assert str(events) in caplog.text
+    assert not (tmp_path / "training_patches").exists()
+    assert (tmp_path / "run_a" / "ckpts" / "ckpt_000000002.pt").exists()
+    # a folder the user sets still wins
+    patches.set_output_dir(tmp_path / "mine")
+    opt.zero_grad()
+    _loss(model, 9, poison=True).backward()
+    opt.step()
+    assert (tmp_path / "mine" / "nonfinite_events.jsonl").exists()
 
 
 def _accumulate(model: nn.Module, opt: torch.optim.Optimizer, steps: int, micro: int,

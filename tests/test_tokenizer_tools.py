@@ -470,6 +470,7 @@ def _tool(argv: list, env_extra: dict) -> subprocess.Popen:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_two_runs_writing_the_same_new_output_cannot_both_write(files, tmp_path) -> None:
     """Two extend-tokenizer runs started together, both past the "output exists?" check
     before either writes (a barrier in --g2p): exactly one writes, the other is refused in
@@ -508,6 +509,7 @@ def test_two_runs_writing_the_same_new_output_cannot_both_write(files, tmp_path)
     assert not [p for p in tmp_path.iterdir() if ".tp-tmp-" in p.name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_ends_extend_tokenizer_with_nothing_written(files, tmp_path, signum,
                                                               code) -> None:

@@ -7,32 +7,25 @@ the maximum absolute difference is exactly 0.0.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
 import pytest
 import torch
+from tiny_models import TinyTextModel
 from torch import nn
 
 import patches
 from patches import SafeGradScaler, freeze_base_vocab
-from patches.vocab_freeze import (VocabFreezeError, freeze_of, frozen_rows, new_rows,
-                                  start_row_is_last)
+from patches.vocab_freeze import (VocabFreezeError, freeze_of, frozen_rows, live_freezes,
+                                  new_rows, start_row_is_last)
 
 BASE, VOCAB, DIM = 40, 52, 16
 
 
-class UnifiedVoiceLike(nn.Module):
-    """IndexTTS-style: text_embedding / text_head on the model itself."""
-
-    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
-        super().__init__()
-        self.text_embedding = nn.Embedding(vocab, dim)
-        self.body = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
-        self.text_head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.text_head(self.body(self.text_embedding(tokens)))
+# IndexTTS-style: text_embedding / text_head on the model itself.
+UnifiedVoiceLike = functools.partial(TinyTextModel, VOCAB, DIM, "tanh")
 
 
 def _batches(steps: int, vocab: int = VOCAB, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
@@ -214,6 +207,48 @@ def test_explicit_modules_and_second_freeze_replaces_first() -> None:
     assert _max_diff(model.embed.weight[BASE:], before["e"][BASE:]) > 0.0
 
 
+def test_one_block_per_model_with_the_true_share(caplog: pytest.LogCaptureFixture) -> None:
+    """The same tensors frozen under two names (an Xtts's ``gpt.*``, then its GPTTrainer's
+    ``xtts.gpt.*``) give one block, whose freeze line states the share of rows that
+    train and a parameter share that is never a false 0.0%."""
+    class Xtts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = UnifiedVoiceLike()
+            self.decoder = nn.Linear(512, 512)  # the big rest of the model
+
+    class Trainer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.xtts = Xtts()
+
+    model = Trainer()
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        first = freeze_base_vocab(model.xtts, BASE)
+        second = freeze_base_vocab(model, BASE)
+    lines = [r.getMessage() for r in caplog.records if "[Extended Vocab Fix]" in r.getMessage()]
+    assert sum("Freezing" in line for line in lines) == 1, lines
+    assert sum("Detected extended vocabulary" in line for line in lines) == 1, lines
+    freezing = next(line for line in lines if "Freezing" in line)
+    total = sum(p.numel() for p in model.xtts.parameters())
+    assert (f"Freezing {BASE} of {VOCAB} rows (76.9%; {VOCAB - BASE} rows train, 23.1%) of "
+            f"gpt.text_embedding.weight, gpt.text_head.weight, gpt.text_head.bias: "
+            f"{BASE * (2 * DIM + 1):,} parameters, ") in freezing
+    share = 100 * BASE * (2 * DIM + 1) / total
+    assert f"{share:.1f}%" in freezing and f"of the model's {total:,}" in freezing
+    assert first.released and not second.released
+    assert freeze_of(model.xtts.gpt.text_embedding.weight) is second
+    # a freeze of the same tensors with other rows is a change: said, with its own block
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        freeze_base_vocab(model, BASE - 4)
+    assert "Replacing the earlier freeze of xtts.gpt.text_embedding.weight" in caplog.text
+    assert f"Freezing {BASE - 4} of {VOCAB} rows" in caplog.text
+    # a share far below 0.1% keeps its digits
+    from patches.vocab_freeze import _percent
+    assert _percent(9546, 78_166_512) == "0.012%" and _percent(0, 10) == "0.0%"
+
+
 def test_fp16_safe_grad_scaler_skip_and_nan_grads() -> None:
     """CPU fp16 autocast + SafeGradScaler: an overflow step is skipped; fp32 NaN grads
     stepped by the optimizer do not reach the base rows either."""
@@ -291,6 +326,122 @@ def test_coqui_trainer_env_activation(tiny_xtts, tiny_xtts_extended_vocab, tiny_
     frozen, trained = _xtts_rows(gpt)
     assert_base_frozen_new_trained(before, gpt, frozen, trained)
     assert freeze_of(gpt.text_head.weight).steps == 7
+
+
+@xtts
+def test_xtts_checkpoint_growth_prints_one_freeze_block(tiny_xtts, tiny_xtts_extended_vocab,
+                                                        tmp_path, clean_patches, one_thread,
+                                                        monkeypatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """GPTTrainer with an ``xtts_checkpoint`` of the base vocabulary: the loader freezes
+    Xtts's ``gpt.*`` after the growth, the GPTTrainer hook the same tensors as
+    ``xtts.gpt.*``: one ``[Extended Vocab Fix]`` block, not two."""
+    monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "74")
+    patches.apply(["vocab_freeze", "checkpoint"])
+    base = tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "base"))
+    torch.save({"model": base.state_dict()}, tmp_path / "base.pth")
+    config = tiny_xtts.make_config(tmp_path / "run", vocab=tiny_xtts_extended_vocab,
+                                   xtts_checkpoint=str(tmp_path / "base.pth"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        model = tiny_xtts.make_model(config)
+    lines = [r.getMessage() for r in caplog.records if "[Extended Vocab Fix]" in r.getMessage()]
+    assert sum("Freezing" in line for line in lines) == 1, lines
+    assert sum("Base tokens: 0-72, 81" in line for line in lines) == 1, lines
+    assert "Freezing 74 of 82 rows (90.2%; 8 rows train, 9.8%)" in caplog.text
+    assert "(0.0%)" not in caplog.text
+    handle = freeze_of(model.xtts.gpt.text_head.weight)
+    assert [h for h in live_freezes() if h.covers_same(handle)] == [handle]
+
+
+def _rewrite_vocab(src, out, edit) -> str:
+    """A copy of the vocab.json ``src`` with ``edit(ids)`` applied to its token -> id map
+    (model vocab and added tokens alike); a token mapped to None is dropped."""
+    import json
+
+    data = json.loads(open(src, encoding="utf-8").read())
+    ids = {**data["model"]["vocab"], **{a["content"]: a["id"] for a in data["added_tokens"]}}
+    new = edit(dict(ids))
+    data["model"]["vocab"] = {t: new[t] for t in data["model"]["vocab"] if new.get(t) is not None}
+    data["added_tokens"] = [{**a, "id": new[a["content"]]} for a in data["added_tokens"]
+                            if new.get(a["content"]) is not None]
+    # tokenizers renumbers an added token the model vocab lacks: list each one there too
+    data["model"]["vocab"].update({a["content"]: a["id"] for a in data["added_tokens"]})
+    with open(out, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(data, ensure_ascii=False))
+    return str(out)
+
+
+class _Gpt(nn.Module):
+    """What the check reads of XTTS's GPT: the text embedding and the start/stop ids."""
+
+    def __init__(self, rows: int, start: int | None, stop: int | None = 0) -> None:
+        super().__init__()
+        self.text_embedding = nn.Embedding(rows, 4)
+        self.start_text_token, self.stop_text_token = start, stop
+
+
+@xtts
+def test_vocab_layout_problems_against_tokenizer_and_model(tiny_xtts, tiny_xtts_extended_vocab,
+                                                           tmp_path) -> None:
+    from patches.integrations.xtts_gpt import vocab_layout_problems
+
+    good = str(tiny_xtts_extended_vocab)  # [am] 73, new 74..80, [START] moved to 81
+    assert vocab_layout_problems(good, _Gpt(82, 81), 74) == []
+    assert vocab_layout_problems(str(tiny_xtts.vocab), _Gpt(74, 73), 74) == []
+    # a third-party extender: [START] dropped, its id 73 given to [am]
+    dropped = _rewrite_vocab(good, tmp_path / "dropped.json",
+                             lambda ids: {**ids, "[START]": None})
+    problems = vocab_layout_problems(dropped, _Gpt(81, None), 74)
+    assert any(p.startswith("[START] missing") for p in problems), problems
+    assert any("row 73 ([am]) keeps the base model's row 73" in p for p in problems), problems
+    # [START] moved into the new range but not last: row 73 is still frozen for [am]
+    moved = _rewrite_vocab(good, tmp_path / "moved.json", lambda ids: {
+        **ids, "[START]": 80, **{t: 81 for t, i in ids.items() if i == 80}})
+    problems = vocab_layout_problems(moved, _Gpt(82, 80), 74)
+    assert any("[START] is id 80, a new row that trains" in p and "row 73 ([am])" in p
+               for p in problems), problems
+    # the model's ids disagree with the tokenizer's; rows disagree with the ids
+    problems = vocab_layout_problems(good, _Gpt(83, 73, stop=2), 74)
+    assert "the model's start_text_token is 73, but the tokenizer's [START] is id 81" in problems
+    assert "the model's stop_text_token is 2, but the tokenizer's [STOP] is id 0" in problems
+    assert "the text embedding has 83 rows, the tokenizer 82 ids" in problems
+    # a dataset language needs its [lang] special token (under its code or an alias)
+    assert vocab_layout_problems(good, _Gpt(82, 81), 74, ["am", "en", "am-ET"]) == []
+    problems = vocab_layout_problems(good, _Gpt(82, 81), 74, ["de"])
+    assert len(problems) == 1 and problems[0].startswith("dataset language 'de': [de] is missing")
+
+
+@xtts
+def test_activation_on_a_broken_vocabulary_warns_and_strict_stops(
+        tiny_xtts, tiny_xtts_extended_vocab, tmp_path, clean_patches, one_thread, monkeypatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """TRAINING_PATCHES_BASE_VOCAB on a GPTTrainer whose vocabulary lost [START] (its id
+    given to [am]): a WARNING before the freeze block, not only "Base tokens: 0-73";
+    under TRAINING_PATCHES_STRICT=1 the GPTTrainer is not built."""
+    monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "74")
+    patches.apply(["vocab_freeze"])
+    dropped = _rewrite_vocab(tiny_xtts_extended_vocab, tmp_path / "dropped.json",
+                             lambda ids: {**ids, "[START]": None})
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "ok",
+                                                   vocab=tiny_xtts_extended_vocab))
+    assert "Base tokens: 0-72, 81" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and "[Extended Vocab Fix]" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "broken", vocab=dropped))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and "[Extended Vocab Fix]" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    assert "[START] missing" in warnings[0] and "row 73 ([am])" in warnings[0]
+    assert dropped in warnings[0] and "verify-tokenizer" in warnings[0]
+    assert "Base tokens: 0-73 (frozen)" in caplog.text  # what was done, after the warning
+    patches.revert()
+    patches.apply(["vocab_freeze"], strict=True)
+    with pytest.raises(VocabFreezeError, match=r"STRICT=1.*\[START\] missing"):
+        tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "strict", vocab=dropped))
 
 
 @xtts

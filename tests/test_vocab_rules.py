@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import TinyTextModel
 from torch import nn
 
 import patches
@@ -17,19 +18,13 @@ pytestmark = pytest.mark.usefixtures("clean_patches")
 BASE, NEW = 40, 8
 
 
-class UnifiedVoiceLike(nn.Module):
+class UnifiedVoiceLike(TinyTextModel):
     """The IndexTTS shape: text embedding and head of ``number_text_tokens + 1`` rows."""
 
     def __init__(self, tokens: int, dim: int = 16) -> None:
-        super().__init__()
+        super().__init__(tokens + 1, dim, "tanh")
         self.number_text_tokens = tokens
         self.start_text_token, self.stop_text_token = 0, 1
-        self.text_embedding = nn.Embedding(tokens + 1, dim)
-        self.body = nn.Linear(dim, dim)
-        self.text_head = nn.Linear(dim, tokens + 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.text_head(torch.tanh(self.body(self.text_embedding(ids))))
 
 
 def _train(model: nn.Module, steps: int = 6, seed: int = 0) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import _dist
+from .. import _dist, _run
 from .._log import info
 from . import _collective
 from ._validate import (FORMAT, MANIFEST_SUFFIX, Manifest, _sha256, _what_to_do, check_file,
@@ -34,7 +34,7 @@ from .errors import CheckpointError, DiskFullError
 from .optimizer import _as_list
 from .rng import capture_rng_state
 from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
-                      is_sharded_model, remove_folder, save_sharded)
+                      is_sharded_model, remove_folder, save_sharded, sweep_incomplete)
 
 logger = logging.getLogger("training_patches")
 
@@ -105,6 +105,10 @@ class CheckpointManager:
         self.collective = collective
         self.pattern = re.compile(rf"^{re.escape(prefix)}_(\d+)\.pt$")
         self.folder_pattern = re.compile(rf"^{re.escape(prefix)}_(\d+){re.escape(DCP_SUFFIX)}$")
+        # A plain loop names no run folder: its reports (nonfinite_events.jsonl, ...) go
+        # beside its checkpoints unless set_output_dir / TRAINING_PATCHES_OUTPUT_DIR says
+        # otherwise (a torch.save path does the same, see patches._run.saw_checkpoint).
+        _run.saw_checkpoint_folder(self.output_dir)
 
     def path_for(self, step: int) -> Path:
         """The file of ``step``'s checkpoint (it may not exist)."""
@@ -136,6 +140,7 @@ class CheckpointManager:
         (every rank writes its shards) into :meth:`folder_for` ``(step)``.
         """
         step = _as_step(step)
+        _run.saw_checkpoint_folder(self.output_dir)  # the folder of the newest save wins
         if is_sharded_model(model):
             return save_sharded(self, step, model, optimizer, scheduler, scaler, extra)
         if not self._collective():
@@ -250,15 +255,19 @@ class CheckpointManager:
                            "resume('auto') does not need it", path, latest, exc)
 
     def _sweep_temp(self) -> None:
-        """Remove temporary files of this manager's saves whose writer is dead (killed).
+        """Remove temporary files and incomplete sharded folders of this manager's saves
+        whose writer is dead (killed).
 
-        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``) are
-        touched, and only those written on THIS host whose pid no longer runs: on a
-        shared filesystem another machine's save in progress is never touched (a pid says
-        nothing across hosts), nor are temporary names without a host (older versions).
+        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``, and
+        ``<prefix>_<step>.dcp`` folders without a commit marker) are touched, and only
+        those written on THIS host whose pid no longer runs: on a shared filesystem
+        another machine's save in progress is never touched (a pid says nothing across
+        hosts), nor are temporary names without a host (older versions). Runs on the
+        writer only, at the start of a save.
         """
         if not self.output_dir.is_dir():
             return
+        sweep_incomplete(self.output_dir, self.folder_pattern, _pid_alive)
         mark = re.compile(rf"^\.{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
                           rf"{TMP_OWNER.pattern}")
         here = host_name()

@@ -10,7 +10,12 @@ A checkpoint is a folder ``<prefix>_<step>.dcp`` written by every rank together:
   generation, world size, vocabulary size, parameter shapes, NaN/Inf names and the size
   and SHA-256 of every file above;
 - ``COMMITTED`` (rank 0, LAST): the SHA-256 of the manifest. A folder without it, or whose
-  manifest does not match it, is incomplete: never resumed, never pruned.
+  manifest does not match it, is incomplete: never resumed, never pruned;
+- ``writer.json`` (rank 0, FIRST, when it makes the folder): the host and pid of the
+  process that writes the commit marker. A folder without a commit marker whose writer
+  ran on this host and no longer runs (a killed save) is removed by the next save's
+  writer (:func:`sweep_incomplete`); another host's, a live writer's and one without
+  ``writer.json`` are left alone.
 
 Loading goes through DCP too, so a checkpoint saved by N ranks loads into M ranks (DCP
 reshards). Every step runs on every rank and its outcome (or the first error) reaches
@@ -23,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections import defaultdict
@@ -48,6 +54,7 @@ DCP_FORMAT = "training-patches-dcp-checkpoint/1"
 MANIFEST_NAME = "manifest.json"
 COMMIT_NAME = "COMMITTED"
 META_NAME = "meta.pt"
+WRITER_NAME = "writer.json"
 
 
 def _rng_name(rank: int) -> str:
@@ -163,6 +170,42 @@ def remove_folder(folder: Path) -> None:
     shutil.rmtree(folder)
 
 
+def sweep_incomplete(output_dir: Path, pattern: "re.Pattern[str]",
+                     pid_alive: Callable[[int], bool]) -> None:
+    """Remove the folders named by ``pattern`` in ``output_dir`` that have no commit marker
+    and whose ``writer.json`` names THIS host and a pid that no longer runs (a save killed
+    before its commit) or this process (a save of it that failed). Another host's folder
+    (a pid says nothing across hosts), a live writer's and one without a readable
+    ``writer.json`` are left as they are; a folder with a commit marker is never touched."""
+    here = host_name()
+    try:
+        entries = list(output_dir.iterdir()) if output_dir.is_dir() else []
+    except OSError:
+        return
+    for entry in entries:
+        if not pattern.match(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        if (entry / COMMIT_NAME).exists():
+            continue  # complete, or damaged after its commit: never an interrupted save
+        try:
+            writer = json.loads((entry / WRITER_NAME).read_text(encoding="utf-8"))
+            host, pid = str(writer["host"]), int(writer["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # no writer record (an older version): who writes it is unknown
+        if host != here or (pid != os.getpid() and pid_alive(pid)):
+            continue
+        try:
+            shutil.rmtree(entry)
+        except OSError as exc:
+            logger.warning("training-patches: could not remove %s, left by an interrupted "
+                           "sharded save (%s)", entry, exc)
+            continue
+        info("training-patches: removed %s: a sharded checkpoint folder without its commit "
+             "marker, whose writer (pid %d on this host) %s", entry, pid,
+             "is this process (an earlier save failed)" if pid == os.getpid()
+             else "no longer runs (its save was stopped)")
+
+
 # --------------------------------------------------------------------------- saving
 
 
@@ -220,9 +263,14 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
     optimizers = _as_list(optimizer)
 
     def prepare() -> None:
+        manager._sweep_temp()  # incomplete folders of killed saves (this host's only)
         if folder.exists():  # an earlier save of this step (another branch) or a torn one
             remove_folder(folder)
         folder.mkdir(parents=True)
+        # Who will write the commit marker: what the sweep of a later save judges by. No
+        # fsync: a record lost or torn by a crash only means the folder is never swept.
+        (folder / WRITER_NAME).write_text(json.dumps(
+            {"host": host_name(), "pid": os.getpid(), "step": step}), encoding="utf-8")
 
     _on_writer(prepare)
 

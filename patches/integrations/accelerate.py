@@ -42,6 +42,7 @@ INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
+    module="accelerate",
     describe="SafeGradScaler in accelerate's FSDP2 fp16 path (DDP/FSDP1 are covered by "
              "the generic patches)",
     sites=(

@@ -220,6 +220,7 @@ INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
+    module="trainer",
     describe="SafeGradScaler in the Trainer, NaN losses seen before backward, DDP "
              "gradients all-reduced, atomic saves and vocabulary-aware restore",
     sites=(

@@ -315,6 +315,7 @@ INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
+    module="TTS",
     describe=f"XTTS dataset: at most {MAX_PICKS} picks per item, every dropped sample listed",
     sites=(Site(MODULE, "XTTSDataset", _make, sweep=True, patch="dataset_guard",
                 lost="XTTSDataset retries a bad sample forever (unbounded recursion) and "

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .. import _options
+from .._log import logger
 from .._registry import Integration, Site, is_enabled, register_integration
 from ..checkpoint import load_checkpoint, warn_weights_only
 from ..vocab_freeze import freeze_base_vocab
@@ -113,14 +114,103 @@ def make_gpt_trainer_init(original: Callable[..., None]) -> Callable[..., None]:
 
 
 
+def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
+                          base_tokens: int, data_languages: Sequence[str] = ()) -> list[str]:
+    """What is wrong between the tokenizer, the XTTS ``GPT`` and a freeze of the first
+    ``base_tokens`` tokens: the special tokens ``verify-tokenizer`` fails on ([STOP] 0,
+    [UNK] 1, [SPACE], [START], the ``[lang]`` token of each of ``data_languages``, under
+    its code or a registered alias), the model's start/stop token ids against the
+    tokenizer's, the rows against the ids, and a frozen row that would keep a base row for
+    another token (a [START] dropped or moved into the new range). Empty when all agree."""
+    from .. import languages
+    from ..tokenizer.errors import TokenizerToolError
+    from ..tokenizer.verify import FAIL, open_tokenizer
+    from ..vocab_freeze import _describe, frozen_rows, row_layout
+
+    try:
+        tok = open_tokenizer(tokenizer_file)
+    except (TokenizerToolError, OSError, ValueError) as exc:
+        return [f"the tokenizer {tokenizer_file} could not be read to check it ({exc})"]
+    if not hasattr(tok, "vocab"):
+        return []  # a SentencePiece model: not an XTTS vocabulary
+    problems = [f"{f.what} {f.detail}" for f in tok.special_findings(None) if f.status == FAIL]
+    for given in dict.fromkeys(languages.base_code(lang) for lang in data_languages if lang):
+        registered = languages.get_language(given)
+        # XTTS writes Chinese as [zh-cn] (VoiceBpeTokenizer.encode)
+        codes = [given, *(["zh-cn"] if given == "zh" else [])] + [
+            c for c in (registered.codes if registered else ()) if c != given]
+        if not any(f"[{code}]" in tok.specials for code in codes):
+            problems += [f"dataset language {given!r}: {f.what} {f.detail}"
+                         for f in tok.special_findings(given) if f.status == FAIL
+                         and f.what == f"[{given}]"]
+    for attr, token in (("start_text_token", "[START]"), ("stop_text_token", "[STOP]")):
+        model_id, tok_id = getattr(gpt, attr, None), tok.vocab.get(token)
+        if tok_id is not None and model_id != tok_id:
+            problems.append(f"the model's {attr} is {model_id}, but the tokenizer's {token} "
+                            f"is id {tok_id}")
+    rows = int(gpt.text_embedding.weight.shape[0])
+    if rows != tok.size:
+        problems.append(f"the text embedding has {rows} rows, the tokenizer {tok.size} ids")
+    if not 0 < base_tokens < rows:
+        return problems
+    names = {i: t for t, i in tok.vocab.items()}
+    layout = row_layout(gpt, rows)
+    frozen = frozen_rows(rows, layout.base_rows(base_tokens), start_row_last=layout.last_row_kept)
+    start, last_base = tok.vocab.get("[START]"), base_tokens - 1
+    kept = f"rows {_describe(frozen)} are frozen at the base model's rows"
+    if start is None:
+        problems.append(
+            f"{kept}, so row {last_base} ({names.get(last_base, 'no token')}) keeps the base "
+            f"model's row {last_base}, its last base row, where XTTS keeps [START]: with [START] "
+            f"missing, the token that took its id would keep [START]'s weights and never train")
+    elif start >= base_tokens and start != rows - 1:
+        problems.append(
+            f"[START] is id {start}, a new row that trains, and not the last row (XTTS's "
+            f"layout); {kept}, so row {last_base} ({names.get(last_base, 'no token')}) keeps "
+            f"the base model's row {last_base}, its last base row, where XTTS keeps [START]")
+    return problems
+
+
+def check_vocab_layout(gpt_trainer: Any, base_tokens: int) -> list[str]:
+    """Check the GPTTrainer's tokenizer and model before its base rows are frozen: each
+    problem is a WARNING (one paragraph), an error under ``TRAINING_PATCHES_STRICT=1``."""
+    from ..vocab_freeze import TAG, VocabFreezeError
+
+    path = getattr(getattr(gpt_trainer, "args", None), "tokenizer_file", "") or ""
+    gpt = getattr(getattr(gpt_trainer, "xtts", None), "gpt", None)
+    if not path or gpt is None or not hasattr(gpt, "text_embedding"):
+        return []
+    datasets = getattr(getattr(gpt_trainer, "config", None), "datasets", None) or []
+    data_languages = [str(getattr(d, "language", "") or "") for d in datasets]
+    problems = vocab_layout_problems(path, gpt, base_tokens, data_languages)
+    if not problems:
+        return []
+    text = (f"the vocabulary {path} and the model do not fit a freeze of the first "
+            f"{base_tokens} tokens (TRAINING_PATCHES_BASE_VOCAB): " + "; ".join(problems)
+            + f". Expected [STOP] 0, [UNK] 1, [SPACE], [START] and each dataset language's "
+            f"[lang] as special tokens, the "
+            f"model's start/stop ids equal to them, and [START] either kept at its base id or "
+            f"moved to the last id. `training-patches verify-tokenizer {path} --base-size "
+            f"{base_tokens}` shows the layout; fix the vocabulary (extend-tokenizer keeps it) "
+            f"or the base size")
+    if _options.current().strict:
+        raise VocabFreezeError(f"training-patches (TRAINING_PATCHES_STRICT=1): {text}.")
+    logger.warning("%s WARNING: %s; training goes on (TRAINING_PATCHES_STRICT=1 stops here).",
+                   TAG, text)
+    return problems
+
+
 def make_freezing_init(original: Callable[..., None]) -> Callable[..., None]:
-    """``GPTTrainer.__init__`` that freezes the base rows when ``base_vocab`` is set."""
+    """``GPTTrainer.__init__`` that freezes the base rows when ``base_vocab`` is set,
+    after checking the tokenizer's special tokens and the frozen range against the model
+    (:func:`check_vocab_layout`)."""
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         base = _options.current().base_vocab
         if base and is_enabled("vocab_freeze"):
+            check_vocab_layout(self, base)
             freeze_base_vocab(self, base)
 
     return __init__
@@ -130,6 +220,7 @@ INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
+    module="TTS",
     describe="gpt_checkpoint/xtts_checkpoint through the vocabulary-aware loader; "
              "TRAINING_PATCHES_BASE_VOCAB freezes every GPTTrainer",
     sites=(

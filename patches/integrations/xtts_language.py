@@ -218,6 +218,7 @@ INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
+    module="TTS",
     describe="the XTTS tokenizer and model accept registered languages",
     sites=(
         Site(TOKENIZER_MODULE, "VoiceBpeTokenizer",

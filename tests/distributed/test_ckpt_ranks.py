@@ -261,3 +261,45 @@ def test_ckpt_fsdp2_error_on_one_rank_reaches_every_rank(tmp_path: Path) -> None
     # The torn folder has no commit marker: nothing to resume from.
     assert not (out / "ckpt_000000001.dcp" / COMMIT_NAME).exists()
     assert CheckpointManager(out).resume("auto") is None
+
+
+def test_ckpt_fsdp2_killed_save_is_never_resumed_and_swept_by_the_next(tmp_path: Path) -> None:
+    """A sharded save SIGKILLed before its commit marker: resume passes over its folder;
+    the next save's writer removes it (this host, dead writer) and leaves alone another
+    host's incomplete folder, a live writer's and one that names no writer."""
+    out, log = tmp_path / "run", tmp_path / "job1.log"
+    proc = _run_until(jobs.torchrun_command(JOB, "fsdp_kill", out), "HANGING", timeout=150,
+                      log=log)
+    lines = said(log.read_text())
+    for pids in lines["PID"].values():
+        os.kill(pids[0], signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed = out / "ckpt_000000003.dcp"
+    assert (killed / MANIFEST_NAME).exists() and not (killed / COMMIT_NAME).exists()
+    writer = json.loads((killed / "writer.json").read_text())
+    assert (writer["host"], writer["pid"]) == (host_name(), lines["PID"][0][0])
+    # Incomplete folders the sweep must leave (newer steps: resume must pass them over too).
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    kept = {10: {"host": "another-node-7", "pid": dead.pid},  # another host's save
+            11: {"host": host_name(), "pid": os.getppid()},  # a live writer here
+            12: None}  # no writer record (an older version)
+    for step, record in kept.items():
+        folder = out / f"ckpt_{step:09d}.dcp"
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"partial shard")
+        if record is not None:
+            (folder / "writer.json").write_text(json.dumps(record))
+    assert CheckpointManager(out, keep=2).resume("auto") == out / "ckpt_000000002.dcp"
+
+    lines = said(torchrun("fsdp_next_save", out, timeout=180).stdout)
+    for rank in (0, 1):
+        path, step = lines["RESUMED"][rank][0]
+        assert Path(path).name == "ckpt_000000002.dcp" and step == 2
+        assert Path(lines["SAVED"][rank][0]).name == "ckpt_000000007.dcp"
+    assert not killed.exists(), "the killed save's folder (dead writer, this host) is swept"
+    assert read_folder_manifest(out / "ckpt_000000007.dcp")[1] is None
+    for step in kept:
+        assert (out / f"ckpt_{step:09d}.dcp" / "__0_0.distcp").exists(), step
+    assert not (out / "ckpt_000000001.dcp").exists()  # keep=2 pruned the oldest complete

@@ -1,5 +1,5 @@
-"""FSDP2 (2 shards, gloo): the base-vocab freeze is exact per shard, ShardedGradScaler is
-made safe, and a layout the freeze cannot keep exact is refused on every rank."""
+"""FSDP2 (2 shards, gloo): the base-vocab freeze is exact per shard (row shards, and column
+shards under FSDP2 and tensor parallelism), ShardedGradScaler is made safe, and a layout the freeze cannot keep exact is refused on every rank."""
 
 from __future__ import annotations
 
@@ -20,6 +20,21 @@ def _results(tmp_path, *args: str, **env: str) -> list[dict]:
 @pytest.mark.parametrize("vocab", [80, 81])  # even shards, and uneven (41 + 40 rows)
 def test_base_vocab_freeze_is_exact_on_row_shards(tmp_path, vocab: int) -> None:
     for result in _results(tmp_path, "freeze", str(vocab), TRAINING_PATCHES_BASE_VOCAB=str(BASE)):
+        for name, before in result["before"].items():
+            after = result["after"][name]
+            assert (after[:BASE] - before[:BASE]).abs().max().item() == 0.0, name
+            assert (after[BASE:] - before[BASE:]).abs().max().item() > 1e-3, name
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+def test_base_vocab_freeze_is_exact_on_column_shards(tmp_path, layout: str) -> None:
+    """Shard(1) weights (FSDP2 with a placement function; tensor parallelism with a
+    ColwiseParallel embedding and a RowwiseParallel head): every rank holds every row,
+    a slice of its columns, and keeps the base rows of its columns exact."""
+    for result in _results(tmp_path, "freeze_cols", layout, TRAINING_PATCHES_BASE_VOCAB=str(BASE)):
+        assert result["error"] is None
+        assert result["placements"]["text_embedding.weight"] == ["S(1)"]
+        assert result["placements"]["text_head.weight"] == ["S(1)"]
         for name, before in result["before"].items():
             after = result["after"][name]
             assert (after[:BASE] - before[:BASE]).abs().max().item() == 0.0, name

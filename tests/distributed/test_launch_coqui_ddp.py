@@ -15,6 +15,7 @@ import torch
 
 import jobs
 
+pytestmark = pytest.mark.xtts  # coqui-tts-trainer's distribute and Trainer
 RANK = jobs.HERE / "ranks" / "launch_coqui_ddp.py"
 
 

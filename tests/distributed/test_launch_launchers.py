@@ -89,6 +89,7 @@ def _distribute(out: Path, launcher: list[str], path: str) -> str:
     return jobs.run_job(command, env=env, timeout=240, check=False).stdout
 
 
+@pytest.mark.xtts
 def test_coqui_distribute_ranks_run_the_launchers_python(tmp_path, bare_python) -> None:
     """``python -m trainer.distribute`` starts its ranks as bare ``python3``: under the
     launcher that is the launcher's own interpreter, even when another ``python3`` (one

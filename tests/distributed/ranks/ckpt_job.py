@@ -5,6 +5,9 @@
 - ``ddp_hang OUT K``: DDP, K complete saves (each followed by draws from every RNG), then
   rank 0 blocks inside the write of save K (the test kills the job).
 - ``ddp_resume OUT``: resume every rank from the newest complete checkpoint, then draw.
+- ``fsdp_kill OUT``: FSDP2, two complete saves, then rank 0 blocks before the commit
+  marker of the third (the test kills the job).
+- ``fsdp_next_save OUT``: FSDP2, resume from the newest complete folder, train, save.
 - ``ddp_refuse OUT``: rank 1's model does not fit the checkpoint; every rank must refuse.
 - ``rank0_only OUT``: ``save`` on rank 0 only (the mistake): a clear error, no endless wait.
 - ``fsdp_single OUT FILE``: a single-file checkpoint into an FSDP2 model (refused).
@@ -206,6 +209,41 @@ elif MODE == "fsdp_resume":
     # Training goes on from the resumed state on the new number of ranks.
     train_step(model, opt, torch.Generator().manual_seed(RANK))
     say("STEPPED", manager.save(report.step + 1, model, opt).name)
+
+elif MODE == "fsdp_kill":
+    # Two complete sharded saves, then rank 0 stops inside the third after every shard and
+    # the manifest are on disk, before the commit marker (the test SIGKILLs the job).
+    from patches.checkpoint import sharded
+
+    say("PID", os.getpid())
+    model, opt = fsdp_model()
+    gen = torch.Generator().manual_seed(RANK)
+    manager = CheckpointManager(OUT, keep=2)
+    for step in (1, 2, 3):
+        train_step(model, opt, gen)
+        if step == 3 and RANK == 0:
+            real_text = sharded.atomic_text
+
+            def blocking_text(path, text):
+                if os.path.basename(path) != sharded.COMMIT_NAME:
+                    return real_text(path, text)
+                say("HANGING", step)
+                time.sleep(600)
+
+            sharded.atomic_text = blocking_text
+        say("SAVED", [step, str(manager.save(step, model, opt))])
+
+elif MODE == "fsdp_next_save":
+    # The next job: resume from the newest complete folder, train, save (which sweeps).
+    model, opt = fsdp_model()
+    manager = CheckpointManager(OUT, keep=2)
+    path = manager.resume("auto")
+    report = load_checkpoint(path, model, opt)
+    say("RESUMED", [str(path), report.step])
+    train_step(model, opt, torch.Generator().manual_seed(RANK))
+    # Another step than the killed save's: its folder can only go by the sweep.
+    say("SAVED", str(manager.save(report.step + 5, model, opt)))
+    say("LEFT", sorted(os.listdir(OUT)))
 
 elif MODE == "ddp_refuse":
     # Rank 1's model has fewer vocabulary rows than the checkpoint: refused there only.

@@ -2,6 +2,7 @@
 refused layout.
 
     fsdp_freeze.py freeze OUT_DIR VOCAB   (TRAINING_PATCHES_BASE_VOCAB set by the test)
+    fsdp_freeze.py freeze_cols OUT_DIR fsdp2|tp  (column-sharded embedding and head weight)
     fsdp_freeze.py scaler OUT_DIR
     fsdp_freeze.py refuse OUT_DIR
 """
@@ -43,6 +44,43 @@ if what == "freeze":
         opt.step()
     after = {n: params[n].full_tensor() for n in names}
     result = {"before": before, "after": after}
+elif what == "freeze_cols":
+    # Column-sharded (Shard(1)) text embedding and head weight: FSDP2 with a placement
+    # function, or tensor parallelism (ColwiseParallel embedding, RowwiseParallel head)
+    from torch.distributed.tensor import Replicate, Shard
+    layout = sys.argv[3]
+    torch.manual_seed(0)
+    model = TinyGPT()
+    if layout == "fsdp2":
+        def columns(param: torch.nn.Parameter) -> Shard:
+            return Shard(1) if param.dim() == 2 else Shard(0)
+        for module in (model.text_embedding, model.text_head):
+            fully_shard(module, shard_placement_fn=columns)
+        fully_shard(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, RowwiseParallel, parallelize_module)
+        parallelize_module(model, init_device_mesh("cpu", (2,)), {
+            "text_embedding": ColwiseParallel(output_layouts=Replicate()),
+            "text_head": RowwiseParallel(input_layouts=Replicate())})
+    names = ("text_embedding.weight", "text_head.weight", "text_head.bias")
+    params = dict(model.named_parameters())
+    result["placements"] = {n: [str(p) for p in params[n].placements] for n in names}
+    before = {n: params[n].full_tensor().clone() for n in names}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(0 if layout == "tp" else rank)  # TP: one batch
+    try:
+        for _ in range(10):
+            opt.zero_grad()
+            loss_of(model, batch(generator)).backward()
+            if layout == "fsdp2":  # TP leaves the block plain: no one total norm (torch's)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        result["error"] = None
+    except VocabFreezeError as exc:
+        result["error"] = str(exc)
+    result.update(before=before, after={n: params[n].full_tensor() for n in names})
 elif what == "scaler":
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     scaler = ShardedGradScaler("cpu")
