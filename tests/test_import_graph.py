@@ -255,3 +255,24 @@ def test_the_installed_package_is_the_library_only() -> None:
     fixtures = sorted(name for name in _modules()
                       if any(word in name.rsplit(".", 1)[-1] for word in ("demo", "tiny")))
     assert fixtures == []
+
+
+def test_every_import_of_the_package_names_a_module_that_exists() -> None:
+    """An import of ``patches.x`` (relative or absolute, inside a function too) names a
+    module of the package: a module moved without its importers fails here, not at the
+    call that runs the import (a function-local import is only run on a call)."""
+    modules = _modules()
+    broken = []
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                bases = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                bases = [_resolve(name, is_package, node)[0]]
+            else:
+                continue
+            broken += [f"{name}:{node.lineno} imports {base}" for base in bases
+                       if (base == "patches" or base.startswith("patches."))
+                       and base not in modules]
+    assert not broken, broken

@@ -5,7 +5,7 @@
     training-patches extend-tokenizer checkpoints/bpe.model --corpus train.csv \\
         --language am --output bpe_am.model
 
-The library is :mod:`patches.tools.tokenizer`; this module is its command line.
+The library is :mod:`patches.tokenizer`; this module is its command line.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .tokenizer.bpe import DEFAULT_NEW_PIECES
-from .tokenizer.text import MAX_WORD_CHARS
+from ..tokenizer.bpe import DEFAULT_NEW_PIECES
+from ..tokenizer.text import MAX_WORD_CHARS
 
 PROG = "training-patches extend-tokenizer"
 
@@ -48,8 +48,8 @@ def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | N
                   ) -> list[str]:
     """Each corpus line through --g2p and the cleaner, with a progress bar (stderr, when it
     is a terminal) counted in characters: a large corpus shows it is moving."""
-    from .tokenizer import TokenizerToolError
-    from .tokenizer.errors import FrontEndError
+    from ..tokenizer import TokenizerToolError
+    from ..tokenizer.errors import FrontEndError
 
     try:
         from tqdm import tqdm
@@ -75,7 +75,7 @@ def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | N
 
 def _extend(args: argparse.Namespace) -> int:
     from .._output import Interrupted, stop_on_signals
-    from .tokenizer import TokenizerToolError
+    from ..tokenizer import TokenizerToolError
 
     try:
         with stop_on_signals():
@@ -98,10 +98,10 @@ def _extend(args: argparse.Namespace) -> int:
 def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
     """The extension, or :class:`TokenizerToolError` with nothing written."""
     from .._output import OutputExists, write_file
-    from .tokenizer import TokenizerToolError
-    from .tokenizer.text import (check_output, check_word_lengths, make_preprocess, read_lines,
+    from ..tokenizer import TokenizerToolError
+    from ..tokenizer.text import (check_output, check_word_lengths, make_preprocess, read_lines,
                                  sample_base_text)
-    from .tokenizer.verify import is_json_tokenizer
+    from ..tokenizer.verify import is_json_tokenizer
 
     src = Path(args.tokenizer)
     if not src.is_file():
@@ -144,13 +144,13 @@ def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
                                      f"ran; nothing was written. Name a file.") from None
 
     if json_kind:
-        from .tokenizer.bpe import extend_vocab_file
+        from ..tokenizer.bpe import extend_vocab_file
 
         ext = extend_vocab_file(src, texts, out, language=args.language,
                                 new_pieces=args.new_pieces, min_frequency=args.min_frequency,
                                 base_text=base_text, base_text_source=source, write=write)
     else:
-        from .tokenizer.spm import extend_model_file
+        from ..tokenizer.spm import extend_model_file
 
         ext = extend_model_file(src, texts, out, new_pieces=args.new_pieces,
                                 base_text=base_text, base_text_source=source, write=write)

@@ -3,7 +3,7 @@
     training-patches verify-tokenizer vocab_am.json --base base/vocab.json --language am \\
         --text data/train.csv --checkpoint base/model.pth
 
-The checks are :func:`patches.tools.tokenizer.verify.verify`; this module is their command line.
+The checks are :func:`patches.tokenizer.verify.verify`; this module is their command line.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ JSON_FORMAT = 1  # raised when a key changes meaning or goes away
 
 
 def findings_json(tokenizer: str, found: list) -> dict:
-    """The ``--json`` object of a list of :class:`patches.tools.tokenizer.verify.Finding`."""
-    from .tokenizer.verify import FAIL
+    """The ``--json`` object of a list of :class:`patches.tokenizer.verify.Finding`."""
+    from ..tokenizer.verify import FAIL
 
     failed = any(f.status == FAIL for f in found)
     return {"tool": PROG, "format": JSON_FORMAT, "tokenizer": tokenizer, "ok": not failed,
@@ -49,9 +49,9 @@ def findings_json(tokenizer: str, found: list) -> dict:
 def _verify(args: argparse.Namespace) -> int:
     from .._output import STDOUT, OutputRefused, check_output, write_json
     from ..checkpoint import CheckpointError
-    from .tokenizer import TokenizerToolError
-    from .tokenizer.text import make_preprocess
-    from .tokenizer.verify import FAIL, verify
+    from ..tokenizer import TokenizerToolError
+    from ..tokenizer.text import make_preprocess
+    from ..tokenizer.verify import FAIL, verify
 
     try:
         if args.json is not None:

@@ -164,7 +164,7 @@ def _takes_language(func: Callable[..., str]) -> bool:
 def language_cleaner(language: str) -> Callable[[str], str]:
     """The cleaner the XTTS tokenizer applies for ``language``: a registered language's own
     (with the ``xtts_language`` patch), else coqui-tts's for the languages it knows."""
-    from ...languages import COQUI_LANGUAGES, base_code, get_language
+    from ..languages import COQUI_LANGUAGES, base_code, get_language
 
     registered = get_language(language)
     if registered is not None:
@@ -237,7 +237,7 @@ def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
         raise TokenizerToolError(
             f"no output file given. Pass --output FILE (e.g. {src.with_name(src.stem + suffix + src.suffix)}); "
             f"the input {src} is only overwritten with --in-place.")
-    from ..._output import OutputRefused, check_output, same_file
+    from .._output import OutputRefused, check_output, same_file
 
     if same_file(out, src):  # a link to it too
         raise TokenizerToolError(
@@ -256,7 +256,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
     """``path`` complete or untouched, replaced if there: a fsynced temporary file in the
     same folder, then ``os.replace``; its mode follows the umask
     (:func:`patches._output.write_file`)."""
-    from ..._output import write_file
+    from .._output import write_file
 
     return write_file(path, data, replace=True)
 

@@ -407,7 +407,7 @@ def extend_for_run(base: str | os.PathLike[str], corpus: str | os.PathLike[str],
     was trained with the one on disk. Returns (path, what was done, reused)."""
     import logging
 
-    from ...languages import base_code
+    from ..languages import base_code
     from .text import make_preprocess, read_lines, write_bytes_atomic
 
     code = base_code(language)

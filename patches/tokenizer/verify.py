@@ -84,7 +84,7 @@ class _Xtts:
         return bool(ids) and self.unk not in ids
 
     def new_ids(self, base_size: int) -> range:
-        from ...vocab_freeze import new_rows
+        from ..vocab_freeze import new_rows
 
         return new_rows(self.size, base_size, start_row_last=self.start_last)
 
@@ -245,8 +245,8 @@ def _text_findings(tok: Any, lines: Sequence[str], source: str, language: str | 
 
 
 def _checkpoint_findings(tok: Any, path: Path, base_size: int | None) -> list[Finding]:
-    from ...checkpoint import read_checkpoint
-    from ...vocab_freeze import frozen_rows
+    from ..checkpoint import read_checkpoint
+    from ..vocab_freeze import frozen_rows
 
     ckpt = read_checkpoint(path)
     state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else {}
