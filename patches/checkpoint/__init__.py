@@ -38,8 +38,8 @@ and generic sibling modules only, never an integration.
 from __future__ import annotations
 
 from .._registry import PatchSpec, register
-from ._validate import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, check_file,
-                        manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
+from .reading import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, check_file,
+                      manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
 from .atomic import atomic_torch_save, atomic_write
 from .errors import CheckpointError, CheckpointMismatchError, DiskFullError, UnsafeCheckpointError
 from .load import POLICIES, LoadReport, load_checkpoint, warn_weights_only
