@@ -418,6 +418,30 @@ def test_a_model_that_refuses_late_gets_optimizer_scheduler_scaler_back(tmp_path
         assert _same(after[part], before[part]), part
 
 
+def test_decide_changes_nothing_and_apply_carries_out_its_plan(tmp_path):
+    """The two phases of a load: decide() reads, validates and plans with the objects left
+    exactly as they were; apply() then changes all four as the plan says."""
+    from patches.checkpoint.apply import apply
+    from patches.checkpoint.decide import LoadOptions, decide
+    from patches.checkpoint.report import LoadReport
+
+    model, opt, sched, scaler = _objects(steps=3)
+    good = CheckpointManager(tmp_path / "run", keep=None).save(3, model, opt, sched, scaler)
+    target = _objects(seed=9, steps=2)
+    before = _state_of(*target)
+    rng_before = torch.get_rng_state()
+    plan = decide(Path(good), *target, LoadOptions(freeze=False))
+    assert _same(_state_of(*target), before)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert (plan.effective, plan.saved_step, plan.rng is not None) == ("remap", 3, True)
+    report = LoadReport(path=str(good), policy=plan.policy, step=3)
+    apply(plan, target[0], report)
+    after = _state_of(*target)
+    for part in ("model", "optimizer", "scheduler", "scaler"):
+        assert not _same(after[part], before[part]), part
+    assert report.restored == ["optimizer", "scheduler", "scaler"] and report.rng_restored
+
+
 # ----------------------------------------------------------------- bad disk
 
 

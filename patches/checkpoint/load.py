@@ -1,64 +1,29 @@
-"""``load_checkpoint``: read, validate, plan, then change the model, optimizer, scheduler
-and scaler together, and the :class:`LoadReport` of what it did."""
+"""``load_checkpoint``, the door of every load: a sharded folder goes to :mod:`.sharded`;
+a single file is decided (:mod:`.decide`: read, validate, plan), agreed on by every rank,
+applied with undo (:mod:`.apply`), then reported (:class:`LoadReport`, the log lines)."""
 
 from __future__ import annotations
 
 import logging
-import operator
 import os
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .. import _dist
 from .._log import info
 from . import _collective
-from ._validate import _what_to_do, read_checkpoint
-from .errors import CheckpointError, CheckpointMismatchError
-from .optimizer import (_as_list, _check_plain_state, _detach_from_file, _remap_optimizer_state,
-                        _restart_scaler, _restart_scheduler, restore_optimizer, snapshot_optimizer)
-from .plan import _MODEL_KEYS, _Plan, _plan_model, check_finite
-from .report import LoadReport, _runtime_state, restarted, set_rng_part
-from .rng import capture_rng_state, restore_rng_state, state_for_rank
+from .apply import apply
+from .decide import LoadOptions, LoadPlan, decide
+from .errors import CheckpointError
+from .plan import ModelPlan
+from .report import LoadReport, set_rng_part
 from .sharded import is_sharded_model, load_sharded
 
 logger = logging.getLogger("training_patches")
 
 POLICIES = ("remap", "reset")
-
-
-# Where checkpoints keep their step: ours and coqui's "step"; plain loops often
-# "global_step" (IndexTTS, transformers-style loops) or "iteration".
-STEP_KEYS = ("step", "global_step", "iteration")
-# Where they keep RNG states: ours "rng"; trainers' own files often "rng_state".
-RNG_KEYS = ("rng", "rng_state")
-
-
-def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
-    key = next((k for k in STEP_KEYS if meta.get(k) is not None), None)
-    if key is None:
-        return 0
-    value = meta[key]
-    try:
-        if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
-                value.numel() != 1 or value.is_floating_point() or value.is_meta)):
-            raise TypeError
-        step = operator.index(value.item() if isinstance(value, torch.Tensor) else value)
-    except (TypeError, ValueError, RuntimeError):
-        step = -1
-    if step < 0:
-        raise CheckpointError(
-            f"training-patches: cannot load {path}: its {key!r} is {str(value)[:40]!r}, expected a "
-            f"whole number >= 0. The file is not a checkpoint this library or the coqui Trainer "
-            f"wrote, or it was changed. Nothing was loaded. {_what_to_do(path)}")
-    return step
-
-
-def _restore_dict(obj: Any, saved: dict[str, Any]) -> None:
-    obj.__dict__.clear()
-    obj.__dict__.update(saved)
 
 
 def load_checkpoint(
@@ -165,207 +130,67 @@ def load_checkpoint(
             f"the optimizer), or resume from a sharded checkpoint folder that "
             f"CheckpointManager.save wrote for this FSDP2 model (CheckpointManager.resume('auto') "
             f"finds it).")
-    args = dict(policy=policy, freeze=freeze, strict=strict, restore_rng=restore_rng,
-                vocab_modules=vocab_modules, start_token_row=start_token_row, mmap=mmap,
-                seed=seed, key_filter=key_filter, verify_hash=verify_hash,
-                allow_nonfinite=allow_nonfinite, trusted=trusted, truncate=truncate,
-                resume_step=resume_step)
+    options = LoadOptions(
+        policy=policy, freeze=freeze, strict=strict, restore_rng=restore_rng,
+        vocab_modules=vocab_modules, start_token_row=start_token_row, mmap=mmap, seed=seed,
+        key_filter=key_filter, verify_hash=verify_hash, allow_nonfinite=allow_nonfinite,
+        trusted=trusted, truncate=truncate, resume_step=resume_step)
     if collective is False or not _collective.active():
-        return _load_file(path, model, optimizer, scheduler, scaler, gate=None, **args)
+        return _load_file(path, model, optimizer, scheduler, scaler, options, gate=None)
     return _collective.on_every_rank(
-        lambda gate: _load_file(path, model, optimizer, scheduler, scaler, gate=gate, **args))
+        lambda gate: _load_file(path, model, optimizer, scheduler, scaler, options, gate=gate))
 
 
 def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-               scaler: Any, *, gate: Callable[[], None] | None, policy: str, freeze: bool,
-               strict: bool, restore_rng: bool | None, vocab_modules: Sequence[str],
-               start_token_row: str | bool, mmap: bool, seed: int,
-               key_filter: Callable[[str], bool] | None, verify_hash: bool,
-               allow_nonfinite: bool, trusted: bool, truncate: bool,
-               resume_step: bool = True) -> LoadReport:
-    """:func:`load_checkpoint` of one file on this rank; ``gate()`` (every rank together)
-    runs after every check and before the first change."""
-    ckpt = read_checkpoint(path, mmap=mmap, verify_hash=verify_hash, trusted=trusted)
-    plan = _plan_model(path, ckpt, model, strict=strict, vocab_modules=vocab_modules,
-                       start_token_row=start_token_row, seed=seed, key_filter=key_filter,
-                       truncate=truncate)
-    if not allow_nonfinite:
-        check_finite(path, plan, model)
-    # A bare state dict has no step, optimizer, ... (its keys are tensor names).
-    bare = not any(isinstance(ckpt.get(k), Mapping) for k in _MODEL_KEYS)
-    meta: Mapping[str, Any] = {} if bare else ckpt
-    optimizers = _as_list(optimizer)
-    schedulers = [s for s in _as_list(scheduler) if s is not None]
-    saved_opts = _as_list(meta.get("optimizer"))
-    saved_scheds = _as_list(meta.get("scheduler"))
-    saved_scaler = meta.get("scaler")
-    extra = meta.get("extra")
-    if extra is not None and not isinstance(extra, Mapping):
-        raise CheckpointError(
-            f"training-patches: cannot load {path}: its 'extra' is a {type(extra).__name__}, "
-            f"expected a dict (what CheckpointManager.save(**extra) writes). Nothing was loaded. "
-            f"{_what_to_do(path)}")
-    saved_step = (_step_of(path, meta) if any(meta.get(k) is not None for k in STEP_KEYS)
-                  else None)
-    report = LoadReport(path=str(path), policy=policy, step=saved_step or 0, saved_step=saved_step,
-                        epoch=meta.get("epoch") if isinstance(meta.get("epoch"), int)
-                        and not isinstance(meta.get("epoch"), bool) else None,
-                        extra=dict(extra or {}), checkpoint=ckpt)
-
-    # Decide and validate everything before changing anything: a refusal leaves the
-    # user's objects as they were.
-    effective = policy
-    remapped: list[dict[str, Any]] = []
-    if policy == "remap" and optimizers:
-        if not saved_opts:
-            effective = "reset"  # nothing to keep: the matched set starts fresh together
-        elif len(saved_opts) != len(optimizers):
-            raise CheckpointMismatchError(
-                f"training-patches: {path} holds the state of {len(saved_opts)} optimizer(s), "
-                f"{len(optimizers)} were given. Nothing was loaded. Pass the same optimizers, or "
-                f"use policy='reset' to start the optimizer, scheduler and scaler fresh.")
-        else:
-            names = {id(p): n for n, p in model.named_parameters()}
-            for saved, opt in zip(saved_opts, optimizers):
-                state, resized = _remap_optimizer_state(path, saved, opt, names, plan,
-                                                        allow_nonfinite=allow_nonfinite)
-                remapped.append(state)
-                report.optimizer_moments_resized += [r for r in resized
-                                                     if r not in report.optimizer_moments_resized]
-    if effective == "remap" and schedulers and saved_scheds:
-        if len(saved_scheds) < len(schedulers):
-            raise CheckpointMismatchError(
-                f"training-patches: {path} holds {len(saved_scheds)} scheduler state(s), "
-                f"{len(schedulers)} schedulers were given. Nothing was loaded. Use policy='reset'.")
-        for state, sched in zip(saved_scheds, schedulers):
-            _check_plain_state(path, "scheduler", state, sched)
-    scaler_on = scaler is not None and getattr(scaler, "_enabled", True)
-    if effective == "remap" and scaler_on and saved_scaler:
-        _check_plain_state(path, "scaler", saved_scaler, scaler)
-    asked_rng = restore_rng
-    if restore_rng is None:
-        restore_rng = effective == "remap"
-    rng = next((meta[k] for k in RNG_KEYS if isinstance(meta.get(k), Mapping)), None)
-    rng_ranks = meta.get("rng_ranks")
-    if restore_rng and isinstance(rng_ranks, list) and rng_ranks:
-        # Every rank's state was saved: each rank takes its own.
-        rng = state_for_rank(rng_ranks, _dist.rank(), max(_dist.world_size(), 1), str(path))
-    rng_in_file = rng is not None or (isinstance(rng_ranks, list) and bool(rng_ranks))
-    rng = rng if restore_rng else None
-    runtime = _runtime_state(meta.get("training_patches")) if effective == "remap" else None
-    if effective == "remap" and isinstance(meta.get("training_patches"), Mapping) and runtime is None:
-        logger.warning("training-patches: the runtime counters saved in %s are not in the shape "
-                       "this version writes; they were not restored", path)
-
+               scaler: Any, options: LoadOptions, *,
+               gate: Callable[[], None] | None) -> LoadReport:
+    """:func:`load_checkpoint` of one file on this rank: decide (nothing changes), then
+    ``gate()`` (every rank together: a refusal on any rank stops all of them there), then
+    apply with undo, then the report and its log lines."""
+    plan = decide(path, model, optimizer, scheduler, scaler, options)
     if gate is not None:
-        gate()  # every rank passed every check; a refusal on any rank stops all of them here
-
-    # Apply, with an undo for each change: if torch still refuses something, everything
-    # that was changed is put back before the error is raised.
-    undo: list[Callable[[], None]] = []
-    model_touched = False
-    try:
-        if effective == "remap":
-            for state, opt in zip(remapped, optimizers):
-                snap = snapshot_optimizer(opt)
-                undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
-                opt.load_state_dict(state)
-                _detach_from_file(opt.state)
-            if optimizers:
-                report.restored.append("optimizer")
-            if schedulers and saved_scheds:
-                for state, sched in zip(saved_scheds, schedulers):
-                    undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
-                    sched.load_state_dict(dict(state))
-                report.restored.append("scheduler")
-            elif schedulers:
-                report.reset.append("scheduler (not in the checkpoint)")
-            if scaler_on:
-                if saved_scaler:
-                    snap_scaler = scaler.state_dict()
-                    if snap_scaler:
-                        undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
-                    scaler.load_state_dict(dict(saved_scaler))
-                    report.restored.append("scaler")
-                else:
-                    report.reset.append("scaler (not in the checkpoint)")
-        else:
-            for opt in optimizers:
-                snap = snapshot_optimizer(opt)
-                undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
-                opt.state = defaultdict(dict)
-                for group in opt.param_groups:
-                    if "initial_lr" in group:
-                        group["lr"] = group["initial_lr"]
-            for sched in schedulers:
-                undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
-                _restart_scheduler(sched)
-            if scaler is not None:
-                snap_scaler = scaler.state_dict() if getattr(scaler, "_enabled", False) else None
-                if snap_scaler:
-                    undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
-                _restart_scaler(scaler)
-            report.reset += restarted(optimizers, schedulers, scaler)
-            report.step = 0
-        if rng is not None:
-            undo.append(lambda s=capture_rng_state(): restore_rng_state(s))
-            restore_rng_state(rng)
-            report.rng_restored = True
-        if runtime is not None:
-            from .. import _api
-
-            undo.append(lambda s=_api.runtime_state(): _api.load_runtime_state(s))
-            _api.load_runtime_state(runtime)
-            report.runtime_state_restored = True
-        # The model last: everything it could refuse was checked above.
-        model_touched = True
-        missing, unexpected = model.load_state_dict(plan.state, strict=False)
-    except Exception as exc:  # noqa: BLE001 - put everything back, then one clear error
-        for step_back in reversed(undo):
-            try:
-                step_back()
-            except Exception:  # noqa: BLE001 - keep undoing the rest
-                logger.exception("training-patches: could not undo part of a refused load")
-        what = ("The optimizer, scheduler, scaler and RNG were put back as they were, but the "
-                "model's weights may be partly changed: build the model again before retrying."
-                if model_touched else "Nothing was changed.")
-        raise CheckpointError(
-            f"training-patches: cannot load {path}: torch refused part of it after it passed "
-            f"every check ({type(exc).__name__}: {str(exc)[:300]}). {what} "
-            f"{_what_to_do(path)}") from exc
-    report.missing_keys = sorted(set(missing) | set(plan.missing))
-    report.unexpected_keys = list(plan.unexpected)
-    report.loaded.append("model")
-    if plan.rows is not None:
-        report.resized = dict(plan.resized)
-        report.kept_rows = {key: min(plan.rows.old_rows, plan.rows.new_rows)
-                            for key in plan.resized}
-        report.base_vocab_size, report.vocab_size = plan.rows.old_rows, plan.rows.new_rows
-        report.start_row_moved = plan.rows.start_row_last
-    report.policy = effective if policy == "remap" else policy
-    if not resume_step:
-        report.step = 0
-    if plan.prefix_stripped or plan.prefix_added:
-        report.prefix_stripped, report.prefix_added = plan.prefix_stripped, plan.prefix_added
-        report.renamed_keys = len(plan.aligned)  # every matched key went through the prefix
-    report.dtype_casts = dict(plan.casts)
-    if plan.rows is not None and plan.rows.added > 0 and freeze:
-        report.freeze = _enable_freeze(model, plan, vocab_modules)
-    _set_parts(report, plan, policy=policy, effective=effective, optimizers=optimizers,
-               schedulers=schedulers, scaler=scaler, scaler_on=scaler_on, saved_opts=saved_opts,
-               saved_scheds=saved_scheds, saved_scaler=saved_scaler, rng_in_file=rng_in_file,
-               asked_rng=asked_rng, resume_step=resume_step)
-    _say(path, report, plan, fell_back=effective != policy)
+        gate()
+    report = LoadReport(path=str(path), policy=plan.policy, step=plan.saved_step or 0,
+                        saved_step=plan.saved_step, epoch=plan.epoch, extra=plan.extra,
+                        checkpoint=plan.checkpoint,
+                        optimizer_moments_resized=list(plan.moments_resized))
+    missing = apply(plan, model, report)
+    _report_model(report, plan, missing, resume_step=options.resume_step)
+    rows = plan.model.rows
+    if rows is not None and rows.added > 0 and options.freeze:
+        report.freeze = _enable_freeze(model, plan.model, options.vocab_modules)
+    _set_parts(report, plan, resume_step=options.resume_step)
+    _say(path, report, plan.model, fell_back=plan.fell_back)
     return report
 
 
-def _set_parts(report: LoadReport, plan: _Plan, *, policy: str, effective: str,
-               optimizers: list[Any], schedulers: list[Any], scaler: Any, scaler_on: bool,
-               saved_opts: list[Any], saved_scheds: list[Any], saved_scaler: Any,
-               rng_in_file: bool, asked_rng: bool | None, resume_step: bool) -> None:
+def _report_model(report: LoadReport, plan: LoadPlan, missing: list[str], *,
+                  resume_step: bool) -> None:
+    """The report's fields about the model and the policy, read from the plan applied."""
+    model = plan.model
+    report.missing_keys = sorted(set(missing) | set(model.missing))
+    report.unexpected_keys = list(model.unexpected)
+    report.loaded.append("model")
+    if model.rows is not None:
+        report.resized = dict(model.resized)
+        report.kept_rows = {key: min(model.rows.old_rows, model.rows.new_rows)
+                            for key in model.resized}
+        report.base_vocab_size, report.vocab_size = model.rows.old_rows, model.rows.new_rows
+        report.start_row_moved = model.rows.start_row_last
+    report.policy = plan.effective if plan.policy == "remap" else plan.policy
+    if not resume_step:
+        report.step = 0
+    if model.prefix_stripped or model.prefix_added:
+        report.prefix_stripped, report.prefix_added = model.prefix_stripped, model.prefix_added
+        report.renamed_keys = len(model.aligned)  # every matched key went through the prefix
+    report.dtype_casts = dict(model.casts)
+
+
+def _set_parts(report: LoadReport, load: LoadPlan, *, resume_step: bool) -> None:
     """Fill ``report.parts`` from what :func:`_load_file` did (read from the plan and the
     decisions it acted on, not from what was asked)."""
-    fell_back = effective != policy
+    plan, effective, fell_back = load.model, load.effective, load.fell_back
+    optimizers, schedulers, scaler = load.optimizers, load.schedulers, load.scaler
     # why a part was started fresh: the policy asked for it, or the file has no optimizer state
     why = "policy reset" if not fell_back else "the file has no optimizer state"
     if plan.rows is not None:
@@ -400,17 +225,17 @@ def _set_parts(report: LoadReport, plan: _Plan, *, policy: str, effective: str,
         else:
             report.set_part("optimizer", "restored", own, in_file=True)
     else:
-        fresh_or_dropped("optimizer", bool(optimizers), bool(saved_opts), bool(optimizers))
-    if schedulers and effective == "remap" and saved_scheds:
+        fresh_or_dropped("optimizer", bool(optimizers), bool(load.saved_opts), bool(optimizers))
+    if schedulers and effective == "remap" and load.saved_scheds:
         report.set_part("scheduler", "restored", in_file=True)
     else:
-        fresh_or_dropped("scheduler", bool(schedulers), bool(saved_scheds),
+        fresh_or_dropped("scheduler", bool(schedulers), bool(load.saved_scheds),
                          bool(schedulers) and effective == "reset")
-    if scaler_on and effective == "remap" and saved_scaler:
+    if load.scaler_on and effective == "remap" and load.saved_scaler:
         report.set_part("scaler", "restored", in_file=True)
     else:
-        fresh_or_dropped("scaler", scaler is not None, bool(saved_scaler),
-                         scaler_on and effective == "reset")
+        fresh_or_dropped("scaler", scaler is not None, bool(load.saved_scaler),
+                         load.scaler_on and effective == "reset")
     saved = report.saved_step
     if saved is None:
         report.set_part("step", "absent", "resuming at 0")
@@ -421,11 +246,12 @@ def _set_parts(report: LoadReport, plan: _Plan, *, policy: str, effective: str,
                         in_file=True)
     else:
         report.set_part("step", "restored", in_file=True)
-    set_rng_part(report, in_file=rng_in_file, asked=asked_rng, why=why, rank=_dist.rank(),
+    asked_rng = load.asked_rng
+    set_rng_part(report, in_file=load.rng_in_file, asked=asked_rng, why=why, rank=_dist.rank(),
                  restore=asked_rng is True or (asked_rng is None and effective == "remap"))
 
 
-def _say(path: Path, report: LoadReport, plan: _Plan, *, fell_back: bool) -> None:
+def _say(path: Path, report: LoadReport, plan: ModelPlan, *, fell_back: bool) -> None:
     """The log lines of a load, every one read from ``report`` (and the plan it acted on)."""
     if report.renamed_keys:
         how = " and ".join(
@@ -476,7 +302,7 @@ def _and(items: Sequence[str]) -> str:
     return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
 
 
-def _enable_freeze(model: torch.nn.Module, plan: _Plan, vocab_modules: Sequence[str]) -> Any:
+def _enable_freeze(model: torch.nn.Module, plan: ModelPlan, vocab_modules: Sequence[str]) -> Any:
     """Freeze the base rows of the grown vocabulary (lazy: vocab_freeze may be absent)."""
     try:
         from .. import vocab_freeze
@@ -491,7 +317,7 @@ def _enable_freeze(model: torch.nn.Module, plan: _Plan, vocab_modules: Sequence[
                                           start_row_last=plan.rows.start_row_last)
 
 
-def _base_rows(model: torch.nn.Module, plan: _Plan, modules: Sequence[str]) -> int:
+def _base_rows(model: torch.nn.Module, plan: ModelPlan, modules: Sequence[str]) -> int:
     """Rows of the BASE vocabulary to freeze after a growth: not every row of the checkpoint
     (rows already trained for the new language keep training), but the first
     ``TRAINING_PATCHES_BASE_VOCAB`` tokens (in the model's row layout), else the base of a

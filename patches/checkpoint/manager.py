@@ -24,9 +24,9 @@ import torch
 from .. import _dist, _run
 from .._log import info
 from . import _collective
-from ._validate import (FORMAT, MANIFEST_SUFFIX, Manifest, _sha256, _what_to_do, check_file,
-                        iter_tensors, manager_checkpoints, manifest_path, nonfinite_flags,
-                        read_manifest)
+from .reading import (FORMAT, MANIFEST_SUFFIX, Manifest, _sha256, _what_to_do, check_file,
+                      iter_tensors, manager_checkpoints, manifest_path, nonfinite_flags,
+                      read_manifest)
 from .atomic import TMP_OWNER, host_name
 from .atomic import atomic_text as _atomic_text
 from .atomic import disk_free, disk_full_error, ensure_free_space, estimate_bytes, write_atomically

@@ -1,6 +1,7 @@
-"""The optimizer, scheduler and scaler as one matched set: the saved optimizer state
-remapped onto a grown vocabulary (moments grown, see :mod:`patches.vocab_resize`), or all
-three restarted together."""
+"""The optimizer, scheduler and scaler as one matched set. For the plan (pure): the saved
+optimizer state validated and remapped onto a grown vocabulary (moments grown, see
+:mod:`patches.vocab_resize`), the scheduler's and scaler's states checked. For the apply
+step: snapshot and restore of an optimizer, and the restart of all three together."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import Any, Mapping
 import torch
 
 from .. import vocab_resize
-from ._validate import nonfinite_flags
+from .reading import nonfinite_flags
 from .errors import CheckpointError, CheckpointMismatchError
-from .plan import _Plan
+from .plan import ModelPlan
 
 
 def _as_list(obj: Any) -> list[Any]:
@@ -57,7 +58,7 @@ def _check_group(path: Path, index: int, saved: Mapping[Any, Any], group: Mappin
 
 
 def _remap_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimizer,
-                           names: dict[int, str], plan: _Plan, *, allow_nonfinite: bool = False,
+                           names: dict[int, str], plan: ModelPlan, *, allow_nonfinite: bool = False,
                            ) -> tuple[dict[str, Any], list[str]]:
     """The saved optimizer state with resized moments, validated against ``optimizer``.
 

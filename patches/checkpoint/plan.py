@@ -1,5 +1,6 @@
-"""What goes where: checkpoint keys matched to the model's, the vocabulary plan and the
-decision to grow (never shrink) the text vocabulary. Pure: nothing here changes the model.
+"""The model's part of a load plan: the checkpoint's keys matched to the model's, each
+tensor checked (shape, kind of dtype, data, finite) and the text vocabulary grown (or,
+on request, truncated). Pure: nothing here changes the model.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ..vocab_resize import RowPlan, grow_bias, grow_rows
-from ._validate import _what_to_do, nonfinite_flags
+from .reading import _what_to_do, nonfinite_flags
 from .errors import CheckpointError, CheckpointMismatchError
 
 # Parameter names (last two components) that carry the text vocabulary along dim 0.
@@ -20,11 +21,13 @@ VOCAB_SUFFIXES = ("text_embedding.weight", "text_head.weight", "text_head.bias")
 # coqui's GPTTrainer, Lightning).
 _KNOWN_PREFIXES = ("module.", "_orig_mod.", "xtts.", "model.")
 # Where a checkpoint keeps the model's state dict (else it is the state dict itself).
-_MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
+MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
 
 
-def _model_state(ckpt: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
-    for key in _MODEL_KEYS:
+def model_state(ckpt: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors in a read checkpoint (under ``model`` and the like, or the
+    checkpoint itself when it is a bare state dict); refused when it holds none."""
+    for key in MODEL_KEYS:
         if isinstance(ckpt.get(key), Mapping):
             state = ckpt[key]
             break
@@ -39,14 +42,14 @@ def _model_state(ckpt: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]
     return dict(tensors)
 
 
-def _align_keys(ckpt_keys: Iterable[str], model_keys: Iterable[str]) -> dict[str, str]:
+def align_keys(ckpt_keys: Iterable[str], model_keys: Iterable[str]) -> dict[str, str]:
     """model key -> checkpoint key, allowing one prefix difference (``module.``, ``xtts.``)."""
     return _align_keys_how(ckpt_keys, model_keys)[0]
 
 
 def _align_keys_how(ckpt_keys: Iterable[str], model_keys: Iterable[str],
                     ) -> tuple[dict[str, str], str, str]:
-    """:func:`_align_keys` and how: (model key -> checkpoint key, the prefix stripped from
+    """:func:`align_keys` and how: (model key -> checkpoint key, the prefix stripped from
     the checkpoint's keys, the prefix added to them); both prefixes "" when none was."""
     ckpt_keys = list(ckpt_keys)
     model_set = set(model_keys)
@@ -109,7 +112,7 @@ def _check_tensor_kinds(path: Path, source: Mapping[str, torch.Tensor], aligned:
             f"checkpoint was trained with.")
 
 
-def check_finite(path: Path, plan: "_Plan", model: torch.nn.Module) -> None:
+def check_finite(path: Path, plan: "ModelPlan", model: torch.nn.Module) -> None:
     """Refuse NaN/Inf in what would be loaded: parameters must be finite; buffers must not
     hold NaN (an attention mask may hold -inf on purpose)."""
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -170,7 +173,11 @@ def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
 
 
 @dataclass
-class _Plan:
+class ModelPlan:
+    """What :func:`plan_model` decided: ``state`` (model key -> the tensor to load, rows
+    grown), ``aligned`` (model key -> checkpoint key), ``resized`` (key -> (old shape, new
+    shape)), ``rows`` (the vocabulary's :class:`RowPlan`, None when it did not change)."""
+
     aligned: dict[str, str]
     state: dict[str, torch.Tensor]
     resized: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -205,11 +212,13 @@ def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],
         f"checkpoint) on purpose, load with truncate=True to drop exactly those rows.")
 
 
-def _plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
-                strict: bool, vocab_modules: Sequence[str], start_token_row: str | bool,
-                seed: int, key_filter: Callable[[str], bool] | None = None,
-                truncate: bool = False) -> _Plan:
-    source = _model_state(ckpt, path)
+def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
+               strict: bool, vocab_modules: Sequence[str], start_token_row: str | bool,
+               seed: int, key_filter: Callable[[str], bool] | None = None,
+               truncate: bool = False) -> ModelPlan:
+    """The :class:`ModelPlan` of loading ``ckpt`` into ``model``: keys matched, shapes and
+    dtypes checked, vocabulary rows grown. Raises before anything is changed."""
+    source = model_state(ckpt, path)
     if key_filter is not None:
         source = {k: v for k, v in source.items() if key_filter(k)}
     target = model.state_dict()
@@ -267,7 +276,7 @@ def _plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
             old = state[key]
             grown = grow_bias(old, rows, generator) if old.dim() == 1 else grow_rows(old, rows, generator)
             state[key] = grown.to(dtype=target[key].dtype)
-    return _Plan(aligned, state, vocab, rows, missing, unexpected, stripped, added, casts)
+    return ModelPlan(aligned, state, vocab, rows, missing, unexpected, stripped, added, casts)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

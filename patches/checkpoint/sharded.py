@@ -40,7 +40,7 @@ import torch
 from .. import _dist
 from .._log import info
 from . import _collective
-from ._validate import iter_tensors, nonfinite_flags
+from .reading import iter_tensors, nonfinite_flags
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import _as_list, _restart_scaler, _restart_scheduler

@@ -309,11 +309,11 @@ def check_base_checkpoint(path: str | Path, *, flag: str = "--model") -> list[st
     """The base model.pth reads as a weights-only checkpoint holding a state dict (verified
     as :func:`patches.checkpoint.read_checkpoint` verifies); returns its weights' names."""
     from ..checkpoint import CheckpointError, read_checkpoint
-    from ..checkpoint.plan import _model_state
+    from ..checkpoint.plan import model_state
 
     path = Path(path)
     try:
-        return list(_model_state(read_checkpoint(path), path))
+        return list(model_state(read_checkpoint(path), path))
     except CheckpointError as exc:
         raise PreflightError(f"training-patches: {flag} {path}: "
                              f"{str(exc).removeprefix('training-patches: ')}") from None
@@ -344,12 +344,12 @@ def check_model_keys(path: str | Path, model: Any, *, keys: list[str] | None = N
     """Refuse a base checkpoint when most of ``model``'s weights are not in it (the wrong
     file: ``strict=False`` would load almost nothing and train from random weights);
     returns how many match. ``keys``: the checkpoint's names, if already read."""
-    from ..checkpoint.plan import _align_keys
+    from ..checkpoint.plan import align_keys
 
     path = Path(path)
     names = keys if keys is not None else check_base_checkpoint(path, flag=flag)
     wanted = list(model.state_dict())
-    matched = _align_keys(names, wanted)
+    matched = align_keys(names, wanted)
     if len(matched) < min_share * len(wanted):
         missing = [k for k in wanted if k not in matched]
         raise PreflightError(

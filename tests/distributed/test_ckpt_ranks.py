@@ -17,7 +17,7 @@ import torch
 
 import jobs
 from patches.checkpoint import CheckpointManager, check_file
-from patches.checkpoint._validate import read_manifest
+from patches.checkpoint.reading import read_manifest
 from patches.checkpoint.atomic import host_name
 from patches.checkpoint.sharded import COMMIT_NAME, MANIFEST_NAME, read_folder_manifest
 

@@ -1,12 +1,10 @@
-"""Is this file a checkpoint, and can it be read without running code?
-
-File checks (size, zip directory, torch's legacy magic number, the manifest and its
-schema), pickle inspection without unpickling (:mod:`pickletools`), the checkpoints a
+"""Reading a checkpoint: :func:`read_checkpoint` (weights-only ``torch.load``) and the
+checks before it, none of which runs the file's code: file checks (size, zip directory,
+CRC-32s, torch's legacy magic number, safetensors headers), the manifest and its schema,
+pickle inspection with :mod:`pickletools`, the checkpoints a
 :class:`~patches.checkpoint.manager.CheckpointManager` wrote (newest = highest
-generation), and the one-paragraph diagnosis of a failed ``torch.load`` that names the
-newest valid checkpoint beside the file. Nothing here unpickles anything except
-``torch.load(weights_only=True)`` in :func:`read_checkpoint`.
-"""
+generation), the one-paragraph diagnosis of a failed read that names the newest valid
+checkpoint beside the file, and the NaN/Inf scan of tensors."""
 
 from __future__ import annotations
 
