@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from patches import CheckpointManager, load_checkpoint
-from tiny_gpt import TinyGPT, batch, loss_of
+from tiny_gpt import TinyGPT, batch, loss_of, end_job
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 MODE, OUT = sys.argv[1], sys.argv[2]
@@ -133,8 +133,7 @@ elif MODE == "ddp_diskfull":
     except Exception as exc:  # noqa: BLE001 - the test reads it
         say("ERROR", f"{type(exc).__name__}: {exc}")
         code = 3
-    dist.barrier()
-    dist.destroy_process_group()
+    end_job(globals())
     sys.exit(code)
 
 elif MODE == "ddp_hang":
@@ -289,8 +288,7 @@ elif MODE == "fsdp_diskfull":
     except Exception as exc:  # noqa: BLE001 - the test reads it
         say("ERROR", f"{type(exc).__name__}: {str(exc)[:300]}")
         code = 3
-    dist.barrier()
-    dist.destroy_process_group()
+    end_job(globals())
     sys.exit(code)
 
 elif MODE == "fsdp_single":
@@ -301,5 +299,4 @@ elif MODE == "fsdp_single":
     except Exception as exc:  # noqa: BLE001 - the test reads it
         say("ERROR", f"{type(exc).__name__}: {exc}")
 
-dist.barrier()  # no rank tears gloo down while a peer still talks to it
-dist.destroy_process_group()
+end_job(globals())

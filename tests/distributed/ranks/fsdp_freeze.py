@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 import patches
 from patches.vocab_freeze import VocabFreezeError
-from tiny_gpt import TinyGPT, batch, loss_of
+from tiny_gpt import TinyGPT, batch, loss_of, end_job
 
 what, out = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
@@ -116,5 +116,4 @@ elif what == "refuse":
     except VocabFreezeError as exc:
         result["error"] = str(exc)
 torch.save(result, os.path.join(out, f"result{rank}.pt"))
-dist.barrier()  # no rank tears gloo down while a peer still talks to it
-dist.destroy_process_group()
+end_job(globals())
