@@ -21,10 +21,13 @@ Four suites (docs/compatibility.md has the results and how to get the sources):
   (``test_ops`` builds a bare ``PartialState``, which ignores ``ACCELERATE_USE_CPU``: on a
   CPU-only machine each of its ranks runs undistributed).
 
-Each suite runs three times in fresh processes: plain; with a pytest plugin that calls
+Each suite runs four times in fresh processes: plain; with a pytest plugin that calls
 ``patches.apply()`` before any test module is imported; with a plugin that does
-``import patches.auto`` (the one import line). The accelerate scripts are not pytest
-tests: a launcher does the same activation in every rank before it runs the script.
+``import patches.auto`` (the one import line); under ``python -m patches run`` (the
+``training-patches run`` launcher: every Python process it starts, each torchrun rank and
+each spawned child included, applies the patches when it imports torch). The accelerate
+scripts are not pytest tests: a launcher does the apply/auto activation in every rank
+before it runs the script.
 Outcomes are read from JUnit XML (or the ranks' exit codes) and compared per test: the
 script exits 1 when a patched run differs from the plain one.
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -53,7 +57,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH_SELECTION = "grad_scal or gradscaler or params_invalidated"
-MODES = ("plain", "apply", "auto")
+MODES = ("plain", "apply", "auto", "run")
 
 PLUGINS = {
     "plain": """
@@ -92,6 +96,15 @@ PLUGINS = {
 }
 PLUGINS["auto"] = PLUGINS["apply"].replace("import patches\n\n        patches.apply()",
                                            "import patches\n        import patches.auto")
+# Mode "run": the session runs under `python -m patches run` (the bootstrap applies the
+# patches in every process when torch is imported); the plugin only records the evidence,
+# importing patches at the session's end: imported first, before torch, it would be the
+# import during which the bootstrap's torch hook fires, and the bootstrap then fails.
+PLUGINS["run"] = (PLUGINS["apply"].replace("import patches\n\n        patches.apply()\n", "")
+                  .replace("from patches import _registry",
+                           "import patches\n            from patches import _registry"))
+# The launcher command of each mode, put before the suite's own command.
+WRAPPERS = {"plain": [], "apply": [], "auto": [], "run": ["-m", "patches", "run", "--"]}
 
 # Loaded in every mode of the FSDP suite, before its test module is imported. Its three
 # TestShardGradScaler tests use CPU tensors and a one-rank dummy process group, yet skip
@@ -189,7 +202,8 @@ def run_suite(python: str, name: str, args: list[str], cwd: Path, scratch: Path,
                    PYTHONPATH=os.pathsep.join(str(p) for p in [plugins, *pythonpath, REPO]),
                    TP_UPSTREAM_EVIDENCE=str(evidence),
                    TRAINING_PATCHES_OUTPUT_DIR=str(scratch / f"{name}-{mode}-reports"))
-        command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shared,
+        wrapper = [python, *WRAPPERS[mode]] if WRAPPERS[mode] else []
+        command = [*wrapper, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shared,
                    "-p", f"tp_{mode}", f"--junitxml={junit}", *args]
         print(f"\n== {name} [{mode}]: {' '.join(command)}", flush=True)
         proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
@@ -224,16 +238,20 @@ LAUNCHER = """
         evidence = os.environ["TP_UPSTREAM_EVIDENCE"].replace(
             ".json", "-rank" + os.environ.get("RANK", "0") + ".json")
         record = {{"patches_imported": "patches" in sys.modules}}
-        if MODE != "plain":
+        if "patches" in sys.modules:  # "run": the bootstrap applied them at torch's import
+            import patches
             record.update(applied=patches.applied(), stats=patches.stats())
         with open(evidence, "w") as f:
             json.dump(record, f, default=str, indent=1)
 """
 
 
-def run_accelerate_scripts(python: str, scratch: Path, nproc: int = 2,
+def run_accelerate_scripts(python: str, scratch: Path, timeout: float, nproc: int = 2,
                            ) -> dict[str, dict[str, str]]:
-    """Each accelerate test script under torchrun on ``nproc`` CPU processes, per mode."""
+    """Each accelerate test script under torchrun on ``nproc`` CPU processes, per mode.
+
+    A launch still running after ``timeout`` seconds (ranks waiting on a collective that a
+    peer never joins) is killed and counted as an error."""
     plugins = scratch / "plugins"
     plugins.mkdir(parents=True, exist_ok=True)
     work = scratch / "accelerate-work"
@@ -249,14 +267,27 @@ def run_accelerate_scripts(python: str, scratch: Path, nproc: int = 2,
                        PYTHONPATH=os.pathsep.join([str(plugins), str(REPO)]),
                        TP_UPSTREAM_EVIDENCE=str(scratch / f"{name}-{mode}-evidence.json"),
                        TRAINING_PATCHES_OUTPUT_DIR=str(scratch / f"{name}-{mode}-reports"))
-            command = [python, "-m", "torch.distributed.run", "--standalone",
+            wrapper = [python, *WRAPPERS[mode]] if WRAPPERS[mode] else []
+            command = [*wrapper, python, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc_per_node={nproc}", str(launcher),
                        f"accelerate.test_utils.scripts.{script}"]
             print(f"\n== accelerate [{mode}]: {' '.join(command)}", flush=True)
-            proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
-            (scratch / f"{name}-{mode}.log").write_text(proc.stdout + proc.stderr)
-            outcome = "passed" if proc.returncode == 0 else "failed"
-            print(f"{script} on {nproc} processes: {outcome} (exit {proc.returncode})")
+            # Its own session, so a hung launch is killed with all its ranks.
+            proc = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+            try:
+                output, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+                outcome = "error"
+                print(f"{script} on {nproc} processes: error (still running after "
+                      f"{timeout:g} s, killed)")
+            else:
+                outcome = "passed" if proc.returncode == 0 else "failed"
+                print(f"{script} on {nproc} processes: {outcome} (exit {proc.returncode})")
+            (scratch / f"{name}-{mode}.log").write_text(output)
             results[mode][f"accelerate.test_utils.scripts::{script}[{nproc}proc]"] = outcome
     return results
 
@@ -290,6 +321,8 @@ def main() -> None:
                         help="a checkout of idiap/coqui-ai-Trainer at tag v0.4.0")
     parser.add_argument("--accelerate-scripts", action="store_true",
                         help="run the installed accelerate's test scripts on 2 CPU processes")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="seconds one accelerate launch may run before it counts as an error")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/training-patches-upstream"),
                         help="where results, logs and test-only packages go")
     parser.add_argument("--python", default=sys.executable, help="the venv's python")
@@ -337,7 +370,8 @@ def main() -> None:
         same &= summarize("coqui-trainer", results)
 
     if opts.accelerate_scripts:
-        same &= summarize("accelerate", run_accelerate_scripts(opts.python, opts.scratch))
+        same &= summarize("accelerate", run_accelerate_scripts(opts.python, opts.scratch,
+                                                                opts.timeout))
 
     print(f"\nlogs, JUnit XML and evidence (patches applied, their stats) in {opts.scratch}")
     print("SAME results plain and patched" if same else "RESULTS DIFFER (see above)")
