@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -272,14 +271,12 @@ def run_accelerate_scripts(python: str, scratch: Path, timeout: float, nproc: in
                        f"--nproc_per_node={nproc}", str(launcher),
                        f"accelerate.test_utils.scripts.{script}"]
             print(f"\n== accelerate [{mode}]: {' '.join(command)}", flush=True)
-            # Its own session, so a hung launch is killed with all its ranks.
             proc = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
+                                    stderr=subprocess.STDOUT, text=True)
             try:
                 output, _ = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_tree(proc.pid)
                 output, _ = proc.communicate()
                 outcome = "error"
                 print(f"{script} on {nproc} processes: error (still running after "
@@ -290,6 +287,20 @@ def run_accelerate_scripts(python: str, scratch: Path, timeout: float, nproc: in
             (scratch / f"{name}-{mode}.log").write_text(output)
             results[mode][f"accelerate.test_utils.scripts::{script}[{nproc}proc]"] = outcome
     return results
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill a process and all its descendants: torchrun starts each rank in a session of
+    its own, so killing torchrun's process group would leave the hung ranks (holding the
+    output pipe open) behind."""
+    import psutil  # a dependency of coqui-tts-trainer, in the project's venv
+
+    parent = psutil.Process(pid)
+    for process in [*parent.children(recursive=True), parent]:  # collected before any dies
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def summarize(name: str, results: dict[str, dict[str, str]]) -> bool:
