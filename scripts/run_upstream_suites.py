@@ -1,24 +1,43 @@
 #!/usr/bin/env python3
 """Run upstream test suites plain and with training-patches on, and compare them test by test.
 
-Two suites (docs/compatibility.md has the results and how to get the sources):
+Four suites (docs/compatibility.md has the results and how to get the sources):
 
 - PyTorch's GradScaler tests of ``test/test_torch.py`` on the CPU: every test whose name
   has ``grad_scal``, ``gradscaler`` or ``params_invalidated`` (29 on a CPU-only machine; the
   ``-k test_grad_scaling`` subset is 19 of them);
-- coqui-tts-trainer 0.4.0's own suite (``trainer/`` doctests and ``tests/``), offline:
-  a small synthetic MNIST in the IDX format stands in for the download its tests make.
+- PyTorch's FSDP ``ShardedGradScaler`` tests, ``test/distributed/fsdp/
+  test_fsdp_sharded_grad_scaler.py`` (20 tests; on a CPU-only machine only the three of
+  ``TestShardGradScaler`` can run: they use CPU tensors and a one-rank dummy process
+  group, but skip unless CUDA or XLA exists, so a plugin loaded in all three modes lets
+  them run on the CPU (``CPU_AMP_PLUGIN``); the 17 FSDP-vs-DDP parity tests need two GPUs
+  and skip);
+- coqui-tts-trainer 0.4.0's own suite (``trainer/`` and ``tests/``), offline:
+  a small synthetic MNIST in the IDX format stands in for the download its tests make;
+- accelerate's own distributed test scripts, shipped in the installed package
+  (``accelerate.test_utils.scripts``: ``test_sync``, ``test_ops``, ``test_script``, what
+  ``accelerate test`` runs), each under ``torchrun`` with two CPU processes (gloo,
+  ``ACCELERATE_USE_CPU``): one test per script, passed when every rank exits 0
+  (``test_ops`` builds a bare ``PartialState``, which ignores ``ACCELERATE_USE_CPU``: on a
+  CPU-only machine each of its ranks runs undistributed).
 
-Each suite runs three times in fresh processes: plain; with a pytest plugin that calls
+Each suite runs four times in fresh processes: plain; with a pytest plugin that calls
 ``patches.apply()`` before any test module is imported; with a plugin that does
-``import patches.auto`` (the one import line). Outcomes are read from JUnit XML and
-compared per test: the script exits 1 when a patched run differs from the plain one.
+``import patches.auto`` (the one import line); under ``python -m patches run`` (the
+``training-patches run`` launcher: every Python process it starts, each torchrun rank and
+each spawned child included, applies the patches when it imports torch). The accelerate
+scripts are not pytest tests: a launcher does the apply/auto activation in every rank
+before it runs the script.
+Outcomes are read from JUnit XML (or the ranks' exit codes) and compared per test: the
+script exits 1 when a patched run differs from the plain one.
 
 Usage (from the repository root, with the project's venv; not part of ``make test``)::
 
     .venv/bin/python scripts/run_upstream_suites.py \\
         --pytorch-test ../pytorch/test/test_torch.py \\
-        --coqui-trainer ../coqui-ai-Trainer            # a checkout of tag v0.4.0
+        --pytorch-fsdp-scaler ../pytorch/test/distributed/fsdp/test_fsdp_sharded_grad_scaler.py \\
+        --coqui-trainer ../coqui-ai-Trainer \\
+        --accelerate-scripts                           # from the installed accelerate
 
 Extra test dependencies (expecttest; torchvision and accelerate for coqui's tests) are
 installed with ``pip install --target`` into the scratch folder, never into the venv.
@@ -37,7 +56,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH_SELECTION = "grad_scal or gradscaler or params_invalidated"
-MODES = ("plain", "apply", "auto")
+MODES = ("plain", "apply", "auto", "run")
 
 PLUGINS = {
     "plain": """
@@ -54,19 +73,60 @@ PLUGINS = {
         patches.apply()
 
         def pytest_sessionfinish(session, exitstatus):
-            _evidence()
+            _evidence(session)
 
-        def _evidence():
+        def _evidence(session):
             from patches import _registry
             names = list(_registry.specs()) + list(_registry.integrations())
+            # The scaler classes the test modules actually hold (what their tests built).
+            bound = {}
+            for item in session.items:
+                module = getattr(item, "module", None)
+                for attr in ("GradScaler", "ShardedGradScaler"):
+                    cls = getattr(module, attr, None) if module is not None else None
+                    if isinstance(cls, type):
+                        bound[f"{module.__name__}.{attr}"] = f"{cls.__module__}.{cls.__qualname__}"
             with open(os.environ["TP_UPSTREAM_EVIDENCE"], "w") as f:
                 json.dump({"applied": patches.applied(), "stats": patches.stats(),
-                           "state": {n: patches.status(n)["state"] for n in names}},
+                           "state": {n: patches.status(n)["state"] for n in names},
+                           "scaler_classes_bound_by_tests": bound},
                           f, default=str, indent=1)
     """,
 }
 PLUGINS["auto"] = PLUGINS["apply"].replace("import patches\n\n        patches.apply()",
                                            "import patches\n        import patches.auto")
+# Mode "run": the session runs under `python -m patches run` (the bootstrap applies the
+# patches in every process when torch is imported); the plugin only records the evidence,
+# importing patches at the session's end: imported first, before torch, it would be the
+# import during which the bootstrap's torch hook fires, and the bootstrap then fails.
+PLUGINS["run"] = (PLUGINS["apply"].replace("import patches\n\n        patches.apply()\n", "")
+                  .replace("from patches import _registry",
+                           "import patches\n            from patches import _registry"))
+# The launcher command of each mode, put before the suite's own command.
+WRAPPERS = {"plain": [], "apply": [], "auto": [], "run": ["-m", "patches", "run", "--"]}
+
+# Loaded in every mode of the FSDP suite, before its test module is imported. Its three
+# TestShardGradScaler tests use CPU tensors and a one-rank dummy process group, yet skip
+# unless amp_definitely_not_available() finds CUDA or XLA, and build the scaler on the
+# module's device_type, which is "cuda" on a CUDA build of torch even with no GPU
+# (current_accelerator() does not check availability). On a machine with no usable
+# accelerator the plugin makes the first answer False and sets device_type to "cpu" (what
+# a CPU-only build of torch computes), so the three run on the CPU as written. torch's own
+# code consults amp_definitely_not_available() only for device "cuda", never used here.
+CPU_AMP_PLUGIN = """
+    import torch
+    import torch.cuda.amp.common
+
+    ON_CPU = not torch.accelerator.is_available()
+    if ON_CPU:
+        torch.cuda.amp.common.amp_definitely_not_available = lambda: False
+
+    def pytest_collection_modifyitems(session, config, items):
+        for item in items:
+            module = getattr(item, "module", None)
+            if ON_CPU and getattr(module, "device_type", None) is not None:
+                module.device_type = "cpu"
+"""
 
 
 def ensure_extras(python: str, scratch: Path, packages: list[str]) -> Path:
@@ -123,9 +183,15 @@ def outcomes(junit: Path) -> dict[str, str]:
 
 
 def run_suite(python: str, name: str, args: list[str], cwd: Path, scratch: Path,
-              pythonpath: list[Path]) -> dict[str, dict[str, str]]:
+              pythonpath: list[Path], shared_plugins: dict[str, str] | None = None,
+              ) -> dict[str, dict[str, str]]:
+    """Run one suite in each mode; ``shared_plugins`` (module name -> source) load in all."""
     plugins = scratch / "plugins"
     plugins.mkdir(parents=True, exist_ok=True)
+    shared = []
+    for plugin, source in (shared_plugins or {}).items():
+        (plugins / f"{plugin}.py").write_text(textwrap.dedent(source).lstrip())
+        shared += ["-p", plugin]
     results = {}
     for mode in MODES:
         (plugins / f"tp_{mode}.py").write_text(textwrap.dedent(PLUGINS[mode]).lstrip())
@@ -135,8 +201,9 @@ def run_suite(python: str, name: str, args: list[str], cwd: Path, scratch: Path,
                    PYTHONPATH=os.pathsep.join(str(p) for p in [plugins, *pythonpath, REPO]),
                    TP_UPSTREAM_EVIDENCE=str(evidence),
                    TRAINING_PATCHES_OUTPUT_DIR=str(scratch / f"{name}-{mode}-reports"))
-        command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", f"tp_{mode}",
-                   f"--junitxml={junit}", *args]
+        wrapper = [python, *WRAPPERS[mode]] if WRAPPERS[mode] else []
+        command = [*wrapper, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shared,
+                   "-p", f"tp_{mode}", f"--junitxml={junit}", *args]
         print(f"\n== {name} [{mode}]: {' '.join(command)}", flush=True)
         proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
         (scratch / f"{name}-{mode}.log").write_text(proc.stdout + proc.stderr)
@@ -145,6 +212,95 @@ def run_suite(python: str, name: str, args: list[str], cwd: Path, scratch: Path,
             sys.exit(f"{name} [{mode}] produced no results; see {scratch / f'{name}-{mode}.log'}")
         results[mode] = outcomes(junit)
     return results
+
+
+ACCELERATE_SCRIPTS = ("test_sync", "test_ops", "test_script")
+
+# Run in every rank by torchrun: activates the patches as the pytest plugins do, runs the
+# accelerate script as __main__, and records what was applied (one file per rank).
+LAUNCHER = """
+    import json, os, runpy, sys
+
+    MODE = {mode!r}
+    if MODE == "apply":
+        import patches
+        patches.apply()
+    elif MODE == "auto":
+        import patches
+        import patches.auto
+
+    target = sys.argv[1]
+    sys.argv = [target, *sys.argv[2:]]
+    try:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    finally:
+        evidence = os.environ["TP_UPSTREAM_EVIDENCE"].replace(
+            ".json", "-rank" + os.environ.get("RANK", "0") + ".json")
+        record = {{"patches_imported": "patches" in sys.modules}}
+        if "patches" in sys.modules:  # "run": the bootstrap applied them at torch's import
+            import patches
+            record.update(applied=patches.applied(), stats=patches.stats())
+        with open(evidence, "w") as f:
+            json.dump(record, f, default=str, indent=1)
+"""
+
+
+def run_accelerate_scripts(python: str, scratch: Path, timeout: float, nproc: int = 2,
+                           ) -> dict[str, dict[str, str]]:
+    """Each accelerate test script under torchrun on ``nproc`` CPU processes, per mode.
+
+    A launch still running after ``timeout`` seconds (ranks waiting on a collective that a
+    peer never joins) is killed and counted as an error."""
+    plugins = scratch / "plugins"
+    plugins.mkdir(parents=True, exist_ok=True)
+    work = scratch / "accelerate-work"
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, str]] = {}
+    for mode in MODES:
+        launcher = plugins / f"tp_launch_{mode}.py"
+        launcher.write_text(textwrap.dedent(LAUNCHER.format(mode=mode)).lstrip())
+        results[mode] = {}
+        for script in ACCELERATE_SCRIPTS:
+            name = f"accelerate-{script}"
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="true",
+                       PYTHONPATH=os.pathsep.join([str(plugins), str(REPO)]),
+                       TP_UPSTREAM_EVIDENCE=str(scratch / f"{name}-{mode}-evidence.json"),
+                       TRAINING_PATCHES_OUTPUT_DIR=str(scratch / f"{name}-{mode}-reports"))
+            wrapper = [python, *WRAPPERS[mode]] if WRAPPERS[mode] else []
+            command = [*wrapper, python, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc_per_node={nproc}", str(launcher),
+                       f"accelerate.test_utils.scripts.{script}"]
+            print(f"\n== accelerate [{mode}]: {' '.join(command)}", flush=True)
+            proc = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            try:
+                output, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc.pid)
+                output, _ = proc.communicate()
+                outcome = "error"
+                print(f"{script} on {nproc} processes: error (still running after "
+                      f"{timeout:g} s, killed)")
+            else:
+                outcome = "passed" if proc.returncode == 0 else "failed"
+                print(f"{script} on {nproc} processes: {outcome} (exit {proc.returncode})")
+            (scratch / f"{name}-{mode}.log").write_text(output)
+            results[mode][f"accelerate.test_utils.scripts::{script}[{nproc}proc]"] = outcome
+    return results
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill a process and all its descendants: torchrun starts each rank in a session of
+    its own, so killing torchrun's process group would leave the hung ranks (holding the
+    output pipe open) behind."""
+    import psutil  # a dependency of coqui-tts-trainer, in the project's venv
+
+    parent = psutil.Process(pid)
+    for process in [*parent.children(recursive=True), parent]:  # collected before any dies
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def summarize(name: str, results: dict[str, dict[str, str]]) -> bool:
@@ -170,14 +326,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pytorch-test", type=Path,
                         help="pytorch's test/test_torch.py (or a file of its GradScaler tests)")
+    parser.add_argument("--pytorch-fsdp-scaler", type=Path,
+                        help="pytorch's test/distributed/fsdp/test_fsdp_sharded_grad_scaler.py")
     parser.add_argument("--coqui-trainer", type=Path,
                         help="a checkout of idiap/coqui-ai-Trainer at tag v0.4.0")
+    parser.add_argument("--accelerate-scripts", action="store_true",
+                        help="run the installed accelerate's test scripts on 2 CPU processes")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="seconds one accelerate launch may run before it counts as an error")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/training-patches-upstream"),
                         help="where results, logs and test-only packages go")
     parser.add_argument("--python", default=sys.executable, help="the venv's python")
     opts = parser.parse_args()
-    if not opts.pytorch_test and not opts.coqui_trainer:
-        parser.error("give --pytorch-test, --coqui-trainer or both")
+    if not (opts.pytorch_test or opts.pytorch_fsdp_scaler or opts.coqui_trainer
+            or opts.accelerate_scripts):
+        parser.error("give one or more of --pytorch-test, --pytorch-fsdp-scaler, "
+                     "--coqui-trainer, --accelerate-scripts")
     opts.scratch.mkdir(parents=True, exist_ok=True)
     same = True
 
@@ -192,6 +356,13 @@ def main() -> None:
                          if t.rsplit("::", 1)[-1].startswith("test_grad_scaling")}
                   for mode, r in results.items()}
         same &= summarize("pytorch -k test_grad_scaling", subset)
+
+    if opts.pytorch_fsdp_scaler:
+        test = opts.pytorch_fsdp_scaler.resolve()
+        extra = ensure_extras(opts.python, opts.scratch, ["expecttest"])
+        results = run_suite(opts.python, "pytorch-fsdp", [str(test)], test.parent,
+                            opts.scratch, [extra], shared_plugins={"tp_cpu_amp": CPU_AMP_PLUGIN})
+        same &= summarize("pytorch-fsdp", results)
 
     if opts.coqui_trainer:
         source = opts.coqui_trainer.resolve()
@@ -208,6 +379,10 @@ def main() -> None:
                              str(source / "tests")],
                             data, opts.scratch, [extra])
         same &= summarize("coqui-trainer", results)
+
+    if opts.accelerate_scripts:
+        same &= summarize("accelerate", run_accelerate_scripts(opts.python, opts.scratch,
+                                                                opts.timeout))
 
     print(f"\nlogs, JUnit XML and evidence (patches applied, their stats) in {opts.scratch}")
     print("SAME results plain and patched" if same else "RESULTS DIFFER (see above)")
