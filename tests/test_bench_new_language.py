@@ -1,0 +1,53 @@
+"""``benchmarks/bench_new_language.py --quick`` runs end to end with a tiny step count and
+writes its table, JSON and plot with every arm. The figures belong to the benchmark; only
+what is exact is checked here (every arm ran clean and with its NaN, the library arms
+skipped the NaN step and kept the base rows bit-identical, the unguarded arms died)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("tokenizers")
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("upstream", "notes", "notes_stale", "library", "library_unfrozen", "library_resume")
+
+
+def test_quick_run_writes_table_json_and_plot_with_every_arm(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_new_language.py"), "--quick",
+         "--steps", "8", "--base-steps", "8", "--seeds", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert set(result["summary"]["arms"]) == set(ARMS)
+    # every arm ran once clean and once with its injected NaN
+    assert sorted((r["arm"], r["nan_at"] is None) for r in result["runs"]) == sorted(
+        (arm, clean) for arm in ARMS for clean in (True, False))
+    table = (out / "table.md").read_text(encoding="utf-8")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 2 + len(ARMS) + 3  # two headers, one row per arm, three resume rows
+    assert result["rows"]["base"] < result["rows"]["v1"] < result["rows"]["v2"]
+    assert (out / "new_language.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "work").exists()  # checkpoints and the base model are not left behind
+    runs = {(r["arm"], r["nan_at"] is None): r for r in result["runs"]}
+    for arm in ("library", "library_resume"):  # library_unfrozen trains every row
+        assert runs[arm, True]["base_row_drift"] == 0.0, arm  # freeze_base_vocab: exact
+    assert runs["library_unfrozen", True]["base_row_drift"] > 0.0
+    for arm in ("library", "library_unfrozen", "library_resume"):
+        assert runs[arm, False]["guard"]["skipped"] == 1, arm  # the NaN step was skipped
+        assert runs[arm, False]["nonfinite_tensors"] == 0, arm
+    for arm in ("upstream", "notes", "notes_stale"):
+        assert runs[arm, False]["nonfinite_tensors"] > 0, arm  # no guard: the NaN stays
+    resume = result["summary"]["arms"]["library_resume"]["resume"]
+    assert "policy remap" in resume["load"] and resume["lr_after"] == resume["lr_before"]
