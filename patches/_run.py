@@ -8,7 +8,7 @@ paths); a plain loop can call :func:`set_output_dir`, or set
 In a job of several ranks every process writes its own files: rank 1's events go to
 ``nonfinite_events.rank1.jsonl`` (:func:`rank_file_name`), never into a file another
 process appends to, and every record says which ``rank`` of how many (``world_size``)
-wrote it. Records are strict JSON: a non-finite float is the string ``"NaN"``,
+wrote it, and which run (``run_id``: :func:`run_id`). Records are strict JSON: a non-finite float is the string ``"NaN"``,
 ``"Infinity"`` or ``"-Infinity"`` (:func:`json_line`), which any JSON parser reads.
 """
 
@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 from . import _dist, _options
@@ -168,9 +170,41 @@ def json_line(record: dict[str, Any]) -> str:
     return json.dumps(strict_json(record), ensure_ascii=False, default=str, allow_nan=False)
 
 
+RUN_ID_ENV = "TRAINING_PATCHES_RUN_ID"
+_run_id: str | None = None
+
+
+def run_id() -> str:
+    """The run this process's records belong to, so that runs started from one folder can
+    be told apart in a shared file: ``TRAINING_PATCHES_RUN_ID`` when set; else torchrun's
+    rendezvous id (``TORCHELASTIC_RUN_ID``, the same on every rank of a job) unless it is
+    torchrun's default ``none``; else, in a rank (``RANK`` set: torchrun without a
+    rendezvous id, coqui's ``trainer.distribute``), the host and the launcher's pid, shared
+    by the ranks it started; else this process's start time and pid. Made once per process (a forked DataLoader worker keeps its
+    parent's); never exported, so separate runs that one driver starts stay separate."""
+    global _run_id
+    if _run_id is not None:
+        return _run_id
+    found = os.environ.get(RUN_ID_ENV)
+    if found:
+        _run_id = found
+        return found
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if elastic and elastic != "none":
+        found = elastic
+    elif "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        found = f"{socket.gethostname()}-{os.getppid()}"
+    else:
+        found = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    _run_id = found
+    return found
+
+
 def with_rank(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` with ``"rank"`` and ``"world_size"`` of this process (its own win)."""
-    return {"rank": _dist.rank(), "world_size": _dist.world_size(), **record}
+    """``record`` with the ``"run_id"``, ``"rank"`` and ``"world_size"`` of this process
+    (the record's own keys win)."""
+    return {"run_id": run_id(), "rank": _dist.rank(), "world_size": _dist.world_size(),
+            **record}
 
 
 def append_jsonl(name: str, record: dict[str, Any]) -> str:

@@ -48,7 +48,8 @@ def test_evidence_one_process_keeps_the_plain_name_with_rank_0_of_1(tmp_path: Pa
     assert path == str(tmp_path / "nonfinite_events.jsonl")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nonfinite_events.jsonl"]
     assert strict_lines(tmp_path / "nonfinite_events.jsonl") == [
-        {"rank": 0, "world_size": 1, "step": 1, "kind": "nonfinite_loss"}]
+        {"run_id": _run.run_id(), "rank": 0, "world_size": 1, "step": 1,
+         "kind": "nonfinite_loss"}]
 
 
 @pytest.mark.parametrize("rank", ["0", "1", "3"])
@@ -59,8 +60,8 @@ def test_evidence_each_rank_of_a_launcher_writes_its_own_file(
     path = _run.append_jsonl("oom_events.jsonl", {"kind": "out_of_memory"})
     assert path == str(tmp_path / f"oom_events.rank{rank}.jsonl")
     assert not (tmp_path / "oom_events.jsonl").exists()
-    assert strict_lines(Path(path)) == [{"rank": int(rank), "world_size": 4,
-                                         "kind": "out_of_memory"}]
+    assert strict_lines(Path(path)) == [{"run_id": _run.run_id(), "rank": int(rank),
+                                         "world_size": 4, "kind": "out_of_memory"}]
 
 
 def test_evidence_a_rank_without_world_size_never_takes_the_plain_file(
@@ -132,3 +133,38 @@ def test_evidence_own_files_include_every_rank(tmp_path: Path) -> None:
         (tmp_path / name).write_text("{}\n")
     assert _run.own_files_in(str(tmp_path)) == ["loss_scale.jsonl",
                                                  "nonfinite_events.rank1.jsonl"]
+
+
+def test_evidence_every_record_names_its_run(tmp_path: Path, monkeypatch) -> None:
+    """Two runs started from one folder append to one file: their records say which run
+    each is (``run_id``); ranks of one job share theirs; a name given wins."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    code = ("from patches import _run; _run.set_output_dir(r'%s'); "
+            "_run.append_jsonl('nonfinite_events.jsonl', {'step': 1})" % tmp_path)
+
+    def run(extra: dict[str, str]) -> None:
+        env = {k: v for k, v in __import__("os").environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                            _run.RUN_ID_ENV)}
+        subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(repo),
+                                                          **extra}, check=True)
+
+    run({})
+    run({})
+    run({_run.RUN_ID_ENV: "amharic-try-3"})
+    run({"TORCHELASTIC_RUN_ID": "job-42", "RANK": "0", "WORLD_SIZE": "1"})
+    ids = [line["run_id"] for line in strict_lines(tmp_path / "nonfinite_events.jsonl")]
+    assert len(ids) == 4 and ids[0] != ids[1], ids
+    assert ids[2:] == ["amharic-try-3", "job-42"]
+    # Ranks without a rendezvous id (torchrun's default "none", trainer.distribute): the
+    # launcher's pid on this host, the same for every rank it started.
+    monkeypatch.setattr(_run, "_run_id", None)
+    monkeypatch.delenv(_run.RUN_ID_ENV, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("RANK", "1")
+    import os
+    import socket
+    assert _run.run_id() == f"{socket.gethostname()}-{os.getppid()}"

@@ -52,6 +52,9 @@ def test_evidence_each_rank_writes_its_own_files(job_dir: Path) -> None:
         assert event["rank"] == rank and event["world_size"] == 2 and event["step"] == 3
     (seen,) = _strict(job_dir / "nonfinite_events.rank0.jsonl")
     assert seen["kind"] == "nonfinite_loss" and seen["loss"] == "NaN"
+    # One run: every record of both ranks names the same run_id (torchrun's launcher).
+    run_ids = {e["run_id"] for path in job_dir.glob("*.jsonl") for e in _strict(path)}
+    assert len(run_ids) == 1, run_ids
 
 
 def test_evidence_report_merges_the_ranks(job_dir: Path, capsys) -> None:
