@@ -167,6 +167,7 @@ OWNERS: dict[str, tuple[str, ...]] = {
 # TRAINING_PATCHES_* variables that are not options but are read by the library.
 OTHER_ENV: set[str] = {
     "TRAINING_PATCHES_LAUNCHED",  # set by `training-patches run` in the processes it starts
+    "TRAINING_PATCHES_RUN_ID",  # the run_id of every record (_run.run_id)
 }
 
 

@@ -142,7 +142,9 @@ def test_evidence_every_record_names_its_run(tmp_path: Path, monkeypatch) -> Non
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    code = ("from patches import _run; _run.set_output_dir(r'%s'); "
+    # patches.apply(): a run id given in the environment is a known variable, not an error.
+    code = ("import patches; patches.apply(); from patches import _run; "
+            "_run.set_output_dir(r'%s'); "
             "_run.append_jsonl('nonfinite_events.jsonl', {'step': 1})" % tmp_path)
 
     def run(extra: dict[str, str]) -> None:
