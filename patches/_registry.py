@@ -361,7 +361,7 @@ def upstream_version(integ: Integration) -> UpstreamVersion:
            "; its version could not be read before it is imported"), True)
 
 
-def _version_problem(integ: Integration, found: UpstreamVersion) -> Problem | None:
+def version_problem(integ: Integration, found: UpstreamVersion) -> Problem | None:
     """A Problem when the upstream this process runs is outside the integration's range
     (or a vendored copy whose version cannot be read)."""
     from packaging.specifiers import SpecifierSet
@@ -395,7 +395,7 @@ def check_versions() -> list[Problem]:
         if (found.version is not None or found.vendored) and integ.module and \
                 integ.module not in sys.modules:
             _watch_import(integ)
-        problem = _version_problem(integ, found)
+        problem = version_problem(integ, found)
         if problem is None:
             _version_problems.pop(integ.name, None)
             continue
@@ -426,7 +426,7 @@ def _watch_import(integ: Integration) -> None:
         _checked_versions[integ.name] = found
         if before is not None and before.version == found.version:
             return  # what the banner said holds
-        problem = _version_problem(integ, found)
+        problem = version_problem(integ, found)
         if problem is None:
             _version_problems.pop(integ.name, None)
             logger.info("training-patches: %s is %s (%s), not %s as read before the import",

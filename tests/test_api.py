@@ -241,4 +241,4 @@ def test_an_editable_install_is_the_distributions_own_copy(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path / "vendor"))
     found = _registry.upstream_version(integ)
     assert (found.version, found.vendored) == ("0.5", True), found
-    assert _registry._version_problem(integ, found) is not None
+    assert _registry.version_problem(integ, found) is not None

@@ -185,3 +185,23 @@ def test_a_signal_ends_verify_tokenizer_with_one_line(tmp_path, signum, code) ->
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
     assert signal.Signals(signum).name in stderr and "verify-tokenizer" in stderr
     assert not (tmp_path / "v.json").exists()
+
+
+@pytest.mark.slow
+def test_doctor_reads_the_tts_a_trainer_would_import(tmp_path) -> None:
+    """doctor run in a trainer's folder that ships its own TTS/ (0.22) reports that copy,
+    as the banner does, and warns that it is outside the supported range; the installed
+    coqui-tts's metadata would say 0.28."""
+    import subprocess
+    import sys
+
+    vendored = tmp_path / "TTS"
+    vendored.mkdir()
+    (vendored / "__init__.py").write_text('__version__ = "0.22.0"\n')
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "patches", "doctor"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True,
+                          text=True, timeout=120)
+    line = next(l for l in done.stdout.splitlines() if " coqui-tts " in l)
+    assert line.startswith("[warn]") and "0.22.0" in line, done.stdout
+    assert str(vendored) in line or "TTS" in line

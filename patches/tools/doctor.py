@@ -24,6 +24,26 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _upstream_check(dist: str, why: str) -> tuple[str, str, str] | None:
+    """The check of a distribution an integration patches, read as the banner reads it: the
+    version of the copy this process imports (a trainer's vendored ``TTS/`` included) and
+    where that was read; WARN outside the integration's supported range."""
+    import patches  # noqa: F401 - registers the integrations
+    from .. import _registry
+
+    for integ in _registry.integrations().values():
+        if integ.distribution != dist or not integ.module:
+            continue
+        found = _registry.upstream_version(integ)
+        if found.version is None and not found.vendored:
+            return None  # not installed: the plain check says so
+        problem = _registry.version_problem(integ, found)
+        if problem is not None:
+            return WARN, dist, problem.message
+        return OK, dist, f"{found.version}, read from {found.detail}"
+    return None
+
+
 def doctor_checks() -> list[tuple[str, str, str]]:
     """(status, what, detail) for each thing a fine-tune needs."""
     import torch
@@ -47,6 +67,10 @@ def doctor_checks() -> list[tuple[str, str, str]]:
                       ("coqui-tts-trainer", "the coqui Trainer"),
                       ("torchaudio", "audio (extra 'xtts')"), ("torchcodec", "audio decoding"),
                       ("six", "imported by coqui-tts, not declared by it")):
+        upstream = _upstream_check(dist, why)
+        if upstream is not None:
+            checks.append(upstream)
+            continue
         version = _version(dist)
         required = dist in ("wrapt", "numpy", "sentencepiece")
         status = OK if version else (FAIL if required else WARN)
