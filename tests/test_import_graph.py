@@ -29,11 +29,6 @@ ENTRY_LAYERS = {"patches": INTEGRATIONS, "patches.auto": INTEGRATIONS,
 # Imports of a private name (``_x``: a module, function, class or constant) from another
 # package that remain today, each with why it is allowed (importer -> imported name).
 PRIVATE_ALLOWED = {
-    # The XTTS preflight runs the loader's own reading and key alignment on a checkpoint
-    # before training starts, so it cannot disagree with load_checkpoint; the checkpoint
-    # rework (issue 21, item 3) gives them a public name, then these two go.
-    "patches.integrations.xtts_preflight -> patches.checkpoint.plan._model_state",
-    "patches.integrations.xtts_preflight -> patches.checkpoint.plan._align_keys",
     # The XTTS banner line writes frozen row ranges the way vocab_freeze's own log lines do;
     # the row layouts leave vocab_freeze (issue 21, item 2), and the formatter with them.
     "patches.integrations.xtts_gpt -> patches.vocab_freeze._describe",
