@@ -14,8 +14,8 @@ module is given, for the rest of that import only, a subclass of its own class w
 A hook registered from inside wrapt's own post-import hook of a module (its body has run,
 the flag is not reset yet) waits the same way, until that ``finally``: a moment later, still
 before the user's ``import`` statement returns.
-Stdlib only: the ``training-patches run`` bootstrap uses it while ``patches`` itself is
-half-imported.
+It imports nothing from :mod:`patches` (the stdlib and wrapt only): the ``training-patches
+run`` bootstrap uses it while ``patches`` itself is half-imported.
 """
 
 from __future__ import annotations
@@ -41,21 +41,16 @@ def initializing(module: ModuleType | None) -> bool:
 
 
 def _ended(spec: Any, base: type) -> None:
-    """The import of ``spec.name`` has ended: run its hooks on the module, if it is there."""
+    """The import of ``spec.name`` has ended: hand its hooks to wrapt, which runs them now on
+    what ``sys.modules`` holds (the module, or what its body put there in its place), or,
+    when the import failed and the name is gone, at the next import of the name."""
+    import wrapt
+
     with _lock:
         object.__setattr__(spec, "__class__", base)
         hooks = _waiting.pop(spec.name, [])
-    module = sys.modules.get(spec.name)
-    if module is None or getattr(module, "__spec__", None) is not spec:
-        # The import failed (the module was taken out of sys.modules): the hooks wait for
-        # the next import of the name, as for a module never imported.
-        import wrapt
-
-        for hook in hooks:
-            wrapt.register_post_import_hook(hook, spec.name)
-        return
     for hook in hooks:
-        hook(module)
+        wrapt.register_post_import_hook(hook, spec.name)
 
 
 def _watching_class(base: type) -> type:

@@ -20,7 +20,10 @@ tp_probe_hooks.register(__name__)
 FIRST = 1
 {fail}
 LATER = 2
+{end}
 """
+# A module that puts another object in its place in sys.modules (lazy-loading packages do).
+REPLACED = "import sys, types\nsys.modules[__name__] = types.ModuleType(__name__)"
 
 
 @pytest.fixture
@@ -39,9 +42,9 @@ def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     written: list[str] = []
 
-    def write(name: str, fail: bool = False) -> None:
+    def write(name: str, fail: bool = False, end: str = "") -> None:
         (tmp_path / f"{name}.py").write_text(
-            BODY.format(fail="raise RuntimeError('broken on purpose')" if fail else ""))
+            BODY.format(fail="raise RuntimeError('broken on purpose')" if fail else "", end=end))
         importlib.invalidate_caches()
         written.append(name)
 
@@ -82,3 +85,13 @@ def test_a_failed_import_leaves_the_hook_for_the_next_import(modules) -> None:
     # the hook of the failed import (handed to wrapt, run as the body ends) and the one
     # this import registered: both on the whole module
     assert [(name, whole) for name, whole, _ in seen] == [("tp_probe_fail", True)] * 2
+
+
+def test_a_module_replaced_in_sys_modules_hands_the_hook_its_replacement(modules) -> None:
+    write, seen = modules
+    write("tp_probe_replaced", end=REPLACED)
+    import tp_probe_replaced
+
+    # what the import statement returned is what the hook saw (it has no LATER)
+    assert seen == [("tp_probe_replaced", False, False)]
+    assert not hasattr(tp_probe_replaced, "LATER")
