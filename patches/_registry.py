@@ -7,9 +7,12 @@ doors; nothing else in the library writes to a third-party module.
 
 How a site lands (the wrapt habit, see STYLE.md): a post-import hook is registered
 for the site's module, so it runs now if the module is already imported and
-otherwise once when it is. wrapt hooks cannot be unregistered, so each hook holds
-the activation token it was made for and does nothing once that activation is
-reverted: a patch reverted before its target is imported never lands.
+otherwise once when it is. A module still running its body (it imported torch, whose
+import applied the patches) counts as not imported yet: its sites land when its import
+ends, once every name in it is bound (:func:`patches._imports.when_imported`). Hooks
+cannot be unregistered, so each hook holds the activation token it was made for and does
+nothing once that activation is reverted: a patch reverted before its target is imported
+never lands.
 
 Several patches may want one site (``autocast`` modernises the deprecated
 ``torch.cuda.amp.GradScaler``; ``grad_scaler`` makes it a SafeGradScaler;
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
-import wrapt
+from ._imports import when_imported
 
 logger = logging.getLogger("training_patches")
 
@@ -436,7 +439,7 @@ def _watch_import(integ: Integration) -> None:
         _version_problems[integ.name] = problem
         _report(problem, None, ("", integ.name))
 
-    wrapt.register_post_import_hook(on_import, integ.module)
+    when_imported(on_import, integ.module)
 
 
 def checked_version(integ: Integration) -> UpstreamVersion:
@@ -516,7 +519,7 @@ def _rebind(site: Site, module: ModuleType, old: Any, new: Any) -> None:
 
 def _land(spec: PatchSpec, token: object, site: Site, integration: str | None,
           module: ModuleType) -> None:
-    # Runs inside wrapt's post-import hook, i.e. inside the user's own ``import``: a
+    # Runs inside a post-import hook, i.e. inside the user's own ``import``: a
     # failure here must never break that import (unless strict mode asks for it).
     with _lock:
         activation = _active.get(spec.name)
@@ -601,8 +604,7 @@ def enable(spec: PatchSpec, options: Any) -> bool:
         if spec.enable is not None:
             spec.enable(options)
     for site, integration in wanted:
-        wrapt.register_post_import_hook(
-            functools.partial(_land, spec, token, site, integration), site.module)
+        when_imported(functools.partial(_land, spec, token, site, integration), site.module)
     return True
 
 
@@ -646,7 +648,7 @@ def set_integration(name: str, on: bool) -> bool:
             if activation is None:
                 continue
             activation.pending.add(site.key)
-            wrapt.register_post_import_hook(
+            when_imported(
                 functools.partial(_land, _specs[site.patch], activation.token, site, name),
                 site.module)
         return True

@@ -111,11 +111,17 @@ def _warn_at_caller(caught: list[warnings.WarningMessage]) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             continue
         module_globals = frame.f_globals
-        warnings.warn_explicit(
-            w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
-            module=module_globals.get("__name__"),
-            registry=module_globals.setdefault("__warningregistry__", {}),
-            module_globals=module_globals)
+        where = dict(module=module_globals.get("__name__"),
+                     registry=module_globals.setdefault("__warningregistry__", {}))
+        try:
+            warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename,
+                                   frame.f_lineno, module_globals=module_globals, **where)
+        except ImportError:
+            # module_globals lets the warning show the line's source, asking the module's
+            # loader for it; a program given as text (``python -c``, stdin, the REPL) has
+            # BuiltinImporter as __loader__, which raises ImportError: warn without it
+            warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename,
+                                   frame.f_lineno, **where)
 
 
 class _ScalerType(type):

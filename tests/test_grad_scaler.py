@@ -206,3 +206,22 @@ def test_cuda_warning_points_at_the_users_line_and_the_type_reads_as_built(
     assert repr(scaler) == \
         "SafeGradScaler(torch.cuda.amp.GradScaler, device='cuda', enabled=False)"
     assert repr(SafeGradScaler("cpu")).startswith("SafeGradScaler(torch.amp.GradScaler, ")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.amp.common.amp_definitely_not_available(),
+                    reason="torch warns only where CUDA is not available")
+def test_cuda_warning_from_a_program_given_as_text() -> None:
+    """``python -c`` (and stdin, the REPL): the user's frame has no source file, its loader
+    raises on a request for source; the scaler is built and the warning names ``<string>``."""
+    import os
+    import subprocess
+    import sys
+
+    program = ("import patches; patches.apply(['grad_scaler']); import torch\n"
+               "print(type(torch.amp.GradScaler('cuda')).__name__)")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["SafeGradScaler"]
+    assert "<string>:2: UserWarning" in result.stderr and "CUDA is not available" in result.stderr

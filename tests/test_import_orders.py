@@ -8,6 +8,7 @@ import-apply-apply and import-apply-revert-revert.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,3 +46,64 @@ def test_order(patch: str, order: str) -> None:
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, (
         f"{patch} / {order}:\n{result.stdout}\n{result.stderr[-3000:]}")
+
+
+# -- under ``training-patches run``: the program's own first import ---------------------------
+# The bootstrap applies the patches when torch is imported; these programs import torch
+# from inside another module's import, while that module is still half-built.
+
+LAUNCHER = [sys.executable, "-m", "patches", "run", "--"]
+# Printed on the last line by each program: what the patches say of themselves there.
+REPORT = ("import json, torch, patches; print(json.dumps({'status': {n: patches.status(n)"
+          "['state'] for n in ('grad_scaler', 'grad_clip', 'nan_guard', 'autocast')}, "
+          "'safe_scaler': torch.amp.GradScaler is patches.SafeGradScaler}))")
+
+
+def _launched(program: str, launcher: bool = True) -> tuple[dict, str]:
+    """Run ``python -c program`` (through the launcher): (its last line as JSON, stderr)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ("TRAINING_PATCHES_DISABLE", "TRAINING_PATCHES_STRICT"):
+        env.pop(name, None)
+    result = subprocess.run([*(LAUNCHER if launcher else []), sys.executable, "-c", program],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+@pytest.mark.parametrize("first", ["import patches", "import patches.auto",
+                                   "from patches import applied"])
+def test_launcher_when_the_first_import_is_patches(first: str) -> None:
+    """``patches/__init__`` imports torch, so the bootstrap's torch hook fires while
+    ``patches`` is half-imported: activation waits for the end of that import, and no line
+    says the process trains unprotected."""
+    found, stderr = _launched(f"{first}\n{REPORT}")
+    assert "could NOT be applied" not in stderr and "unprotected" not in stderr, stderr
+    assert found == {"status": dict.fromkeys(("grad_scaler", "grad_clip", "nan_guard",
+                                              "autocast"), "applied"),
+                     "safe_scaler": True}, stderr[-3000:]
+
+
+ACCELERATE_PROBE = (
+    "import json, patches, accelerate.accelerator as acc\n"
+    "scaler = acc.get_fsdp2_grad_scaler(device='cpu')\n"
+    "print(json.dumps({'status': patches.status('accelerate'), "
+    "'safe': isinstance(scaler, patches.SafeGradScaler)}))")
+
+
+@pytest.mark.parametrize("first, launcher", [
+    ("import accelerate", True),
+    ("from accelerate import Accelerator", True),
+    # the one-line way, after accelerate: accelerate is whole by then (a guard, not a repro)
+    ("from accelerate import Accelerator\nimport patches.auto", False),
+], ids=["launcher-import-accelerate", "launcher-from-accelerate", "line-after-accelerate"])
+def test_accelerate_imported_before_torch_keeps_its_integration(first: str,
+                                                                 launcher: bool) -> None:
+    """``accelerate.accelerator`` imports torch before it binds ``get_fsdp2_grad_scaler``:
+    the site lands when that module's import ends, not on the half-built module (which
+    would warn, falsely, that the name does not exist in this accelerate)."""
+    pytest.importorskip("accelerate")
+    found, stderr = _launched(f"{first}\n{ACCELERATE_PROBE}", launcher=launcher)
+    assert "does not exist in this version" not in stderr, stderr[-3000:]
+    assert found["status"]["state"] == "applied", found
+    assert found["status"]["landed"] == ["accelerate.accelerator.get_fsdp2_grad_scaler"]
+    assert found["safe"] is True

@@ -13,14 +13,35 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _activate(_torch: object) -> None:
+    """The torch hook. When the program's own ``import patches`` (or ``patches.auto``) is
+    what imported torch, ``patches`` is half-imported now: activation waits for the end of
+    that import, since ``patches.activate`` is bound near the bottom of ``patches/__init__``."""
+    package = sys.modules.get("patches")
+    try:
+        from patches._imports import initializing, when_imported
+
+        if initializing(package):
+            when_imported(_activate_patches, "patches")
+            return
+    except Exception as exc:  # the user's program goes on, unpatched, and is told so
+        _unprotected(exc)
+        return
+    _activate_patches(package)
+
+
+def _activate_patches(_package: object) -> None:
     try:
         import patches
 
         patches.activate()
     except Exception as exc:  # the user's program goes on, unpatched, and is told so
-        sys.stderr.write(f"training-patches run: the patches could NOT be applied in process "
-                         f"{os.getpid()}, interpreter {sys.executable} ({type(exc).__name__}: "
-                         f"{exc}); this process trains unprotected.\n")
+        _unprotected(exc)
+
+
+def _unprotected(exc: BaseException) -> None:
+    sys.stderr.write(f"training-patches run: the patches could NOT be applied in process "
+                     f"{os.getpid()}, interpreter {sys.executable} ({type(exc).__name__}: "
+                     f"{exc}); this process trains unprotected.\n")
 
 
 def _install() -> None:
