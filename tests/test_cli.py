@@ -154,6 +154,7 @@ def _tool(argv: list[str], cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_ends_verify_tokenizer_with_one_line(tmp_path, signum, code) -> None:
     """Ctrl-C (SIGTERM) while verify-tokenizer runs the user's --g2p: exit 130 (143), one

@@ -135,6 +135,7 @@ def test_evidence_own_files_include_every_rank(tmp_path: Path) -> None:
                                                  "nonfinite_events.rank1.jsonl"]
 
 
+@pytest.mark.slow
 def test_evidence_every_record_names_its_run(tmp_path: Path, monkeypatch) -> None:
     """Two runs started from one folder append to one file: their records say which run
     each is (``run_id``); ranks of one job share theirs; a name given wins."""
