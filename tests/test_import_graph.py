@@ -13,6 +13,7 @@ The layers, bottom to top:
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 import subprocess
 import sys
 from pathlib import Path
@@ -55,22 +56,24 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
     return [base] + [f"{base}.{alias.name}" for alias in node.names]
 
 
+def _imports(modules: dict[str, Path]) -> Iterator[tuple[str, bool, ast.Import | ast.ImportFrom]]:
+    """(module, whether it is a package, import statement) for every import statement of
+    the package, function-local ones included."""
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield name, is_package, node
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package modules it imports (function-local imports included)."""
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                targets = _resolve(name, is_package, node)
-            else:
-                continue
-            for target in targets:
-                if target in modules and target != name:
-                    graph[name].add(target)
+    for name, is_package, node in _imports(modules):
+        targets = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                   else _resolve(name, is_package, node))
+        graph[name] |= {target for target in targets if target in modules and target != name}
     return graph
 
 
@@ -144,30 +147,26 @@ def private_imports() -> list[str]:
     modules = _modules()
     packages = {name for name, path in modules.items() if path.name == "__init__.py"}
     found: set[str] = set()
-    for name, path in modules.items():
-        is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = _resolve(name, is_package, node)[0]
-                targets = [f"{base}.{alias.name}" for alias in node.names]
-            else:
+    for name, is_package, node in _imports(modules):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = _resolve(name, is_package, node)[0]
+            targets = [f"{base}.{alias.name}" for alias in node.names]
+        for target in targets:
+            parts = target.split(".")
+            if parts[0] != "patches":
                 continue
-            for target in targets:
-                parts = target.split(".")
-                if parts[0] != "patches":
+            for i, part in enumerate(parts[1:], start=1):
+                if not part.startswith("_") or part.startswith("__"):
                     continue
-                for i, part in enumerate(parts[1:], start=1):
-                    if not part.startswith("_") or part.startswith("__"):
-                        continue
-                    owner = ".".join(parts[:i])  # the module or package holding the name
-                    if owner in packages:  # a private module: only inside its package
-                        allowed = name == owner or name.startswith(owner + ".")
-                    else:  # a private attribute: only inside the owner's top-level package
-                        allowed = _unit(owner, packages) == _unit(name, packages)
-                    if not allowed:
-                        found.add(f"{name} -> {'.'.join(parts[:i + 1])}")
+                owner = ".".join(parts[:i])  # the module or package holding the name
+                if owner in packages:  # a private module: only inside its package
+                    allowed = name == owner or name.startswith(owner + ".")
+                else:  # a private attribute: only inside the owner's top-level package
+                    allowed = _unit(owner, packages) == _unit(name, packages)
+                if not allowed:
+                    found.add(f"{name} -> {'.'.join(parts[:i + 1])}")
     return sorted(found)
 
 
@@ -258,16 +257,9 @@ def test_every_import_of_the_package_names_a_module_that_exists() -> None:
     call that runs the import (a function-local import is only run on a call)."""
     modules = _modules()
     broken = []
-    for name, path in modules.items():
-        is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                bases = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                bases = [_resolve(name, is_package, node)[0]]
-            else:
-                continue
-            broken += [f"{name}:{node.lineno} imports {base}" for base in bases
-                       if (base == "patches" or base.startswith("patches."))
-                       and base not in modules]
+    for name, is_package, node in _imports(modules):
+        bases = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [_resolve(name, is_package, node)[0]])
+        broken += [f"{name}:{node.lineno} imports {base}" for base in bases
+                   if (base == "patches" or base.startswith("patches.")) and base not in modules]
     assert not broken, broken
