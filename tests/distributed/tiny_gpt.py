@@ -35,6 +35,16 @@ def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
                                        tokens[:, 1:].reshape(-1))
 
 
+def shard(model: TinyGPT) -> TinyGPT:
+    """``model`` under FSDP2 as the tests shard it: each of its three parts, then the whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in (model.text_embedding, model.block, model.text_head):
+        fully_shard(module)
+    fully_shard(model)
+    return model
+
+
 def end_job(scope: dict) -> None:
     """The end of a rank script: drop its models, optimizers and tensors, then wait for
     every rank and destroy the process group. An FSDP2 model (DTensor parameters, a device

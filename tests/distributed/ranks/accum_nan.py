@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from patches import _run, nan_guard
-from tiny_gpt import TinyGPT, batch, loss_of, end_job
+from tiny_gpt import TinyGPT, batch, loss_of, end_job, shard
 
 STEPS, ACCUM = 9, 4
 # (optimizer step, micro-batch, rank) whose loss is NaN: a no_sync micro-batch, the final
@@ -41,10 +41,7 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = TinyGPT()
     if mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for module in (model.text_embedding, model.block, model.text_head):
-            fully_shard(module)
-        fully_shard(model)
+        shard(model)
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from patches import CheckpointManager, load_checkpoint
-from tiny_gpt import TinyGPT, batch, loss_of, end_job
+from tiny_gpt import TinyGPT, batch, loss_of, end_job, shard
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 MODE, OUT = sys.argv[1], sys.argv[2]
@@ -74,13 +74,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Ge
 
 
 def fsdp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0 if MODE == "fsdp_save" else 1234)  # the resumed job starts elsewhere
-    model = TinyGPT()
-    for module in (model.text_embedding, model.block, model.text_head):
-        fully_shard(module)
-    fully_shard(model)
+    model = shard(TinyGPT())
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 

@@ -19,10 +19,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 from patches import _registry, grad_clip
-from tiny_gpt import TinyGPT, batch, loss_of, end_job
+from tiny_gpt import TinyGPT, batch, loss_of, end_job, shard
 
 MAX_NORM = 0.05  # well below the gradients' norm: every gradient is clipped
 what, out = sys.argv[1], sys.argv[2]
@@ -32,10 +31,7 @@ torch_clip = _registry.original("torch.nn.utils", "clip_grad_norm_")
 assert torch_clip is not torch.nn.utils.clip_grad_norm_  # the patch is on
 
 torch.manual_seed(0)
-model = TinyGPT()
-for module in (model.text_embedding, model.block, model.text_head):
-    fully_shard(module)
-fully_shard(model)
+model = shard(TinyGPT())
 params = [p for p in model.parameters()]
 loss = loss_of(model, batch(torch.Generator().manual_seed(rank)))
 scale = 1.0

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 import patches
 from patches.vocab_freeze import VocabFreezeError
-from tiny_gpt import TinyGPT, batch, loss_of, end_job
+from tiny_gpt import TinyGPT, batch, loss_of, end_job, shard
 
 what, out = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
@@ -28,10 +28,7 @@ result: dict = {}
 if what == "freeze":
     vocab = int(sys.argv[3])
     torch.manual_seed(0)
-    model = TinyGPT(vocab=vocab)
-    for module in (model.text_embedding, model.block, model.text_head):
-        fully_shard(module)
-    fully_shard(model)
+    model = shard(TinyGPT(vocab=vocab))
     names = ("text_embedding.weight", "text_head.weight", "text_head.bias")
     params = dict(model.named_parameters())
     before = {n: params[n].full_tensor().clone() for n in names}

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from patches import _run, grad_clip, nan_guard
-from tiny_gpt import TinyGPT, batch, loss_of, end_job
+from tiny_gpt import TinyGPT, batch, loss_of, end_job, shard
 
 STEPS = 12
 NAN_LOSS = {3: 0, 8: 0}  # step -> the rank whose loss is NaN
@@ -35,10 +35,7 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = TinyGPT()
     if mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for module in (model.text_embedding, model.block, model.text_head):
-            fully_shard(module)
-        fully_shard(model)
+        shard(model)
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     kwargs = {"foreach": variant == "foreach", "fused": variant == "fused" or None}
