@@ -112,7 +112,10 @@ def _run_until(command: list[str], marker: str, timeout: float, log: Path) -> su
     deadline = time.monotonic() + timeout
     while marker not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the job ended by itself: its log says why
+                pass
             proc.wait()
             pytest.fail(f"{marker!r} never came:\n{log.read_text()[-4000:]}")
         time.sleep(0.1)
