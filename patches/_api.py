@@ -63,8 +63,8 @@ def apply(names: str | Iterable[str] | None = None, **options: Any) -> dict[str,
     differ, only that patch's options change, and the change is logged. Options of
     patches not named are never touched. Returns :func:`applied`.
     """
-    explicit = set(options) | {name for name in _options.OPTIONS
-                               if _options.env_name(name) in os.environ}
+    explicit = set(options) | {name for name, option in _options.OPTIONS.items()
+                               if option.env in os.environ}
     opts = check_settings(**options)
     specs = _registry.specs()
     if names is None:
@@ -307,7 +307,7 @@ def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
     for problem in problems:
         lines.append(f"  WARNING {problem.patch}: {problem.message}")
     lines += [_RULE, "Options: " + ", ".join(
-        f"{field}={getattr(opts, field)!r}" for field in _options.OPTIONS), _RULE]
+        f"{name}={value!r}" for name, value in opts.items()), _RULE]
     logger.log(level, "\n".join(lines))
 
 

@@ -1,16 +1,22 @@
 """Options of the patches: keyword arguments, else environment variables, else defaults.
 
-Every option is declared once in :data:`OPTIONS` with its environment variable,
-its parser and its default; a bad value is a :class:`ConfigError` that names the
-variable, the value found and what is expected.
+Each option is an :class:`Option` declared by the unit it belongs to (a patch's
+``PatchSpec.options``, an integration's ``Integration.options``), with its parser, default,
+one-line help and the text shown when a value is bad; the library-wide ones are declared
+here. :class:`Options`, the owner of each option, the banner's options line, ``doctor``,
+the did-you-mean for a misspelled variable and the options table of
+TRAINING_PATCHES_README.md (``training-patches options --markdown``) all read
+:data:`OPTIONS`, filled by :func:`declare`. A bad value is a :class:`ConfigError` that
+names the variable, the value found and what is expected.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
 
 ENV_PREFIX = "TRAINING_PATCHES_"
 
@@ -19,8 +25,14 @@ class ConfigError(ValueError):
     """An option or environment variable of training-patches has a value it cannot use."""
 
 
-def _bool(text: str) -> bool:
-    low = text.strip().lower()
+# -- value types shared by the units' declarations -----------------------------
+
+
+def flag(text: Any) -> bool:
+    """1/0, true/false, yes/no, on/off (a bool passes as it is)."""
+    if isinstance(text, bool):
+        return text
+    low = str(text).strip().lower()
     if low in ("1", "true", "yes", "on"):
         return True
     if low in ("0", "false", "no", "off", ""):
@@ -28,14 +40,14 @@ def _bool(text: str) -> bool:
     raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
 
-def _positive_float(text: Any) -> float:
+def positive_float(text: Any) -> float:
     value = float(text)
     if not value > 0 or value != value or value == float("inf"):
         raise ValueError("expected a finite number greater than 0")
     return value
 
 
-def _positive_int(text: Any) -> int:
+def positive_int(text: Any) -> int:
     if isinstance(text, float) and not text.is_integer():
         raise ValueError("expected a whole number")
     value = int(text)
@@ -44,125 +56,162 @@ def _positive_int(text: Any) -> int:
     return value
 
 
-def _window(text: Any) -> int:
-    value = _positive_int(text)
+def window(text: Any) -> int:
+    value = positive_int(text)
     if value < 2:
         raise ValueError("expected a whole number of at least 2")
     return value
 
 
-def _share(text: Any) -> float:
+def share(text: Any) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise ValueError("expected a fraction above 0 and at most 1")
     return value
 
 
-def _nonnegative_float(text: Any) -> float:
+def nonnegative_float(text: Any) -> float:
     value = float(text)
     if not value >= 0 or value == float("inf"):
         raise ValueError("expected a finite number of at least 0")
     return value
 
 
-def _base_vocab(text: Any) -> int | None:
-    """Rows of the original vocabulary to freeze; 0, empty or None leave it off."""
-    if text is None or (isinstance(text, str) and text.strip().lower() in ("", "0", "off", "none")):
-        return None
-    if isinstance(text, (int, float)) and text == 0:
-        return None
-    return _positive_int(text.strip() if isinstance(text, str) else text)
-
-
-def _names(text: Any) -> tuple[str, ...]:
-    if isinstance(text, str):
-        items = text.split(",")
-    else:
-        items = list(text)
+def names(text: Any) -> tuple[str, ...]:
+    """A comma-separated list (or an iterable) of names, sorted, without repeats."""
+    items = text.split(",") if isinstance(text, str) else list(text)
     return tuple(sorted({str(item).strip() for item in items if str(item).strip()}))
 
 
-def _resume_policy(text: Any) -> str:
-    value = str(text).strip().lower()
-    if value not in ("remap", "reset"):
-        raise ValueError("expected remap or reset")
-    return value
+# -- declarations --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
+class Option:
+    """One setting: ``name`` (the keyword of :func:`patches.apply`), read from the
+    environment variable ``TRAINING_PATCHES_<NAME>``.
+
+    ``parse`` turns a keyword value or the variable's text into the value (raising
+    ValueError with what is wrong); ``expected`` is shown in the error; ``help`` is the
+    options table's one line; ``shown_default`` is the table's default where the value's
+    repr is not how a user writes it (``2^-14``, ``off``). ``also`` names other patches
+    that read the option: applying any of them sets it. ``owners`` is filled by
+    :func:`declare` (empty: the whole library).
+    """
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    expected: str
+    help: str
+    shown_default: str = ""
+    also: tuple[str, ...] = ()
+    owners: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> str:
+        return env_name(self.name)
+
+
+# A check of values each valid alone but unusable together: (options, where) where
+# ``where(name)`` names the option's source in the error; raises ConfigError.
+Check = Callable[["Options", Callable[[str], str]], None]
+
+# Every declared option, in declaration order (library-wide first, then each unit as
+# :mod:`patches` imports it): the order of the banner's options line and of the table.
+OPTIONS: dict[str, Option] = {}
+_checks: dict[str, Check] = {}
+
+
+def declare(owner: str | None, options: tuple[Option, ...] = (),
+            check: Check | None = None) -> tuple[Option, ...]:
+    """Declare the options of the unit ``owner`` (None: library-wide) and its cross-option
+    ``check``; returns them with their owners filled. Called by
+    :func:`patches._registry.register`; a name declared twice is a programming error."""
+    declared = []
+    for option in options:
+        owners = () if owner is None else (owner, *option.also)
+        option = Option(**{**option.__dict__, "owners": owners})
+        known = OPTIONS.get(option.name)
+        if known is not None and known.owners != owners:  # (a reload redeclares its own)
+            raise ValueError(f"option {option.name!r} is declared twice ({known.owners} and "
+                             f"{owners})")
+        OPTIONS[option.name] = option
+        declared.append(option)
+    if check is not None:
+        _checks[owner or ""] = check
+    return tuple(declared)
+
+
 class Options:
-    """The resolved settings every patch reads (see TRAINING_PATCHES_README.md)."""
+    """The resolved settings every patch reads: one attribute per declared option
+    (``opts.init_scale``), its default unless given. Immutable; :meth:`replace` makes a
+    changed copy. See TRAINING_PATCHES_README.md for every option."""
 
-    disable: tuple[str, ...] = ()
-    anomaly: bool = False
-    init_scale: float = 1024.0
-    growth_interval: int = 100
-    log_interval: int = 500
-    quiet: bool = False
-    hysteresis: int = 1
-    min_scale: float = 2.0 ** -14
-    max_floor_skips: int = 10
-    base_vocab: int | None = None
-    max_bad_steps: int = 25
-    spike_k: float = 0.0
-    spike_window: int = 100
-    lr_step_on_skip: bool = True
-    replay: bool = True
-    max_drop_share: float = 0.5
-    output_dir: str = ""
-    amharic_homophones: bool = False
-    resume_policy: str = "remap"
-    strict: bool = False
-    clip_unscale_first: bool = False
-    max_oom_skips: int = 3
+    __slots__ = ("_values",)
+
+    def __init__(self, **values: Any) -> None:
+        unknown = sorted(set(values) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"Options() got unknown option(s) {', '.join(unknown)}; "
+                            f"declared: {', '.join(OPTIONS)}")
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        option = OPTIONS.get(name)
+        if option is None:
+            raise AttributeError(f"Options has no option {name!r}")
+        return option.default
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Options is immutable; use .replace(...)")
+
+    def replace(self, **changes: Any) -> Options:
+        return Options(**{**object.__getattribute__(self, "_values"), **changes})
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """(name, value) of every declared option, in declaration order."""
+        return ((name, getattr(self, name)) for name in OPTIONS)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Options) and dict(self.items()) == dict(other.items())
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.items()))
+
+    def __repr__(self) -> str:
+        return "Options(" + ", ".join(f"{name}={value!r}" for name, value in self.items()) + ")"
 
 
-# option -> (parser, example shown in errors)
-OPTIONS: dict[str, tuple[Callable[[Any], Any], str]] = {
-    "disable": (_names, "a comma-separated list of patch names, e.g. 'anomaly,grad_clip'"),
-    "anomaly": (_bool, "1 or 0"),
-    "init_scale": (_positive_float, "a number greater than 0, e.g. 1024"),
-    "growth_interval": (_positive_int, "a whole number of steps of at least 1, e.g. 100"),
-    "log_interval": (_positive_int, "a whole number of steps of at least 1, e.g. 500"),
-    "quiet": (_bool, "1 or 0"),
-    "hysteresis": (_positive_int, "a whole number of at least 1 (1 = back off on every overflow)"),
-    "min_scale": (_positive_float, "a number greater than 0, e.g. 6.1e-05"),
-    "max_floor_skips": (_positive_int, "a whole number of steps of at least 1, e.g. 10"),
-    "base_vocab": (_base_vocab, "a whole number of base tokens, e.g. 12000 (0 or empty = off)"),
-    "max_bad_steps": (_positive_int, "a whole number of steps of at least 1, e.g. 25"),
-    "spike_k": (_nonnegative_float, "a number of standard deviations, e.g. 6 (0 = off)"),
-    "spike_window": (_window, "a whole number of steps of at least 2, e.g. 100"),
-    "lr_step_on_skip": (_bool, "1 or 0"),
-    "replay": (_bool, "1 or 0"),
-    "max_drop_share": (_share, "a fraction above 0 and at most 1, e.g. 0.5 (stop when more "
-                               "than half the samples cannot be loaded)"),
-    "output_dir": (str, "a directory for the run's reports (e.g. dropped_samples.jsonl); empty "
-                        "means the coqui Trainer's output folder, else the working directory"),
-    "amharic_homophones": (_bool, "1 or 0"),
-    "resume_policy": (_resume_policy, "remap (keep optimizer, scheduler and scaler; grow moments "
-                                      "of resized rows) or reset (start all three fresh)"),
-    "clip_unscale_first": (_bool, "1 or 0 (1: clip_grad_norm_ on gradients a SafeGradScaler has "
-                                  "not unscaled yet treats max_norm as a limit on the true "
-                                  "gradients; 0: clips them as torch does)"),
-    "max_oom_skips": (_positive_int, "a whole number of batches of at least 1, e.g. 3"),
-    "strict": (_bool, "1 or 0 (1: a patch site that is missing, fails, or sits in an "
-                      "unsupported upstream version is an error instead of a warning)"),
-}
+def _check_library(options: Options, where: Callable[[str], str]) -> None:
+    if options.output_dir:
+        problem = output_dir_problem(options.output_dir)
+        if problem:
+            raise ConfigError(
+                f"training-patches: {where('output_dir')} is {options.output_dir!r}, which "
+                f"{problem}. Expected a folder where the run's reports (nonfinite_events.jsonl, "
+                f"dropped_samples.jsonl) can be written. Point it at a writable folder, or unset "
+                f"it to use the trainer's output folder.")
 
-# The patch each option belongs to (None: the whole library). Applying one patch sets only
-# its own options and the library-wide ones given explicitly; see :func:`merge`.
-OWNERS: dict[str, tuple[str, ...]] = {
-    "anomaly": ("anomaly",),
-    "init_scale": ("grad_scaler",), "growth_interval": ("grad_scaler",),
-    "hysteresis": ("grad_scaler",), "min_scale": ("grad_scaler",),
-    "max_floor_skips": ("grad_scaler",), "log_interval": ("grad_scaler", "nan_guard"),
-    "base_vocab": ("vocab_freeze",),
-    "max_bad_steps": ("nan_guard",), "spike_k": ("nan_guard",), "spike_window": ("nan_guard",),
-    "lr_step_on_skip": ("nan_guard",), "replay": ("nan_guard",),
-    "max_drop_share": ("dataset_guard",), "amharic_homophones": ("languages",),
-    "resume_policy": ("checkpoint",), "clip_unscale_first": ("grad_clip",),
-    "max_oom_skips": ("oom_guard",),
-}
+
+declare(None, (
+    Option("disable", names, (),
+           "a comma-separated list of patch names, e.g. 'anomaly,grad_clip'",
+           "comma-separated patch or integration names to leave off", shown_default="none"),
+    Option("strict", flag, False,
+           "1 or 0 (1: a patch site that is missing, fails, or sits in an unsupported "
+           "upstream version is an error instead of a warning)",
+           "1: a missing or failing site, or an unsupported upstream version, is an error"),
+    Option("quiet", flag, False, "1 or 0", "1: banner and routine lines at DEBUG"),
+    Option("output_dir", str, "",
+           "a directory for the run's reports (e.g. dropped_samples.jsonl); empty means the "
+           "coqui Trainer's output folder, else the working directory",
+           "where `nonfinite_events.jsonl` and `dropped_samples.jsonl` go",
+           shown_default='see "Where reports go"'),
+), check=_check_library)
 
 # TRAINING_PATCHES_* variables that are not options but are read by the library.
 OTHER_ENV: set[str] = {
@@ -176,37 +225,44 @@ def env_name(option: str) -> str:
 
 
 def _parse(option: str, value: Any, source: str) -> Any:
-    parser, expected = OPTIONS[option]
-    if parser is _bool and isinstance(value, bool):
-        return value
+    declared = OPTIONS[option]
     try:
-        return parser(value)
+        return declared.parse(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(
             f"training-patches: {source} is {value!r}, which is not usable ({exc}). "
-            f"Expected {expected}. Fix the value or leave it out to use the default "
-            f"({getattr(Options(), option)!r})."
+            f"Expected {declared.expected}. Fix the value or leave it out to use the default "
+            f"({declared.default!r})."
         ) from None
 
 
 def fields_of(patch: str) -> list[str]:
     """The options that belong to one patch."""
-    return [option for option, owners in OWNERS.items() if patch in owners]
+    return [name for name, option in OPTIONS.items() if patch in option.owners]
+
+
+def owner_text(option: Option) -> str:
+    """Who reads the option, as the table and ``doctor`` say it."""
+    return ", ".join(option.owners) or "all"
 
 
 def merge(current: Options, new: Options, *, touched: set[str], explicit: set[str]) -> Options:
     """``current`` with the options of the ``touched`` patches taken from ``new``, and the
     library-wide options taken from ``new`` only where they were given explicitly."""
     changes = {}
-    for option in OPTIONS:
-        owners = OWNERS.get(option)
-        if (owners is None and option in explicit) or (owners and touched & set(owners)):
-            changes[option] = getattr(new, option)
-    return replace(current, **changes)
+    for name, option in OPTIONS.items():
+        if (not option.owners and name in explicit) or touched & set(option.owners):
+            changes[name] = getattr(new, name)
+    return current.replace(**changes)
+
+
+def known_env() -> set[str]:
+    """Every ``TRAINING_PATCHES_*`` variable the library reads."""
+    return {option.env for option in OPTIONS.values()} | OTHER_ENV
 
 
 def _check_unknown_env(environ: Mapping[str, str]) -> None:
-    known = {env_name(option) for option in OPTIONS} | OTHER_ENV
+    known = known_env()
     unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
     if not unknown:
         return
@@ -221,40 +277,12 @@ def _check_unknown_env(environ: Mapping[str, str]) -> None:
         f"fix the name or unset it.")
 
 
-def _check_together(options: Options, source: Mapping[str, str]) -> None:
-    """Cross-field rules: values each valid alone, unusable together."""
-    def name(option: str) -> str:
-        return source.get(option, f"the option {option}=")
-
-    if options.min_scale > options.init_scale:
-        raise ConfigError(
-            f"training-patches: {name('min_scale')} is {options.min_scale!r}, above "
-            f"{name('init_scale')} {options.init_scale!r}. Expected the loss-scale floor at or "
-            f"below the initial scale (the defaults are 6.1e-05 and 1024). Lower the floor or "
-            f"raise the initial scale.")
-    if options.spike_k > 0 and options.spike_window < 2:
-        raise ConfigError(
-            f"training-patches: {name('spike_window')} is {options.spike_window!r}; the loss "
-            f"spike test needs a standard deviation, so expected a window of at least 2 steps "
-            f"(default 100). Raise it, or turn the spike test off with spike_k=0.")
-    if options.output_dir:
-        problem = output_dir_problem(options.output_dir)
-        if problem:
-            raise ConfigError(
-                f"training-patches: {name('output_dir')} is {options.output_dir!r}, which "
-                f"{problem}. Expected a folder where the run's reports (nonfinite_events.jsonl, "
-                f"dropped_samples.jsonl) can be written. Point it at a writable folder, or unset "
-                f"it to use the trainer's output folder.")
-
-
 def output_dir_problem(path: str | os.PathLike[str]) -> str | None:
     """Why files cannot be written into the folder ``path`` (created if missing), or None.
 
     Nothing is created: the nearest existing folder on the way is checked instead, and
     an existing folder is probed by creating and removing a temporary file (``os.access``
     alone says yes to root on a read-only mount)."""
-    import tempfile
-
     path = os.fspath(path)
     probe = path
     while probe and not os.path.exists(probe):
@@ -298,8 +326,13 @@ def resolve(overrides: Mapping[str, Any] | None = None,
         elif env_name(option) in environ:
             sources[option] = f"the environment variable {env_name(option)}"
             values[option] = _parse(option, environ[env_name(option)], sources[option])
-    options = replace(Options(), **values)
-    _check_together(options, sources)
+    options = Options(**values)
+
+    def where(option: str) -> str:
+        return sources.get(option, f"the option {option}=")
+
+    for check in _checks.values():  # the units' rules for values unusable together
+        check(options, where)
     return options
 
 
@@ -316,5 +349,7 @@ def set_current(options: Options) -> None:
     _current = options
 
 
-__all__ = ["ConfigError", "Options", "OPTIONS", "OWNERS", "resolve", "merge", "fields_of",
-           "current", "env_name", "output_dir_problem"]
+__all__ = ["ConfigError", "Option", "Options", "OPTIONS", "declare", "resolve", "merge",
+           "fields_of", "owner_text", "known_env", "current", "env_name", "output_dir_problem",
+           "flag", "positive_float", "positive_int", "window", "share", "nonnegative_float",
+           "names"]

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
+from . import _options
 from ._imports import when_imported
 
 logger = logging.getLogger("training_patches")
@@ -76,7 +77,10 @@ class Site:
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """What one generic patch changes. ``describe(options)`` gives its banner line.
+    """Everything one generic patch is, declared in one place: its name, its banner line
+    (``describe(options)``), the sites it replaces (each with its ``lost=`` text), or an
+    ``enable``/``disable`` pair for a patch that is no attribute swap, its options and
+    their cross-option ``check``, and its ``reset``.
 
     ``requires()`` lists what the patch needs and this process lacks (e.g. a private
     torch name); anything listed keeps the patch off, loudly. ``reset()`` forgets the
@@ -93,6 +97,8 @@ class PatchSpec:
     off_hint: str = ""
     requires: Callable[[], list[str]] | None = None
     reset: Callable[[], None] | None = None
+    options: tuple[_options.Option, ...] = ()
+    check: _options.Check | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,7 @@ class Integration:
     # The top-level package this process imports for the distribution ("TTS" for
     # coqui-tts): its version is the one checked, since a trainer may vendor its own copy.
     module: str = ""
+    options: tuple[_options.Option, ...] = ()
 
     def patches(self) -> list[str]:
         return sorted({site.patch for site in self.sites})
@@ -182,15 +189,19 @@ in_apply = False
 
 
 def register(spec: PatchSpec) -> PatchSpec:
-    """Declare a generic patch (done once by each patch module when :mod:`patches` loads)."""
+    """Declare a generic patch (done once by each patch module when :mod:`patches` loads),
+    with its options."""
     with _lock:
+        _options.declare(spec.name, spec.options, spec.check)
         _specs[spec.name] = spec
     return spec
 
 
 def register_integration(integration: Integration) -> Integration:
-    """Declare an upstream integration (done by each module in :mod:`patches.integrations`)."""
+    """Declare an upstream integration (done by each module in :mod:`patches.integrations`),
+    with its options."""
     with _lock:
+        _options.declare(integration.name, integration.options)
         _integrations[integration.name] = integration
     return integration
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import _run
 from ._log import info, logger
+from ._options import Option, share
 from ._registry import PatchSpec, register
 
 REPORT_NAME = "dropped_samples.jsonl"
@@ -131,4 +132,10 @@ def _describe(options: Any) -> str:
             f"{100 * options.max_drop_share:.0f}% of a dataset fails")
 
 
-SPEC = register(PatchSpec(name="dataset_guard", describe=_describe, reset=reset))
+SPEC = register(PatchSpec(
+    name="dataset_guard", describe=_describe, reset=reset,
+    options=(Option("max_drop_share", share, 0.5,
+                    "a fraction above 0 and at most 1, e.g. 0.5 (stop when more than half the "
+                    "samples cannot be loaded)",
+                    "stop when more than this share of samples cannot be loaded"),),
+))

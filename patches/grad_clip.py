@@ -78,6 +78,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from . import _dist, _options, grad_scaler
 from ._counters import DeviceCounters
 from ._log import logger
+from ._options import Option, flag
 from ._registry import PatchSpec, Site, register
 
 # Only the non-finite flag lives on the device; the other counts are known on the host.
@@ -224,4 +225,12 @@ SPEC = register(PatchSpec(
         Site("torch.nn.utils.clip_grad", "clip_grad_norm_", _make),
     ),
     reset=reset,
+    options=(
+        Option("clip_unscale_first", flag, False,
+               "1 or 0 (1: clip_grad_norm_ on gradients a SafeGradScaler has not unscaled yet "
+               "treats max_norm as a limit on the true gradients; 0: clips them as torch does)",
+               "1: `clip_grad_norm_` on gradients a SafeGradScaler has not unscaled treats "
+               "`max_norm` as a limit on the true gradients (for trainers that forgot "
+               "`unscale_`)"),
+    ),
 ))

@@ -41,6 +41,7 @@ from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from . import _options, _run
 from ._counters import DeviceCounters
 from ._log import info, logger
+from ._options import ConfigError, Option, flag, positive_float, positive_int
 from ._registry import PatchSpec, Site, register
 
 # The private torch names SafeGradScaler relies on. A torch that lacks one leaves only
@@ -520,6 +521,15 @@ def stats() -> dict[str, float]:
     return scaler.stats() if scaler is not None else {}
 
 
+def _check_options(opts: _options.Options, where: Any) -> None:
+    if opts.min_scale > opts.init_scale:
+        raise ConfigError(
+            f"training-patches: {where('min_scale')} is {opts.min_scale!r}, above "
+            f"{where('init_scale')} {opts.init_scale!r}. Expected the loss-scale floor at or "
+            f"below the initial scale (the defaults are 6.1e-05 and 1024). Lower the floor or "
+            f"raise the initial scale.")
+
+
 SPEC = register(PatchSpec(
     name="grad_scaler",
     describe=lambda o: (
@@ -540,4 +550,23 @@ SPEC = register(PatchSpec(
     ),
     requires=_missing_private_names,
     reset=reset,
+    options=(
+        Option("init_scale", positive_float, 1024.0, "a number greater than 0, e.g. 1024",
+               "first loss scale of a SafeGradScaler", shown_default="1024"),
+        Option("growth_interval", positive_int, 100,
+               "a whole number of steps of at least 1, e.g. 100",
+               "clean steps before the scale doubles"),
+        Option("log_interval", positive_int, 500,
+               "a whole number of steps of at least 1, e.g. 500", "steps between stats lines",
+               also=("nan_guard",)),
+        Option("hysteresis", positive_int, 1,
+               "a whole number of at least 1 (1 = back off on every overflow)",
+               "back off only after this many consecutive overflows"),
+        Option("min_scale", positive_float, 2.0 ** -14, "a number greater than 0, e.g. 6.1e-05",
+               "the floor of the loss scale (at most `init_scale`)", shown_default="2^-14"),
+        Option("max_floor_skips", positive_int, 10,
+               "a whole number of steps of at least 1, e.g. 10",
+               "consecutive skipped steps at the floor before the run stops"),
+    ),
+    check=_check_options,
 ))

@@ -72,6 +72,7 @@ from torch.optim.optimizer import (
 
 from . import _dist, _options, _run, grad_clip, grad_scaler
 from ._log import info, logger
+from ._options import ConfigError, Option, flag, nonnegative_float, positive_int, window
 from ._registry import PatchSpec, Site, register
 
 EVENTS_FILE = "nonfinite_events.jsonl"
@@ -749,6 +750,14 @@ def _disable() -> None:
         _hooks.pop().remove()
 
 
+def _check_options(opts: _options.Options, where: Callable[[str], str]) -> None:
+    if opts.spike_k > 0 and opts.spike_window < 2:
+        raise ConfigError(
+            f"training-patches: {where('spike_window')} is {opts.spike_window!r}; the loss "
+            f"spike test needs a standard deviation, so expected a window of at least 2 steps "
+            f"(default 100). Raise it, or turn the spike test off with spike_k=0.")
+
+
 SPEC = register(PatchSpec(
     name="nan_guard",
     describe=lambda o: (
@@ -769,4 +778,20 @@ SPEC = register(PatchSpec(
              lost="events of a plain loop name no samples"),
     ),
     reset=lambda: reset(keep_replay=False),
+    options=(
+        Option("max_bad_steps", positive_int, 25, "a whole number of steps of at least 1, e.g. 25",
+               "consecutive steps the NaN guard skips before the run stops"),
+        Option("spike_k", nonnegative_float, 0.0,
+               "a number of standard deviations, e.g. 6 (0 = off)",
+               "skip a step whose loss is this many standard deviations above the window",
+               shown_default="0 (off)"),
+        Option("spike_window", window, 100, "a whole number of steps of at least 2, e.g. 100",
+               "losses in the spike guard's window (at least 2)"),
+        Option("lr_step_on_skip", flag, True, "1 or 0",
+               "1: the LR scheduler still steps on a skipped step, so it follows the trainer's "
+               "step count; 0: it is held"),
+        Option("replay", flag, True, "1 or 0",
+               "replay the first bad batch once to find the module that made the NaN"),
+    ),
+    check=_check_options,
 ))

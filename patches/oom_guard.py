@@ -25,6 +25,7 @@ import torch
 
 from . import _options, _run
 from ._log import logger
+from ._options import Option, positive_int
 from ._registry import PatchSpec, register
 
 # torch >= 2.5 has the device-generic name; torch.cuda.OutOfMemoryError is the same class.
@@ -166,6 +167,9 @@ SPEC = register(PatchSpec(
     describe=lambda o: (f"a batch that runs out of GPU memory is skipped, listed and freed "
                         f"(stop after {o.max_oom_skips} in a row, with sizes that fit)"),
     reset=reset,
+    options=(Option("max_oom_skips", positive_int, 3,
+                    "a whole number of batches of at least 1, e.g. 3",
+                    "consecutive out-of-memory batches skipped before the run stops"),),
 ))
 
 

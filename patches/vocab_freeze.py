@@ -61,6 +61,7 @@ from torch.optim.optimizer import (
 
 from . import _dist, _options, _run
 from ._log import info, logger
+from ._options import Option, positive_int
 from ._registry import PatchSpec, register
 
 TAG = "[Extended Vocab Fix]"
@@ -784,12 +785,25 @@ def _disable() -> None:
         _discovery_hook = None
 
 
+def _base_vocab(text: Any) -> int | None:
+    """Rows of the original vocabulary to freeze; 0, empty or None leave it off."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("", "0", "off", "none")):
+        return None
+    if isinstance(text, (int, float)) and text == 0:
+        return None
+    return positive_int(text.strip() if isinstance(text, str) else text)
+
+
 SPEC = register(PatchSpec(
     name="vocab_freeze",
     describe=_describe_patch,
     priority=5,  # around the checkpoint patch's GPTTrainer.__init__: freeze after loading
     enable=_enable,
     disable=_disable,
+    options=(Option("base_vocab", _base_vocab, None,
+                    "a whole number of base tokens, e.g. 12000 (0 or empty = off)",
+                    "freeze the rows of the first N tokens of every model trained that has a "
+                    "text embedding and head", shown_default="off"),),
 ))
 
 __all__ = ["freeze_base_vocab", "freeze_of", "frozen_rows", "new_rows", "start_row_is_last",

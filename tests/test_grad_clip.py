@@ -3,9 +3,7 @@ clips as torch does (both PyTorch idioms) unless ``clip_unscale_first`` is on.""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import types
 from typing import Callable
 
 import pytest
@@ -32,13 +30,7 @@ def clip_patch(clean_patches: None) -> None:
 
 def set_unscale_first(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
     """Turn the ``clip_unscale_first`` option on or off for this test."""
-    if "clip_unscale_first" in _options.OPTIONS:
-        patches.apply(["grad_clip"], clip_unscale_first=on)
-        return
-    # The option is not declared in _options.py yet: hand grad_clip an Options that has it.
-    opts = types.SimpleNamespace(**dataclasses.asdict(_options.current()),
-                                 clip_unscale_first=on)
-    monkeypatch.setattr(_options, "current", lambda: opts)
+    patches.apply(["grad_clip"], clip_unscale_first=on)
 
 
 def model_and_data() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -269,8 +261,6 @@ def test_nonfinite_scaled_gradients_are_left_for_the_scaler_to_skip(clip_patch: 
     assert scaler.get_scale() == SCALE / 2
 
 
-@pytest.mark.skipif("clip_unscale_first" not in _options.OPTIONS,
-                    reason="the option is not declared in patches/_options.py yet")
 def test_option_from_the_environment(clean_patches: None,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRAINING_PATCHES_CLIP_UNSCALE_FIRST", "1")

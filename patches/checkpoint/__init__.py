@@ -11,6 +11,9 @@ docs/design/checkpoint.md.
 
 from __future__ import annotations
 
+from typing import Any
+
+from .._options import Option
 from .._registry import PatchSpec, register
 from .reading import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, check_file,
                       manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
@@ -26,10 +29,22 @@ from .sharded import DCP_SUFFIX, check_folder
 # The generic ``checkpoint`` patch: the loader and the manager above are its API; its sites
 # come from the integrations (the coqui Trainer's restore/save/continue, XTTS's
 # gpt_checkpoint/xtts_checkpoint).
+def _resume_policy(text: Any) -> str:
+    value = str(text).strip().lower()
+    if value not in POLICIES:
+        raise ValueError(f"expected {' or '.join(POLICIES)}")
+    return value
+
+
 SPEC = register(PatchSpec(
     name="checkpoint",
     describe=lambda o: (f"vocabulary-aware restore (policy {o.resume_policy}), atomic saves, "
                         f"continue from the newest valid checkpoint"),
+    options=(Option("resume_policy", _resume_policy, "remap",
+                    "remap (keep optimizer, scheduler and scaler; grow moments of resized "
+                    "rows) or reset (start all three fresh)",
+                    "`remap` keeps optimizer, scheduler and scaler on resume (moments resized); "
+                    "`reset` starts all three fresh", shown_default="`remap`"),),
 ))
 
 __all__ = [

@@ -22,6 +22,7 @@ from typing import Callable
 
 from .. import _options
 from .._log import info
+from .._options import Option, flag
 from .._registry import PatchSpec, register
 from . import amharic
 
@@ -148,4 +149,8 @@ def _describe(options: object) -> str:
     return f"registered languages ({codes}) are accepted by the tokenizers of the integrations"
 
 
-SPEC = register(PatchSpec(name="languages", describe=_describe))
+SPEC = register(PatchSpec(
+    name="languages", describe=_describe,
+    options=(Option("amharic_homophones", flag, False, "1 or 0",
+                    "1: fold Amharic homophone letters (ሐ ኀ -> ሀ, ...)"),),
+))

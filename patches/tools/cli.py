@@ -6,6 +6,7 @@
     training-patches extend-tokenizer    a vocab.json / SentencePiece model extended for a language
     training-patches verify-tokenizer    a tokenizer (and checkpoint) checked before training
     training-patches check-data MANIFEST what in a dataset will hurt a fine-tune
+    training-patches options             every TRAINING_PATCHES_* setting, its default and owner
 
 Each prints for a person and exits non-zero when something needs attention. Shared by all
 (patches/_output.py): a usage error (an unknown option, a number out of its range) is one
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from typing import NoReturn, Sequence
@@ -35,6 +37,7 @@ COMMANDS: dict[str, str] = {  # subcommand -> its module, in the order --help li
     "extend-tokenizer": "patches.tools.extend_tokenizer",
     "verify-tokenizer": "patches.tools.verify_tokenizer",
     "check-data": "patches.tools.check_data.command",
+    "options": "patches.tools.options",
 }
 
 
@@ -81,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # (``run`` execs the trainer, which gets the default handlers back.)
         with stop_on_signals():
             return int(args.handler(args))
+    except BrokenPipeError:  # `training-patches options | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (Interrupted, KeyboardInterrupt) as exc:
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         print(f"training-patches {args.command}: {stop}; stopped (its output files are written "

@@ -94,14 +94,16 @@ def settings_check() -> tuple[str, str, str]:
     (:func:`patches._api.check_settings`): FAIL with activation's own paragraph when the
     one import line would stop on them."""
     from .._api import check_settings
-    from .._options import ConfigError
+    from .._options import OPTIONS, ConfigError, owner_text
 
     env = {k: v for k, v in os.environ.items() if k.startswith("TRAINING_PATCHES_")}
     try:
         check_settings()
     except ConfigError as exc:
         return (FAIL, "settings", f"{exc} (the one import line stops with this error)")
-    listed = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
+    owners = {option.env: owner_text(option) for option in OPTIONS.values()}
+    listed = ", ".join(f"{k}={v}" + (f" ({owners[k]})" if k in owners else "")
+                       for k, v in sorted(env.items()))
     return (OK, "settings", listed or "defaults (no TRAINING_PATCHES_* variable set)")
 
 

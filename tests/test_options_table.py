@@ -1,0 +1,126 @@
+"""Options come from the units' declarations: Options, owners, env variables, did-you-mean,
+banner, doctor, `training-patches options` and the README table all follow them."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import patches
+from patches import ConfigError, _options, _registry
+from patches.tools import doctor
+from patches.tools.options import markdown_table, readme_table
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "TRAINING_PATCHES_README.md"
+
+
+def test_the_readme_table_is_the_one_the_declarations_make() -> None:
+    found = readme_table(README.read_text(encoding="utf-8"))
+    assert found is not None, f"{README.name} has lost the markers of its options table"
+    assert found == markdown_table(), (
+        f"{README.name}'s options table differs from the declarations: replace the lines "
+        f"between its markers with the output of `training-patches options --markdown`")
+
+
+def test_every_option_belongs_to_a_known_unit_with_help() -> None:
+    units = set(_registry.specs()) | set(_registry.integrations())
+    for name, option in _options.OPTIONS.items():
+        assert set(option.owners) <= units, name
+        assert option.help and option.expected, name
+        assert option.env == "TRAINING_PATCHES_" + name.upper()
+        assert option.parse(option.default) == option.default or option.default in ((), None)
+
+
+@pytest.fixture
+def unit_with_an_option(monkeypatch: pytest.MonkeyPatch, clean_patches: None) -> Iterator[str]:
+    """A patch declared here, as a new patch module would declare itself: one option with a
+    cross-option check. The registry and the declarations are restored afterwards."""
+    monkeypatch.setattr(_registry, "_specs", dict(_registry._specs))
+    monkeypatch.setattr(_options, "OPTIONS", dict(_options.OPTIONS))
+    monkeypatch.setattr(_options, "_checks", dict(_options._checks))
+
+    def check(opts: _options.Options, where: object) -> None:
+        if opts.probe_limit > 1000 and opts.init_scale < 8:
+            raise ConfigError(f"training-patches: {where('probe_limit')} too high")  # type: ignore[operator]
+
+    _registry.register(_registry.PatchSpec(
+        name="probe", describe=lambda o: f"probe limit {o.probe_limit}",
+        options=(_options.Option("probe_limit", _options.positive_int, 7,
+                                 "a whole number, e.g. 7", "how far the probe looks"),),
+        check=check))
+    yield "probe"
+
+
+def test_a_declared_option_reaches_every_reader(unit_with_an_option: str,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    # Options: the default, and only declared names
+    assert _options.Options().probe_limit == 7
+    with pytest.raises(TypeError):
+        _options.Options(probe_limt=3)
+    # its variable, parsed by its own parser, and its bad value explained
+    assert _options.resolve({}, {"TRAINING_PATCHES_PROBE_LIMIT": "12"}).probe_limit == 12
+    with pytest.raises(ConfigError, match="TRAINING_PATCHES_PROBE_LIMIT.*Expected a whole number"):
+        _options.resolve({}, {"TRAINING_PATCHES_PROBE_LIMIT": "x"})
+    # its cross-option check runs at resolve time
+    with pytest.raises(ConfigError, match="probe_limit"):
+        _options.resolve({"probe_limit": 5000, "init_scale": 4}, {})
+    # the did-you-mean knows it
+    with pytest.raises(ConfigError, match="did you mean TRAINING_PATCHES_PROBE_LIMIT"):
+        _options.resolve({}, {"TRAINING_PATCHES_PROBE_LIMT": "3"})
+    # it belongs to its unit: applying another patch never touches it
+    assert _options.fields_of("probe") == ["probe_limit"]
+    # the table and the banner
+    assert "| `probe_limit` | `TRAINING_PATCHES_PROBE_LIMIT` | 7 | probe | how far the probe" \
+        in markdown_table()
+    caplog.set_level(logging.INFO, logger="training_patches")
+    monkeypatch.setenv("TRAINING_PATCHES_PROBE_LIMIT", "9")
+    patches.apply(["probe"])
+    assert "probe limit 9" in caplog.text and "probe_limit=9" in caplog.text
+    # doctor names the unit of a variable that is set
+    status, _, detail = doctor.settings_check()
+    assert status == doctor.OK and "TRAINING_PATCHES_PROBE_LIMIT=9 (probe)" in detail
+
+
+def test_reapplying_one_patch_changes_only_its_own_options(unit_with_an_option: str) -> None:
+    patches.apply(["probe", "grad_scaler"], probe_limit=3, init_scale=64)
+    patches.apply(["grad_scaler"], probe_limit=99, init_scale=32)
+    assert _options.current().init_scale == 32
+    assert _options.current().probe_limit == 3  # not grad_scaler's option
+    patches.apply(["probe"], probe_limit=11)
+    assert _options.current().probe_limit == 11 and _options.current().init_scale == 32
+
+
+def test_an_option_declared_by_two_units_is_refused(unit_with_an_option: str) -> None:
+    with pytest.raises(ValueError, match="declared twice"):
+        _options.declare("other", (_options.Option("probe_limit", int, 1, "x", "y"),))
+
+
+def test_options_are_immutable_and_compare_by_value() -> None:
+    opts = _options.Options(init_scale=64.0)
+    with pytest.raises(AttributeError):
+        opts.init_scale = 3  # type: ignore[misc]
+    assert opts.replace(init_scale=1024.0) == _options.Options()
+    assert hash(opts.replace(init_scale=1024.0)) == hash(_options.Options())
+    assert "init_scale=64.0" in repr(opts)
+
+
+def test_the_options_command_marks_what_is_set(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from patches.tools.cli import main
+
+    monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "12000")
+    assert main(["options"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("TRAINING_PATCHES_BASE_VOCAB"))
+    assert "vocab_freeze" in line and "[set here: '12000']" in line
+    assert len([ln for ln in out.splitlines() if ln.startswith("TRAINING_PATCHES_")]) == \
+        len(_options.OPTIONS)
+    assert main(["options", "--markdown"]) == 0
+    assert capsys.readouterr().out.strip() == markdown_table()
+    assert os.environ["TRAINING_PATCHES_BASE_VOCAB"] == "12000"
