@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any, Iterable
 
-from . import _options, _registry, _run, grad_clip, grad_scaler, nan_guard, oom_guard
+from . import _options, _registry, _run
 from ._log import logger
 
 _RULE = "=" * 72
@@ -236,13 +236,14 @@ def stats() -> dict[str, dict[str, float]]:
     Events follow the same split (:mod:`patches._run`: one file per rank, each record with
     its ``rank`` and ``world_size``).
     """
-    return {"grad_scaler": grad_scaler.stats(), "grad_clip": grad_clip.stats(),
-            "nan_guard": nan_guard.stats(), "oom_guard": oom_guard.stats()}
+    return {name: spec.stats() for name, spec in _registry.specs().items()
+            if spec.stats is not None}
 
 
 def runtime_state() -> dict[str, dict[str, int]]:
     """The counters of the runtime patches, to save in a checkpoint (plain ints)."""
-    return {"grad_clip": grad_clip.stats(), "nan_guard": nan_guard.stats()}
+    return {name: spec.stats() for name, spec in _registry.specs().items()
+            if spec.stats is not None and spec.load_stats is not None}
 
 
 def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
@@ -250,8 +251,9 @@ def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
 
     The SafeGradScaler's own counters travel in its ``state_dict()``.
     """
-    grad_clip.load_stats(state.get("grad_clip", {}))
-    nan_guard.load_stats(state.get("nan_guard", {}))
+    for name, spec in _registry.specs().items():
+        if spec.load_stats is not None:
+            spec.load_stats(state.get(name, {}))
 
 
 def reset_runtime_state() -> None:

@@ -80,7 +80,8 @@ class PatchSpec:
     """Everything one generic patch is, declared in one place: its name, its banner line
     (``describe(options)``), the sites it replaces (each with its ``lost=`` text), or an
     ``enable``/``disable`` pair for a patch that is no attribute swap, its options and
-    their cross-option ``check``, and its ``reset``.
+    their cross-option ``check``, its ``reset`` and its counters (``stats``, saved in
+    checkpoints when it has ``load_stats``).
 
     ``requires()`` lists what the patch needs and this process lacks (e.g. a private
     torch name); anything listed keeps the patch off, loudly. ``reset()`` forgets the
@@ -99,6 +100,10 @@ class PatchSpec:
     reset: Callable[[], None] | None = None
     options: tuple[_options.Option, ...] = ()
     check: _options.Check | None = None
+    # Counters for patches.stats(); with ``load_stats`` they also travel in checkpoints
+    # (patches.runtime_state / load_runtime_state).
+    stats: Callable[[], dict[str, Any]] | None = None
+    load_stats: Callable[[dict[str, Any]], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,8 @@ SPEC = register(PatchSpec(
         Site("torch.nn.utils.clip_grad", "clip_grad_norm_", _make),
     ),
     reset=reset,
+    stats=stats,
+    load_stats=load_stats,
     options=(
         Option("clip_unscale_first", flag, False,
                "1 or 0 (1: clip_grad_norm_ on gradients a SafeGradScaler has not unscaled yet "

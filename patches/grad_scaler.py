@@ -550,6 +550,7 @@ SPEC = register(PatchSpec(
     ),
     requires=_missing_private_names,
     reset=reset,
+    stats=stats,
     options=(
         Option("init_scale", positive_float, 1024.0, "a number greater than 0, e.g. 1024",
                "first loss scale of a SafeGradScaler", shown_default="1024"),

@@ -778,6 +778,8 @@ SPEC = register(PatchSpec(
              lost="events of a plain loop name no samples"),
     ),
     reset=lambda: reset(keep_replay=False),
+    stats=stats,
+    load_stats=load_stats,
     options=(
         Option("max_bad_steps", positive_int, 25, "a whole number of steps of at least 1, e.g. 25",
                "consecutive steps the NaN guard skips before the run stops"),

@@ -167,6 +167,7 @@ SPEC = register(PatchSpec(
     describe=lambda o: (f"a batch that runs out of GPU memory is skipped, listed and freed "
                         f"(stop after {o.max_oom_skips} in a row, with sizes that fit)"),
     reset=reset,
+    stats=stats,
     options=(Option("max_oom_skips", positive_int, 3,
                     "a whole number of batches of at least 1, e.g. 3",
                     "consecutive out-of-memory batches skipped before the run stops"),),

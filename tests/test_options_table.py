@@ -124,3 +124,17 @@ def test_the_options_command_marks_what_is_set(capsys: pytest.CaptureFixture[str
     assert main(["options", "--markdown"]) == 0
     assert capsys.readouterr().out.strip() == markdown_table()
     assert os.environ["TRAINING_PATCHES_BASE_VOCAB"] == "12000"
+
+
+def test_every_variable_the_docs_name_is_declared() -> None:
+    """A renamed or removed option leaves no stale TRAINING_PATCHES_* name in the docs."""
+    import re
+
+    known = _options.known_env() | {"TRAINING_PATCHES_BASEVOCAB"}  # the misspelling shown
+    # for the did-you-mean
+    docs = [ROOT / "README.md", README, *sorted((ROOT / "docs").rglob("*.md"))]
+    stale = sorted({f"{doc.relative_to(ROOT)}: {name}" for doc in docs
+                    for name in re.findall(r"TRAINING_PATCHES_[A-Z0-9_]*[A-Z0-9](?![A-Za-z0-9_])(?!\.md)",
+                                           doc.read_text(encoding="utf-8"))
+                    if name not in known})
+    assert not stale, stale
