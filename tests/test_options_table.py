@@ -48,8 +48,11 @@ def unit_with_an_option(monkeypatch: pytest.MonkeyPatch, clean_patches: None) ->
         if opts.probe_limit > 1000 and opts.init_scale < 8:
             raise ConfigError(f"training-patches: {where('probe_limit')} too high")  # type: ignore[operator]
 
+    counts = {"probes": 0}
     _registry.register(_registry.PatchSpec(
         name="probe", describe=lambda o: f"probe limit {o.probe_limit}",
+        stats=lambda: dict(counts), load_stats=counts.update,
+        reset=lambda: counts.update(probes=0),
         options=(_options.Option("probe_limit", _options.positive_int, 7,
                                  "a whole number, e.g. 7", "how far the probe looks"),),
         check=check))
@@ -85,6 +88,17 @@ def test_a_declared_option_reaches_every_reader(unit_with_an_option: str,
     # doctor names the unit of a variable that is set
     status, _, detail = doctor.settings_check()
     assert status == doctor.OK and "TRAINING_PATCHES_PROBE_LIMIT=9 (probe)" in detail
+
+
+def test_a_declared_counter_reaches_stats_and_checkpoints(unit_with_an_option: str) -> None:
+    from patches import _api
+
+    assert patches.stats()["probe"] == {"probes": 0}
+    _api.load_runtime_state({"probe": {"probes": 4}})
+    assert patches.stats()["probe"] == {"probes": 4}
+    assert _api.runtime_state()["probe"] == {"probes": 4}
+    patches.reset_runtime_state()
+    assert patches.stats()["probe"] == {"probes": 0}
 
 
 def test_reapplying_one_patch_changes_only_its_own_options(unit_with_an_option: str) -> None:
