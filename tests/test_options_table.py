@@ -152,3 +152,17 @@ def test_every_variable_the_docs_name_is_declared() -> None:
                                            doc.read_text(encoding="utf-8"))
                     if name not in known})
     assert not stale, stale
+
+
+def test_the_readme_banner_shows_what_the_patches_describe() -> None:
+    """The example banner's patch lines are the declarations' own, with default options."""
+    opts = _options.Options()
+    text = README.read_text(encoding="utf-8")
+    shown = {}
+    for line in text.splitlines():
+        parts = line.split(maxsplit=3)
+        if line.startswith("  [on ] ") and len(parts) == 4 and parts[2] in _registry.specs():
+            shown[parts[2]] = parts[3]
+    assert set(shown) == {name for name, spec in _registry.specs().items() if spec.default}
+    for name, described in shown.items():
+        assert described == _registry.specs()[name].describe(opts), name
