@@ -386,7 +386,7 @@ def test_doctor_settings_ok(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "12000")
     assert doctor.settings_check() == (doctor.OK, "settings",
-                                       "TRAINING_PATCHES_BASE_VOCAB=12000")
+                                       "TRAINING_PATCHES_BASE_VOCAB=12000 (vocab_freeze)")
 
 
 # -- a real run: reports in --output-dir, an error inside the Trainer said once ---------------
