@@ -313,8 +313,11 @@ def resolve(overrides: Mapping[str, Any] | None = None,
     _check_unknown_env(environ)
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
+        hints = [f"{name} (did you mean {close[0]}?)"
+                 if (close := difflib.get_close_matches(name, list(OPTIONS), n=1)) else name
+                 for name in unknown]
         raise ConfigError(
-            f"training-patches: unknown option(s) {', '.join(unknown)} passed to apply(). "
+            f"training-patches: unknown option(s) {', '.join(hints)} passed to apply(). "
             f"Known options: {', '.join(OPTIONS)}. Check the spelling; every option is "
             f"described in TRAINING_PATCHES_README.md."
         )

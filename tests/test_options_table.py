@@ -76,6 +76,8 @@ def test_a_declared_option_reaches_every_reader(unit_with_an_option: str,
     # the did-you-mean knows it
     with pytest.raises(ConfigError, match="did you mean TRAINING_PATCHES_PROBE_LIMIT"):
         _options.resolve({}, {"TRAINING_PATCHES_PROBE_LIMT": "3"})
+    with pytest.raises(ConfigError, match=r"probe_limt \(did you mean probe_limit\?\)"):
+        patches.apply(probe_limt=3)
     # it belongs to its unit: applying another patch never touches it
     assert _options.fields_of("probe") == ["probe_limit"]
     # the table and the banner
