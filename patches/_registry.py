@@ -5,14 +5,14 @@ sites it replaces and, for patches that are not attribute swaps (anomaly mode),
 an ``enable``/``disable`` pair. ``apply``/``revert`` in :mod:`patches` are the only
 doors; nothing else in the library writes to a third-party module.
 
-How a site lands (the wrapt habit, see STYLE.md): a post-import hook is registered
-for the site's module, so it runs now if the module is already imported and
-otherwise once when it is. A module still running its body (it imported torch, whose
-import applied the patches) counts as not imported yet: its sites land when its import
-ends, once every name in it is bound (:func:`patches._imports.when_imported`). Hooks
-cannot be unregistered, so each hook holds the activation token it was made for and does
-nothing once that activation is reverted: a patch reverted before its target is imported
-never lands.
+How a site lands (the habit of wrapt's post-import hooks, ``register_post_import_hook``:
+the same patch works in either import order): a post-import hook is registered for the
+site's module, so it runs now if the module is already imported and otherwise once when
+it is. A module still running its body (it imported torch, whose import applied the
+patches) counts as not imported yet: its sites land when its import ends, once every name
+in it is bound (:func:`patches._imports.when_imported`). Hooks cannot be unregistered, so
+each hook holds the activation token it was made for and does nothing once that activation
+is reverted: a patch reverted before its target is imported never lands.
 
 Several patches may want one site (``autocast`` modernises the deprecated
 ``torch.cuda.amp.GradScaler``; ``grad_scaler`` makes it a SafeGradScaler;

@@ -1,70 +1,13 @@
 """``grad_clip``: ``clip_grad_norm_`` that survives NaN/Inf and, if asked, unscales first.
 
-torch's ``clip_grad_norm_`` turns every finite gradient into NaN or zero when the total
-norm is non-finite (its clip coefficient is then NaN or 0). The replacement computes
-the total norm once and, when it is NaN or Inf, leaves the gradients untouched, counts
-it on the device (no sync) and returns it, so the step can be skipped (the scaler does
-so for fp16, the NaN guard otherwise). With a finite norm it clips exactly as torch
-does: same norm, same coefficient, bit-identical gradients.
+:func:`safe_clip_grad_norm_` replaces torch's ``clip_grad_norm_``: a NaN/Inf total norm
+leaves the gradients untouched, is counted and returned (the step can be skipped); a
+finite one clips exactly as torch does. Under a SafeGradScaler the clip is torch's unless
+:func:`unscale_first` (``TRAINING_PATCHES_CLIP_UNSCALE_FIRST=1``) says ``max_norm`` limits
+the true gradients. Also public: :func:`nonfinite_for` (the clip's non-finite flag, for the
+NaN guard), :func:`stats`, :func:`load_stats`, :func:`reset`, ``SPEC``.
 
-Clipping under a loss scaler
-----------------------------
-Between ``scaler.scale(loss).backward()`` and ``scaler.step()`` the gradients are the
-true gradients times the loss scale ``S``. Two call patterns reach ``clip_grad_norm_``
-there:
-
-- the idiom PyTorch tests and documents, ``clip_grad_norm_(params, max_norm *
-  scaler.get_scale())``: ``max_norm`` is already scaled, and torch's arithmetic
-  (scaled norm against scaled limit) is right;
-- a trainer that forgot ``scaler.unscale_(optimizer)``: ``max_norm`` is meant for the
-  true gradients, torch compares it with a norm ``S`` times too large, and the step
-  is shrunk about ``S`` times (``S`` is 1024 and more).
-
-No rule can tell these apart from the arguments. The call is the same
-``clip_grad_norm_(params, x)`` with the same gradients; only the caller knows whether
-``x`` is ``m * S`` or ``m``, and every ``x`` is both (``m = x / S`` or ``m = x``). The two
-readings give clip coefficients ``S`` times apart and agree only when ``S == 1``.
-The candidates fail on ordinary runs:
-
-- "``x`` is within a tolerance of ``k * S``": ``x = 0.2 * S`` (PyTorch's own test) and
-  ``x = 0.2`` with ``S = 1`` are the same numbers as a forgotten ``unscale_`` with a
-  limit of ``0.2 * S`` or ``0.2``; any ``x`` is some ``k * S``;
-- "compare the scaled norm with ``x * S``": that *is* the forgotten-``unscale_``
-  reading; for the idiom it never clips (the limit becomes ``m * S**2``), which is
-  the fault PyTorch's ``test_grad_scaling_clipping`` caught;
-- "``get_scale()`` was read since ``scale()``": the idiom may read the scale before the
-  forward pass, and trainers read it for their logs (coqui logs ``amp_scaler``); it is
-  also a host sync to watch.
-
-So the rule is an option, off by default:
-
-- ``clip_unscale_first`` off (the default): gradients that a SafeGradScaler has not
-  unscaled yet are clipped as torch clips them, with the ``max_norm`` given, and the
-  norm returned is the norm of what was clipped. Both PyTorch idioms work unchanged:
-  ``unscale_`` then ``clip_grad_norm_(params, max_norm)``, and
-  ``clip_grad_norm_(params, max_norm * scaler.get_scale())`` on scaled gradients.
-  The first such call of a process logs one WARNING that explains the trap and the
-  option, and ``stats()["scaled_clips"]`` counts them.
-- ``clip_unscale_first`` on (``TRAINING_PATCHES_CLIP_UNSCALE_FIRST=1``, for a trainer
-  that clips without ``unscale_``): exact rule: when a SafeGradScaler has scaled a
-  loss and not yet run ``update()``, every gradient of a parameter that no
-  ``scaler.unscale_(optimizer)`` of this iteration covered is taken as scaled by that
-  scaler's current scale. Its norm is divided by the scale (one device division, no
-  sync; unscaled and still-scaled gradients combine into the true total norm),
-  ``max_norm`` is a limit on the true gradients and the true norm is returned.
-  Scaled gradients clipped by the true coefficient are the true clipped gradients,
-  scaled, so ``scaler.step`` then unscales them to what an fp32 loop would have.
-  The PyTorch idiom ``max_norm * scaler.get_scale()`` does not clip in this mode: do
-  not combine the two. ``stats()["unscaled_first"]`` counts these calls.
-
-A plain ``torch.amp.GradScaler`` (``grad_scaler`` patch off) never says whether it
-scaled, so with it the clip is torch's whatever the option.
-
-FSDP2 (DTensor gradients): the norm is torch's own (``get_total_norm`` on DTensors
-gives the full norm as a replicated DTensor, exactly as torch's ``clip_grad_norm_``
-computes and returns it); the gradients are clipped with torch's
-``clip_grads_with_norm_``; only the non-finite count is taken from the norm's plain
-value (:func:`_plain`), since the device counters hold plain tensors.
+Design: docs/design/grad_clip.md
 """
 
 from __future__ import annotations

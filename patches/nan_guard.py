@@ -1,58 +1,14 @@
 """``nan_guard``: skip every optimizer step whose loss or gradients are NaN/Inf, exactly.
 
-Without a GradScaler (fp32, bf16, fp16 without a scaler) torch optimizers step on
-whatever gradients they have: one NaN loss makes the weights NaN for good. The
-guard sits in torch's global optimizer step hooks, so it covers every optimizer
-in plain loops and in the coqui Trainer:
+Torch's global optimizer step hooks decide each step (one reduction, agreed across ranks);
+a bad step leaves parameters, moments and step counts as they were, is recorded in
+``nonfinite_events.jsonl`` (:data:`EVENTS_FILE`) and, after ``max_bad_steps`` in a row,
+stops the run with :class:`NonFiniteTrainingError`. Steps a GradScaler protects are left
+to it. Public: :func:`observe_loss`, :func:`expect_accumulation`, :func:`watch`,
+:func:`set_replay`, :func:`find_nonfinite_source`, :func:`stats`, :func:`load_stats`,
+:func:`reset`, ``SPEC``.
 
-- one fused reduction decides (the norm ``clip_grad_norm_`` just computed when it
-  covered these gradients, else one ``get_total_norm``), or'ed with the loss seen
-  through :func:`observe_loss` and, optionally, a loss-spike test; under
-  ``torch.distributed`` the flag is all-reduced so every rank decides alike (one
-  reduction of a plain local tensor: DTensor gradients of FSDP2 are checked on their
-  local shards, and the agreed decision is the max over the ranks);
-- fused optimizers (``fused=True`` AdamW/Adam) get the flag through their ``found_inf``
-  protocol: the kernel leaves parameters and moments untouched and takes back its step
-  count increment (``state_steps -= found_inf``), and the guard reads nothing per step.
-  The flags wait on the device; the host reads them all in one copy every
-  ``min(log_interval, max_bad_steps)`` steps, in :func:`stats` and when logging. The
-  trade-off: counters, events and the consecutive-skips stop are that late (at most
-  ``max_bad_steps - 1`` steps: a stop after 25 skips in a row comes by step 49 of the
-  streak; the extra steps were skipped or trained exactly as they would have been), and
-  ``lr_step_on_skip=0`` costs one read per step again (the scheduler must know);
-- other optimizers cost one host sync (``.item()`` of the flag); on a bad step
-  every gradient is set to None, so the optimizer leaves each parameter, its
-  moments, its step count and its weight decay exactly as they were;
-- with gradient accumulation (steps of more than one backward), each micro-batch's
-  loss is checked before its backward (``Tensor.backward``; one host read, where the
-  trainer usually reads the loss for its log anyway): a non-finite micro-batch adds
-  nothing to the accumulated gradient and the step uses the others. Without
-  accumulation nothing is read there: the step-level check below decides. With several
-  ranks the micro-batch's backward still runs (DDP's and FSDP2's gradient hooks
-  communicate as for any other micro-batch, so no peer waits), with a zero gradient
-  reaching every parameter; where every micro-batch of every rank was non-finite, the
-  step leaves every parameter as it was, as in one process;
-- step accounting: by default the LR scheduler still steps on a skipped step
-  (``lr_step_on_skip=1``), so the trainer's own step counter, the scheduler and the step
-  in its checkpoints stay equal and a resume finds the LR the schedule expects; with
-  ``lr_step_on_skip=0`` the scheduler is held and lags by ``stats()["skipped"]``;
-- events go to the run's folder (:func:`patches._run.report_dir`: the folder set by
-  the user or the trainer, else the folder of the checkpoints being saved, else
-  ``./training_patches``), and every warning names the file;
-- each bad step appends a line to ``nonfinite_events.jsonl`` in the run's output
-  directory; the first can be replayed to name the module and the operation that
-  made the first non-finite value; after ``max_bad_steps`` consecutive bad steps
-  the run stops with :class:`NonFiniteTrainingError`, which says what to try.
-
-Steps a GradScaler protects are left to it.
-
-Many processes (DDP, FSDP2): every rank skips the same steps. :func:`stats` then gives
-on every rank the same ``"steps"`` and ``"skipped"`` (the agreed decisions), while
-``"nonfinite_losses"``, ``"nonfinite_grads"`` and ``"spikes"`` count what THIS rank saw
-and ``"peer_skips"`` the steps it skipped only because another rank saw a non-finite
-loss or gradient (or a spike). Such a step's event has ``"kind": "peer_nonfinite"`` and
-no gradient list. Gradients that are non-finite on this rank only because a peer's loss
-was (the gradient all-reduce or reduce-scatter spreads it) count as the peer's.
+Design: docs/design/nan_guard.md
 """
 
 from __future__ import annotations

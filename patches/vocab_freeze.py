@@ -1,49 +1,12 @@
 """``vocab_freeze``: keep the base rows of an extended text vocabulary bit-identical.
 
-When a tokenizer grows (Amharic: 12k base + 12k new tokens), the new rows of the text
-embedding and the text head must train while the pretrained base rows stay exactly
-as they are. Zeroing the base rows' gradients is not enough: AdamW's decoupled weight
-decay moves every row whatever its gradient (XTTS exempts ``nn.Embedding`` from decay
-but not ``text_head``, a Linear), and momentum from a loaded optimizer state moves them
-too. :func:`freeze_base_vocab` does two things, which together are exact for any
-optimizer:
+:func:`freeze_base_vocab` (a :class:`VocabFreeze` handle) zeroes the base rows' gradients
+and copies the rows back after every optimizer step, for any optimizer; :func:`frozen_rows`,
+:func:`new_rows` and :func:`start_row_is_last` say which rows are base (XTTS's ``[START]``
+kept last). ``TRAINING_PATCHES_BASE_VOCAB`` turns it on without code changes. Also public:
+:class:`VocabFreezeError`, :func:`freeze_of`, :func:`live_freezes`, ``SPEC``.
 
-1. a post-accumulate-grad hook on each frozen parameter zeroes the base rows of its
-   ``.grad`` (so the optimizer state of those rows stays zero and gradient norms and
-   clipping see only the rows that train);
-2. an optimizer step post-hook copies the base rows back from one stored copy after
-   every ``optimizer.step()`` of an optimizer that holds these parameters. A step a
-   GradScaler or a NaN guard skips does not change the parameters, so nothing needs
-   restoring; a step taken on non-finite gradients is undone for the base rows.
-
-Memory: one copy of the base rows per frozen tensor (embedding weight, head weight,
-head bias), taken once; no copy per step. Cost per step: one row-slice ``zero_`` per
-backward and one row-slice ``copy_`` per optimizer step.
-
-The start-text token (XTTS). XTTS's ``GPTTrainer`` grows a ``gpt_checkpoint`` by
-moving the old LAST row to the new last row, on the assumption that it is the
-start-text token ``[START]``; the vocabulary loader (:mod:`patches.checkpoint`) does
-the same. When the owning module's ``start_text_token`` is the last row (the layout
-in which that move is right), the base rows are ``0 .. base-2`` plus the last row, and
-the new rows are ``base-1 .. vocab-2``: the ``[START]`` row is pretrained, every
-training sequence begins with it, so it is FROZEN with the other base rows. Otherwise
-(IndexTTS-style models, modules named explicitly, an XTTS vocabulary whose ``[START]``
-is not last) the base rows are ``0 .. base-1``. The rule is :func:`frozen_rows` with
-:func:`start_row_is_last`; the loader uses the same one.
-
-Sharded parameters (FSDP2 ``fully_shard``, DTensor): slicing a row-sharded DTensor
-gives a copy, so each rank works on its local shard: the global frozen rows are mapped
-to the shard's own rows by its global row offset (``compute_local_shape_and_global_offset``
-of the DTensor's placements, torch.chunk layout, uneven shards included); each rank
-zeroes those rows of its gradient shard, stores them and restores them. Placements
-``Shard(d)`` and ``Replicate()`` are exact this way; any other (``Partial``, a strided
-shard of FSDP2 combined with tensor parallelism, an unknown placement) is refused with
-:class:`VocabFreezeError` on every rank, never frozen silently.
-
-Activation without code changes: ``TRAINING_PATCHES_BASE_VOCAB=12000`` makes every
-XTTS ``GPTTrainer`` freeze its base rows when it is built (see
-:mod:`patches.integrations.xtts_gpt`); a later ``load_state_dict`` of the model (the
-coqui Trainer's restore on resume) refreshes the stored rows from what was loaded.
+Design: docs/design/vocab_freeze.md
 """
 
 from __future__ import annotations

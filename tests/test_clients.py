@@ -1,7 +1,8 @@
-"""The one line inside trainers we did not write (tests/clients/, DESIGN.md "Trainers in the
-wild"): the user's XTTS project with its own ``utils/`` and an IndexTTS2-style plain loop,
-each run unchanged in a fresh process with the patches activated the documented ways:
-the card's line, ``import patches.auto``, and ``training-patches run`` with no line."""
+"""The one line inside trainers we did not write (tests/clients/, shaped as the users' own
+projects are; tests/clients/README.md): the user's XTTS project with its own ``utils/`` and
+an IndexTTS2-style plain loop, each run unchanged in a fresh process with the patches
+activated the documented ways: the card's line, ``import patches.auto``, and
+``training-patches run`` with no line."""
 
 from __future__ import annotations
 

@@ -50,11 +50,14 @@ def load_checkpoint(
     resume_step: bool = True,
 ) -> LoadReport:
     """Load ``path`` into ``model`` (and the optimizer, scheduler, scaler) safely, all or
-    nothing.
+    nothing: every tensor is validated before anything is touched, and a refused load leaves
+    the model, optimizer, scheduler, scaler and RNG exactly as they were.
+    Design: docs/design/checkpoint.md.
 
     Args:
         path: a checkpoint written by :class:`CheckpointManager`, the coqui Trainer, or
-            ``torch.save(model.state_dict())``.
+            ``torch.save(model.state_dict())``; or the folder of a sharded (FSDP2) save,
+            loaded through ``torch.distributed.checkpoint`` into any number of ranks.
         model: the model to fill; its text vocabulary may be larger than the checkpoint's.
         optimizer, scheduler, scaler: one object or a list of them (coqui keeps lists).
         policy: ``"remap"`` keeps the optimizer state (moments of grown parameters are
@@ -80,37 +83,24 @@ def load_checkpoint(
         trusted: for your own legacy files whose pickle holds objects: unpickle with
             ``weights_only=False`` (it can run code), logged as a WARNING. Numpy RNG
             states and scalars load without it.
-        collective: agree with the other ranks (below); None: when a process group of
-            more than one rank is up. False: this process alone (a call on some ranks only).
+        collective: agree with the other ranks: call it from EVERY rank of the process
+            group; no rank changes its model unless every rank passed, and a refusal on one
+            is raised on all. None: when a process group of more than one rank is up.
+            False: this process alone (a call on some ranks only).
         resume_step: False for a weights-only start that counts from step 0 (coqui's
             ``restore_path``, XTTS's ``xtts_checkpoint``): ``report.step`` is 0 and the
             report says the saved step was dropped; :func:`warn_weights_only` then names
             what the file held that the start lost.
 
-    The returned :class:`LoadReport` says in ``parts`` what happened to each part (model,
-    optimizer, scheduler, scaler, step, rng: restored / remapped / reset / dropped /
-    absent); the one INFO line is built from it. A WARNING names the parts a load lost
-    without being asked to: the step and the scheduler/scaler state of a file that has no
-    optimizer state (``remap`` then restarts all three). A key prefix stripped or added
-    (``module.``, ``_orig_mod.``) and values cast to the model's dtypes (a bf16 file, an
-    fp32 model) each get an INFO line. A safetensors file is read through the
-    ``safetensors`` package.
-
-    Every tensor is validated before anything is touched: present, with data (not
-    meta), the planned shape and kind of dtype, and finite. A refused load leaves the
-    model, optimizer, scheduler, scaler and RNG exactly as they were.
-
-    Many processes: with a process group of more than one rank call it from EVERY rank.
-    Each rank reads and validates the file; only when every rank passed does any of them
-    change its model, and a refusal on one rank is raised, the same, on all of them. Each
-    rank gets its own saved RNG state back (``rng_ranks``; with another number of ranks
-    the log says what was done). A sharded checkpoint (the folder an FSDP2 save writes)
-    loads through ``torch.distributed.checkpoint`` into any number of ranks; a single-file
-    checkpoint is refused for an FSDP2 (DTensor) model, with what to do instead.
+    Returns:
+        A :class:`LoadReport`: ``parts`` says what happened to each part (model, optimizer,
+        scheduler, scaler, step, rng: restored / remapped / reset / dropped / absent); the
+        log lines are read from it.
 
     Raises:
         UnsafeCheckpointError, CheckpointError, CheckpointMismatchError: before anything
-        was changed.
+        was changed (CheckpointError too for a single file into an FSDP2 model: load it
+        before sharding).
     """
     if policy not in POLICIES:
         raise ValueError(f"load_checkpoint: policy must be one of {POLICIES}, got {policy!r}")
