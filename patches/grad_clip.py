@@ -83,7 +83,7 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
     """Clip gradients by their total norm and return it; a non-finite norm clips nothing.
 
     With the ``clip_unscale_first`` option on, gradients a SafeGradScaler has not
-    unscaled yet count by their true (unscaled) size: see the module docstring.
+    unscaled yet count by their true (unscaled) size: see docs/design/grad_clip.md.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     with_grad = [p for p in params if p.grad is not None]
