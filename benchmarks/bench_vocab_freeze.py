@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patches import freeze_base_vocab  # noqa: E402
 from demo.xtts_tiny import build_tiny_xtts  # noqa: E402
-from patches.vocab_freeze import frozen_rows, start_row_is_last  # noqa: E402
+from patches.integrations.layouts import start_row_is_last  # noqa: E402
+from patches.vocab_rows import frozen_rows  # noqa: E402
 
 BASE = 74
 NEW_TOKENS = ("ሰ", "ላ", "ም", "ዓ", "ለ", "እ", "ን")

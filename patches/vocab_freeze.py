@@ -26,97 +26,10 @@ from . import _dist, _options, _run
 from ._log import info, logger
 from ._options import Option, positive_int
 from ._registry import PatchSpec, register
+from .vocab_rows import (PLAIN, RowLayout, VocabFreezeError, describe_rows, frozen_rows, new_rows,
+                         owner_models, owner_paths, row_layout)
 
 TAG = "[Extended Vocab Fix]"
-
-
-class VocabFreezeError(ValueError):
-    """The base vocabulary cannot be frozen as asked (size or model not as expected)."""
-
-
-# -- the rule ----------------------------------------------------------------
-
-
-def frozen_rows(vocab_size: int, base_vocab_size: int, *,
-                start_row_last: bool = False) -> tuple[range, ...]:
-    """The row ranges that belong to the base vocabulary (to freeze).
-
-    ``vocab_size`` and ``base_vocab_size`` count rows of the text embedding. With
-    ``start_row_last`` (XTTS with ``[START]`` as the last id, see the module docstring)
-    the base vocabulary's last row, the start-text token, lives in the grown tensor's
-    last row: the base rows are ``range(0, base-1)`` and ``range(vocab-1, vocab)``.
-    """
-    if base_vocab_size < 1 or base_vocab_size > vocab_size:
-        raise VocabFreezeError(
-            f"training-patches vocab_freeze: the base vocabulary size is {base_vocab_size}, but "
-            f"the model's text embedding has {vocab_size} rows. Expected a base size between 1 "
-            f"and {vocab_size} (the number of tokens of the ORIGINAL tokenizer, e.g. 12000 for a "
-            f"12k base extended to 24k). Check TRAINING_PATCHES_BASE_VOCAB (or the "
-            f"base_vocab_size you passed) and that the model was built with the extended "
-            f"tokenizer.")
-    if start_row_last and base_vocab_size < vocab_size:
-        return (range(0, base_vocab_size - 1), range(vocab_size - 1, vocab_size))
-    return (range(0, base_vocab_size),)
-
-
-def new_rows(vocab_size: int, base_vocab_size: int, *, start_row_last: bool = False) -> range:
-    """The rows that train (the complement of :func:`frozen_rows`, always one range)."""
-    frozen_rows(vocab_size, base_vocab_size, start_row_last=start_row_last)  # validates
-    if start_row_last and base_vocab_size < vocab_size:
-        return range(base_vocab_size - 1, vocab_size - 1)
-    return range(base_vocab_size, vocab_size)
-
-
-def start_row_is_last(owner: nn.Module | None, vocab_size: int) -> bool:
-    """True when ``owner`` (the module holding the text embedding) is XTTS-like and its
-    ``start_text_token`` is the last row: the layout coqui's resize assumes."""
-    start = getattr(owner, "start_text_token", None) if owner is not None else None
-    return isinstance(start, int) and not isinstance(start, bool) and start == vocab_size - 1
-
-
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def has_slot_row(owner: nn.Module | None, rows: int) -> bool:
-    """True for the IndexTTS ``UnifiedVoice`` layout: ``number_text_tokens * types + 1``
-    rows, the last one an extra slot that is no token of the tokenizer."""
-    tokens = getattr(owner, "number_text_tokens", None) if owner is not None else None
-    types = getattr(owner, "types", 1) if owner is not None else 1
-    return _whole(tokens) and _whole(types) and rows == tokens * types + 1 and \
-        not start_row_is_last(owner, rows)
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """How the rows of a text embedding map to tokens.
-
-    ``last_row_kept``: the last row belongs to the base model and stays last when the
-    vocabulary grows (XTTS's ``[START]`` when it is the last id; IndexTTS's extra slot).
-    ``extra_rows``: rows that are no token of the tokenizer (IndexTTS: 1), so a base of
-    N tokens is N + extra_rows rows.
-    """
-
-    name: str
-    last_row_kept: bool = False
-    extra_rows: int = 0
-
-    def base_rows(self, base_tokens: int) -> int:
-        return base_tokens + self.extra_rows
-
-
-PLAIN = RowLayout("plain")
-XTTS_START_LAST = RowLayout("xtts, [START] last", last_row_kept=True)
-INDEXTTS_SLOT = RowLayout("indextts, +1 slot last", last_row_kept=True, extra_rows=1)
-
-
-def row_layout(owner: nn.Module | None, rows: int) -> RowLayout:
-    """The :class:`RowLayout` of the module that owns ``text_embedding``/``text_head``."""
-    if start_row_is_last(owner, rows):
-        return XTTS_START_LAST
-    if has_slot_row(owner, rows):
-        return INDEXTTS_SLOT
-    return PLAIN
 
 
 # -- finding the text embedding ------------------------------------------------
@@ -146,8 +59,11 @@ def _local_rows(path: str, param: torch.Tensor, rows: Sequence[range]) -> tuple[
     """
     if not _dist.is_dtensor(param):
         return tuple(rows)
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    # Only a DTensor gets here, so its module is loaded already; at module top it would cost
+    # every import of the package ~0.4 s.
+    from torch.distributed.tensor import Replicate, Shard  # lazy: heavy
+    from torch.distributed.tensor._utils import (  # lazy: heavy
+        compute_local_shape_and_global_offset)
     placements = tuple(param.placements)  # type: ignore[attr-defined]
     local = _dist.local(param)
     unknown = [p for p in placements if type(p) not in (Shard, Replicate)]
@@ -175,12 +91,9 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-_SEARCH = ("", "gpt", "xtts.gpt", "model", "model.gpt")
-
-
 def _find_owner(model: nn.Module) -> tuple[str, nn.Module] | None:
     """(path, module) of the module that owns ``text_embedding`` and ``text_head``."""
-    for path in _SEARCH:
+    for path in owner_paths():
         try:
             owner = model.get_submodule(path) if path else model
         except AttributeError:
@@ -233,11 +146,14 @@ def _entries(model: nn.Module, modules: Iterable[nn.Module | str] | None
     if modules is None:
         hit = _find_owner(model)
         if hit is None:
+            paths = [f".{path}" for path in owner_paths() if path]
+            where = (", ".join(paths[:-1]) + f" and {paths[-1]}" if len(paths) > 1
+                     else "".join(paths))
+            models = f" ({', '.join(owner_models())})" if owner_models() else ""
             raise VocabFreezeError(
                 f"training-patches vocab_freeze: no text embedding found in "
                 f"{type(model).__name__}. Looked for text_embedding and text_head on the model "
-                f"and on .gpt, .xtts.gpt, .model and .model.gpt (XTTS GPTTrainer, XTTS GPT, "
-                f"IndexTTS-style UnifiedVoice). Pass the modules explicitly, e.g. "
+                f"and on {where}{models}. Pass the modules explicitly, e.g. "
                 f"freeze_base_vocab(model, 12000, modules=['decoder.embed', 'decoder.lm_head']).")
         path, owner = hit
         targets = [(_join(path, "text_embedding"), owner.text_embedding),
@@ -510,7 +426,7 @@ class VocabFreeze:
                                         start_row_last=self.start_row_last)
             logger.info("%s %s was replaced by a new module after the freeze; the freeze "
                         "follows it (%d rows, base rows %s frozen)", TAG, module_path, rows,
-                        _describe(self.rows))
+                        describe_rows(self.rows))
             with torch.no_grad():
                 self._map_rows(entry)
                 entry.stored = self._base(entry)
@@ -568,12 +484,7 @@ class VocabFreeze:
     def __repr__(self) -> str:
         state = "released" if self.released else f"{self.steps} steps"
         return (f"VocabFreeze(base={self.base_vocab_size}, vocab={self.vocab_size}, "
-                f"rows={_describe(self.rows)}, {state})")
-
-
-def _describe(rows: Sequence[range]) -> str:
-    return ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
-                     for r in rows if len(r))
+                f"rows={describe_rows(self.rows)}, {state})")
 
 
 def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
@@ -594,7 +505,8 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
         until_step: release the freeze after this many optimizer steps (two-stage
             recipe: new rows first, then everything). Steps a GradScaler skips do not count.
         start_row_last: whether the base vocabulary's start-text row sits in the last
-            row (XTTS); ``None`` decides with :func:`start_row_is_last`.
+            row (XTTS); ``None`` decides with the owner's registered layout
+            (:func:`patches.vocab_rows.row_layout`).
 
     Returns the :class:`VocabFreeze` handle; ``handle.remove()`` ends the freeze.
     Freezing rows already frozen replaces the earlier freeze.
@@ -648,20 +560,20 @@ def _log_start(handle: VocabFreeze, model: nn.Module,
     vocab, base = handle.vocab_size, handle.base_vocab_size
     for earlier in replaced:
         info("%s Replacing the earlier freeze of %s (rows %s frozen)", TAG,
-             ", ".join(earlier.paths), _describe(earlier.rows))
+             ", ".join(earlier.paths), describe_rows(earlier.rows))
     if base == vocab:
         info("%s Vocabulary not extended (%d tokens = base size): all text rows frozen",
              TAG, vocab)
     else:
         info("%s Detected extended vocabulary: %d tokens", TAG, vocab)
-    base_rows = _describe(handle.rows)
-    if handle.layout is INDEXTTS_SLOT:
+    base_rows = describe_rows(handle.rows)
+    if handle.layout.extra_rows:
         base_rows += f" (row {vocab - 1} is the model's extra slot, no token; kept last)"
     elif handle.start_row_last and base < vocab:
         base_rows += f" (row {vocab - 1} is the start-text token, kept last)"
     info("%s Base tokens: %s (frozen)", TAG, base_rows)
     if base < vocab:
-        info("%s New tokens: %s (trainable)", TAG, _describe([handle.new_rows]))
+        info("%s New tokens: %s (trainable)", TAG, describe_rows([handle.new_rows]))
     total = sum(p.numel() for p in model.parameters())
     frozen = handle.frozen_numel()
     frozen_rows_n = sum(len(r) for r in handle.rows)
@@ -677,7 +589,7 @@ def _log_start(handle: VocabFreeze, model: nn.Module,
         info("%s Sharded tensors (%s): rank %d freezes and restores its own rows %s", TAG,
              ", ".join(f"{entry.path} {tuple(entry.param.placements)}"  # type: ignore[attr-defined]
                        for entry in sharded), _dist.rank(),
-             "; ".join(f"{entry.path}: {_describe(entry.local_rows) or 'none'} (local)"
+             "; ".join(f"{entry.path}: {describe_rows(entry.local_rows) or 'none'} (local)"
                        for entry in sharded))
 
 
@@ -769,5 +681,5 @@ SPEC = register(PatchSpec(
                     "text embedding and head", shown_default="off"),),
 ))
 
-__all__ = ["freeze_base_vocab", "freeze_of", "frozen_rows", "new_rows", "start_row_is_last",
+__all__ = ["freeze_base_vocab", "freeze_of", "frozen_rows", "new_rows",
            "VocabFreeze", "VocabFreezeError"]

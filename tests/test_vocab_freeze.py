@@ -18,8 +18,9 @@ from torch import nn
 
 import patches
 from patches import SafeGradScaler, freeze_base_vocab
-from patches.vocab_freeze import (VocabFreezeError, freeze_of, frozen_rows, live_freezes,
-                                  new_rows, start_row_is_last)
+from patches.integrations.layouts import start_row_is_last
+from patches.vocab_freeze import VocabFreezeError, freeze_of, live_freezes
+from patches.vocab_rows import frozen_rows, new_rows
 
 BASE, VOCAB, DIM = 40, 52, 16
 

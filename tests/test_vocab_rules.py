@@ -4,6 +4,8 @@ modules swapped after it, and explicit row layouts."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from tiny_models import TinyTextModel
@@ -11,7 +13,8 @@ from torch import nn
 
 import patches
 from patches import vocab_freeze
-from patches.vocab_freeze import INDEXTTS_SLOT, PLAIN, XTTS_START_LAST, frozen_rows, row_layout
+from patches.integrations.layouts import INDEXTTS_SLOT, XTTS_START_LAST
+from patches.vocab_rows import PLAIN, frozen_rows, owner_paths, row_layout
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 
@@ -50,14 +53,21 @@ def test_layouts_are_explicit() -> None:
     assert row_layout(xtts_like, 82) is PLAIN
     assert frozen_rows(82, 74, start_row_last=True) == (range(0, 73), range(81, 82))
     assert frozen_rows(49, 41, start_row_last=True) == (range(0, 40), range(48, 49))
+    # where the owner of the text embedding is looked for, in order (the first found wins)
+    assert owner_paths() == ("", "gpt", "xtts.gpt", "model", "model.gpt")
 
 
-def test_base_vocab_alone_freezes_a_plain_unifiedvoice_loop() -> None:
+def test_base_vocab_alone_freezes_a_plain_unifiedvoice_loop(
+        caplog: pytest.LogCaptureFixture) -> None:
     patches.apply(base_vocab=BASE)
     model = UnifiedVoiceLike(BASE + NEW)
     before = model.text_embedding.weight.detach().clone()
     head_before = model.text_head.weight.detach().clone()
-    _train(model)
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        _train(model)
+    slot = BASE + NEW  # the layout's extra row is named as such in the freeze block
+    assert (f"Base tokens: 0-{BASE - 1}, {slot} (row {slot} is the model's extra slot, no "
+            f"token; kept last) (frozen)") in caplog.text
     after = model.text_embedding.weight.detach()
     assert (after[:BASE] - before[:BASE]).abs().max().item() == 0.0
     assert (model.text_head.weight.detach()[:BASE] - head_before[:BASE]).abs().max().item() == 0.0
@@ -165,3 +175,24 @@ def test_a_shrink_is_explained_in_tokens_and_truncated_only_on_request(tmp_path)
     assert report.freeze is None and "truncated on request" in report.summary()
     _train_ids(small, small_opt, BASE + 4, 1)  # and it trains on
     assert torch.isfinite(small.text_embedding.weight).all()
+
+
+@pytest.mark.parametrize("old_start", [9, 3, None])
+def test_a_coqui_config_says_whether_the_old_start_row_was_last(tmp_path, old_start) -> None:
+    """XTTS shape ([START] the new last id): the old last row moves to the new end unless the
+    checkpoint's coqui config records the OLD [START] elsewhere (gpt_start_text_token)."""
+    torch.manual_seed(0)
+    old = TinyTextModel(10, 16, "tanh")
+    ckpt: dict = {"model": old.state_dict()}
+    if old_start is not None:
+        ckpt["config"] = {"model_args": {"gpt_start_text_token": old_start,
+                                         "gpt_number_text_tokens": 10}}
+    torch.save(ckpt, tmp_path / "model.pth")
+    grown = TinyTextModel(14, 16, "tanh")
+    grown.start_text_token = 13
+    patches.load_checkpoint(tmp_path / "model.pth", grown, freeze=False, restore_rng=False)
+    before, after = old.text_embedding.weight, grown.text_embedding.weight
+    if old_start == 3:  # [START] was not last: no row moves
+        assert torch.equal(after[:10], before)
+    else:  # the config confirms it (9 = last of 10), or says nothing: the last row moves
+        assert torch.equal(after[:9], before[:9]) and torch.equal(after[13], before[9])

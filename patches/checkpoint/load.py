@@ -11,8 +11,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import _dist
+from .. import _dist, _options
 from .._log import info
+from ..vocab_rows import row_layout
 from . import _collective
 from .apply import apply
 from .decide import LoadOptions, LoadPlan, decide
@@ -293,9 +294,11 @@ def _and(items: Sequence[str]) -> str:
 
 
 def _enable_freeze(model: torch.nn.Module, plan: ModelPlan, vocab_modules: Sequence[str]) -> Any:
-    """Freeze the base rows of the grown vocabulary (lazy: vocab_freeze may be absent)."""
+    """Freeze the base rows of the grown vocabulary (vocab_freeze may be absent)."""
     try:
-        from .. import vocab_freeze
+        # Imported at the top, vocab_freeze would register its patch before checkpoint's
+        # (the banner's order is the registration order, patches/__init__.py).
+        from .. import vocab_freeze  # lazy: import order; and optional (ImportError below)
     except ImportError:
         logger.warning(
             "training-patches: the vocabulary grew from %d to %d rows but patches.vocab_freeze is "
@@ -312,14 +315,14 @@ def _base_rows(model: torch.nn.Module, plan: ModelPlan, modules: Sequence[str]) 
     (rows already trained for the new language keep training), but the first
     ``TRAINING_PATCHES_BASE_VOCAB`` tokens (in the model's row layout), else the base of a
     freeze already on these modules, else, when neither is known, every old row (logged)."""
-    from .. import _options, vocab_freeze
+    from .. import vocab_freeze  # lazy: import order (see _enable_freeze, which imported it)
 
     old_rows = plan.rows.old_rows
     owner_path = modules[0].rsplit(".", 1)[0] if "." in modules[0] else ""
     owner = model.get_submodule(owner_path) if owner_path else model
     tokens = _options.current().base_vocab
     if tokens:
-        rows = vocab_freeze.row_layout(owner, plan.rows.new_rows).base_rows(tokens)
+        rows = row_layout(owner, plan.rows.new_rows).base_rows(tokens)
         return min(rows, old_rows)
     for name in modules:
         for param in model.get_submodule(name).parameters():

@@ -12,14 +12,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ..vocab_resize import RowPlan, grow_bias, grow_rows
+from ..vocab_rows import row_layout
 from .reading import _what_to_do, nonfinite_flags
 from .errors import CheckpointError, CheckpointMismatchError
 
 # Parameter names (last two components) that carry the text vocabulary along dim 0.
 VOCAB_SUFFIXES = ("text_embedding.weight", "text_head.weight", "text_head.bias")
 # Prefixes a checkpoint's keys may carry relative to the model (DDP, torch.compile,
-# coqui's GPTTrainer, Lightning).
-_KNOWN_PREFIXES = ("module.", "_orig_mod.", "xtts.", "model.")
+# Lightning). Any other first component of the checkpoint's or the model's keys (coqui's
+# GPTTrainer's ``xtts.``) is tried too, by ``_align_keys_how``.
+_KNOWN_PREFIXES = ("module.", "_orig_mod.", "model.")
 # Where a checkpoint keeps the model's state dict (else it is the state dict itself).
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
 
@@ -141,12 +143,12 @@ def _owner(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
 
 def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
                     ckpt: Mapping[str, Any], setting: str | bool) -> bool:
-    """Whether the vocabulary's last row must stay last when it grows: XTTS's start-text
-    token, or IndexTTS's extra slot row.
+    """Whether the vocabulary's last row must stay last when it grows: a start token kept
+    at the last id, or an extra slot row (the registered layouts, :mod:`patches.vocab_rows`).
 
-    ``"auto"``: yes when the module owning the text embedding is an XTTS GPT (it has a
-    ``start_text_token``) and that token is the new vocabulary's last id; a coqui
-    checkpoint's config then confirms it for the old vocabulary when it records it.
+    ``"auto"``: yes when the layout of the module owning the text embedding keeps its last
+    row (``last_row_kept``) for the new vocabulary; for a start token the checkpoint then
+    confirms it for the old vocabulary when it records it (``checkpoint_last_row_kept``).
     """
     if isinstance(setting, bool):
         return setting
@@ -154,21 +156,13 @@ def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
         # "gpt.text_embedding.weight" -> the module "gpt", which owns the start token
         owner_path = key.rsplit(".", 2)[0] if key.count(".") >= 2 else ""
         owner = _owner(model, owner_path + ".x") if owner_path else model
-        from ..vocab_freeze import has_slot_row
-
-        if has_slot_row(owner, new_rows):
-            return True  # IndexTTS UnifiedVoice: its extra slot row stays last
-        start = getattr(owner, "start_text_token", None)
-        if isinstance(start, int):
-            if start != new_rows - 1:
-                return False
-            config = ckpt.get("config")
-            args = config.get("model_args") if isinstance(config, Mapping) else None
-            old_start = args.get("gpt_start_text_token") if isinstance(args, Mapping) else None
-            old_rows = args.get("gpt_number_text_tokens") if isinstance(args, Mapping) else None
-            if isinstance(old_start, int) and isinstance(old_rows, int):
-                return old_start == old_rows - 1
-            return True
+        layout = row_layout(owner, new_rows)
+        if layout.extra_rows:
+            return True  # a slot row that is no token stays last
+        if layout.last_row_kept:
+            confirm = layout.checkpoint_last_row_kept
+            said = confirm(ckpt) if confirm is not None else None
+            return True if said is None else said
     return False
 
 
@@ -193,8 +187,6 @@ class ModelPlan:
 def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],
                   rows: RowPlan) -> CheckpointMismatchError:
     """A smaller vocabulary, explained in the tokens users count (not rows)."""
-    from ..vocab_freeze import row_layout
-
     owner_path = keys[0].rsplit(".", 2)[0] if keys[0].count(".") >= 2 else ""
     owner = _owner(model, owner_path + ".x") if owner_path else model
     layout = row_layout(owner, rows.new_rows)

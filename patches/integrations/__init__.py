@@ -1,8 +1,9 @@
 """Upstream integrations: what is specific to one upstream package (its names, call sites
 and supported versions), contributed to the generic patches through the registry.
 
-Each module declares one :class:`patches._registry.Integration`. Importing an
-integration never imports its upstream: sites land through post-import hooks.
+Each module declares one :class:`patches._registry.Integration` (``layouts`` registers the
+upstream models' vocabulary row layouts with :mod:`patches.vocab_rows` instead). Importing
+an integration never imports its upstream: sites land through post-import hooks.
 """
 
-from . import accelerate, coqui_trainer, xtts_dataset, xtts_gpt, xtts_language  # noqa: F401
+from . import accelerate, coqui_trainer, layouts, xtts_dataset, xtts_gpt, xtts_language  # noqa: F401

@@ -22,11 +22,12 @@ import functools
 import os
 from typing import Any, Callable, Sequence
 
-from .. import _options
+from .. import _options, languages
 from .._log import logger
 from .._registry import Integration, Site, is_enabled, register_integration
 from ..checkpoint import load_checkpoint, warn_weights_only
-from ..vocab_freeze import freeze_base_vocab
+from ..vocab_freeze import TAG, VocabFreezeError, freeze_base_vocab
+from ..vocab_rows import describe_rows, frozen_rows, row_layout
 from .coqui_checkpoint import is_local, local_path
 
 NAME = "xtts_gpt"
@@ -122,10 +123,10 @@ def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
     its code or a registered alias), the model's start/stop token ids against the
     tokenizer's, the rows against the ids, and a frozen row that would keep a base row for
     another token (a [START] dropped or moved into the new range). Empty when all agree."""
-    from .. import languages
-    from ..tokenizer.errors import TokenizerToolError
-    from ..tokenizer.verify import FAIL, open_tokenizer
-    from ..vocab_freeze import _describe, frozen_rows, row_layout
+    # The tokenizer tools (~9 ms) are no part of `import patches` (patches/tokenizer/__init__):
+    # they load when a freeze is checked.
+    from ..tokenizer.errors import TokenizerToolError  # lazy: heavy (the tokenizer tools)
+    from ..tokenizer.verify import FAIL, open_tokenizer  # lazy: heavy (the tokenizer tools)
 
     try:
         tok = open_tokenizer(tokenizer_file)
@@ -157,7 +158,7 @@ def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
     layout = row_layout(gpt, rows)
     frozen = frozen_rows(rows, layout.base_rows(base_tokens), start_row_last=layout.last_row_kept)
     start, last_base = tok.vocab.get("[START]"), base_tokens - 1
-    kept = f"rows {_describe(frozen)} are frozen at the base model's rows"
+    kept = f"rows {describe_rows(frozen)} are frozen at the base model's rows"
     if start is None:
         problems.append(
             f"{kept}, so row {last_base} ({names.get(last_base, 'no token')}) keeps the base "
@@ -174,8 +175,6 @@ def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
 def check_vocab_layout(gpt_trainer: Any, base_tokens: int) -> list[str]:
     """Check the GPTTrainer's tokenizer and model before its base rows are frozen: each
     problem is a WARNING (one paragraph), an error under ``TRAINING_PATCHES_STRICT=1``."""
-    from ..vocab_freeze import TAG, VocabFreezeError
-
     path = getattr(getattr(gpt_trainer, "args", None), "tokenizer_file", "") or ""
     gpt = getattr(getattr(gpt_trainer, "xtts", None), "gpt", None)
     if not path or gpt is None or not hasattr(gpt, "text_embedding"):

@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..vocab_rows import frozen_rows, new_rows
 from .bpe import START, UNK, load_vocab_json, xtts_text
 from .errors import FrontEndError, TokenizerToolError
+from .spm import load_model_proto
+from .text import read_lines
 
 OK, WARN, FAIL = "ok  ", "warn", "FAIL"
 
@@ -52,7 +55,7 @@ class _Xtts:
     extra_rows = 0  # XTTS's text embedding has one row per id (max id + 1)
 
     def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: optional dependency tokenizers
 
         self.data = load_vocab_json(path)
         self.tok = Tokenizer.from_file(str(path))
@@ -84,8 +87,6 @@ class _Xtts:
         return bool(ids) and self.unk not in ids
 
     def new_ids(self, base_size: int) -> range:
-        from ..vocab_freeze import new_rows
-
         return new_rows(self.size, base_size, start_row_last=self.start_last)
 
     def base_ids_kept(self, base_path: Path) -> tuple[int, list[str]]:
@@ -127,9 +128,7 @@ class _Spm:
     extra_rows = 1
 
     def __init__(self, path: Path) -> None:
-        import sentencepiece as spm
-
-        from .spm import load_model_proto
+        import sentencepiece as spm  # lazy: optional dependency sentencepiece
 
         self.proto = load_model_proto(path)
         self.sp = spm.SentencePieceProcessor(model_file=str(path))
@@ -161,7 +160,8 @@ class _Spm:
         return base.size, moved
 
     def special_findings(self, language: str | None) -> list[Finding]:
-        from sentencepiece import sentencepiece_model_pb2 as pb
+        from sentencepiece import (  # lazy: optional dependency sentencepiece
+            sentencepiece_model_pb2 as pb)
 
         kinds = pb.ModelProto.SentencePiece
         special = [(i, p.piece) for i, p in enumerate(self.proto.pieces)
@@ -245,8 +245,7 @@ def _text_findings(tok: Any, lines: Sequence[str], source: str, language: str | 
 
 
 def _checkpoint_findings(tok: Any, path: Path, base_size: int | None) -> list[Finding]:
-    from ..checkpoint import read_checkpoint
-    from ..vocab_freeze import frozen_rows
+    from ..checkpoint import read_checkpoint  # lazy: heavy (torch), only for --checkpoint
 
     ckpt = read_checkpoint(path)
     state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else {}
@@ -310,8 +309,6 @@ def verify(tokenizer: str | os.PathLike[str], *, base: str | os.PathLike[str] | 
            checkpoint: str | os.PathLike[str] | None = None,
            max_unk_rate: float = 0.0) -> list[Finding]:
     """Every finding about ``tokenizer`` (see the module docstring)."""
-    from .text import read_lines
-
     path = Path(tokenizer)
     tok = open_tokenizer(path)
     found = [Finding(OK, "tokenizer", f"{tok.kind}, {tok.size} tokens ({path})")]

@@ -1,0 +1,89 @@
+"""The text-vocabulary row layouts of upstream models, registered with
+:mod:`patches.vocab_rows` (which the freeze, the checkpoint loader and the tokenizer
+check read): what is specific to XTTS and IndexTTS about which rows are base rows.
+
+- XTTS, ``[START]`` last (:data:`XTTS_START_LAST`): coqui's ``GPTTrainer`` grows a
+  ``gpt_checkpoint`` by moving the old LAST row to the new last row, on the assumption
+  that it is the start-text token ``[START]`` (read in ``GPTTrainer.__init__``,
+  ``TTS/tts/layers/xtts/trainer/gpt_trainer.py`` of coqui-tts 0.28.0); the checkpoint
+  loader does the same move. When the owning ``GPT``'s ``start_text_token`` is the last
+  row (the layout in which that move is right), the base rows are ``0 .. base-2`` plus
+  the last row and the new rows ``base-1 .. vocab-2``: the ``[START]`` row is pretrained
+  and every training sequence begins with it, so it is frozen with the other base rows.
+  An XTTS vocabulary whose ``[START]`` is not last is plain (base rows ``0 .. base-1``).
+- IndexTTS, +1 slot (:data:`INDEXTTS_SLOT`): ``UnifiedVoice`` builds its text embedding
+  and head with ``number_text_tokens * types + 1`` rows (the shape the IndexTTS2 client
+  stand-in ``tests/clients/indextts/indextts/unified_voice.py`` reproduces), the last
+  one a slot that is no token of its SentencePiece tokenizer; the slot is kept last and
+  frozen, and a base of N tokens is N + 1 rows.
+
+The owners are looked for at ``.gpt`` (coqui ``Xtts``), ``.xtts.gpt`` (``GPTTrainer``)
+and ``.model.gpt`` (a wrapper's ``Xtts``), besides the model itself and its ``.model``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch import nn
+
+from ..vocab_rows import RowLayout, register_layout, register_owner_paths
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def start_row_is_last(owner: nn.Module | None, vocab_size: int) -> bool:
+    """True when ``owner`` (the module holding the text embedding) is XTTS-like and its
+    ``start_text_token`` is the last row: the layout coqui's resize assumes."""
+    start = getattr(owner, "start_text_token", None) if owner is not None else None
+    return _whole(start) and start == vocab_size - 1
+
+
+def has_slot_row(owner: nn.Module | None, rows: int) -> bool:
+    """True for the IndexTTS ``UnifiedVoice`` layout: ``number_text_tokens * types + 1``
+    rows, the last one an extra slot that is no token of the tokenizer."""
+    tokens = getattr(owner, "number_text_tokens", None) if owner is not None else None
+    types = getattr(owner, "types", 1) if owner is not None else 1
+    return _whole(tokens) and _whole(types) and rows == tokens * types + 1 and \
+        not start_row_is_last(owner, rows)
+
+
+def _coqui_start_was_last(ckpt: Mapping[str, Any]) -> bool | None:
+    """A coqui XTTS checkpoint's config, when it records them, says whether the OLD
+    vocabulary's ``[START]`` was its last id (``gpt_start_text_token`` and
+    ``gpt_number_text_tokens`` of ``model_args``)."""
+    config = ckpt.get("config")
+    args = config.get("model_args") if isinstance(config, Mapping) else None
+    old_start = args.get("gpt_start_text_token") if isinstance(args, Mapping) else None
+    old_rows = args.get("gpt_number_text_tokens") if isinstance(args, Mapping) else None
+    if isinstance(old_start, int) and isinstance(old_rows, int):
+        return old_start == old_rows - 1
+    return None
+
+
+XTTS_START_LAST = RowLayout("xtts, [START] last", last_row_kept=True,
+                            checkpoint_last_row_kept=_coqui_start_was_last)
+INDEXTTS_SLOT = RowLayout("indextts, +1 slot last", last_row_kept=True, extra_rows=1)
+
+
+@register_layout
+def xtts_layout(owner: nn.Module | None, rows: int) -> RowLayout | None:
+    """:data:`XTTS_START_LAST` when ``owner``'s ``start_text_token`` is its last row."""
+    return XTTS_START_LAST if start_row_is_last(owner, rows) else None
+
+
+@register_layout
+def indextts_layout(owner: nn.Module | None, rows: int) -> RowLayout | None:
+    """:data:`INDEXTTS_SLOT` for ``number_text_tokens * types + 1`` rows."""
+    return INDEXTTS_SLOT if has_slot_row(owner, rows) else None
+
+
+# Tried in this order: the model itself, .gpt, .xtts.gpt, .model (generic), .model.gpt.
+register_owner_paths("gpt", "xtts.gpt", before="model",
+                     models=("XTTS GPTTrainer", "XTTS GPT", "IndexTTS-style UnifiedVoice"))
+register_owner_paths("model.gpt")
+
+__all__ = ["INDEXTTS_SLOT", "XTTS_START_LAST", "has_slot_row", "indextts_layout",
+           "start_row_is_last", "xtts_layout"]

@@ -1,0 +1,149 @@
+"""The rows of a text vocabulary: which rows belong to the base vocabulary (frozen, kept
+when it grows) and which are new, for every layout a model may have.
+
+Generic: this module knows no model. A layout (a model whose last row stays last when
+the vocabulary grows, or whose embedding has rows that are no token) is registered by
+the layer above with :func:`register_layout` (the upstream ones live in
+:mod:`patches.integrations.layouts`); a model no registered layout claims is
+:data:`PLAIN`: one row per token, new rows appended. Likewise the paths at which a
+model's ``text_embedding``/``text_head`` owner is looked for: the model itself and its
+``.model`` (a generic wrapper), and the paths registered with
+:func:`register_owner_paths`, each where its registration puts it.
+
+Used by :mod:`patches.vocab_freeze` (the freeze), :mod:`patches.checkpoint` (the loader's
+growth) and :mod:`patches.tokenizer.verify` (the rows a tokenizer check reports); it
+imports nothing of the package, and not torch, so the tokenizer tools stay light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class VocabFreezeError(ValueError):
+    """The base vocabulary cannot be frozen as asked (size or model not as expected)."""
+
+
+# -- the rule ----------------------------------------------------------------
+
+
+def frozen_rows(vocab_size: int, base_vocab_size: int, *,
+                start_row_last: bool = False) -> tuple[range, ...]:
+    """The row ranges that belong to the base vocabulary (to freeze).
+
+    ``vocab_size`` and ``base_vocab_size`` count rows of the text embedding. With
+    ``start_row_last`` (a layout whose base vocabulary's last row stays last when it
+    grows, see :class:`RowLayout`) that row lives in the grown tensor's last row: the
+    base rows are ``range(0, base-1)`` and ``range(vocab-1, vocab)``.
+    """
+    if base_vocab_size < 1 or base_vocab_size > vocab_size:
+        raise VocabFreezeError(
+            f"training-patches vocab_freeze: the base vocabulary size is {base_vocab_size}, but "
+            f"the model's text embedding has {vocab_size} rows. Expected a base size between 1 "
+            f"and {vocab_size} (the number of tokens of the ORIGINAL tokenizer, e.g. 12000 for a "
+            f"12k base extended to 24k). Check TRAINING_PATCHES_BASE_VOCAB (or the "
+            f"base_vocab_size you passed) and that the model was built with the extended "
+            f"tokenizer.")
+    if start_row_last and base_vocab_size < vocab_size:
+        return (range(0, base_vocab_size - 1), range(vocab_size - 1, vocab_size))
+    return (range(0, base_vocab_size),)
+
+
+def new_rows(vocab_size: int, base_vocab_size: int, *, start_row_last: bool = False) -> range:
+    """The rows that train (the complement of :func:`frozen_rows`, always one range)."""
+    frozen_rows(vocab_size, base_vocab_size, start_row_last=start_row_last)  # validates
+    if start_row_last and base_vocab_size < vocab_size:
+        return range(base_vocab_size - 1, vocab_size - 1)
+    return range(base_vocab_size, vocab_size)
+
+
+def describe_rows(rows: Sequence[range]) -> str:
+    """Row ranges as log lines write them: ``0-72, 81`` (empty ranges left out)."""
+    return ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
+                     for r in rows if len(r))
+
+
+# -- layouts -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How the rows of a text embedding map to tokens.
+
+    ``last_row_kept``: the last row belongs to the base model and stays last when the
+    vocabulary grows (a start token kept at the last id; an extra slot row).
+    ``extra_rows``: rows that are no token of the tokenizer, so a base of N tokens is
+    N + extra_rows rows. ``checkpoint_last_row_kept``: for a layout with
+    ``last_row_kept``, reads from a checkpoint (the dict as saved) whether the OLD
+    vocabulary had that row last too; None where the checkpoint does not record it.
+    """
+
+    name: str
+    last_row_kept: bool = False
+    extra_rows: int = 0
+    checkpoint_last_row_kept: Callable[[Mapping[str, Any]], bool | None] | None = field(
+        default=None, compare=False, repr=False)
+
+    def base_rows(self, base_tokens: int) -> int:
+        return base_tokens + self.extra_rows
+
+
+PLAIN = RowLayout("plain")
+
+# detect(owner, rows) -> the owner's layout, or None when it is not one the detector knows
+Detect = Callable[["nn.Module | None", int], "RowLayout | None"]
+_layouts: list[Detect] = []
+# The model itself and a generic wrapper's model; the layer above adds the paths its
+# models keep their text embedding at.
+_owner_paths: list[str] = ["", "model"]
+_owner_models: list[str] = []
+
+
+def register_layout(detect: Detect) -> Detect:
+    """Add a layout detector: ``detect(owner, rows)`` returns the :class:`RowLayout` of
+    ``owner`` (the module holding ``text_embedding``/``text_head``, or None) for an
+    embedding of ``rows`` rows, or None. The first detector that answers wins; none:
+    :data:`PLAIN`. Registering the same function again changes nothing."""
+    if detect not in _layouts:
+        _layouts.append(detect)
+    return detect
+
+
+def row_layout(owner: nn.Module | None, rows: int) -> RowLayout:
+    """The :class:`RowLayout` of the module that owns ``text_embedding``/``text_head``."""
+    for detect in _layouts:
+        layout = detect(owner, rows)
+        if layout is not None:
+            return layout
+    return PLAIN
+
+
+def register_owner_paths(*paths: str, models: Sequence[str] = (),
+                         before: str | None = None) -> None:
+    """Add submodule paths (``"gpt"``, ``"a.b"``) at which a model keeps the module owning
+    ``text_embedding``/``text_head``, tried in order: at the end, or just before the path
+    ``before`` (the first owner found wins, so the order decides between two), and the
+    names of the models they are for (error messages list them)."""
+    new = [path for path in dict.fromkeys(paths) if path not in _owner_paths]
+    at = _owner_paths.index(before) if before in _owner_paths else len(_owner_paths)
+    _owner_paths[at:at] = new
+    _owner_models.extend(name for name in models if name not in _owner_models)
+
+
+def owner_paths() -> tuple[str, ...]:
+    """The paths tried, in order, for the owner of the text embedding ("" is the model)."""
+    return tuple(_owner_paths)
+
+
+def owner_models() -> tuple[str, ...]:
+    """The names of the models whose owner paths were registered."""
+    return tuple(_owner_models)
+
+
+__all__ = ["PLAIN", "RowLayout", "VocabFreezeError", "describe_rows", "frozen_rows", "new_rows",
+           "owner_models", "owner_paths", "register_layout", "register_owner_paths",
+           "row_layout"]
