@@ -1,9 +1,10 @@
 """``vocab_freeze``: keep the base rows of an extended text vocabulary bit-identical.
 
 :func:`freeze_base_vocab` (a :class:`VocabFreeze` handle) zeroes the base rows' gradients
-and copies the rows back after every optimizer step, for any optimizer; :func:`frozen_rows`,
-:func:`new_rows` and :func:`start_row_is_last` say which rows are base (XTTS's ``[START]``
-kept last). ``TRAINING_PATCHES_BASE_VOCAB`` turns it on without code changes. Also public:
+and copies the rows back after every optimizer step, for any optimizer; :func:`frozen_rows`
+and :func:`new_rows` (from :mod:`patches.vocab_rows`, with the row layouts the integrations
+register: XTTS's ``[START]`` kept last) say which rows are base.
+``TRAINING_PATCHES_BASE_VOCAB`` turns it on without code changes. Also public:
 :class:`VocabFreezeError`, :func:`freeze_of`, :func:`live_freezes`, ``SPEC``.
 
 Design: docs/design/vocab_freeze.md
