@@ -25,6 +25,8 @@ import threading
 from types import ModuleType
 from typing import Any, Callable
 
+import wrapt
+
 Hook = Callable[[ModuleType], None]
 
 _lock = threading.RLock()
@@ -44,8 +46,6 @@ def _ended(spec: Any, base: type) -> None:
     """The import of ``spec.name`` has ended: hand its hooks to wrapt, which runs them now on
     what ``sys.modules`` holds (the module, or what its body put there in its place), or,
     when the import failed and the name is gone, at the next import of the name."""
-    import wrapt
-
     with _lock:
         object.__setattr__(spec, "__class__", base)
         hooks = _waiting.pop(spec.name, [])
@@ -81,6 +81,4 @@ def when_imported(hook: Hook, name: str) -> None:
             if not isinstance(spec, tuple(_watching_classes.values())):
                 object.__setattr__(spec, "__class__", _watching_class(type(spec)))
             return
-    import wrapt
-
     wrapt.register_post_import_hook(hook, name)

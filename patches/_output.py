@@ -29,12 +29,15 @@ import argparse
 import contextlib
 import errno
 import json
+import math
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
+
+from ._run import strict_json
 
 
 STDOUT = "-"  # --json -: the JSON object on stdout
@@ -126,8 +129,6 @@ def check_output(path: str | os.PathLike[str], *, prog: str, what: str, force: b
 def json_text(value: Any) -> str:
     """``value`` as indented strict JSON (see the module docstring), newline-terminated;
     objects JSON lacks (paths, ...) become strings."""
-    from ._run import strict_json
-
     return json.dumps(strict_json(value), ensure_ascii=False, indent=1, allow_nan=False,
                       default=str) + "\n"
 
@@ -231,8 +232,6 @@ def number(kind: type = float, *, low: float | None = None, high: float | None =
     """An argparse ``type`` for a numeric option: a finite ``kind`` (``nan`` and ``inf``
     refused), at least ``low``, above ``above``, at most ``high``. The error names the range
     (argparse prints it with the option's name and exits 2)."""
-    import math
-
     parts = [f"at least {low:g}" if low is not None else "",
              f"greater than {above:g}" if above is not None else "",
              f"at most {high:g}" if high is not None else ""]

@@ -14,6 +14,7 @@ wrote it, and which run (``run_id``: :func:`run_id`). Records are strict JSON: a
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -21,6 +22,8 @@ import socket
 import threading
 import time
 from typing import Any, Callable, Iterator
+
+import torch
 
 from . import _dist, _options
 
@@ -236,10 +239,6 @@ def live_modules() -> Iterator[Any]:
     ``TRAINING_PATCHES_BASE_VOCAB``), never per step, where a global module hook would cost
     a call on every forward of every module.
     """
-    import gc
-
-    import torch
-
     for obj in gc.get_objects():
         # type(), not isinstance(): the latter asks __class__ of lazy deprecated proxies
         if issubclass(type(obj), torch.nn.Module):

@@ -68,7 +68,7 @@ def _append_once(path: Path, key: str, entry: dict[str, Any]) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+", encoding="utf-8") as handle:
         try:
-            import fcntl
+            import fcntl  # lazy: optional, POSIX only (ImportError caught)
             fcntl.flock(handle, fcntl.LOCK_EX)  # workers append to one file
         except (ImportError, OSError):
             pass

@@ -60,7 +60,7 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     communication), else ``full_tensor()`` (e.g. a partial norm); a plain tensor as it is."""
     if not _dist.is_dtensor(tensor):
         return tensor
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate  # lazy: heavy module, only for a DTensor
     if all(isinstance(placement, Replicate) for placement in tensor.placements):
         return tensor.to_local()
     return tensor.full_tensor()

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
+import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 
 from . import _options, _run
@@ -470,8 +471,6 @@ def sharded_scaler_class(original: type) -> type:
     made = _sharded_classes.get(id(original))
     if made is not None:
         return made
-    import torch.distributed as dist
-
     class SafeShardedGradScaler(SafeGradScaler, original):  # type: ignore[misc, valid-type]
         __doc__ = (f"SafeGradScaler's defaults, counters and floor on "
                    f"{original.__module__}.{original.__qualname__}.")

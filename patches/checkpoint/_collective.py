@@ -13,6 +13,7 @@ import io
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from .. import _dist
 from . import errors
@@ -22,15 +23,11 @@ _GROUP: Any = None
 
 def active() -> bool:
     """Whether a process group of more than one rank is up (collective checkpoints)."""
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _group() -> Any:
     global _GROUP
-    import torch.distributed as dist
-
     if dist.get_backend() == "gloo":
         return None
     if _GROUP is None:  # every rank reaches this together (inside a collective call)
@@ -102,8 +99,6 @@ def _as_agreed(failure: BaseException) -> BaseException:
 
 def all_gather(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
-    import torch.distributed as dist
-
     out: list[Any] = [None] * dist.get_world_size()
     _collective_call(lambda: dist.all_gather_object(out, obj, group=_group()))
     return out
@@ -135,8 +130,6 @@ def gather_checked(fn: Callable[[], Any]) -> list[Any]:
 
 def on_writer(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on global rank 0 only; every rank returns its result or raises its error."""
-    import torch.distributed as dist
-
     failure: BaseException | None = None
     outcome: Any = None
     if _dist.rank() == 0:

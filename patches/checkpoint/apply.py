@@ -41,9 +41,9 @@ def apply(plan: LoadPlan, model: torch.nn.Module, report: LoadReport) -> list[st
             restore_rng_state(plan.rng)
             report.rng_restored = True
         if plan.runtime is not None:
-            # lazy: _api sits above this package (it imports every runtime patch), and only
-            # a restore of the runtime counters needs it
-            from .. import _api
+            # _api imports every runtime patch; imported from this package it would load (and
+            # register) oom_guard before checkpoint, reordering specs() and status()
+            from .. import _api  # lazy: import order of the patches (see above)
 
             undo.append(lambda s=_api.runtime_state(): _api.load_runtime_state(s))
             _api.load_runtime_state(plan.runtime)

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import _dist, _run
+from .. import __version__, _dist, _run
 from .._log import info
 from . import _collective
 from .reading import (FORMAT, MANIFEST_SUFFIX, Manifest, _sha256, _what_to_do, check_file,
@@ -152,7 +152,7 @@ class CheckpointManager:
     def _write(self, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                scaler: Any, extra: dict[str, Any], rng_ranks: list[Any] | None) -> Path:
         """One process writes the file, its manifest, ``latest``; then prunes."""
-        from .. import __version__, _api
+        from .. import _api  # lazy: import order of the patches (see checkpoint.apply)
 
         model_state = model.state_dict()
         optimizer_states = [o.state_dict() for o in _as_list(optimizer)]

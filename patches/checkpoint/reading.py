@@ -9,6 +9,7 @@ checkpoint beside the file, and the NaN/Inf scan of tensors."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -241,8 +242,6 @@ def _safetensors_check(path: Path, size: int) -> tuple[bool, str | None]:
 
 
 def _safetensors_installed() -> bool:
-    import importlib.util
-
     try:
         return importlib.util.find_spec("safetensors") is not None
     except (ImportError, ValueError):
@@ -491,7 +490,7 @@ def _numpy_data_globals() -> list[Any]:
     of the file's choosing; anything else still needs code and is refused.
     """
     try:
-        import numpy as np
+        import numpy as np  # lazy: numpy is optional (ImportError handled)
     except ImportError:
         return []
     core = getattr(np, "_core", None) or np.core
@@ -561,7 +560,7 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
 
 def _read_safetensors(path: Path) -> dict[str, Any]:
     """The tensors of a safetensors file (a bare state dict); reading it runs no code."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: safetensors is optional
 
     try:
         loaded = load_file(str(path), device="cpu")

@@ -18,7 +18,7 @@ def capture_rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
-        import numpy as np
+        import numpy as np  # lazy: numpy is optional (ImportError handled)
     except ImportError:  # numpy is optional for the library
         return state
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -48,7 +48,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     if "python" in state:
         random.setstate(_to_tuple(state["python"]))
     if "numpy" in state:
-        import numpy as np
+        import numpy as np  # lazy: numpy is optional, only for a state holding numpy's
 
         saved = state["numpy"]
         if isinstance(saved, (tuple, list)):  # a trainer's own np.random.get_state()

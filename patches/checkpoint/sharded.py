@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .. import _dist
+from .. import __version__, _dist
 from .._log import info
 from . import _collective
 from .reading import iter_tensors, nonfinite_flags
@@ -214,7 +214,7 @@ def _dcp_call(what: str, folder: Path, call: Callable[[], Any]) -> Any:
 
     DCP's ``CheckpointException`` derives from BaseException and holds every failing
     rank's exception; it is said once, by its lowest failing rank."""
-    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.api import CheckpointException  # lazy: heavy (DCP)
 
     try:
         return call()
@@ -244,7 +244,8 @@ def _own_files(folder: Path, rank: int) -> list[str]:
 
 
 def _state_dicts(model: torch.nn.Module, optimizers: list[Any]) -> tuple[dict, dict | None]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (  # lazy: heavy, only for sharded saves
+        get_model_state_dict, get_state_dict)
 
     if optimizers:
         return get_state_dict(model, optimizers)
@@ -255,9 +256,9 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
                  scheduler: Any, scaler: Any, extra: dict[str, Any]) -> Path:
     """Every rank writes its shards of ``step`` into ``manager.folder_for(step)``; rank 0
     writes the manifest and then the commit marker; every rank returns the folder."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: heavy, only for sharded saves
 
-    from .. import __version__, _api
+    from .. import _api  # lazy: import order of the patches (see checkpoint.apply)
 
     folder = manager.folder_for(step)
     optimizers = _as_list(optimizer)
@@ -357,8 +358,9 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
                  scaler: Any, *, policy: str, restore_rng: bool | None, verify_hash: bool,
                  allow_nonfinite: bool) -> Any:
     """Load a sharded checkpoint folder into ``model`` (FSDP2 or plain; any world size)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp  # lazy: heavy, only for sharded loads
+    from torch.distributed.checkpoint.state_dict import (  # lazy: heavy, only for sharded loads
+        set_model_state_dict, set_state_dict)
 
     problem = _on_writer(lambda: check_folder(path, verify_hash=verify_hash))
     if problem is not None:
@@ -438,7 +440,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
                 report.restored.append("scaler")
             runtime = _runtime_state(meta.get("training_patches"))
             if runtime is not None:
-                from .. import _api
+                from .. import _api  # lazy: import order of the patches (see checkpoint.apply)
 
                 _api.load_runtime_state(runtime)
                 report.runtime_state_restored = True

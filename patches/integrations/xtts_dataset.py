@@ -37,6 +37,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import _options
 from .._log import logger
 from .._registry import Integration, Site, is_enabled, register_integration
@@ -155,8 +157,6 @@ def _size_problem(dataset: Any, wav: Any, tseq: Any) -> tuple[str, str] | None:
 # -- the dataset --------------------------------------------------------------
 
 def _dataset_class(original: type) -> type:
-    import torch  # the dataset module imports torch already; keep ours import-free
-
     class GuardedXTTSDataset(original):  # type: ignore[misc,valid-type]
         __doc__ = (f"coqui's XTTSDataset with bounded retries and a report of dropped "
                    f"samples (training-patches {NAME}).")

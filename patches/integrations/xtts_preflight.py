@@ -21,6 +21,7 @@ calls them in its ``preflight()``; other XTTS trainers may call them too.
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import json
 import types
@@ -28,7 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import _options, languages
+from .._api import check_settings as validate_settings
+from ..checkpoint import CheckpointError, read_checkpoint
+from ..checkpoint.plan import align_keys, model_state
+from .xtts_language import LanguageTokenMissingError, _check_language_token, language_token_code
 
 MANIFEST_COLUMNS = ("audio_file", "text", "speaker_name")
 MAX_LISTED = 10  # missing audio files or bad rows named in one error
@@ -51,18 +58,14 @@ class ManifestSummary:
 
 def check_settings() -> _options.Options:
     """The ``TRAINING_PATCHES_*`` settings, validated as activation validates them."""
-    from .._api import check_settings as validate
-
     try:
-        return validate()
+        return validate_settings()
     except _options.ConfigError as exc:
         raise PreflightError(str(exc)) from None
 
 
 def check_coqui_installed() -> None:
     """coqui-tts (``TTS``) and coqui-tts-trainer (``trainer``) import."""
-    import importlib
-
     for module, dist in (("TTS", "coqui-tts"), ("trainer", "coqui-tts-trainer")):
         try:
             importlib.import_module(module)
@@ -278,7 +281,7 @@ def check_vocab(path: str | Path, language: str, *, flag: str = "--vocab",
             f"`tokenizers` format (keys 'model', 'added_tokens', ...) of the XTTS vocab.json. "
             f"Point {flag} at the base model's vocab.json, not at config.json or another file.")
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers is optional (the xtts extra)
 
         backend = Tokenizer.from_str(text)
     except Exception as exc:  # noqa: BLE001 - any parse failure is this one message
@@ -286,9 +289,6 @@ def check_vocab(path: str | Path, language: str, *, flag: str = "--vocab",
             f"training-patches: {flag} {path} is JSON but the `tokenizers` library cannot read "
             f"it as a tokenizer ({str(exc)[:200]}). Expected the vocab.json of the XTTS base "
             f"model or one extended from it with the tokenizers library.") from None
-    from .xtts_language import LanguageTokenMissingError, _check_language_token, \
-        language_token_code
-
     if not require_language:
         return int(backend.get_vocab_size(with_added_tokens=True))
     shim = types.SimpleNamespace(tokenizer=backend)  # what the checks read of coqui's tokenizer
@@ -308,9 +308,6 @@ def check_vocab(path: str | Path, language: str, *, flag: str = "--vocab",
 def check_base_checkpoint(path: str | Path, *, flag: str = "--model") -> list[str]:
     """The base model.pth reads as a weights-only checkpoint holding a state dict (verified
     as :func:`patches.checkpoint.read_checkpoint` verifies); returns its weights' names."""
-    from ..checkpoint import CheckpointError, read_checkpoint
-    from ..checkpoint.plan import model_state
-
     path = Path(path)
     try:
         return list(model_state(read_checkpoint(path), path))
@@ -321,8 +318,6 @@ def check_base_checkpoint(path: str | Path, *, flag: str = "--model") -> list[st
 
 def check_torch_file(path: str | Path, what: str, *, flag: str) -> None:
     """dvae.pth / mel_stats.pth read with ``torch.load(weights_only=True)``."""
-    import torch
-
     path = Path(path)
     try:
         torch.load(path, map_location="cpu", weights_only=True, mmap=False)
@@ -344,8 +339,6 @@ def check_model_keys(path: str | Path, model: Any, *, keys: list[str] | None = N
     """Refuse a base checkpoint when most of ``model``'s weights are not in it (the wrong
     file: ``strict=False`` would load almost nothing and train from random weights);
     returns how many match. ``keys``: the checkpoint's names, if already read."""
-    from ..checkpoint.plan import align_keys
-
     path = Path(path)
     names = keys if keys is not None else check_base_checkpoint(path, flag=flag)
     wanted = list(model.state_dict())

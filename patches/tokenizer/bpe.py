@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .._log import logger
+from ..languages import base_code
 from .errors import TokenizerToolError
-from .text import words_of
+from .text import ENGLISH_SAMPLE, make_preprocess, read_lines, words_of, write_bytes_atomic
 
 START, UNK, STOP, SPACE = "[START]", "[UNK]", "[STOP]", "[SPACE]"
 # About 2,000 new BPE pieces per language worked best in community XTTS experiments
@@ -165,7 +167,7 @@ def _size(data: dict[str, Any]) -> int:
 
 
 def _tokenizer(data: dict[str, Any]) -> Any:
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # lazy: tokenizers is optional (the tools/xtts extra)
 
     return Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
 
@@ -190,7 +192,7 @@ def _learn(base: Any, words: Sequence[str], new_pieces: int, min_frequency: int,
            model: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
     """Train a BPE on ``words`` with the base's normalizer and pre-tokenizer; return its
     alphabet and its merges in rank order."""
-    from tokenizers import Tokenizer, models, trainers
+    from tokenizers import Tokenizer, models, trainers  # lazy: tokenizers is optional
 
     kwargs: dict[str, Any] = {key: model[key] for key in ("continuing_subword_prefix",
                                                           "end_of_word_suffix") if model.get(key)}
@@ -357,8 +359,6 @@ def extend_vocab_file(base: str | os.PathLike[str], texts: Sequence[str],
     atomically (through ``write(path, bytes)`` when given). Raises
     :class:`TokenizerToolError` (nothing written) when base text would encode otherwise
     or a corpus character stays uncovered."""
-    from .text import write_bytes_atomic
-
     data = load_vocab_json(base)
     extended, ext = extend_bpe(data, texts, language=language, new_pieces=new_pieces,
                                min_frequency=min_frequency)
@@ -376,8 +376,6 @@ def check_before_writing(ext: Extension, base: str | os.PathLike[str],
     """Record the files and the base-text check (``check(lines, source)``) in ``ext``;
     raise :class:`TokenizerToolError` (so nothing is written) when any check failed.
     Shared by the vocab.json and the SentencePiece extension."""
-    from .text import ENGLISH_SAMPLE
-
     ext.base_file, ext.out_file = str(base), str(out)
     ext.base_check = check(
         list(base_text or ENGLISH_SAMPLE),
@@ -405,11 +403,6 @@ def extend_for_run(base: str | os.PathLike[str], corpus: str | os.PathLike[str],
     touched). A run that resumes finds it there: it is reused when extending again gives
     the same bytes, and refused (nothing changed) when it differs, because the checkpoint
     was trained with the one on disk. Returns (path, what was done, reused)."""
-    import logging
-
-    from ..languages import base_code
-    from .text import make_preprocess, read_lines, write_bytes_atomic
-
     code = base_code(language)
     out = Path(output_dir) / f"vocab_{code}.json"
     if out.resolve() == Path(base).resolve():
@@ -422,7 +415,6 @@ def extend_for_run(base: str | os.PathLike[str], corpus: str | os.PathLike[str],
     made: list[bytes] = []
     ext = extend_vocab_file(base, texts, out, language=code, new_pieces=new_pieces,
                             write=lambda _path, data: made.append(data))
-    logger = logging.getLogger("training_patches")
     if out.exists():
         if out.read_bytes() != made[0]:
             raise TokenizerToolError(

@@ -19,16 +19,17 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import sentencepiece as spm
+from google.protobuf.message import DecodeError
+from sentencepiece import sentencepiece_model_pb2 as pb
+
 from .bpe import DEFAULT_NEW_PIECES, BaseCheck, Extension, check_before_writing
 from .errors import TokenizerToolError
+from .text import words_of, write_bytes_atomic
 
 
 def load_model_proto(path: str | os.PathLike[str]) -> Any:
     """The parsed ``ModelProto`` of ``path``, checked to load in ``sentencepiece``."""
-    import sentencepiece as spm
-    from google.protobuf.message import DecodeError
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     path = Path(path)
     if not path.is_file():
         raise TokenizerToolError(
@@ -51,16 +52,11 @@ def load_model_proto(path: str | os.PathLike[str]) -> Any:
 
 
 def _processor(proto: Any) -> Any:
-    import sentencepiece as spm
-
     return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
 
 
 def _learn(base: Any, texts: Sequence[str], size: int) -> Any:
     """A SentencePiece model learned on ``texts`` with the base's type and normalization."""
-    import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     types = {pb.TrainerSpec.BPE: "bpe", pb.TrainerSpec.UNIGRAM: "unigram"}
     model_type = types.get(base.trainer_spec.model_type)
     if model_type is None:
@@ -87,8 +83,6 @@ def _learn(base: Any, texts: Sequence[str], size: int) -> Any:
 def extend_spm(base: Any, texts: Sequence[str], *, new_pieces: int = DEFAULT_NEW_PIECES
                ) -> tuple[Any, Extension]:
     """``base`` (a ``ModelProto``) with pieces learned from ``texts`` appended."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     if new_pieces < 0:
         raise TokenizerToolError(f"--new-pieces is {new_pieces}; expected 0 or more.")
     proto = pb.ModelProto()
@@ -142,8 +136,6 @@ def extend_spm(base: Any, texts: Sequence[str], *, new_pieces: int = DEFAULT_NEW
 def base_text_check(base: Any, extended: Any, lines: Sequence[str], source: str) -> BaseCheck:
     """Encode the base-language ``lines`` word by word with both models; compare the ids
     (a word the base maps to ``<unk>`` is counted, not compared)."""
-    from .text import words_of
-
     old, new = _processor(base), _processor(extended)
     pieces = identical = were_unknown = 0
     changed = []
@@ -164,8 +156,6 @@ def extend_model_file(base: str | os.PathLike[str], texts: Sequence[str],
                       base_text: Sequence[str] | None = None, base_text_source: str = "",
                       write: Callable[[Path, bytes], Any] | None = None) -> Extension:
     """Extend the SentencePiece model ``base`` with ``texts`` and write ``out`` atomically."""
-    from .text import write_bytes_atomic
-
     proto = load_model_proto(base)
     extended, ext = extend_spm(proto, texts, new_pieces=new_pieces)
     check_before_writing(ext, base, out, lambda lines, source: base_text_check(

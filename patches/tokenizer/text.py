@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from .. import _output
+from .._output import OutputRefused, same_file, write_file
+from ..languages import COQUI_LANGUAGES, base_code, get_language
 from .errors import FrontEndError, TokenizerToolError
 
 # Base-language text checked when no --base-text is given: everyday English with
@@ -164,15 +167,13 @@ def _takes_language(func: Callable[..., str]) -> bool:
 def language_cleaner(language: str) -> Callable[[str], str]:
     """The cleaner the XTTS tokenizer applies for ``language``: a registered language's own
     (with the ``xtts_language`` patch), else coqui-tts's for the languages it knows."""
-    from ..languages import COQUI_LANGUAGES, base_code, get_language
-
     registered = get_language(language)
     if registered is not None:
         return registered.cleaner
     code = base_code(language)
     if code in COQUI_LANGUAGES:
         try:
-            from TTS.tts.layers.xtts.tokenizer import VoiceBpeTokenizer
+            from TTS.tts.layers.xtts.tokenizer import VoiceBpeTokenizer  # lazy: TTS is optional
         except ImportError:
             raise TokenizerToolError(
                 f"--language {language}: its cleaner is coqui-tts's, and coqui-tts is not "
@@ -237,16 +238,14 @@ def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
         raise TokenizerToolError(
             f"no output file given. Pass --output FILE (e.g. {src.with_name(src.stem + suffix + src.suffix)}); "
             f"the input {src} is only overwritten with --in-place.")
-    from .._output import OutputRefused, check_output, same_file
-
     if same_file(out, src):  # a link to it too
         raise TokenizerToolError(
             f"--output {out} is the input tokenizer itself. The input is never overwritten "
             f"unless you pass --in-place; name another output file.")
     example = src.with_name(src.stem + suffix + src.suffix)
     try:  # the rule every command follows (patches/_output.py)
-        check_output(out, prog="training-patches extend-tokenizer", what="--output",
-                     force=force, inputs=inputs, example=str(example))
+        _output.check_output(out, prog="training-patches extend-tokenizer", what="--output",
+                             force=force, inputs=inputs, example=str(example))
     except OutputRefused as exc:
         raise TokenizerToolError(str(exc).split(": ", 1)[1]) from None
     return out
@@ -256,8 +255,6 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
     """``path`` complete or untouched, replaced if there: a fsynced temporary file in the
     same folder, then ``os.replace``; its mode follows the umask
     (:func:`patches._output.write_file`)."""
-    from .._output import write_file
-
     return write_file(path, data, replace=True)
 
 

@@ -25,6 +25,9 @@ import signal
 import sys
 from typing import NoReturn, Sequence
 
+from .. import __version__
+from .._output import Interrupted, stop_on_signals
+
 # Each subcommand lives in its own module, which has ``register(sub)``: it adds its parser
 # with ``set_defaults(handler=...)``; a handler takes the parsed args and returns the exit
 # code. Only the module of the command being run is imported (the others get a bare parser
@@ -59,8 +62,6 @@ def command_of(argv: Sequence[str]) -> str | None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``training-patches`` parser: every subcommand in full, or with ``command`` only
     that one (the others by name, so a mistyped name is still told apart)."""
-    from .. import __version__
-
     parser = Parser(prog="training-patches", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"training-patches {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,8 +75,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns its exit code (130/143 after Ctrl-C/SIGTERM)."""
-    from .._output import Interrupted, stop_on_signals
-
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(command_of(argv)).parse_args(argv)
     try:

@@ -12,6 +12,15 @@ import importlib.metadata
 import os
 import sys
 
+import torch
+
+import patches
+
+from .. import _registry
+from .._api import check_settings
+from .._options import OPTIONS, ConfigError, owner_text
+from .._output import STDOUT, OutputRefused, check_output, write_json
+
 OK, WARN, FAIL = "ok  ", "warn", "FAIL"
 PROG = "training-patches doctor"
 JSON_FORMAT = 1  # raised when a key changes meaning or goes away
@@ -28,9 +37,6 @@ def _upstream_check(dist: str, why: str) -> tuple[str, str, str] | None:
     """The check of a distribution an integration patches, read as the banner reads it: the
     version of the copy this process imports (a trainer's vendored ``TTS/`` included) and
     where that was read; WARN outside the integration's supported range."""
-    import patches  # noqa: F401 - registers the integrations
-    from .. import _registry
-
     for integ in _registry.integrations().values():
         if integ.distribution != dist or not integ.module:
             continue
@@ -46,8 +52,6 @@ def _upstream_check(dist: str, why: str) -> tuple[str, str, str] | None:
 
 def doctor_checks() -> list[tuple[str, str, str]]:
     """(status, what, detail) for each thing a fine-tune needs."""
-    import torch
-
     checks: list[tuple[str, str, str]] = []
     checks.append((OK, "python", sys.version.split()[0]))
     checks.append((OK, "torch", torch.__version__))
@@ -79,8 +83,6 @@ def doctor_checks() -> list[tuple[str, str, str]]:
     checks.append((OK if ffmpeg else WARN, "ffmpeg",
                    ffmpeg or "FFmpeg shared libraries missing: audio cannot be decoded "
                              "(Debian/Ubuntu: apt-get install ffmpeg)"))
-    import patches
-
     applied = patches.applied()
     checks.append((OK, "patches", ", ".join(applied) if applied else
                    "none applied in this process (the trainer applies them with "
@@ -93,9 +95,6 @@ def settings_check() -> tuple[str, str, str]:
     """The ``TRAINING_PATCHES_*`` settings, validated by the very function activation uses
     (:func:`patches._api.check_settings`): FAIL with activation's own paragraph when the
     one import line would stop on them."""
-    from .._api import check_settings
-    from .._options import OPTIONS, ConfigError, owner_text
-
     env = {k: v for k, v in os.environ.items() if k.startswith("TRAINING_PATCHES_")}
     try:
         check_settings()
@@ -108,8 +107,6 @@ def settings_check() -> tuple[str, str, str]:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .._output import STDOUT, OutputRefused, check_output, write_json
-
     try:  # before the checks: a refused --json costs nothing
         if args.json is not None:
             check_output(args.json, prog=PROG, what="--json", force=args.force,

@@ -16,8 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ..tokenizer.bpe import DEFAULT_NEW_PIECES
-from ..tokenizer.text import MAX_WORD_CHARS
+from .._output import Interrupted, OutputExists, number, stop_on_signals, write_file
+from ..tokenizer import TokenizerToolError
+from ..tokenizer.bpe import DEFAULT_NEW_PIECES, extend_vocab_file
+from ..tokenizer.errors import FrontEndError
+from ..tokenizer.text import (MAX_WORD_CHARS, check_output, check_word_lengths, make_preprocess,
+                              read_lines, sample_base_text)
+from ..tokenizer.verify import is_json_tokenizer
 
 PROG = "training-patches extend-tokenizer"
 
@@ -48,11 +53,8 @@ def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | N
                   ) -> list[str]:
     """Each corpus line through --g2p and the cleaner, with a progress bar (stderr, when it
     is a terminal) counted in characters: a large corpus shows it is moving."""
-    from ..tokenizer import TokenizerToolError
-    from ..tokenizer.errors import FrontEndError
-
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # lazy: tqdm is optional (the tools extra)
     except ImportError:  # the bar is a comfort, not a need
         tqdm = None
     bar = tqdm(total=sum(map(len, raw)), unit="char", unit_scale=True, desc="cleaning corpus",
@@ -74,9 +76,6 @@ def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | N
 
 
 def _extend(args: argparse.Namespace) -> int:
-    from .._output import Interrupted, stop_on_signals
-    from ..tokenizer import TokenizerToolError
-
     try:
         with stop_on_signals():
             texts, ext, out = _extend_checked(args)
@@ -97,12 +96,6 @@ def _extend(args: argparse.Namespace) -> int:
 
 def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
     """The extension, or :class:`TokenizerToolError` with nothing written."""
-    from .._output import OutputExists, write_file
-    from ..tokenizer import TokenizerToolError
-    from ..tokenizer.text import (check_output, check_word_lengths, make_preprocess, read_lines,
-                                 sample_base_text)
-    from ..tokenizer.verify import is_json_tokenizer
-
     src = Path(args.tokenizer)
     if not src.is_file():
         raise TokenizerToolError(
@@ -144,13 +137,11 @@ def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
                                      f"ran; nothing was written. Name a file.") from None
 
     if json_kind:
-        from ..tokenizer.bpe import extend_vocab_file
-
         ext = extend_vocab_file(src, texts, out, language=args.language,
                                 new_pieces=args.new_pieces, min_frequency=args.min_frequency,
                                 base_text=base_text, base_text_source=source, write=write)
     else:
-        from ..tokenizer.spm import extend_model_file
+        from ..tokenizer.spm import extend_model_file  # lazy: sentencepiece+protobuf, .model only
 
         ext = extend_model_file(src, texts, out, new_pieces=args.new_pieces,
                                 base_text=base_text, base_text_source=source, write=write)
@@ -159,8 +150,6 @@ def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``extend-tokenizer`` to the ``training-patches`` command."""
-    from .._output import number
-
     cmd = sub.add_parser("extend-tokenizer", help="extend a vocab.json or SentencePiece model "
                          "for a new language, base ids kept", description=DESCRIPTION,
                          formatter_class=argparse.RawDescriptionHelpFormatter)

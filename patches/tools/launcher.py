@@ -25,6 +25,8 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
+from .. import _options
+
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
 # The folder holding the ``patches`` package (this file is patches/tools/launcher.py): on the
 # child's path too, so a checkout that is not pip-installed works under the launcher.
@@ -102,8 +104,6 @@ def _interpreter_error(command: str, python: str, env: Mapping[str, str]) -> str
 
 def _settings_error(environ: Mapping[str, str]) -> str | None:
     """The settings check activation would make, done before anything is started."""
-    from patches import _options
-
     try:
         _options.resolve(environ=environ)
     except _options.ConfigError as exc:

@@ -11,6 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .._output import STDOUT, OutputRefused, check_output, number, write_json
+from ..checkpoint import CheckpointError
+from ..tokenizer import TokenizerToolError
+from ..tokenizer.text import make_preprocess
+from ..tokenizer.verify import FAIL, verify
+
 PROG = "training-patches verify-tokenizer"
 
 DESCRIPTION = """\
@@ -37,8 +43,6 @@ JSON_FORMAT = 1  # raised when a key changes meaning or goes away
 
 def findings_json(tokenizer: str, found: list) -> dict:
     """The ``--json`` object of a list of :class:`patches.tokenizer.verify.Finding`."""
-    from ..tokenizer.verify import FAIL
-
     failed = any(f.status == FAIL for f in found)
     return {"tool": PROG, "format": JSON_FORMAT, "tokenizer": tokenizer, "ok": not failed,
             "exit_code": 1 if failed else 0,
@@ -47,12 +51,6 @@ def findings_json(tokenizer: str, found: list) -> dict:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .._output import STDOUT, OutputRefused, check_output, write_json
-    from ..checkpoint import CheckpointError
-    from ..tokenizer import TokenizerToolError
-    from ..tokenizer.text import make_preprocess
-    from ..tokenizer.verify import FAIL, verify
-
     try:
         if args.json is not None:
             check_output(args.json, prog=PROG, what="--json", force=args.force,
@@ -92,8 +90,6 @@ def _verify(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``verify-tokenizer`` to the ``training-patches`` command."""
-    from .._output import number
-
     cmd = sub.add_parser("verify-tokenizer", help="check a tokenizer (and a checkpoint) before "
                          "training", description=DESCRIPTION,
                          formatter_class=argparse.RawDescriptionHelpFormatter)

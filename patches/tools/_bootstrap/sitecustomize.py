@@ -6,6 +6,8 @@ that never imports torch pays nothing, then runs the ``sitecustomize`` this one 
 user's program: a failure is one line on stderr.
 """
 
+import importlib.machinery
+import importlib.util
 import os
 import sys
 
@@ -18,7 +20,7 @@ def _activate(_torch: object) -> None:
     that import, since ``patches.activate`` is bound near the bottom of ``patches/__init__``."""
     package = sys.modules.get("patches")
     try:
-        from patches._imports import initializing, when_imported
+        from patches._imports import initializing, when_imported  # lazy: loads with torch only
 
         if initializing(package):
             when_imported(_activate_patches, "patches")
@@ -31,7 +33,7 @@ def _activate(_torch: object) -> None:
 
 def _activate_patches(_package: object) -> None:
     try:
-        import patches
+        import patches  # lazy: patches loads once torch is imported, never at interpreter start
 
         patches.activate()
     except Exception as exc:  # the user's program goes on, unpatched, and is told so
@@ -46,7 +48,7 @@ def _unprotected(exc: BaseException) -> None:
 
 def _install() -> None:
     try:
-        import wrapt
+        import wrapt  # lazy: inside the try, so a broken wrapt never stops the interpreter
 
         wrapt.register_post_import_hook(_activate, "torch")
     except Exception as exc:
@@ -56,9 +58,6 @@ def _install() -> None:
 
 
 def _run_shadowed_sitecustomize() -> None:
-    import importlib.machinery
-    import importlib.util
-
     rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is None or spec.loader is None:

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
 import os
+import signal
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Iterator, Sequence
 
 # -- signal thresholds (documented in signal_stats) --------------------------------------
@@ -16,15 +20,15 @@ SILENCE_DBFS = -50.0      # a frame quieter than this (RMS) is silence
 
 def _decode(path: str) -> tuple[Any, int, str]:
     """(samples float32 [frames, channels], sample rate, decoder) of an audio file."""
-    import numpy as np
-    import soundfile as sf
+    import numpy as np  # lazy: numpy may be missing: command._check_installed says so first
+    import soundfile as sf  # lazy: soundfile is optional (the tools extra)
 
     try:
         data, rate = sf.read(path, dtype="float32", always_2d=True)
         return data, int(rate), "soundfile"
     except sf.LibsndfileError as sf_error:
         try:
-            from torchcodec.decoders import AudioDecoder
+            from torchcodec.decoders import AudioDecoder  # lazy: torchcodec is optional
         except Exception:  # noqa: BLE001 - no fallback installed: soundfile's word stands
             raise sf_error from None
         try:
@@ -47,7 +51,7 @@ def signal_stats(data: Any, rate: int) -> dict[str, Any]:
       pauses, so the quiet frames are noise; a clip with no pause at all reads low. None
       for clips under 10 frames or with no frame above -50 dBFS.
     """
-    import numpy as np
+    import numpy as np  # lazy: numpy may be missing: command._check_installed says so first
 
     mono = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
     clipping = float(np.count_nonzero(np.abs(data) >= FULL_SCALE)) / max(data.size, 1)
@@ -99,9 +103,6 @@ def analyse_many(paths: Sequence[str], workers: int) -> Iterator[dict[str, Any]]
     if workers <= 1 or len(paths) < 2:
         yield from map(analyse_audio, paths)
         return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     # fork: the workers inherit the imported modules instead of importing torch again
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     chunk = max(1, min(16, len(paths) // (workers * 8)))
@@ -119,14 +120,10 @@ def _worker_init() -> None:
     """In each worker: Ctrl-C is the command's to handle (the terminal sends it to the whole
     process group), SIGTERM kills, and (Linux) the worker gets SIGTERM if the command dies
     without ending it (SIGKILL)."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         try:
-            import ctypes
-
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):  # no libc symbol: the parent still ends them
             pass

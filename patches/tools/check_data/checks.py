@@ -251,7 +251,7 @@ def check_manifest(path: str, options: CheckDataOptions,
     ``manifest``: what :func:`read_data_manifest` returned for ``path``, if already read.
     :class:`ManifestError` when the manifest itself cannot be read.
     """
-    from tqdm import tqdm
+    from tqdm import tqdm  # lazy: tqdm is optional (the tools extra)
 
     header, rows = manifest if manifest is not None else read_data_manifest(path)
     tokenizer = load_tokenizer(options.tokenizer, options.language)  # fails before decoding

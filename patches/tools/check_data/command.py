@@ -32,12 +32,16 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..._output import (STDOUT, Interrupted, OutputExists, OutputRefused, check_output, number,
+                        stop_on_signals, write_file, write_json)
 from .checks import (MAX_TEXT_LENGTH, MAX_WAV_LENGTH, MIN_SECONDS, MIN_SNR_DB, RATE_TOLERANCE,
                      REASONS, XTTS_SAMPLE_RATE, CheckDataOptions, Clip, check_manifest)
 from .manifest import ManifestError, Row, read_data_manifest
@@ -120,8 +124,6 @@ def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
     """The shared output rule (:func:`patches._output.check_output`) for --json and
     --clean-manifest: never the manifest, the tokenizer or (with ``rows``) an audio file it
     names, never each other; an existing file only with --force."""
-    from ..._output import OutputRefused, check_output
-
     stem, suffix = Path(args.manifest).stem, Path(args.manifest).suffix
     inputs: list[tuple[str, str | None]] = [("manifest being checked", args.manifest),
                                             ("--tokenizer", args.tokenizer)]
@@ -142,8 +144,6 @@ def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
 
 def _check_installed(tokenizer: str | None) -> None:
     """The libraries check-data needs (the ``tools`` extra), or one paragraph saying which."""
-    import importlib.util
-
     needed = ["soundfile", "tqdm", "numpy"]
     if tokenizer:
         needed.append("sentencepiece" if tokenizer.endswith(".model") else "tokenizers")
@@ -166,15 +166,11 @@ def _cores() -> int:
 def _run(args: argparse.Namespace) -> int:
     """The command: SIGINT and SIGTERM end it and its workers within seconds, exit 130/143,
     one line, no report or manifest written."""
-    from ..._output import Interrupted, stop_on_signals
-
     written: list[str] = []
     try:
         with stop_on_signals():
             return _check(args, written)
     except (Interrupted, KeyboardInterrupt) as exc:
-        import signal
-
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         print(f"training-patches check-data: {stop}; its decoding workers were ended and "
               + (f"only {' and '.join(written)} had been written." if written else
@@ -184,8 +180,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace, written: list[str]) -> int:
-    from ..._output import OutputExists, OutputRefused, STDOUT, write_file, write_json
-
     options = CheckDataOptions(language=args.language, tokenizer=args.tokenizer,
                                workers=args.workers, max_audio_seconds=args.max_audio_seconds,
                                max_text_tokens=args.max_text_tokens, min_snr=args.min_snr,
@@ -243,8 +237,6 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``check-data`` to the ``training-patches`` command."""
-    from ..._output import number
-
     parser = sub.add_parser(
         "check-data", help="check a coqui manifest's audio and transcripts before training",
         description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)

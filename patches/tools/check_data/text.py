@@ -53,14 +53,14 @@ class TextTokenizer:
         self.language = language
         self.missing_language_token = False
         if path.endswith(".model"):
-            import sentencepiece as spm
+            import sentencepiece as spm  # lazy: may be missing: _check_installed says so first
 
             self.kind = "sentencepiece"
             self._sp = spm.SentencePieceProcessor(model_file=path)
             self.unk_id = self._sp.unk_id()
             self.size = self._sp.get_piece_size()
         else:
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # lazy: tokenizers is optional (the tools extra)
 
             self.kind = "xtts-bpe"
             self._hf = Tokenizer.from_file(path)

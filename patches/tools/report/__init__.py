@@ -14,11 +14,17 @@ was refused (nothing written).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ..._log import logger
+from ..._output import STDOUT, OutputExists, check_output, write_json
+from .freeze_check import check_frozen_rows
+from .plotting import render, save
 from .reading import Run, find_runs, read_jsonl
 from .verdict import HEALTHY, Facts, Finding, describe, facts, headline, verdict
 
@@ -49,15 +55,11 @@ class Report:
 
     def figure(self) -> Any:
         """The page as a matplotlib Figure (needs matplotlib)."""
-        from .plotting import render
-
         return render(self.facts, self.findings)
 
 
 def build(run: Run) -> Report:
     """The report of one run found by :func:`find_runs`."""
-    from .freeze_check import check_frozen_rows
-
     figures = facts(run)
     figures.freeze = check_frozen_rows(run)
     findings = verdict(figures)
@@ -86,8 +88,6 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def _png_software(path: str) -> str | None:
     """The tEXt "Software" entry of a PNG file, "" when it has none, None if not a PNG."""
-    import struct
-
     try:
         with open(path, "rb") as handle:
             if handle.read(8) != PNG_SIGNATURE:
@@ -197,8 +197,6 @@ def report_json(folder: str | os.PathLike[str], reports: list[Report], png: str 
 
 def _is_report_json(path: str) -> bool:
     """A JSON file this command wrote (its ``tool`` key), which ``--force`` may replace."""
-    import json
-
     try:
         with open(path, encoding="utf-8") as handle:
             return json.load(handle).get("tool") == JSON_TOOL
@@ -211,8 +209,6 @@ def check_json_out(path: str, folder: str, png: str | None, force: bool) -> bool
     never the picture, never a file of a run under ``folder`` (its records, TensorBoard
     files, checkpoints; a report JSON written there before may be replaced with --force).
     Returns whether a file is there."""
-    from ..._output import STDOUT, check_output
-
     if path == STDOUT:
         return False
     inputs: list[tuple[str, str | None]] = []
@@ -246,12 +242,9 @@ def write_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | N
         raise NoRunFound(no_run_message(folder))
     reports = [build(run) for run in runs]
     try:
-        from .plotting import save
         fig = reports[-1].figure()
-    except ImportError:
+    except ImportError:  # no matplotlib
         return reports, None
-    from ..._output import OutputExists
-
     try:
         return reports, save(fig, path, replace=exists)
     except OutputExists:
@@ -262,8 +255,6 @@ def write_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | N
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ..._output import STDOUT, write_json
-
     folder = args.run_dir
     if not os.path.isdir(folder):
         print(f"training-patches report: {folder} is not a folder. Give the run's output "
@@ -360,8 +351,6 @@ def log_report(folder: str | os.PathLike[str]) -> str | None:
     For trainers (headlessXttsTrain.py calls it last): a report that cannot be made is
     a WARNING, never an error of the finished run. Returns the PNG's path, or None.
     """
-    from ..._log import logger
-
     try:
         reports, png = write_report(folder)
     except Exception as exc:  # noqa: BLE001 - the training itself has finished

@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
+from ...checkpoint import read_checkpoint
 from . import reading
 from .reading import Run
 
@@ -35,8 +38,6 @@ def _newest_checkpoint(folder: str) -> str | None:
 
 
 def _vocab_tensors(path: str) -> dict[str, Any]:
-    from ...checkpoint import read_checkpoint
-
     state = read_checkpoint(path)
     state = state.get("model", state) if isinstance(state, dict) else {}
     return {suffix: value for suffix in VOCAB_TENSORS for key, value in state.items()
@@ -52,8 +53,6 @@ def check_frozen_rows(run: Run) -> dict[str, Any] | None:
     if checkpoint is None:
         return {"moved": False, "max_drift": None, "detail": "no checkpoint in the run folder "
                 "to check the frozen rows against"}
-    import torch
-
     ranges = [range(int(a), int(b) + 1) for a, b in record["frozen_rows"]]
     rows = torch.tensor([i for r in ranges for i in r], dtype=torch.long)
     try:

@@ -8,8 +8,11 @@ Skipped steps are scatter markers whose label names their kind and count.
 
 from __future__ import annotations
 
+import io
+import textwrap
 from typing import Any
 
+from ..._output import write_file
 from .verdict import Facts, Finding, headline
 
 PANELS = ("Loss", "Loss scale", "Gradient norm", "Learning rate", "Dropped samples by reason")
@@ -27,19 +30,17 @@ LOSS_LABELS = {"loss": "total loss", "loss_mel_ce": "mel (audio-token) loss",
 
 def _pyplot() -> Any:
     try:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib is optional (the tools extra) and heavy
     except ImportError as exc:
         raise ImportError("the report's plot needs matplotlib: pip install "
                           "'training-patches[tools]' (or pip install matplotlib)") from exc
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is optional and heavy
 
     return plt
 
 
 def _empty(ax: Any, why: str) -> None:
-    import textwrap
-
     ax.text(0.5, 0.5, textwrap.fill(why, 48), ha="center", va="center", fontsize=9,
             color="0.35", transform=ax.transAxes)
     ax.set_xticks([])
@@ -155,7 +156,7 @@ def _dropped(ax: Any, f: Facts) -> None:
     bars = ax.barh(reasons, counts, color="tab:brown", height=0.5)
     ax.bar_label(bars, fontsize=8)
     ax.set_ylim(len(reasons) - 0.5 + max(0, 3 - len(reasons)) / 2, -0.5 - max(0, 3 - len(reasons)) / 2)
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # lazy: matplotlib is optional and heavy
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlim(0, max(counts) * 1.15)
@@ -176,7 +177,7 @@ def render(f: Facts, findings: list[Finding]) -> Any:
     _line(axes["Learning rate"], "Learning rate", f.lr,
           "no learning rate recorded (no TensorBoard current_lr)")
     _dropped(axes["Dropped samples by reason"], f)
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # lazy: matplotlib is optional and heavy
 
     for name in PANELS[:4]:
         if axes[name].lines or axes[name].collections:  # empty panels keep no ticks
@@ -193,8 +194,6 @@ SOFTWARE = "training-patches report"
 
 def png_bytes(fig: Any) -> bytes:
     """``fig`` as PNG bytes, marked as a report's picture (:data:`SOFTWARE`); closes it."""
-    import io
-
     plt = _pyplot()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", metadata={"Software": SOFTWARE})
@@ -205,7 +204,5 @@ def png_bytes(fig: Any) -> bytes:
 def save(fig: Any, path: str, *, replace: bool = True) -> str:
     """Write ``fig`` as a PNG to ``path`` (complete or absent) and close it; returns the
     path. ``replace=False``: only if nothing is there (else :class:`OutputExists`)."""
-    from ..._output import write_file
-
     write_file(path, png_bytes(fig), replace=replace)
     return path

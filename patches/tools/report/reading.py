@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,8 +207,6 @@ def tfrecord_damage(path: str) -> str | None:
     the data, the data's 4-byte CRC. TensorBoard's reader stops quietly at a record that
     ends past the end of the file, so a run killed mid-write, a full disk or a file cut
     in a copy would look like a shorter, healthy run; walking the lengths tells."""
-    import struct
-
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as handle:
@@ -242,7 +241,8 @@ def read_scalars(run: Run, tb_names: list[str]) -> None:
         return
     run.tb_incomplete = [problem for problem in map(tfrecord_damage, run.tb_files) if problem]
     try:
-        from tensorboard.backend.event_processing import event_accumulator
+        from tensorboard.backend.event_processing import (  # lazy: tensorboard is optional
+            event_accumulator)
     except ImportError:
         run.tb_problem = ("the tensorboard package is not installed, so the TensorBoard files "
                           "were not read (pip install tensorboard)")
