@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import difflib
 import logging
+import multiprocessing
 import os
 import sys
 import threading
 from typing import Any, Iterable
 
-from . import _options, _registry, _run
+from . import __version__, _options, _registry, _run
 from ._log import logger
 
 _RULE = "=" * 72
@@ -276,8 +277,6 @@ def reset_runtime_state() -> None:
 
 def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
             version_problems: list[_registry.Problem]) -> None:
-    from . import __version__
-
     problems = [p for name in newly for p in _registry.problems(name)
                 if p.kind != "version"] + version_problems
     # A banner that carries a WARNING is logged as one: quiet mode must not hide it. Helper
@@ -325,8 +324,6 @@ def _asks_for_help() -> bool:
 def _helper_process() -> bool:
     """A process started by the trainer's own (spawned DataLoader workers) or a torchrun
     rank other than 0: the main process has shown the banner already."""
-    import multiprocessing
-
     return (multiprocessing.parent_process() is not None
             or os.environ.get("RANK", "0") not in ("", "0"))
 

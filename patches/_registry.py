@@ -25,8 +25,11 @@ first-wins and restored by identity when the last layer goes.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.metadata
+import importlib.util
+import json
 import logging
 import os
 import sys
@@ -34,6 +37,7 @@ import threading
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
+from urllib.parse import unquote, urlparse
 
 from . import _options
 from ._imports import when_imported
@@ -296,8 +300,6 @@ def _is_distributions_copy(distribution: str, module: str, origin: str | None) -
 def _editable_source(dist: importlib.metadata.Distribution) -> str | None:
     """The source folder of an editable install (``pip install -e``), from PEP 610's
     ``direct_url.json``; None for any other install."""
-    import json
-    from urllib.parse import unquote, urlparse
 
     try:
         info = json.loads(dist.read_text("direct_url.json") or "{}")
@@ -312,8 +314,6 @@ def _editable_source(dist: importlib.metadata.Distribution) -> str | None:
 def _static_version(package_dir: str) -> str | None:
     """``__version__ = "x.y"`` in a package's ``__init__.py``, else its ``VERSION`` file
     (coqui TTS 0.22 reads that one): read without importing the package."""
-    import ast
-
     try:
         tree = ast.parse(open(os.path.join(package_dir, "__init__.py"), encoding="utf-8").read())
     except (OSError, SyntaxError, ValueError):
@@ -335,8 +335,6 @@ def upstream_version(integ: Integration) -> UpstreamVersion:
     ``__version__``; before the import, the copy ``import`` would find (the installed
     distribution's metadata, or a vendored package's ``__version__``/``VERSION`` read
     without importing it); package metadata only when the module states no version."""
-    import importlib.util
-
     meta = _distribution_version(integ.distribution)
     name = integ.module
     if not name:
@@ -383,8 +381,8 @@ def upstream_version(integ: Integration) -> UpstreamVersion:
 def version_problem(integ: Integration, found: UpstreamVersion) -> Problem | None:
     """A Problem when the upstream this process runs is outside the integration's range
     (or a vendored copy whose version cannot be read)."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
+    from packaging.specifiers import SpecifierSet  # lazy: ~10 ms, only for an installed upstream
+    from packaging.version import InvalidVersion, Version  # lazy: as above
 
     if found.version is None and not found.vendored:
         return None  # not installed: the banner says so, nothing lands

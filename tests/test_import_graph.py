@@ -53,11 +53,7 @@ UPSTREAM_ALLOWED = {
 # where it avoids a heavy or optional dependency (or an import cycle), and says which on its
 # first line, ``# lazy: <reason>``. The files below are audited by the layouts/options change
 # (issue 21, item 2); the lead empties this list when merging it.
-_LAZY_AUDIT_PENDING = {
-    "patches.vocab_freeze", "patches.checkpoint.plan", "patches.checkpoint.load",
-    "patches.tokenizer.verify", "patches.integrations.xtts_gpt", "patches._options",
-    "patches._registry", "patches._api",
-}
+_LAZY_AUDIT_PENDING: set[str] = set()
 LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")
 
 
