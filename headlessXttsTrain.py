@@ -563,9 +563,9 @@ def _load_report_record(report: Any) -> dict[str, Any] | None:
 
 def extended_vocab(s: Settings) -> Path:
     """``--extend-vocab``: the base vocab.json extended for ``s.language`` in the output
-    folder (reused on a resume); see :func:`patches.tokenizer.bpe.extend_for_run`."""
-    from patches.tokenizer import TokenizerToolError
-    from patches.tokenizer.bpe import extend_for_run
+    folder (reused on a resume); see :func:`patches.integrations.tokenizer.bpe.extend_for_run`."""
+    from patches.integrations.tokenizer import TokenizerToolError
+    from patches.integrations.tokenizer.bpe import extend_for_run
 
     try:
         path, _, _ = extend_for_run(s.files["vocab"], s.extend_vocab, s.output_dir, s.language)

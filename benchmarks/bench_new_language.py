@@ -362,7 +362,7 @@ def _rows(vocab: Path) -> int:
 def _encode(vocab: Path, lines: list[str], lang: str) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    from patches.tokenizer.bpe import xtts_text
+    from patches.integrations.tokenizer.bpe import xtts_text
 
     tok = Tokenizer.from_file(str(vocab))
     return [e.ids for e in tok.encode_batch([xtts_text(t, lang) for t in lines])]

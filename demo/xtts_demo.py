@@ -14,7 +14,7 @@ default ``demo_output/``; a second run replaces only a folder this demo made):
    command lines printed, both with ``--extend-vocab data/metadata.csv``: the first extends
    the base vocabulary into ``finetune/vocab_am.json`` (``[am]``, every character and BPE
    pieces of the cleaned Amharic transcripts; base ids kept, ``[START]`` moved last, as XTTS
-   does; see :mod:`patches.tokenizer.bpe`), the second reuses it. The first run also has
+   does; see :mod:`patches.integrations.tokenizer.bpe`), the second reuses it. The first run also has
    ``--inject-nan-step`` (a forward hook makes
    one batch NaN, which the NaN guard skips and records) and ``--interrupt-after-step``
    (the process sends itself SIGINT; the coqui Trainer writes a checkpoint and exits

@@ -38,16 +38,9 @@ PRIVATE_ALLOWED: set[str] = set()
 # belongs in patches/integrations/ (patches.integrations.layouts for the vocabulary rows).
 UPSTREAM_WORDS = ("xtts", "indextts", "start_text_token", "number_text_tokens",
                   "unifiedvoice", "gpttrainer")
-# Generic modules that still hold one (module: word), each with why it is allowed.
-UPSTREAM_ALLOWED = {
-    # The tokenizer tools read XTTS's vocab.json and clean text with XTTS's own cleaner
-    # (xtts_text, _Xtts, coqui's VoiceBpeTokenizer): the front-ends of one model, to move to
-    # the integrations with the tokenizer registry they would need (issue 21; not done with
-    # the row layouts).
-    "patches.tokenizer.bpe: xtts",
-    "patches.tokenizer.text: xtts",
-    "patches.tokenizer.verify: xtts",
-}
+# Generic modules that still hold one (module: word), each with why it is allowed. Empty: the
+# tokenizer library (XTTS's vocab.json, its text cleaner) lives in patches/integrations/tokenizer.
+UPSTREAM_ALLOWED: set[str] = set()
 
 # An import inside a function hides an edge of the graph from its reader: one stays there only
 # where it avoids a heavy or optional dependency (or an import cycle), and says which on its

@@ -40,9 +40,9 @@ def test_every_option_belongs_to_a_known_unit_with_help() -> None:
 def unit_with_an_option(monkeypatch: pytest.MonkeyPatch, clean_patches: None) -> Iterator[str]:
     """A patch declared here, as a new patch module would declare itself: one option with a
     cross-option check. The registry and the declarations are restored afterwards."""
-    monkeypatch.setattr(_registry, "_specs", dict(_registry._specs))
-    monkeypatch.setattr(_options, "OPTIONS", dict(_options.OPTIONS))
-    monkeypatch.setattr(_options, "_checks", dict(_options._checks))
+    # restored in place: modules that imported these tables by name see the same objects
+    saved = [(table, dict(table)) for table in (_registry._specs, _options.OPTIONS,
+                                                  _options._checks)]
 
     def check(opts: _options.Options, where: object) -> None:
         if opts.probe_limit > 1000 and opts.init_scale < 8:
@@ -57,6 +57,10 @@ def unit_with_an_option(monkeypatch: pytest.MonkeyPatch, clean_patches: None) ->
                                  "a whole number, e.g. 7", "how far the probe looks"),),
         check=check))
     yield "probe"
+    patches.revert("probe")
+    for table, before in saved:
+        table.clear()
+        table.update(before)
 
 
 def test_a_declared_option_reaches_every_reader(unit_with_an_option: str,

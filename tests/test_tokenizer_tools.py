@@ -74,7 +74,7 @@ def test_xtts_vocab_extended_with_amharic_keeps_ids_merges_and_english(files, tm
                                                                        capsys) -> None:
     from tokenizers import Tokenizer
 
-    from patches.tokenizer.bpe import xtts_text
+    from patches.integrations.tokenizer.bpe import xtts_text
 
     out = tmp_path / "vocab_am.json"
     before = _sha(files["vocab"])

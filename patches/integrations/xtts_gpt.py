@@ -123,10 +123,10 @@ def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
     its code or a registered alias), the model's start/stop token ids against the
     tokenizer's, the rows against the ids, and a frozen row that would keep a base row for
     another token (a [START] dropped or moved into the new range). Empty when all agree."""
-    # The tokenizer tools (~9 ms) are no part of `import patches` (patches/tokenizer/__init__):
+    # The tokenizer tools (~9 ms) are no part of `import patches` (patches/integrations/tokenizer/__init__):
     # they load when a freeze is checked.
-    from ..tokenizer.errors import TokenizerToolError  # lazy: heavy (the tokenizer tools)
-    from ..tokenizer.verify import FAIL, open_tokenizer  # lazy: heavy (the tokenizer tools)
+    from .tokenizer.errors import TokenizerToolError  # lazy: heavy (the tokenizer tools)
+    from .tokenizer.verify import FAIL, open_tokenizer  # lazy: heavy (the tokenizer tools)
 
     try:
         tok = open_tokenizer(tokenizer_file)

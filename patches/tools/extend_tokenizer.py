@@ -5,7 +5,7 @@
     training-patches extend-tokenizer checkpoints/bpe.model --corpus train.csv \\
         --language am --output bpe_am.model
 
-The library is :mod:`patches.tokenizer`; this module is its command line.
+The library is :mod:`patches.integrations.tokenizer`; this module is its command line.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .._output import Interrupted, OutputExists, number, stop_on_signals, write_file
-from ..tokenizer import TokenizerToolError
-from ..tokenizer.bpe import DEFAULT_NEW_PIECES, extend_vocab_file
-from ..tokenizer.errors import FrontEndError
-from ..tokenizer.text import (MAX_WORD_CHARS, check_output, check_word_lengths, make_preprocess,
+from ..integrations.tokenizer import TokenizerToolError
+from ..integrations.tokenizer.bpe import DEFAULT_NEW_PIECES, extend_vocab_file
+from ..integrations.tokenizer.errors import FrontEndError
+from ..integrations.tokenizer.text import (MAX_WORD_CHARS, check_output, check_word_lengths, make_preprocess,
                               read_lines, sample_base_text)
-from ..tokenizer.verify import is_json_tokenizer
+from ..integrations.tokenizer.verify import is_json_tokenizer
 
 PROG = "training-patches extend-tokenizer"
 
@@ -141,7 +141,7 @@ def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
                                 new_pieces=args.new_pieces, min_frequency=args.min_frequency,
                                 base_text=base_text, base_text_source=source, write=write)
     else:
-        from ..tokenizer.spm import extend_model_file  # lazy: sentencepiece+protobuf, .model only
+        from ..integrations.tokenizer.spm import extend_model_file  # lazy: sentencepiece+protobuf, .model only
 
         ext = extend_model_file(src, texts, out, new_pieces=args.new_pieces,
                                 base_text=base_text, base_text_source=source, write=write)

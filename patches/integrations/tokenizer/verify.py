@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..vocab_rows import frozen_rows, new_rows
+from ...vocab_rows import frozen_rows, new_rows
 from .bpe import START, UNK, load_vocab_json, xtts_text
 from .errors import FrontEndError, TokenizerToolError
 from .spm import load_model_proto
@@ -245,7 +245,7 @@ def _text_findings(tok: Any, lines: Sequence[str], source: str, language: str | 
 
 
 def _checkpoint_findings(tok: Any, path: Path, base_size: int | None) -> list[Finding]:
-    from ..checkpoint import read_checkpoint  # lazy: heavy (torch), only for --checkpoint
+    from ...checkpoint import read_checkpoint  # lazy: heavy (torch), only for --checkpoint
 
     ckpt = read_checkpoint(path)
     state = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else {}

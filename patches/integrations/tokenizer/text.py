@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from .. import _output
-from .._output import OutputRefused, same_file, write_file
-from ..languages import COQUI_LANGUAGES, base_code, get_language
+from ... import _output
+from ..._output import OutputRefused, same_file, write_file
+from ...languages import COQUI_LANGUAGES, base_code, get_language
 from .errors import FrontEndError, TokenizerToolError
 
 # Base-language text checked when no --base-text is given: everyday English with

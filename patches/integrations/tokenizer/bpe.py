@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .._log import logger
-from ..languages import base_code
+from ..._log import logger
+from ...languages import base_code
 from .errors import TokenizerToolError
 from .text import ENGLISH_SAMPLE, make_preprocess, read_lines, words_of, write_bytes_atomic
 
