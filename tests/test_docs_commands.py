@@ -46,6 +46,7 @@ EXPECTED: dict[str, int] = {
     # "exit 1 when something required is missing": everything is installed here
     "training-patches doctor": 0,
     "training-patches doctor --json doctor.json": 0,
+    "training-patches options": 0,
     # a healthy run (falling loss, no event): 0
     "training-patches report runs/am": 0,
     "training-patches report runs/am --out am.png": 0,
