@@ -45,6 +45,29 @@ def shard(model: TinyGPT) -> TinyGPT:
     return model
 
 
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` whole (an FSDP2 shard gathered), by its name without a
+    DDP ``module.`` prefix: what a rank compares against another run's or another rank's."""
+    state = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        state[name.removeprefix("module.")] = value.detach().clone()
+    return state
+
+
+def read_events(folder: str) -> list[dict]:
+    """The NaN guard's records a rank wrote into ``folder`` (its nonfinite_events files)."""
+    import glob
+    import json
+    import os
+
+    events = []
+    for path in sorted(glob.glob(os.path.join(folder, "nonfinite_events*.jsonl"))):
+        with open(path, encoding="utf-8") as handle:
+            events += [json.loads(line) for line in handle if line.strip()]
+    return events
+
+
 def end_job(scope: dict) -> None:
     """The end of a rank script: drop its models, optimizers and tensors, then wait for
     every rank and destroy the process group. An FSDP2 model (DTensor parameters, a device

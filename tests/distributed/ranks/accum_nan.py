@@ -12,8 +12,6 @@ parameters of the guarded run and of the reference run.
 import patches.auto  # noqa: F401  (first, as users write it)
 
 import contextlib
-import glob
-import json
 import os
 import sys
 
@@ -21,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from patches import _run, nan_guard
-from tiny_gpt import TinyGPT, batch, loss_of, end_job, shard
+from tiny_gpt import TinyGPT, batch, end_job, full_state, loss_of, read_events, shard
 
 STEPS, ACCUM = 9, 4
 # (optimizer step, micro-batch, rank) whose loss is NaN: a no_sync micro-batch, the final
@@ -83,22 +81,11 @@ def train(inject: bool) -> torch.nn.Module:
     return model
 
 
-def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    state = {}
-    for name, param in model.named_parameters():
-        value = param.full_tensor() if hasattr(param, "full_tensor") else param
-        state[name.removeprefix("module.")] = value.detach().clone()
-    return state
-
-
-guarded = full(train(inject=True))
+guarded = full_state(train(inject=True))
 stats = nan_guard.stats()
-events = []
-for path in sorted(glob.glob(os.path.join(out, f"rank{rank}", "nonfinite_events*.jsonl"))):
-    with open(path, encoding="utf-8") as handle:
-        events += [json.loads(line) for line in handle if line.strip()]
+events = read_events(os.path.join(out, f"rank{rank}"))
 nan_guard.reset()
-reference = full(train(inject=False))
+reference = full_state(train(inject=False))
 torch.save({"stats": stats, "events": events, "guarded": guarded, "reference": reference},
            os.path.join(out, f"result{rank}.pt"))
 end_job(globals())

@@ -9,8 +9,6 @@ of the guarded run and of the reference run.
 
 import patches.auto  # noqa: F401  (first, as users write it)
 
-import glob
-import json
 import os
 import sys
 
@@ -18,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from patches import _run, grad_clip, nan_guard
-from tiny_gpt import TinyGPT, batch, loss_of, end_job, shard
+from tiny_gpt import TinyGPT, batch, end_job, full_state, loss_of, read_events, shard
 
 STEPS = 12
 NAN_LOSS = {3: 0, 8: 0}  # step -> the rank whose loss is NaN
@@ -65,22 +63,11 @@ def train(inject: bool) -> torch.nn.Module:
     return model
 
 
-def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    state = {}
-    for name, param in model.named_parameters():
-        value = param.full_tensor() if hasattr(param, "full_tensor") else param
-        state[name.removeprefix("module.")] = value.detach().clone()
-    return state
-
-
-guarded = full(train(inject=True))
+guarded = full_state(train(inject=True))
 stats = nan_guard.stats()
 clip = grad_clip.stats()
-events = []
-for path in sorted(glob.glob(os.path.join(out, f"rank{rank}", "nonfinite_events*.jsonl"))):
-    with open(path, encoding="utf-8") as handle:
-        events += [json.loads(line) for line in handle if line.strip()]
-reference = full(train(inject=False))
+events = read_events(os.path.join(out, f"rank{rank}"))
+reference = full_state(train(inject=False))
 torch.save({"stats": stats, "clip": clip, "events": events, "guarded": guarded,
             "reference": reference}, os.path.join(out, f"result{rank}.pt"))
 end_job(globals())
