@@ -661,3 +661,26 @@ def test_extended_tokenizer_file_mode_follows_the_umask(files, tmp_path, capsys)
         os.umask(old)
     assert rc == 0, err
     assert out.stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("reader,expected", [
+    ("verify.open_tokenizer", "an XTTS vocab.json or a SentencePiece .model"),
+    ("spm.load_model_proto", "a SentencePiece .model file (the IndexTTS bpe.model)"),
+    ("bpe.load_vocab_json", "the XTTS vocab.json (a Hugging Face tokenizers BPE file)"),
+    ("text.read_lines", "a UTF-8 text file with one sentence a line"),
+])
+def test_a_missing_file_is_one_paragraph_naming_it(tmp_path: Path, reader: str,
+                                                   expected: str) -> None:
+    import importlib
+
+    from patches.integrations.tokenizer import TokenizerToolError
+
+    module, function = reader.split(".")
+    read = getattr(importlib.import_module(f"patches.integrations.tokenizer.{module}"), function)
+    missing = tmp_path / "absent.file"
+    with pytest.raises(TokenizerToolError) as raised:
+        read(missing)
+    message = str(raised.value)
+    assert f"{missing} was not found" in message and expected in message
+    assert message.endswith("Check the path.") and "\n" not in message
+    assert not missing.exists()

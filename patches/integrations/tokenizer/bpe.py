@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..._log import logger
 from ...languages import base_code
-from .errors import TokenizerToolError
+from .errors import TokenizerToolError, require_file
 from .text import ENGLISH_SAMPLE, make_preprocess, read_lines, words_of, write_bytes_atomic
 
 START, UNK, STOP, SPACE = "[START]", "[UNK]", "[STOP]", "[SPACE]"
@@ -126,10 +126,8 @@ def _span(ids: range) -> str:
 def load_vocab_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The parsed ``vocab.json``, checked to be a BPE tokenizer in XTTS's shape."""
     path = Path(path)
-    if not path.is_file():
-        raise TokenizerToolError(
-            f"the tokenizer {path} was not found. Expected the XTTS vocab.json (a Hugging Face "
-            f"tokenizers BPE file) or a SentencePiece .model. Check the path.")
+    require_file(path, "tokenizer", "the XTTS vocab.json (a Hugging Face tokenizers BPE file) "
+                                    "or a SentencePiece .model")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class TokenizerToolError(ValueError):
     """A file or an option the tokenizer tools cannot use. The message names the file, what
@@ -23,4 +25,12 @@ class FrontEndError(TokenizerToolError):
                 f"Nothing was written. Fix the function, or that text.")
 
 
-__all__ = ["TokenizerToolError", "FrontEndError"]
+def require_file(path: Path, what: str, expected: str) -> None:
+    """Raise the one "not found" paragraph of the tokenizer tools unless ``path`` is a file:
+    ``the {what} {path} was not found. Expected {expected}. Check the path.``"""
+    if not path.is_file():
+        raise TokenizerToolError(f"the {what} {path} was not found. Expected {expected}. "
+                                 f"Check the path.")
+
+
+__all__ = ["TokenizerToolError", "FrontEndError", "require_file"]

@@ -24,17 +24,15 @@ from google.protobuf.message import DecodeError
 from sentencepiece import sentencepiece_model_pb2 as pb
 
 from .bpe import DEFAULT_NEW_PIECES, BaseCheck, Extension, check_before_writing
-from .errors import TokenizerToolError
+from .errors import TokenizerToolError, require_file
 from .text import words_of, write_bytes_atomic
 
 
 def load_model_proto(path: str | os.PathLike[str]) -> Any:
     """The parsed ``ModelProto`` of ``path``, checked to load in ``sentencepiece``."""
     path = Path(path)
-    if not path.is_file():
-        raise TokenizerToolError(
-            f"the tokenizer {path} was not found. Expected a SentencePiece .model file (the "
-            f"IndexTTS bpe.model) or an XTTS vocab.json. Check the path.")
+    require_file(path, "tokenizer", "a SentencePiece .model file (the IndexTTS bpe.model) or an "
+                                    "XTTS vocab.json")
     raw = path.read_bytes()
     proto = pb.ModelProto()
     try:

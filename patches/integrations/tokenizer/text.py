@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Sequence
 from ... import _output
 from ..._output import OutputRefused, same_file, write_file
 from ...languages import COQUI_LANGUAGES, base_code, get_language
-from .errors import FrontEndError, TokenizerToolError
+from .errors import FrontEndError, TokenizerToolError, require_file
 
 # Base-language text checked when no --base-text is given: everyday English with
 # punctuation, the language XTTS v2 and most base tokenizers know best.
@@ -61,11 +61,8 @@ def read_lines(path: str | os.PathLike[str], *, what: str = "corpus") -> list[st
     columns without that header, or audio file names in its first column) is refused:
     read as text, its paths, ids and speaker names would become vocabulary."""
     path = Path(path)
-    if not path.is_file():
-        raise TokenizerToolError(
-            f"the {what} {path} was not found. Expected a UTF-8 text file with one sentence "
-            f"a line, or a coqui manifest with the header 'audio_file|text|speaker_name'. "
-            f"Check the path.")
+    require_file(path, what, "a UTF-8 text file with one sentence a line, or a coqui manifest "
+                             "with the header 'audio_file|text|speaker_name'")
     try:
         raw = path.read_text(encoding="utf-8-sig")  # -sig: a leading BOM is not text
     except UnicodeDecodeError as exc:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from ...vocab_rows import frozen_rows, new_rows
 from .bpe import START, UNK, load_vocab_json, xtts_text
-from .errors import FrontEndError, TokenizerToolError
+from .errors import FrontEndError, TokenizerToolError, require_file
 from .spm import load_model_proto
 from .text import read_lines
 
@@ -176,10 +176,7 @@ class _Spm:
 def open_tokenizer(path: str | os.PathLike[str]) -> Any:
     """An XTTS vocab.json or a SentencePiece model, told apart by content."""
     path = Path(path)
-    if not path.is_file():
-        raise TokenizerToolError(
-            f"the tokenizer {path} was not found. Expected an XTTS vocab.json or a "
-            f"SentencePiece .model. Check the path.")
+    require_file(path, "tokenizer", "an XTTS vocab.json or a SentencePiece .model")
     if is_json_tokenizer(path):
         return _Xtts(path)
     return _Spm(path)
