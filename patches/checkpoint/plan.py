@@ -157,9 +157,7 @@ def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
         owner_path = key.rsplit(".", 2)[0] if key.count(".") >= 2 else ""
         owner = _owner(model, owner_path + ".x") if owner_path else model
         layout = row_layout(owner, new_rows)
-        if layout.extra_rows:
-            return True  # a slot row that is no token stays last
-        if layout.last_row_kept:
+        if layout.last_row_kept:  # a start token kept last, or a slot row that is no token
             confirm = layout.checkpoint_last_row_kept
             said = confirm(ckpt) if confirm is not None else None
             return True if said is None else said
