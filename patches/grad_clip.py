@@ -35,8 +35,7 @@ _warned_scaled = False  # the one-per-process warning about clipping scaled grad
 
 def unscale_first() -> bool:
     """Whether ``max_norm`` limits the true gradients of a pending SafeGradScaler."""
-    # Read defensively: the option may be missing from an older Options.
-    return bool(getattr(_options.current(), "clip_unscale_first", False))
+    return _options.current().clip_unscale_first
 
 
 def _warn_scaled_once(max_norm: float) -> None:
