@@ -24,7 +24,7 @@ import torch
 from .. import __version__, _dist, _run
 from .._log import info
 from . import _collective
-from .reading import (FORMAT, MANIFEST_SUFFIX, Manifest, _sha256, _what_to_do, check_file,
+from .reading import (FORMAT, MANIFEST_SUFFIX, _sha256, _what_to_do, check_file,
                       iter_tensors, manager_checkpoints, manifest_path, nonfinite_flags,
                       read_manifest)
 from .atomic import TMP_OWNER, host_name

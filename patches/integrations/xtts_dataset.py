@@ -29,7 +29,6 @@ but a bad setup: that error (from ``xtts_language``) stops the run at once.
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 import time
