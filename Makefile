@@ -5,18 +5,22 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench gpu-suite setup ffmpeg clean
+.PHONY: demo test test-fast bench gpu-suite setup ffmpeg espeak clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[xtts,tools,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[xtts,tools,test,bench]'
 	touch $(STAMP)
 
-setup: $(STAMP) ffmpeg
+setup: $(STAMP) ffmpeg espeak
 
 ffmpeg:
 	@scripts/ensure_ffmpeg.sh
+
+# espeak-ng speaks the speech-shaped benchmark's English and Amharic
+espeak:
+	@scripts/ensure_espeak.sh
 
 demo: setup
 	$(PY) headlessXttsTrain.py --demo

@@ -492,8 +492,9 @@ def load_base_weights(model: Any, files: dict[str, Path]) -> Any:
     except ImportError:
         load_checkpoint = None
     if load_checkpoint is not None:
+        vocab = files.get("vocab")
         report = load_checkpoint(files["model"], model.xtts, policy="reset", strict=False,
-                                 freeze=True)
+                                 freeze=True, tokenizer=str(vocab) if vocab else None)
         kept = ", ".join(f"{k} {n}" for k, n in report.kept_rows.items())
         logger.info("training-patches: base weights loaded from %s%s", files["model"],
                     f" (vocabulary grew; trained rows kept: {kept})" if kept else "")

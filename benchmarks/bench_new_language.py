@@ -69,16 +69,32 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("upstream", "notes", "notes_stale", "library", "library_unfrozen", "library_resume")
-LIBRARY_ARMS = ("library", "library_unfrozen", "library_resume")
+# The library arms that start new rows by a rule other than the default (embedding, head):
+# each with the library's freeze, clean runs only. "library" itself uses the defaults.
+RULE_ARMS = {
+    "library_mean": ("mean", "mean"),
+    "library_spread": ("spread", "spread"),
+    "library_std002": ("std0.02", "std0.02"),
+    "library_romanized": ("romanized", "romanized"),
+    "library_romanized_mean": ("romanized", "mean"),
+}
+ARMS = ("upstream", "notes", "notes_stale", "hooks_std002", "plain_std002", "library",
+        "library_unfrozen", "library_resume", *RULE_ARMS)
+LIBRARY_ARMS = ("library", "library_unfrozen", "library_resume", *RULE_ARMS)
 RESUME_ARMS = ("notes", "notes_stale", "library_resume")
+# Arms run once clean and once with one NaN loss; the others clean only.
+NAN_ARMS = ("upstream", "notes", "notes_stale", "library", "library_unfrozen", "library_resume")
+STD002_ARMS = ("hooks_std002", "plain_std002")
 ARM_TEXT = {
     "upstream": "upstream: randn rows, all trainable",
     "notes": "notes: grad hooks, fresh opt+sched at resume",
     "notes_stale": "notes before their fix: fresh opt, old sched",
-    "library": "library: mean rows, freeze, guard",
+    "hooks_std002": "std-0.02 rows + the notes' grad hooks",
+    "plain_std002": "std-0.02 rows, nothing frozen",
+    "library": "library: default rows, freeze, guard",
     "library_unfrozen": "library without the freeze",
     "library_resume": "library + resume after 2nd growth",
+    **{arm: f"library, {emb} rows / {head} head, freeze" for arm, (emb, head) in RULE_ARMS.items()},
 }
 
 # Sizes. quick: about 2 minutes on 2 free cores; full: about 15.
@@ -398,7 +414,8 @@ def prepare(cfg: dict[str, Any], work: Path, log: list[str]) -> dict[str, Any]:
     en_train, en_eval = fitting(en_train, base_vocab, "en"), fitting(en_eval, base_vocab, "en")
     a_train, a_eval = fitting(a_train, v1, "am"), fitting(a_eval, v1, "am")
     b_train, b_eval = fitting(b_train, v2, "am"), fitting(b_eval, v2, "am")
-    data: dict[str, Any] = {"rows": {"base": _rows(base_vocab), "v1": _rows(v1), "v2": _rows(v2)}}
+    data: dict[str, Any] = {"rows": {"base": _rows(base_vocab), "v1": _rows(v1), "v2": _rows(v2)},
+                            "vocab_files": {"v1": str(v1), "v2": str(v2)}}
     data["en_train"] = _encode(base_vocab, en_train, "en")
     en_eval_ids = _encode(base_vocab, en_eval, "en")
     if _encode(v2, en_eval, "en") != en_eval_ids:  # extend-tokenizer promises this
@@ -462,10 +479,11 @@ def train_base(cfg: dict[str, Any], data: dict[str, Any], path: Path) -> dict[st
 # -- a worker process: one arm, every seed ------------------------------------------------------
 
 
-def _plain_resize(old: dict[str, Any], rows: int, gen) -> dict[str, Any]:
+def _plain_resize(old: dict[str, Any], rows: int, gen, std: float = 1.0) -> dict[str, Any]:
     """What XTTS's GPTTrainer does to a smaller ``gpt_checkpoint``: ``torch.randn`` rows
-    appended, the old last ([START]) row copied to the new end (the copy at its old place
-    stays: it becomes the first new token's row), zero biases."""
+    appended (times ``std``: 0.02 is GPT-2's and IndexTTS's init), the old last ([START])
+    row copied to the new end (the copy at its old place stays: it becomes the first new
+    token's row), zero biases."""
     import torch
 
     state = dict(old)
@@ -473,7 +491,7 @@ def _plain_resize(old: dict[str, Any], rows: int, gen) -> dict[str, Any]:
     added = rows - n_old
     for key in ("text_embedding.weight", "text_head.weight"):
         w = old[key]
-        grown = torch.cat([w, torch.randn(added, w.shape[1], generator=gen)], dim=0)
+        grown = torch.cat([w, std * torch.randn(added, w.shape[1], generator=gen)], dim=0)
         grown[-1] = w[-1]
         state[key] = grown
     b = old["text_head.bias"]
@@ -535,10 +553,11 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], data: dict[str, Any], work
             import patches
 
             report = patches.load_checkpoint(path, model, opt, sched, seed=seed,
-                                             freeze=arm != "library_unfrozen")
+                                             freeze=arm != "library_unfrozen",
+                                             tokenizer=data["vocab_files"][vocab])
         else:
             model.load_state_dict(state)
-            if arm != "upstream":
+            if arm not in ("upstream", "plain_std002"):
                 _hook_freeze(model, base_rows)
         return model, opt, sched, report
 
@@ -547,8 +566,9 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], data: dict[str, Any], work
         model, opt, sched, report = build(rows, base_path, None)
         load_note = report.summary()
     else:
-        model, opt, sched, _ = build(rows, None, _plain_resize(base, rows, gen))
-        load_note = "GPTTrainer-style resize: randn rows"
+        std = 0.02 if arm in STD002_ARMS else 1.0
+        model, opt, sched, _ = build(rows, None, _plain_resize(base, rows, gen, std))
+        load_note = f"GPTTrainer-style resize: randn rows x {std:g}"
 
     def evaluate(step: int) -> tuple[int, float, float, float, float]:
         """(step, A, B, English, A and B together); B is NaN while the tokenizer lacks it."""
@@ -657,7 +677,7 @@ def worker(args: argparse.Namespace) -> None:
     data = torch.load(workdir.parent / "data.pt", weights_only=False)
     results = []
     for seed in range(cfg["seeds"]):
-        for nan_at in (None, cfg["nan_at"]):
+        for nan_at in (None, cfg["nan_at"]) if args.worker in NAN_ARMS else (None,):
             if args.worker in LIBRARY_ARMS:
                 patches.reset_runtime_state()
             results.append(run_arm(args.worker, seed, cfg, data, workdir, nan_at))
@@ -775,7 +795,9 @@ def table(cfg: dict[str, Any], base: dict[str, Any], summary: dict[str, Any],
         steps = ("not reached" if all(h is None for h in hits) else
                  "/".join("-" if h is None else str(h) for h in hits))
         items = e["nan"]
-        if all(x["stopped_at"] for x in items):
+        if not items:
+            nan_txt = "-"
+        elif all(x["stopped_at"] for x in items):
             nan_txt = (f"run dead: {statistics.median(x['nonfinite_tensors'] for x in items):.0f}"
                        f"/{items[0]['tensors']} tensors NaN")
         else:
@@ -807,8 +829,8 @@ def plot(cfg: dict[str, Any], runs: list[dict[str, Any]], summary: dict[str, Any
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(ARMS, ("tab:red", "tab:orange", "tab:brown", "tab:blue", "tab:purple",
-                             "tab:green")))
+    cmap = plt.get_cmap("tab20")
+    colors = {arm: cmap(i) for i, arm in enumerate(ARMS)}
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8), dpi=72)
     for arm in summary["arms"]:
         rs = [r for r in runs if r["arm"] == arm and r["nan_at"] is None]
@@ -905,6 +927,9 @@ def main() -> None:
             env.update(TRAINING_PATCHES_QUIET="1", TRAINING_PATCHES_OUTPUT_DIR=str(arm_dir))
             if arm != "library_unfrozen":
                 env["TRAINING_PATCHES_BASE_VOCAB"] = str(data["rows"]["base"])
+            if arm in RULE_ARMS:
+                env["TRAINING_PATCHES_ROW_INIT"], env["TRAINING_PATCHES_HEAD_ROW_INIT"] = \
+                    RULE_ARMS[arm]
         started = time.perf_counter()
         with open(arm_dir / "log.txt", "w") as logf:
             rc = subprocess.run([sys.executable, __file__, "--worker", arm, "--workdir",

@@ -13,7 +13,7 @@ both and is never imported from here.
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
+from ._version import __version__  # noqa: E402,F401
 
 # Each patch module registers its PatchSpec; the order here is the banner's order.
 from . import (  # noqa: E402,F401

@@ -10,7 +10,8 @@ import sys
 import threading
 from typing import Any, Iterable
 
-from . import __version__, _options, _registry, _run
+from . import _options, _registry, _run
+from ._version import __version__
 from ._log import logger
 
 _RULE = "=" * 72

@@ -8,15 +8,9 @@ the model can use:
 - XTTS keeps its start-text token in the *last* row of ``text_embedding``/``text_head``
   when ``[START]`` is the last id of the vocabulary; then that row moves to the new
   end (as coqui's GPTTrainer does), and the rows between are the new ones;
-- new rows follow transformers' ``resize_token_embeddings(mean_resizing=True)``: drawn
-  from a normal distribution around the mean of the old rows whose covariance is the
-  old rows' covariance times ``1e-9``; when that covariance is not positive definite
-  (fewer rows than channels, as in tiny models) the new rows are the mean plus noise
-  of ``sqrt(1e-9)`` times each channel's standard deviation. Either way a new row is the
-  mean to within about 3e-5 of one standard deviation: close to what the model already
-  predicts, never ``torch.randn`` (std 1, about 50x the model's own init);
-- new head-bias entries are drawn around the old biases' mean with ``1e-9`` of their
-  standard deviation (transformers' ``_init_added_lm_head_bias_with_mean``), not zero;
+- new rows (and new head-bias entries) start by one of the rules of :mod:`patches.row_init`
+  (``romanized``, ``spread``, ``mean``, ``std0.02``, ``randn``), the embedding and the head
+  each by its own;
 - Adam moments of a resized parameter keep their base rows; the new rows get a first
   moment of 0 and a second moment equal to the old rows' mean second moment, so that a
   new row's first update is about as large as an old row's and not ``lr / eps``-sized.
@@ -30,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-# transformers scales the old rows' covariance by this before sampling new rows.
-COVARIANCE_SCALE = 1e-9
+from .row_init import COVARIANCE_SCALE, RowSources, new_bias_values, new_row_values
 
 
 @dataclass(frozen=True)
@@ -92,8 +85,9 @@ def _old_base_rows(old: torch.Tensor, plan: RowPlan) -> torch.Tensor:
     return base if base.shape[0] > 0 else old
 
 
-def grow_rows(old: torch.Tensor, plan: RowPlan, generator: torch.Generator) -> torch.Tensor:
-    """A 2-D weight (embedding or head) grown by mean resizing (see the module docstring)."""
+def grow_rows(old: torch.Tensor, plan: RowPlan, generator: torch.Generator,
+              rule: str = "mean", sources: RowSources | None = None) -> torch.Tensor:
+    """A 2-D weight (embedding or head) grown: new rows by ``rule`` (:mod:`patches.row_init`)."""
     if old.dim() != 2:
         raise ValueError(f"grow_rows expects a 2-D weight, got shape {tuple(old.shape)}")
     if plan.added < 0:
@@ -101,23 +95,13 @@ def grow_rows(old: torch.Tensor, plan: RowPlan, generator: torch.Generator) -> t
     if plan.added == 0:
         return old.clone()
     base = _old_base_rows(old, plan).detach().to(torch.float64)
-    mean = base.mean(dim=0)
-    centered = base - mean
-    covariance = centered.T @ centered / base.shape[0]
-    noise = torch.randn(plan.added, base.shape[1], generator=generator, dtype=torch.float64)
-    try:
-        # Cholesky succeeds exactly when the scaled covariance is positive definite,
-        # which is transformers' condition for sampling from it.
-        chol = torch.linalg.cholesky(COVARIANCE_SCALE * covariance)
-        new_part = mean + noise @ chol.T
-    except RuntimeError:
-        std = base.std(dim=0, unbiased=False) if base.shape[0] > 1 else torch.zeros_like(mean)
-        new_part = mean + noise * (COVARIANCE_SCALE ** 0.5) * std
+    new_part = new_row_values(base, plan.new_row_indices(), rule, generator, sources)
     return _assemble(old, new_part, plan)
 
 
-def grow_bias(old: torch.Tensor, plan: RowPlan, generator: torch.Generator) -> torch.Tensor:
-    """A 1-D head bias grown around the old biases' mean (std ``1e-9`` of theirs)."""
+def grow_bias(old: torch.Tensor, plan: RowPlan, generator: torch.Generator,
+              rule: str = "mean", sources: RowSources | None = None) -> torch.Tensor:
+    """A 1-D head bias grown by its head's ``rule`` (:mod:`patches.row_init`)."""
     if old.dim() != 1:
         raise ValueError(f"grow_bias expects a 1-D bias, got shape {tuple(old.shape)}")
     if plan.added < 0:
@@ -125,9 +109,7 @@ def grow_bias(old: torch.Tensor, plan: RowPlan, generator: torch.Generator) -> t
     if plan.added == 0:
         return old.clone()
     base = _old_base_rows(old, plan).detach().to(torch.float64)
-    std = base.std(unbiased=False) if base.numel() > 1 else torch.zeros((), dtype=torch.float64)
-    noise = torch.randn(plan.added, generator=generator, dtype=torch.float64)
-    new_part = base.mean() + noise * COVARIANCE_SCALE * std
+    new_part = new_bias_values(base, plan.new_row_indices(), rule, generator, sources)
     return _assemble(old, new_part, plan)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import json
 
 from patches.tools import cli
@@ -68,6 +70,20 @@ def test_version(capsys) -> None:
         cli.main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"training-patches {patches.__version__}"
+
+
+def test_the_version_is_one_everywhere() -> None:
+    """setup.cfg reads patches/_version.py: the installed metadata, --version, the banner
+    and the checkpoints' "written_by" all say the same version."""
+    import importlib.metadata
+    import configparser
+
+    import patches
+
+    assert importlib.metadata.version("training-patches") == patches.__version__
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    assert cfg["metadata"]["version"] == "attr: patches._version.__version__"
 
 
 # -- every command: one-paragraph usage errors, --json, signals (issue 19) ---------------------

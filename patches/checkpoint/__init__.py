@@ -15,6 +15,7 @@ from typing import Any
 
 from .._options import Option
 from .._registry import PatchSpec, register
+from ..row_init import ROW_INITS, check_rule
 from .reading import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, check_file,
                       manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
 from .atomic import atomic_torch_save, atomic_write
@@ -36,6 +37,16 @@ def _resume_policy(text: Any) -> str:
     return value
 
 
+def _row_rule(what: str):
+    def parse(text: Any) -> str:
+        value = str(text).strip().lower()
+        try:
+            return check_rule(value, what)
+        except ValueError:
+            raise ValueError(f"expected one of {', '.join(ROW_INITS)}") from None
+    return parse
+
+
 SPEC = register(PatchSpec(
     name="checkpoint",
     describe=lambda o: (f"vocabulary-aware restore (policy {o.resume_policy}), atomic saves, "
@@ -44,7 +55,13 @@ SPEC = register(PatchSpec(
                     "remap (keep optimizer, scheduler and scaler; grow moments of resized "
                     "rows) or reset (start all three fresh)",
                     "`remap` keeps optimizer, scheduler and scaler on resume (moments resized); "
-                    "`reset` starts all three fresh", shown_default="`remap`"),),
+                    "`reset` starts all three fresh", shown_default="`remap`"),
+             Option("row_init", _row_rule("row_init"), "mean", " / ".join(ROW_INITS),
+                    "how the text embedding's new rows start when the vocabulary grows "
+                    "(docs/benchmarks.md, 'New rows that learn')", shown_default="`mean`"),
+             Option("head_row_init", _row_rule("head_row_init"), "mean", " / ".join(ROW_INITS),
+                    "how the text head's new rows (and bias entries) start when the "
+                    "vocabulary grows", shown_default="`mean`")),
 ))
 
 __all__ = [

@@ -50,6 +50,9 @@ class LoadOptions:
     trusted: bool = False
     truncate: bool = False
     resume_step: bool = True
+    row_init: str = "mean"
+    head_row_init: str = "mean"
+    tokenizer: Any = None
 
 
 @dataclass
@@ -102,7 +105,9 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     plan = plan_model(path, ckpt, model, strict=options.strict,
                       vocab_modules=options.vocab_modules,
                       start_token_row=options.start_token_row, seed=options.seed,
-                      key_filter=options.key_filter, truncate=options.truncate)
+                      key_filter=options.key_filter, truncate=options.truncate,
+                      row_init=options.row_init, head_row_init=options.head_row_init,
+                      tokenizer=options.tokenizer)
     if not options.allow_nonfinite:
         check_finite(path, plan, model)
     # A bare state dict has no step, optimizer, ... (its keys are tensor names).

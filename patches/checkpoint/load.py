@@ -13,6 +13,7 @@ import torch
 
 from .. import _dist, _options
 from .._log import info
+from ..row_init import check_rule
 from ..vocab_rows import row_layout
 from . import _collective
 from .apply import apply
@@ -49,6 +50,9 @@ def load_checkpoint(
     truncate: bool = False,
     collective: bool | None = None,
     resume_step: bool = True,
+    row_init: str | None = None,
+    head_row_init: str | None = None,
+    tokenizer: Any = None,
 ) -> LoadReport:
     """Load ``path`` into ``model`` (and the optimizer, scheduler, scaler) safely, all or
     nothing: every tensor is validated before anything is touched, and a refused load leaves
@@ -92,6 +96,13 @@ def load_checkpoint(
             ``restore_path``, XTTS's ``xtts_checkpoint``): ``report.step`` is 0 and the
             report says the saved step was dropped; :func:`warn_weights_only` then names
             what the file held that the start lost.
+        row_init, head_row_init: how the new rows of the text embedding and of the text
+            head start when the vocabulary grew (:mod:`patches.row_init`: ``romanized``,
+            ``spread``, ``mean``, ``std0.02``, ``randn``); default
+            ``TRAINING_PATCHES_ROW_INIT`` / ``TRAINING_PATCHES_HEAD_ROW_INIT``.
+        tokenizer: the grown tokenizer the model was built with (a ``vocab.json``, a
+            SentencePiece ``.model``, or such an object), which ``romanized`` needs to spell
+            the new tokens; without it their rows start by ``spread`` (the report says so).
 
     Returns:
         A :class:`LoadReport`: ``parts`` says what happened to each part (model, optimizer,
@@ -121,11 +132,16 @@ def load_checkpoint(
             f"the optimizer), or resume from a sharded checkpoint folder that "
             f"CheckpointManager.save wrote for this FSDP2 model (CheckpointManager.resume('auto') "
             f"finds it).")
+    current = _options.current()
     options = LoadOptions(
         policy=policy, freeze=freeze, strict=strict, restore_rng=restore_rng,
         vocab_modules=vocab_modules, start_token_row=start_token_row, mmap=mmap, seed=seed,
         key_filter=key_filter, verify_hash=verify_hash, allow_nonfinite=allow_nonfinite,
-        trusted=trusted, truncate=truncate, resume_step=resume_step)
+        trusted=trusted, truncate=truncate, resume_step=resume_step,
+        row_init=check_rule(current.row_init if row_init is None else row_init),
+        head_row_init=check_rule(current.head_row_init if head_row_init is None
+                                 else head_row_init, "head_row_init"),
+        tokenizer=tokenizer)
     if collective is False or not _collective.active():
         return _load_file(path, model, optimizer, scheduler, scaler, options, gate=None)
     return _collective.on_every_rank(
@@ -168,6 +184,7 @@ def _report_model(report: LoadReport, plan: LoadPlan, missing: list[str], *,
                             for key in model.resized}
         report.base_vocab_size, report.vocab_size = model.rows.old_rows, model.rows.new_rows
         report.start_row_moved = model.rows.start_row_last
+        report.new_rows = model.new_rows
     report.policy = plan.effective if plan.policy == "remap" else plan.policy
     if not resume_step:
         report.step = 0
@@ -186,7 +203,8 @@ def _set_parts(report: LoadReport, load: LoadPlan, *, resume_step: bool) -> None
     why = "policy reset" if not fell_back else "the file has no optimizer state"
     if plan.rows is not None:
         rows = plan.rows
-        change = (f"grown by {rows.added} vocabulary row(s) near the old rows' mean"
+        how = f" ({plan.new_rows.describe()})" if plan.new_rows is not None else ""
+        change = (f"grown by {rows.added} vocabulary row(s){how}"
                   if rows.added >= 0 else
                   f"cut by their last {-rows.added} vocabulary row(s) (truncate=True)")
         report.set_part("model", "remapped", f"{len(plan.state)} tensor(s), "

@@ -21,7 +21,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import __version__, _dist, _run
+from .. import _dist, _run
+from .._version import __version__
 from .._log import info
 from . import _collective
 from .reading import (FORMAT, MANIFEST_SUFFIX, _sha256, _what_to_do, check_file,

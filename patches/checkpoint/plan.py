@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from ..row_init import RowSources, check_rule, romanized_sources
 from ..vocab_resize import RowPlan, grow_bias, grow_rows
 from ..vocab_rows import row_layout
 from .reading import _what_to_do, nonfinite_flags
@@ -180,6 +181,40 @@ class ModelPlan:
     prefix_added: str = ""
     # model key -> (saved dtype, model dtype) where they differ: load_state_dict casts them
     casts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # how the new rows started, when rows were added
+    new_rows: "NewRows | None" = None
+
+
+@dataclass(frozen=True)
+class NewRows:
+    """How the new rows of a grown vocabulary started: the rule of the embedding and of the
+    head (:mod:`patches.row_init`), the part each grown key belongs to, and for
+    ``romanized`` the rows placed by their spelling (``sources``; None when no tokenizer
+    was given, so every row fell back)."""
+
+    embedding: str
+    head: str
+    sources: RowSources | None
+    parts: dict[str, str]  # grown model key -> "embedding" or "head"
+    added: int = 0  # new rows in each grown tensor
+
+    def rule_of(self, key: str) -> str:
+        return self.head if self.parts[key] == "head" else self.embedding
+
+    def describe(self) -> str:
+        """``embedding romanized (118 from their spelling, 2 by spread ('።')), head mean``."""
+        out = []
+        for part, rule in (("embedding", self.embedding), ("head", self.head)):
+            if part not in self.parts.values():
+                continue
+            if rule != "romanized":
+                out.append(f"{part} {rule}")
+            elif self.sources is None:
+                out.append(f"{part} romanized asked, but no tokenizer was given to spell the "
+                           f"new tokens: all by spread")
+            else:
+                out.append(f"{part} romanized ({self.sources.describe()})")
+        return ", ".join(out)
 
 
 def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],
@@ -202,10 +237,18 @@ def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],
         f"checkpoint) on purpose, load with truncate=True to drop exactly those rows.")
 
 
+def _is_head(model: torch.nn.Module, key: str) -> bool:
+    """A vocabulary tensor of the output head (a Linear's weight, any bias), not of the
+    input embedding."""
+    owner = _owner(model, key)
+    return key.endswith(".bias") or not isinstance(owner, torch.nn.Embedding)
+
+
 def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
                strict: bool, vocab_modules: Sequence[str], start_token_row: str | bool,
                seed: int, key_filter: Callable[[str], bool] | None = None,
-               truncate: bool = False) -> ModelPlan:
+               truncate: bool = False, row_init: str = "mean", head_row_init: str = "mean",
+               tokenizer: Any = None) -> ModelPlan:
     """The :class:`ModelPlan` of loading ``ckpt`` into ``model``: keys matched, shapes and
     dtypes checked, vocabulary rows grown. Raises before anything is changed."""
     source = model_state(ckpt, path)
@@ -261,12 +304,39 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
         rows = RowPlan(old_rows, new_rows, start_row_last=move)
         if new_rows < old_rows and not truncate:
             raise _shrink_error(path, model, list(vocab), rows)
+        new_rows = None
+        if rows.added > 0:
+            new_rows = _new_rows(path, model, list(vocab), rows, check_rule(row_init),
+                                 check_rule(head_row_init, "head_row_init"), tokenizer)
         generator = torch.Generator().manual_seed(seed)
         for key in vocab:
             old = state[key]
-            grown = grow_bias(old, rows, generator) if old.dim() == 1 else grow_rows(old, rows, generator)
+            rule = new_rows.rule_of(key) if new_rows is not None else "mean"
+            sources = new_rows.sources if new_rows is not None else None
+            grown = (grow_bias(old, rows, generator, rule, sources) if old.dim() == 1
+                     else grow_rows(old, rows, generator, rule, sources))
             state[key] = grown.to(dtype=target[key].dtype)
-    return ModelPlan(aligned, state, vocab, rows, missing, unexpected, stripped, added, casts)
+    return ModelPlan(aligned, state, vocab, rows, missing, unexpected, stripped, added, casts,
+                     new_rows if vocab else None)
+
+
+def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: RowPlan,
+              row_init: str, head_row_init: str, tokenizer: Any) -> NewRows:
+    """The rule of each grown tensor, and the spelled rows when a rule is ``romanized``."""
+    parts = {key: "head" if _is_head(model, key) else "embedding" for key in keys}
+    used = {head_row_init if part == "head" else row_init for part in parts.values()}
+    sources = None
+    if "romanized" in used and tokenizer is not None:
+        try:
+            sources = romanized_sources(tokenizer, rows.new_row_indices(),
+                                        trained=lambda i: 0 <= i < rows.base_rows)
+        except (OSError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"training-patches: cannot start the new rows of {path} from their spelling "
+                f"(row_init 'romanized'): the tokenizer given could not be read ({exc}). "
+                f"Nothing was loaded. Pass tokenizer= the grown tokenizer the model was built "
+                f"with (a vocab.json or a SentencePiece .model), or another row_init.") from exc
+    return NewRows(row_init, head_row_init, sources, parts, rows.added)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

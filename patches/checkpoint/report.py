@@ -48,6 +48,10 @@ class LoadReport:
     (or added to) that many of the file's keys to match the model (``module.``,
     ``_orig_mod.``, ``xtts.``). ``dtype_casts`` maps each model key whose saved dtype
     differs from the model's to (saved dtype, model dtype): the values were cast.
+    ``new_rows`` (a ``checkpoint.plan.NewRows``, None when no row was added) says how the
+    new rows started: the rule of the embedding and of the head, and for ``romanized`` how
+    many rows were placed by their spelling and which tokens fell back (``row_init`` gives
+    it as a dict).
     """
 
     path: str
@@ -76,10 +80,27 @@ class LoadReport:
     prefix_added: str = ""
     renamed_keys: int = 0
     dtype_casts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    new_rows: Any = None
 
     @property
     def vocab_grew(self) -> bool:
         return bool(self.resized)
+
+    @property
+    def row_init(self) -> dict[str, Any] | None:
+        """How the new rows started, as data: ``{"embedding": rule, "head": rule,
+        "spelled": n, "fallback": n, "fallback_tokens": [...]}`` (the counts only for a
+        ``romanized`` load given a tokenizer); None when no row was added."""
+        rows = self.new_rows
+        if rows is None:
+            return None
+        out: dict[str, Any] = {"embedding": rows.embedding, "head": rows.head}
+        if rows.sources is not None:
+            out.update(spelled=len(rows.sources.sources), fallback=len(rows.sources.unspelled),
+                       fallback_tokens=list(rows.sources.unspelled.values()))
+        elif "romanized" in (rows.embedding, rows.head):
+            out.update(spelled=0, fallback=rows.added, fallback_tokens=[], no_tokenizer=True)
+        return out
 
     def set_part(self, name: str, status: str, detail: str = "", *,
                  in_file: bool = False) -> None:
@@ -116,6 +137,8 @@ class LoadReport:
                 + ", ".join(
                     f"{name} {list(old)}->{list(new)} ({self.kept_rows[name]} trained rows kept)"
                     for name, (old, new) in self.resized.items()))
+            if self.new_rows is not None and not self.parts:
+                parts.append(f"new rows: {self.new_rows.describe()}")
             if self.start_row_moved:
                 parts.append("start-text token row moved to the new last row")
         if not self.parts:  # a report built by hand, without parts: the plain lists

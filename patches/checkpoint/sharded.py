@@ -37,7 +37,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .. import __version__, _dist
+from .. import _dist
+from .._version import __version__
 from .._log import info
 from . import _collective
 from .reading import iter_tensors, nonfinite_flags

@@ -50,6 +50,18 @@ def local_path(path: Any) -> Path:
     return Path(text[len("file://"):] if text.startswith("file://") else text)
 
 
+def model_tokenizer(config: Any) -> str | None:
+    """The local tokenizer file a coqui config names (``model_args.tokenizer_file``, XTTS),
+    for the loader's ``romanized`` new rows; None when it names none that exists here."""
+    args = getattr(config, "model_args", None)
+    path = getattr(args, "tokenizer_file", "") if args is not None else ""
+    if isinstance(args, dict):
+        path = args.get("tokenizer_file", "")
+    if not path or not is_local(path) or not local_path(path).is_file():
+        return None
+    return str(local_path(path))
+
+
 def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]:
     """``Trainer.restore_model`` through :func:`load_checkpoint`."""
 
@@ -64,7 +76,8 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
             scaler = self.scaler if self.use_amp_scaler else None
             report = load_checkpoint(local_path(path), self.model, self.optimizer, self.scheduler,
                                      scaler, policy=_options.current().resume_policy,
-                                     restore_rng=False)
+                                     restore_rng=False,
+                                     tokenizer=model_tokenizer(getattr(self, "config", None)))
             if report.policy == "remap":
                 # as upstream: +1 so that a restored model is not checkpointed at once
                 self.total_steps_done = report.step + 1
@@ -75,7 +88,8 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
         else:
             # restore_path alone: weights only, fresh optimizer/scheduler/scaler (upstream).
             report = load_checkpoint(local_path(path), self.model, restore_rng=False,
-                                     resume_step=False)
+                                     resume_step=False,
+                                     tokenizer=model_tokenizer(getattr(self, "config", None)))
             warn_weights_only(
                 report, "restore_path loads the model weights only, as upstream coqui does",
                 "To resume that run with them, pass continue_path=<its run folder> instead; to "

@@ -28,7 +28,7 @@ from .._registry import Integration, Site, is_enabled, register_integration
 from ..checkpoint import load_checkpoint, warn_weights_only
 from ..vocab_freeze import TAG, VocabFreezeError, freeze_base_vocab
 from ..vocab_rows import describe_rows, frozen_rows, row_layout
-from .coqui_checkpoint import is_local, local_path
+from .coqui_checkpoint import is_local, local_path, model_tokenizer
 
 NAME = "xtts_gpt"
 DISTRIBUTION = "coqui-tts"
@@ -57,7 +57,7 @@ def make_gpt_trainer_load_checkpoint(original: Callable[..., Any]) -> Callable[.
         # then counts from step 0, so the report says the saved step was dropped.
         report = load_checkpoint(local_path(checkpoint_path), self.xtts, strict=strict,
                                  restore_rng=False, key_filter=_xtts_state_filter,
-                                 resume_step=False)
+                                 resume_step=False, tokenizer=model_tokenizer(config))
         if not eval:
             warn_weights_only(
                 report, "xtts_checkpoint loads the model weights only (GPTTrainer builds no "
@@ -78,14 +78,17 @@ def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
     """What ``GPTTrainer.__init__`` does with ``gpt_checkpoint``, through the loader.
 
     Accepts a bare GPT state dict or a coqui Trainer checkpoint (keys ``xtts.gpt.*``);
-    a grown vocabulary is mean-resized (not ``torch.randn``). Returns the LoadReport.
+    a grown vocabulary's new rows start by the loader's rules (``TRAINING_PATCHES_ROW_INIT``;
+    not ``torch.randn``), spelled with GPTTrainer's own ``tokenizer_file``. Returns the
+    LoadReport.
     """
     def gpt_keys(key: str) -> bool:
         # a coqui Trainer checkpoint holds the whole GPTTrainer: keep xtts.gpt.* only
         return key.startswith("xtts.gpt.") or not key.startswith(("xtts.", *_XTTS_IGNORED))
 
     report = load_checkpoint(path, gpt_trainer.xtts.gpt, restore_rng=False, freeze=freeze,
-                             strict=True, key_filter=gpt_keys, resume_step=False)
+                             strict=True, key_filter=gpt_keys, resume_step=False,
+                             tokenizer=model_tokenizer(getattr(gpt_trainer, "config", None)))
     warn_weights_only(
         report, "gpt_checkpoint loads the GPT weights only (GPTTrainer builds no optimizer "
         "before it, and the coqui Trainer counts from step 0)",

@@ -6,9 +6,13 @@ patch applied, a language registered here is encoded with its own cleaner and
 character limit (and the XTTS config accepts its code)::
 
     import patches
-    patches.register_language("ti", cleaner=my_tigrinya_cleaner, char_limit=150)
+    patches.register_language("ti", cleaner=my_tigrinya_cleaner, char_limit=150,
+                              romanize=my_tigrinya_romanizer)
 
-Amharic (``am``) is registered from the start with :func:`patches.languages.amharic.normalize`.
+A language's ``romanize`` (text -> Latin letters, or None) serves the pronunciation-informed
+init of new vocabulary rows (:mod:`patches.row_init`). Amharic (``am``) is registered from the
+start with :func:`patches.languages.amharic.normalize` and
+:func:`patches.languages.amharic.romanize`.
 Registering only fills this table; nothing upstream changes until the patch is applied.
 """
 
@@ -27,7 +31,7 @@ from .._registry import PatchSpec, register
 from . import amharic
 
 __all__ = ["Language", "register_language", "unregister_language", "get_language",
-           "registered_languages", "plain_cleaner", "COQUI_LANGUAGES"]
+           "registered_languages", "plain_cleaner", "romanize", "COQUI_LANGUAGES"]
 
 # What coqui-tts 0.28's VoiceBpeTokenizer.preprocess_text handles by itself.
 COQUI_LANGUAGES = frozenset({"ar", "cs", "de", "en", "es", "fr", "hi", "hu", "it", "ja", "ko",
@@ -37,13 +41,17 @@ _CODE_RE = re.compile(r"^[a-z]{2,3}$")
 
 @dataclass(frozen=True)
 class Language:
-    """A registered language: its code (``am``), text cleaner and character limit."""
+    """A registered language: its code (``am``), text cleaner, character limit and
+    (optionally) romaniser."""
 
     code: str
     cleaner: Callable[[str], str]
     char_limit: int
     name: str = ""
     aliases: tuple[str, ...] = ()  # other codes of the same language (ISO 639-3: "amh")
+    # text -> Latin letters as the base language reads them, None for text not in this
+    # language's script (patches.row_init's "romanized" rule)
+    romanize: Callable[[str], str | None] | None = None
 
     @property
     def codes(self) -> tuple[str, ...]:
@@ -72,6 +80,7 @@ def base_code(code: str) -> str:
 
 def register_language(code: str, cleaner: Callable[[str], str] | None = None,
                       char_limit: int = 250, *, name: str = "", aliases: tuple[str, ...] = (),
+                      romanize: Callable[[str], str | None] | None = None,
                       replace: bool = False) -> Language:
     """Teach the XTTS tokenizer a language (effective while ``xtts_language`` is applied).
 
@@ -82,7 +91,10 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
     it does not. Registering a code that is already registered, or one coqui
     handles itself (``en``, ``de`` ...), needs ``replace=True``. ``aliases`` are other
     codes of the same language (the ISO 639-3 ``amh`` for ``am``): manifests, the
-    tokenizer and the headless CLI accept each of them as this language.
+    tokenizer and the headless CLI accept each of them as this language. ``romanize(text)``
+    spells text of this language's script in Latin letters as the base language reads them
+    (``ሰላም`` -> ``selam``) and returns None for text it cannot spell: the "romanized" rule
+    of :mod:`patches.row_init` starts a new token's rows from the base rows of its spelling.
     """
     key = base_code(code)
     alias_keys = tuple(base_code(alias) for alias in aliases)
@@ -103,6 +115,11 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
             f"training-patches: register_language({key!r}) got cleaner={cleaner!r}, which is not "
             f"callable. Expected a function taking the text and returning the cleaned text, "
             f"or None for NFC + lowercase + single spaces.")
+    if romanize is not None and not callable(romanize):
+        raise _options.ConfigError(
+            f"training-patches: register_language({key!r}) got romanize={romanize!r}, which is "
+            f"not callable. Expected a function taking text and returning it in Latin letters "
+            f"(or None when it cannot), or None for no romaniser.")
     if isinstance(char_limit, bool) or not isinstance(char_limit, int) or char_limit < 1:
         raise _options.ConfigError(
             f"training-patches: register_language({key!r}) got char_limit={char_limit!r}. "
@@ -114,7 +131,7 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
             raise _options.ConfigError(
                 f"training-patches: the language {key!r} is {where}. Pass replace=True to "
                 f"register_language to use your cleaner and limit instead.")
-        language = Language(key, cleaner or plain_cleaner, char_limit, name, alias_keys)
+        language = Language(key, cleaner or plain_cleaner, char_limit, name, alias_keys, romanize)
         _languages[key] = language
     info("training-patches: language %r registered (char limit %d)", key, char_limit)
     return language
@@ -140,8 +157,25 @@ def registered_languages() -> dict[str, Language]:
     return dict(_languages)
 
 
+def romanize(text: str) -> tuple[str, str] | None:
+    """``(romanised text, language code)`` from the first registered language whose
+    romaniser spells ``text``, or None when none does. A romaniser that raises or returns
+    something other than a non-empty string counts as "cannot spell it"."""
+    for language in list(_languages.values()):
+        if language.romanize is None:
+            continue
+        try:
+            spelled = language.romanize(text)
+        except Exception:  # a user's function: its failure is a fallback, not a crash
+            continue
+        if isinstance(spelled, str) and spelled.strip():
+            return spelled.strip(), language.code
+    return None
+
+
 # Amharic ships registered; the registration is only an entry in the table above.
-_languages["am"] = Language("am", _amharic_cleaner, amharic.CHAR_LIMIT, "Amharic", ("amh",))
+_languages["am"] = Language("am", _amharic_cleaner, amharic.CHAR_LIMIT, "Amharic", ("amh",),
+                            amharic.romanize)
 
 
 def _describe(options: object) -> str:

@@ -29,7 +29,7 @@ import re
 import unicodedata
 
 __all__ = ["normalize", "number_to_words", "ordinal_to_words", "ethiopic_to_int",
-           "normalize_homophones", "CHAR_LIMIT"]
+           "normalize_homophones", "romanize", "CHAR_LIMIT"]
 
 # Amharic is written in syllables (one character = consonant + vowel), so a
 # character carries about what two Latin letters do; coqui uses 150 for Hindi,
@@ -251,3 +251,66 @@ def normalize(text: str, *, homophones: bool = False) -> str:
     text = _SPACES_RE.sub(" ", text).strip()
     # A mark left after a space ("ሰላም ." after a removed quote) belongs to the word.
     return re.sub(r" ([.,;:?!])", r"\1", text)
+
+
+# -- romanisation -------------------------------------------------------------------------
+#
+# The library's own table, for the pronunciation-informed init of new vocabulary rows
+# (patches.row_init): each syllable spelled the way an English reader would say it, so
+# that the base model's rows for those letters are a fair first guess. Derived from the
+# Unicode layout of the Ethiopic block (a consonant series every 8 code points, the vowel
+# orders in a fixed sequence), with the SERA transliteration's vowels (ä -> e, ē -> e, the
+# sixth order bare) and its consonants respelled for English (ቀ q -> k, ሸ x -> sh,
+# ቸ c -> ch, ጠ/ጨ/ጰ/ጸ ejectives -> t/ch/p/ts).
+
+# First code point of a series -> its consonant.
+_ONSETS = {
+    0x1200: "h", 0x1208: "l", 0x1210: "h", 0x1218: "m", 0x1220: "s", 0x1228: "r", 0x1230: "s",
+    0x1238: "sh", 0x1240: "k", 0x1250: "kh", 0x1260: "b", 0x1268: "v", 0x1270: "t",
+    0x1278: "ch", 0x1280: "h", 0x1290: "n", 0x1298: "ny", 0x12A0: "", 0x12A8: "k", 0x12B8: "h",
+    0x12C8: "w", 0x12D0: "", 0x12D8: "z", 0x12E0: "zh", 0x12E8: "y", 0x12F0: "d", 0x12F8: "d",
+    0x1300: "j", 0x1308: "g", 0x1318: "ng", 0x1320: "t", 0x1328: "ch", 0x1330: "p",
+    0x1338: "ts", 0x1340: "ts", 0x1348: "f", 0x1350: "p",
+}
+# Labialised series (ቈ ቊ ቋ ቌ ቍ): orders 1, 3, 4, 5, 6 only.
+_LABIALISED = {0x1248: "kw", 0x1258: "khw", 0x1288: "hw", 0x12B0: "kw", 0x12C0: "hw",
+               0x1310: "gw"}
+# The eight orders: ä, u, i, a, ē, (bare / ɨ), o, wa.
+_ORDERS = ("e", "u", "i", "a", "e", "", "o", "wa")
+# A series with no consonant (አ, ዐ) is the vowel itself; its sixth order is ɨ.
+_VOWEL_SERIES = ("a", "u", "i", "a", "e", "i", "o", "wa")
+_LABIALISED_ORDERS = ("e", None, "i", "a", "e", "", None, None)
+_OTHER = {"\u1358": "rya", "\u1359": "mya", "\u135A": "fya"}
+
+
+def _syllable(char: str) -> str | None:
+    code = ord(char)
+    if char in _OTHER:
+        return _OTHER[char]
+    base, order = code - (code - 0x1200) % 8, (code - 0x1200) % 8
+    if base in _ONSETS:
+        onset = _ONSETS[base]
+        return (_VOWEL_SERIES if onset == "" else tuple(onset + v for v in _ORDERS))[order]
+    if base in _LABIALISED and _LABIALISED_ORDERS[order] is not None:
+        return _LABIALISED[base] + _LABIALISED_ORDERS[order]
+    return None
+
+
+def romanize(text: str) -> str | None:
+    """``text`` in Latin letters as an English reader would say it (``ሰላም`` -> ``selam``,
+    ``ኢትዮጵያ`` -> ``ityopya``): Ethiopic syllables by the table above, Latin letters and
+    digits lower-cased as they are, spaces kept, anything else (punctuation, Ethiopic
+    numerals, marks) left out. None when ``text`` holds no Ethiopic syllable: it is not
+    Amharic, and another language's romaniser may know it."""
+    out, found = [], False
+    for char in unicodedata.normalize("NFC", text):
+        if "\u1200" <= char <= "\u135A":
+            spelled = _syllable(char)
+            if spelled is not None:
+                out.append(spelled)
+                found = True
+        elif char.isascii() and char.isalnum():
+            out.append(char.lower())
+        elif char.isspace():
+            out.append(" ")
+    return " ".join("".join(out).split()) if found else None

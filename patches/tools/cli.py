@@ -25,7 +25,7 @@ import signal
 import sys
 from typing import NoReturn, Sequence
 
-from .. import __version__
+from .._version import __version__
 from .._output import Interrupted, stop_on_signals
 
 # Each subcommand lives in its own module, which has ``register(sub)``: it adds its parser

@@ -1,0 +1,615 @@
+"""A new language on the real XTTS GPT, text -> speech codes: which new rows learn it?
+
+The speech-shaped sibling of ``bench_new_language.py`` (issue 25), small enough for a
+2-core CPU:
+
+1. **Speech** (``speech_corpus.py``): English sentences and real Amharic phrases (the
+   ``amharicnlp`` lemma list) spoken by espeak-ng, turned into codes at XTTS's code rate
+   (one per 1,024 samples) by a k-means codebook on XTTS-style log-mel frames.
+2. **Tokenizers**: a BPE ``vocab.json`` in XTTS's layout learned on the English text, then
+   grown for Amharic by the real ``training-patches extend-tokenizer`` command.
+3. **Base models**: coqui-tts's own XTTS ``GPT`` (``TTS.tts.layers.xtts.gpt``, perceiver
+   conditioning, XTTS's losses: text x 0.01 + audio codes) in a tiny configuration,
+   trained on English until its held-out audio loss plateaus. One per seed: the seed sets
+   the base model's init and data order, and the fine-tune's data order.
+4. **Arms**: the base checkpoint loaded into a model built with the grown tokenizer by
+   ``patches.load_checkpoint(row_init=..., head_row_init=..., tokenizer=...)``, then a
+   fine-tune on Amharic (with or without about 10% English samples mixed in), with the
+   base rows frozen by ``patches.freeze_base_vocab`` (on, off, or released after a quarter
+   of the steps), at a low or a high learning rate. Every arm of a seed sees the same
+   Amharic samples in the same order.
+
+Measured, on held-out utterances: audio-code loss (nats per code, the stop code included)
+on Amharic (learning) and on English (forgetting), text loss (nats per character), over
+the steps. The base model's English audio loss with each utterance given another
+utterance's text shows how much the model reads its text at all.
+
+Run:  .venv/bin/python benchmarks/bench_speech_language.py [--quick] [--out DIR]
+Needs espeak-ng (``scripts/ensure_espeak.sh``) and the bench extra (``amharicnlp``,
+``scikit-learn``). Writes DIR/results.json, DIR/table.md and DIR/speech_language.png
+(default DIR: benchmarks/results/speech_language[_quick]); DIR/work (speech, codes,
+tokenizers, base models) is kept between runs as a cache unless --clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+import speech_corpus as sc  # noqa: E402
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # about 4 minutes on 2 cores: one seed, the init rules only
+    "quick": dict(d_model=64, layers=2, heads=2, batch=16, codebook=128, max_chars_en=48,
+                  max_chars_am=22, n_en=900, n_am=900, eval_lines=48, base_vocab=160,
+                  new_pieces=200, base_max_steps=700, base_eval_every=100, steps=120,
+                  eval_every=30, seeds=1, cond_frames=96, cond_pool=48, arms="quick"),
+    # the measurement: three seeds, every arm
+    "full": dict(d_model=96, layers=3, heads=4, batch=16, codebook=256, max_chars_en=56,
+                 max_chars_am=26, n_en=1500, n_am=2000, eval_lines=64, base_vocab=200,
+                 new_pieces=300, base_max_steps=5000, base_eval_every=250, steps=400,
+                 eval_every=50, seeds=3, cond_frames=128, cond_pool=64, arms="full"),
+}
+BASE_LR = 1e-3
+# The seeds' fine-tune LR (5e-6 to 2e-5 on XTTS's 1024-wide GPT), scaled by width
+# (1024 / d_model: Adam's update size per weight goes with 1/width): "low"; and "high".
+SEED_LR = 1.25e-5
+HIGH_LR = 5e-4
+TEXT_WEIGHT = 0.01  # XTTS's gpt_loss_text_ce_weight; the audio codes weigh 1.0
+MIX = 0.1
+RULES = ("romanized", "spread", "mean", "std0.02", "randn")
+
+
+def low_lr(cfg: dict[str, Any]) -> float:
+    return SEED_LR * 1024 / cfg["d_model"]
+
+
+# -- arms ------------------------------------------------------------------------------------
+
+
+def arm(emb: str, head: str | None = None, freeze: str = "on", mix: float = MIX,
+        lr: str = "high") -> dict[str, Any]:
+    head = head or emb
+    name = f"{emb}/{head} freeze={freeze} mix={mix:g} lr={lr}"
+    return dict(name=name, emb=emb, head=head, freeze=freeze, mix=mix, lr=lr)
+
+
+def arms_for(which: str) -> list[dict[str, Any]]:
+    """The arms of a preset. Stage 1: each rule, embedding and head alike, then the
+    embedding's best guesses with other heads; stage 2 crosses freeze x mixing x LR for
+    GPTTrainer's randn, today's mean and the two rules that stage 1 ranked first."""
+    stage1 = [arm(rule) for rule in RULES]
+    stage1 += [arm("romanized", "mean"), arm("romanized", "std0.02"), arm("spread", "mean")]
+    if which == "quick":
+        return stage1[:5]
+    stage2 = []
+    for emb in ("romanized", "spread", "mean", "randn"):
+        for freeze in ("on", "until", "off"):
+            for mix in (MIX, 0.0):
+                for lr in ("high", "low"):
+                    a = arm(emb, None, freeze, mix, lr)
+                    if a["name"] not in {x["name"] for x in stage1 + stage2}:
+                        stage2.append(a)
+    return stage1 + stage2
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+def _extend(src: Path, corpus: list[str], out: Path, pieces: int, base_text: Path) -> str:
+    from bench_new_language import _extend as extend
+
+    return extend(src, corpus, out, pieces, base_text)
+
+
+def prepare(cfg: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Utterances, speech, codes, conditioning pools and tokenizers, cached in ``work``."""
+    import numpy as np
+    import torch
+
+    key = sc.text_key(*(cfg[k] for k in ("codebook", "max_chars_en", "max_chars_am", "n_en",
+                                         "n_am", "eval_lines", "base_vocab", "new_pieces",
+                                         "cond_frames", "cond_pool")))
+    cached = work / f"data_{key}.pt"
+    if cached.is_file():
+        return torch.load(cached, weights_only=False)
+    from bench_new_language import _encode, _rows, _train_base_vocab
+
+    from patches.languages import get_language
+
+    t0 = time.perf_counter()
+    rng = random.Random(25)
+    english = sc.english_utterances(cfg["max_chars_en"])
+    amharic = sc.amharic_utterances(cfg["max_chars_am"])
+    rng.shuffle(english)
+    rng.shuffle(amharic)
+    english, amharic = english[: cfg["n_en"] + cfg["eval_lines"]], amharic[: cfg["n_am"] + cfg["eval_lines"]]
+    clean_am = get_language("am").cleaner
+    amharic = [clean_am(t) for t in amharic]
+    n_eval = cfg["eval_lines"]
+    texts = {"en": english, "am": amharic}
+    wavs = {lang: sc.speak_all(lines, lang) for lang, lines in texts.items()}
+    mels = {lang: sc.log_mel(w) for lang, w in wavs.items()}
+    codes_n = {lang: [sc.n_codes(len(w)) for w in ws] for lang, ws in wavs.items()}
+    # the codebook: standardised 4-frame vectors of the training utterances of both languages
+    vecs = {lang: [sc.code_frames(m, n) for m, n in zip(mels[lang], codes_n[lang])]
+            for lang in texts}
+    train_vecs = np.concatenate([v for lang in texts for v in vecs[lang][n_eval:]])
+    mu, sd = train_vecs.mean(0), train_vecs.std(0) + 1e-5
+    centres = sc.fit_codebook((train_vecs - mu) / sd, cfg["codebook"], seed=25)
+    codes = {lang: [sc.quantize((v - mu) / sd, centres) for v in vecs[lang]] for lang in texts}
+    # conditioning: standardised mel segments of training utterances, a pool per language
+    frames = np.concatenate([m.T for lang in texts for m in mels[lang][n_eval:]])
+    fmu, fsd = frames.mean(0), frames.std(0) + 1e-5
+    pools = {}
+    for lang in texts:
+        stream = np.concatenate([m.T for m in mels[lang][n_eval:]])
+        c = cfg["cond_frames"]
+        segs = [stream[i * c:(i + 1) * c] for i in range(min(cfg["cond_pool"], len(stream) // c))]
+        pools[lang] = torch.tensor(((np.stack(segs) - fmu) / fsd).transpose(0, 2, 1),
+                                   dtype=torch.float32)
+    # tokenizers: English BPE in XTTS's layout, grown for Amharic by extend-tokenizer
+    base_vocab, grown = work / "vocab_en.json", work / "vocab_am.json"
+    _train_base_vocab(english[n_eval:], base_vocab, cfg["base_vocab"])
+    en_text = work / "en_base_text.txt"
+    en_text.write_text("\n".join(english) + "\n", encoding="utf-8")
+    log = _extend(base_vocab, amharic[n_eval:], grown, cfg["new_pieces"], en_text)
+    ids = {"en": _encode(base_vocab, english, "en"), "am": _encode(grown, amharic, "am")}
+    if _encode(grown, english, "en") != ids["en"]:
+        raise SystemExit("the grown tokenizer encodes English differently from the base one")
+    data: dict[str, Any] = {"rows": {"base": _rows(base_vocab), "grown": _rows(grown)},
+                            "vocab": {"base": str(base_vocab), "grown": str(grown)},
+                            "pools": pools, "tokenizer_log": log}
+    for lang in texts:
+        items = [{"ids": i, "codes": c, "chars": len(t), "text": t}
+                 for i, c, t in zip(ids[lang], codes[lang], texts[lang])]
+        data[f"{lang}_eval"], data[f"{lang}_train"] = items[:n_eval], items[n_eval:]
+    seconds = {lang: sum(len(w) for w in ws) / sc.SAMPLE_RATE for lang, ws in wavs.items()}
+    data["corpus"] = {
+        "english_utterances": len(english), "amharic_utterances": len(amharic),
+        "english_minutes": round(seconds["en"] / 60, 1),
+        "amharic_minutes": round(seconds["am"] / 60, 1),
+        "codes_per_second": round(sc.SAMPLE_RATE / sc.CODE_SAMPLES, 2),
+        "mean_codes": {lang: round(statistics.mean(map(len, codes[lang])), 1) for lang in texts},
+        "mean_tokens": {lang: round(statistics.mean(map(len, ids[lang])), 1) for lang in texts},
+        "unk_tokens_amharic": sum(i.count(1) for i in ids["am"]),
+        "seconds_to_prepare": round(time.perf_counter() - t0, 1)}
+    torch.save(data, cached)
+    return data
+
+
+# -- the model -------------------------------------------------------------------------------
+
+
+def build_gpt(rows: int, cfg: dict[str, Any]):
+    """coqui-tts's XTTS GPT (perceiver conditioning, as XTTS v2) in a tiny configuration;
+    the start-text token is the last row, as in an XTTS vocab.json."""
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from TTS.tts.layers.xtts.gpt import GPT  # lazy: the coqui-tts extra
+
+    k = cfg["codebook"]
+    return GPT(start_text_token=rows - 1, stop_text_token=0, layers=cfg["layers"],
+               model_dim=cfg["d_model"], heads=cfg["heads"], max_text_tokens=cfg["max_text"],
+               max_mel_tokens=cfg["max_codes"] + 8, max_prompt_tokens=70,
+               number_text_tokens=rows, num_audio_tokens=k + 2, start_audio_token=k,
+               stop_audio_token=k + 1, use_perceiver_resampler=True)
+
+
+def make_optimizer(model, lr: float):
+    from bench_new_language import make_optimizer as make  # GPTTrainer's AdamW groups
+
+    return make(model, lr)
+
+
+def collate(items: list[dict[str, Any]], lang_of: list[str], pools: dict[str, Any],
+            order: list[int]):
+    """XTTS GPT inputs of ``items``: padded ids and codes, their lengths (the wav length is
+    codes x 1024, so XTTS counts exactly the codes), a conditioning segment from the pool
+    of each item's language (picked by ``order``)."""
+    import torch
+
+    n = len(items)
+    t_len = torch.tensor([len(x["ids"]) for x in items])
+    c_len = torch.tensor([len(x["codes"]) for x in items])
+    text = torch.zeros(n, int(t_len.max()), dtype=torch.long)
+    codes = torch.zeros(n, int(c_len.max()), dtype=torch.long)
+    for i, x in enumerate(items):
+        text[i, : len(x["ids"])] = torch.tensor(x["ids"])
+        codes[i, : len(x["codes"])] = torch.tensor(x["codes"])
+    cond = torch.stack([pools[lang][o % len(pools[lang])] for lang, o in zip(lang_of, order)])
+    return text, t_len, codes, c_len * sc.CODE_SAMPLES, cond[:, None]
+
+
+def forward(model, items, lang_of, pools, order):
+    """(text loss, audio loss, audio nats summed over each item's codes and its stop code,
+    text nats summed, the counts of both)."""
+    import torch.nn.functional as F
+
+    text, t_len, codes, wav_len, cond = collate(items, lang_of, pools, order)
+    loss_text, loss_mel, mel_logits = model(text, t_len, codes, wav_len, cond_mels=cond)
+    stop = model.stop_audio_token
+    # mel_logits[:, :, j] predicts the j-th code (j < n) and the stop code at j = n
+    targets = codes.new_full((codes.shape[0], mel_logits.shape[-1]), -100)
+    for i, x in enumerate(items):
+        n = len(x["codes"])
+        targets[i, :n] = codes[i, :n]
+        targets[i, n] = stop
+    audio_sum = F.cross_entropy(mel_logits, targets, ignore_index=-100, reduction="sum")
+    text_count = int((t_len + 1).sum())
+    return loss_text, loss_mel, audio_sum, int((targets != -100).sum()), loss_text * text_count
+
+
+def evaluate(model, items: list[dict[str, Any]], lang: str, pools, shuffle_text: bool = False
+             ) -> tuple[float, float]:
+    """(audio nats per code, text nats per character) of held-out ``items``; with
+    ``shuffle_text`` each utterance gets the next one's text (is the text read at all?)."""
+    import torch
+
+    model.eval()
+    audio = codes = text = chars = 0.0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(items), 16):
+                chunk = items[start:start + 16]
+                if shuffle_text:
+                    nxt = [items[(start + i + 1) % len(items)] for i in range(len(chunk))]
+                    chunk = [dict(x, ids=y["ids"]) for x, y in zip(chunk, nxt)]
+                order = list(range(start, start + len(chunk)))
+                _, _, a, n, t = forward(model, chunk, [lang] * len(chunk), pools, order)
+                audio += a.item()
+                codes += n
+                text += t.item()
+                chars += sum(x["chars"] + 1 for x in chunk)
+    finally:
+        model.train()
+    return audio / codes, text / chars
+
+
+def train_step(model, opt, items, lang_of, pools, order, clip: float = 1.0) -> float:
+    import torch
+
+    loss_text, loss_mel, *_ = forward(model, items, lang_of, pools, order)
+    loss = TEXT_WEIGHT * loss_text + loss_mel
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return float(loss_mel.item())
+
+
+def train_base(cfg: dict[str, Any], data: dict[str, Any], seed: int, path: Path) -> dict[str, Any]:
+    """English until the held-out audio loss improves by less than 1% over three evaluations
+    (or the step cap). Warmup, then a constant LR."""
+    import torch
+
+    torch.manual_seed(seed)
+    rng = random.Random(1000 + seed)
+    model = build_gpt(data["rows"]["base"], cfg)
+    opt = make_optimizer(model, BASE_LR)
+    warm = 100
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    pool = data["en_train"]
+    history: list[tuple[int, float, float]] = []
+    t0 = time.perf_counter()
+    step = 0
+    for step in range(1, cfg["base_max_steps"] + 1):
+        idx = [rng.randrange(len(pool)) for _ in range(cfg["batch"])]
+        train_step(model, opt, [pool[i] for i in idx], ["en"] * len(idx), data["pools"], idx)
+        sched.step()
+        if step % cfg["base_eval_every"] == 0:
+            audio, text = evaluate(model, data["en_eval"], "en", data["pools"])
+            history.append((step, audio, text))
+            print(f"  base seed {seed} step {step}: English audio {audio:.3f} nats/code, "
+                  f"text {text:.3f} nats/char", flush=True)
+            if len(history) >= 4 and history[-4][1] - history[-1][1] < 0.01 * history[-4][1]:
+                break
+    audio, text = evaluate(model, data["en_eval"], "en", data["pools"])
+    wrong, _ = evaluate(model, data["en_eval"], "en", data["pools"], shuffle_text=True)
+    torch.save({"model": model.state_dict(), "step": step}, path)
+    return {"seed": seed, "steps": step, "plateaued": step < cfg["base_max_steps"],
+            "history": history, "en_audio": audio, "en_text": text,
+            "en_audio_wrong_text": wrong, "seconds": time.perf_counter() - t0}
+
+
+# -- one fine-tune ---------------------------------------------------------------------------
+
+
+def schedule(cfg: dict[str, Any], data: dict[str, Any], seed: int, mix: float
+             ) -> list[list[tuple[str, int]]]:
+    """Each step's samples as (language, index). Separate streams for the Amharic picks,
+    the coin flips and the English picks: arms with and without mixing see the same
+    Amharic samples, in the same places."""
+    am, coin, en = random.Random(seed), random.Random(10_000 + seed), random.Random(20_000 + seed)
+    n_am, n_en = len(data["am_train"]), len(data["en_train"])
+    steps = []
+    for _ in range(cfg["steps"]):
+        batch = []
+        for _ in range(cfg["batch"]):
+            pick_am, flip, pick_en = am.randrange(n_am), coin.random(), en.randrange(n_en)
+            batch.append(("en", pick_en) if flip < mix else ("am", pick_am))
+        steps.append(batch)
+    return steps
+
+
+def run_arm(spec: dict[str, Any], seed: int, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
+    import torch
+
+    import patches
+
+    torch.set_num_threads(1)
+    data = torch.load(work / f"data_{cfg['data_key']}.pt", weights_only=False)
+    base_path = work / f"base_{cfg['base_key']}_seed{seed}.pt"
+    torch.manual_seed(seed)
+    rows = data["rows"]["grown"]
+    model = build_gpt(rows, cfg)
+    report = patches.load_checkpoint(base_path, model, freeze=False, seed=seed,
+                                     row_init=spec["emb"], head_row_init=spec["head"],
+                                     tokenizer=data["vocab"]["grown"])
+    steps = cfg["steps"]
+    lr = HIGH_LR if spec["lr"] == "high" else low_lr(cfg)
+    opt = make_optimizer(model, lr)
+    from bench_new_language import make_scheduler
+
+    sched = make_scheduler(opt, steps, max(1, steps // 10))
+    freeze = None
+    if spec["freeze"] != "off":
+        until = steps // 4 if spec["freeze"] == "until" else None
+        freeze = patches.freeze_base_vocab(model, data["rows"]["base"], until_step=until)
+    base_state = {k: v.clone() for k, v in model.state_dict().items()
+                  if k in ("text_embedding.weight", "text_head.weight", "text_head.bias")}
+    pools = data["pools"]
+
+    def point(step: int) -> tuple[int, float, float, float, float]:
+        am_audio, am_text = evaluate(model, data["am_eval"], "am", pools)
+        en_audio, en_text = evaluate(model, data["en_eval"], "en", pools)
+        return (step, am_audio, en_audio, am_text, en_text)
+
+    curve = [point(0)]
+    t0 = time.perf_counter()
+    for step, batch in enumerate(schedule(cfg, data, seed, spec["mix"]), start=1):
+        items = [data[f"{lang}_train"][i] for lang, i in batch]
+        order = [i for _, i in batch]
+        train_step(model, opt, items, [lang for lang, _ in batch], pools, order)
+        sched.step()
+        if step % cfg["eval_every"] == 0 or step == steps:
+            curve.append(point(step))
+    base_rows = data["rows"]["base"]
+    state = model.state_dict()
+    frozen_idx = list(range(base_rows - 1)) + [rows - 1]
+    drift = max((state[k][frozen_idx] - v[frozen_idx]).abs().max().item()
+                for k, v in base_state.items())
+    return {"arm": spec["name"], "spec": spec, "seed": seed, "curve": curve,
+            "base_row_drift": drift, "lr": lr, "seconds": time.perf_counter() - t0,
+            "load": report.summary(), "row_init": report.row_init,
+            "freeze": None if freeze is None else str(freeze.until_step or "whole run")}
+
+
+def _train_base(args: tuple[dict[str, Any], str, int]) -> dict[str, Any]:
+    import torch
+
+    cfg, work, seed = args
+    torch.set_num_threads(1)
+    data = torch.load(Path(work) / f"data_{cfg['data_key']}.pt", weights_only=False)
+    return train_base(cfg, data, seed, Path(work) / f"base_{cfg['base_key']}_seed{seed}.pt")
+
+
+def _run_arm(args: tuple[dict[str, Any], int, dict[str, Any], str]) -> dict[str, Any]:
+    spec, seed, cfg, work = args
+    return run_arm(spec, seed, cfg, Path(work))
+
+
+# -- summary ---------------------------------------------------------------------------------
+
+AM_AUDIO, EN_AUDIO, AM_TEXT, EN_TEXT = 1, 2, 3, 4
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def _fmt(s: dict[str, float], digits: int = 3) -> str:
+    med = f"{s['median']:.{digits}f}"
+    return med if s["n"] == 1 else f"{med} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+def summarize(cfg: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    names = list(dict.fromkeys(r["arm"] for r in runs))
+    half = cfg["steps"] // 2
+    out: dict[str, Any] = {}
+    for name in names:
+        rs = [r for r in runs if r["arm"] == name]
+
+        def at(step: int, col: int) -> dict[str, float]:
+            return _spread([next(v[col] for v in r["curve"] if v[0] == step) for r in rs])
+
+        halfway = min((v[0] for v in rs[0]["curve"] if v[0] >= half), default=cfg["steps"])
+        out[name] = {"spec": rs[0]["spec"], "am_audio_start": at(0, AM_AUDIO),
+                     "am_audio_half": at(halfway, AM_AUDIO),
+                     "am_audio_final": at(cfg["steps"], AM_AUDIO),
+                     "en_audio_final": at(cfg["steps"], EN_AUDIO),
+                     "am_text_final": at(cfg["steps"], AM_TEXT),
+                     "en_text_final": at(cfg["steps"], EN_TEXT),
+                     "am_audio_auc": _spread([statistics.mean(v[AM_AUDIO] for v in r["curve"][1:])
+                                              for r in rs]),
+                     "drift": _spread([r["base_row_drift"] for r in rs]),
+                     "row_init": rs[0]["row_init"], "half_step": halfway}
+    return out
+
+
+def table(cfg: dict[str, Any], bases: list[dict[str, Any]], summary: dict[str, Any],
+          data_info: dict[str, Any]) -> str:
+    k = cfg["steps"]
+    en0 = _spread([b["en_audio"] for b in bases])
+    wrong = _spread([b["en_audio_wrong_text"] for b in bases])
+    lines = [
+        f"New language on coqui-tts's XTTS GPT ({cfg['layers']} layers, d_model "
+        f"{cfg['d_model']}, perceiver conditioning), text -> espeak-ng speech codes "
+        f"({cfg['codebook']} k-means codes of log-mel frames, 21.5 a second). {k} fine-tune "
+        f"steps of batch {cfg['batch']}, {len(bases)} seed(s) (base model, data order): "
+        f"median [min-max]. Vocabulary {data_info['rows']['base']} -> "
+        f"{data_info['rows']['grown']} rows. Losses on held-out utterances: audio in nats "
+        f"per code, text in nats per character. English audio before fine-tuning "
+        f"{_fmt(en0)}; with each utterance given another's text {_fmt(wrong)} (what the "
+        f"base model gains from reading its text). LR high {HIGH_LR:g}, low "
+        f"{low_lr(cfg):.2e}; mix: share of English samples.",
+        "",
+        f"| arm (embedding/head rule, freeze, mix, LR) | Amharic audio at 0 | at "
+        f"{next(iter(summary.values()))['half_step']} | at {k} | mean over the curve | "
+        f"English audio at {k} | Amharic text at {k} | English text at {k} | base-row drift |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for name, e in summary.items():
+        lines.append(
+            f"| {name} | {_fmt(e['am_audio_start'])} | {_fmt(e['am_audio_half'])} | "
+            f"{_fmt(e['am_audio_final'])} | {_fmt(e['am_audio_auc'])} | "
+            f"{_fmt(e['en_audio_final'])} | {_fmt(e['am_text_final'])} | "
+            f"{_fmt(e['en_text_final'])} | {e['drift']['median']:.2g} |")
+    return "\n".join(lines)
+
+
+def plot(cfg: dict[str, Any], runs: list[dict[str, Any]], summary: dict[str, Any],
+         bases: list[dict[str, Any]], path: Path, names: list[str] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = names or list(summary)[:8]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), dpi=72)
+    cmap = plt.get_cmap("tab10")
+    for n, name in enumerate(names):
+        rs = [r for r in runs if r["arm"] == name]
+        steps = [v[0] for v in rs[0]["curve"]]
+        for col, ax in ((AM_AUDIO, axes[0]), (EN_AUDIO, axes[1]), (AM_TEXT, axes[2])):
+            vals = [[r["curve"][i][col] for r in rs] for i in range(len(steps))]
+            ax.plot(steps, [statistics.median(v) for v in vals], color=cmap(n % 10), lw=1.4,
+                    label=name)
+            ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals],
+                            color=cmap(n % 10), alpha=0.12)
+    axes[0].set(title="Amharic audio codes (nats/code): learning", xlabel="step")
+    axes[1].axhline(statistics.median(b["en_audio"] for b in bases), color="grey", ls=":", lw=1)
+    axes[1].set(title="English audio codes: forgetting", xlabel="step")
+    axes[2].set(title="Amharic text (nats/char)", xlabel="step")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the few-minute version (1 seed, "
+                    "the five rules)")
+    ap.add_argument("--out", help="output folder (default benchmarks/results/speech_language[_quick])")
+    ap.add_argument("--steps", type=int, help="fine-tune steps per arm (overrides the preset)")
+    ap.add_argument("--base-steps", type=int, help="at most this many base-model steps")
+    ap.add_argument("--seeds", type=int, help="seeds (overrides the preset)")
+    ap.add_argument("--arms", help="only the arms whose name contains one of these "
+                    "comma-separated texts")
+    ap.add_argument("--jobs", type=int, default=2, help="fine-tunes run at once (default 2)")
+    ap.add_argument("--clean", action="store_true", help="remove OUT/work at the end")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
+    preset = "quick" if args.quick else "full"
+    cfg = dict(PRESETS[preset])
+    for key, value in (("steps", args.steps), ("base_max_steps", args.base_steps),
+                       ("seeds", args.seeds)):
+        if value is not None:
+            cfg[key] = value
+    cfg["eval_every"] = min(cfg["eval_every"], max(1, cfg["steps"] // 4))
+    cfg["base_eval_every"] = min(cfg["base_eval_every"], max(1, cfg["base_max_steps"] // 4))
+    out = Path(args.out) if args.out else HERE / "results" / (
+        "speech_language" + ("_quick" if args.quick else ""))
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    data = prepare(cfg, work)
+    cfg["data_key"] = sc.text_key(*(cfg[k] for k in (
+        "codebook", "max_chars_en", "max_chars_am", "n_en", "n_am", "eval_lines", "base_vocab",
+        "new_pieces", "cond_frames", "cond_pool")))
+    cfg["max_text"] = max(len(x["ids"]) for k in ("en_train", "en_eval", "am_train", "am_eval")
+                          for x in data[k]) + 2
+    cfg["max_codes"] = max(len(x["codes"]) for k in ("en_train", "en_eval", "am_train",
+                                                     "am_eval") for x in data[k])
+    cfg["base_key"] = sc.text_key(cfg["data_key"], *(cfg[k] for k in (
+        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")))
+    print(f"data: {data['corpus']}; vocabulary {data['rows']['base']} -> "
+          f"{data['rows']['grown']} rows", flush=True)
+    base_paths = [work / f"base_{cfg['base_key']}_seed{seed}.pt" for seed in range(cfg["seeds"])]
+    missing = [seed for seed, path in enumerate(base_paths)
+               if not path.with_suffix(".json").is_file()]
+    with ProcessPoolExecutor(max(1, min(args.jobs, len(missing) or 1))) as pool:
+        for info in pool.map(_train_base, [(cfg, str(work), seed) for seed in missing]):
+            base_paths[info["seed"]].with_suffix(".json").write_text(json.dumps(info))
+    bases = [json.loads(path.with_suffix(".json").read_text()) for path in base_paths]
+    for b in bases:
+        print(f"base seed {b['seed']}: {b['steps']} steps, English audio {b['en_audio']:.3f} "
+              f"nats/code ({b['en_audio_wrong_text']:.3f} with wrong text), text "
+              f"{b['en_text']:.3f} nats/char", flush=True)
+    specs = arms_for(cfg["arms"])
+    if args.arms:
+        wanted = [w.strip() for w in args.arms.split(",") if w.strip()]
+        specs = [s for s in specs if any(w in s["name"] for w in wanted)]
+    jobs = [(spec, seed, cfg, str(work)) for spec in specs for seed in range(cfg["seeds"])]
+    runs: list[dict[str, Any]] = []
+    done_file = out / "runs.jsonl"
+    done = {}
+    if done_file.is_file():  # a run cut short goes on where it stopped
+        for line in done_file.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("cfg_key") == cfg["base_key"] and r.get("steps") == cfg["steps"]:
+                done[(r["arm"], r["seed"])] = r
+    todo = [j for j in jobs if (j[0]["name"], j[1]) not in done]
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool, open(done_file, "a") as log:
+        for result in pool.map(_run_arm, todo):
+            result.update(cfg_key=cfg["base_key"], steps=cfg["steps"])
+            log.write(json.dumps(result) + "\n")
+            log.flush()
+            done[(result["arm"], result["seed"])] = result
+            c = result["curve"][-1]
+            print(f"{result['arm']} seed {result['seed']}: Amharic audio {c[1]:.3f}, English "
+                  f"audio {c[2]:.3f} ({result['seconds']:.0f} s)", flush=True)
+    runs = [done[(j[0]["name"], j[1])] for j in jobs]
+    summary = summarize(cfg, runs)
+    text = table(cfg, bases, summary, data)
+    print("\n" + text)
+    (out / "table.md").write_text(text + "\n", encoding="utf-8")
+    result = {"preset": preset, "config": cfg, "bases": bases, "summary": summary,
+              "corpus": data["corpus"], "rows": data["rows"], "runs": runs,
+              "seconds": time.perf_counter() - t0,
+              "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                          "cpus": os.cpu_count(), "platform": platform.platform()}}
+    (out / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    plot(cfg, runs, summary, bases, out / "speech_language.png")
+    if args.clean:
+        shutil.rmtree(work)
+    print(f"\nwrote {out / 'table.md'}, {out / 'results.json'}, {out / 'speech_language.png'} "
+          f"({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

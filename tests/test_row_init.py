@@ -1,0 +1,263 @@
+"""The rules that start new vocabulary rows (patches.row_init): each gives what it says,
+measured against the old rows; the romanised rows sit at the base rows of their spelling's
+pieces; every rule is a pure function of the seed; the loader records what it did."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import patches
+from patches import row_init
+from patches.languages import amharic, register_language, unregister_language
+from patches.row_init import ROMANIZED_NOISE, RowSources, new_bias_values, new_row_values
+
+from tiny_models import TinyTextModel
+
+torch.set_num_threads(1)
+
+
+def _base(rows: int = 300, dim: int = 8, seed: int = 0) -> torch.Tensor:
+    """Trained-looking rows: a mean away from 0 and a different spread per channel."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.05, 2.0, dim, dtype=torch.float64)
+    shift = torch.linspace(-1.0, 1.0, dim, dtype=torch.float64)
+    return shift + scale * torch.randn(rows, dim, generator=g, dtype=torch.float64)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_spread_rows_have_the_old_rows_mean_and_per_channel_spread() -> None:
+    base = _base()
+    new = new_row_values(base, range(300, 8300), "spread", _gen())
+    assert torch.allclose(new.mean(0), base.mean(0), atol=0.06)
+    ratio = new.std(0) / base.std(0, unbiased=False)
+    assert ((ratio > 0.95) & (ratio < 1.05)).all(), ratio
+    # distinct rows: no two new tokens start alike
+    assert torch.cdist(new[:200], new[:200]).add(torch.eye(200) * 1e9).min() > 0.1
+
+
+def test_mean_rows_are_the_old_mean_within_a_tiny_fraction_of_the_spread() -> None:
+    base = _base(rows=300, dim=8)
+    new = new_row_values(base, range(300, 340), "mean", _gen())
+    std = base.std(0, unbiased=False)
+    assert ((new - base.mean(0)).abs() / std).max() < 1e-3
+
+
+@pytest.mark.parametrize("rule, std", [("std0.02", 0.02), ("randn", 1.0)])
+def test_fixed_scale_rules_ignore_the_old_rows(rule: str, std: float) -> None:
+    base = _base()
+    new = new_row_values(base, range(300, 20300), rule, _gen())
+    assert abs(new.mean().item()) < 0.02 * std
+    assert abs(new.std().item() / std - 1) < 0.02
+
+
+def test_romanized_rows_start_at_the_mean_of_their_pieces_rows() -> None:
+    base = _base()
+    sources = RowSources({300: (5, 9, 11), 302: (40,)}, {}, {301: "።"})
+    new = new_row_values(base, range(300, 303), "romanized", _gen(3), sources)
+    std = base.std(0, unbiased=False)
+    noise = torch.randn(3, base.shape[1], generator=_gen(3), dtype=torch.float64)
+    # exactly: the pieces' mean plus 0.1 of the per-channel spread times the seed's noise
+    assert torch.equal(new[0], base[[5, 9, 11]].mean(0) + ROMANIZED_NOISE * noise[0] * std)
+    assert torch.equal(new[2], base[40] + ROMANIZED_NOISE * noise[2] * std)
+    # the unspelled row falls back to spread: the old mean plus the full spread
+    assert torch.equal(new[1], base.mean(0) + noise[1] * std)
+
+
+def test_romanized_head_bias_is_its_pieces_bias_mean_and_fixed_rules_start_at_zero() -> None:
+    bias = torch.arange(10, dtype=torch.float64)
+    sources = RowSources({10: (2, 4)}, {}, {11: "x"})
+    got = new_bias_values(bias, range(10, 12), "romanized", _gen(), sources)
+    assert got[0].item() == 3.0
+    assert abs(got[1].item() - bias.mean().item()) < 1e-6
+    for rule in ("randn", "std0.02"):
+        assert torch.equal(new_bias_values(bias, range(10, 12), rule, _gen()),
+                           torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rule", row_init.ROW_INITS)
+def test_every_rule_is_a_pure_function_of_the_seed(rule: str) -> None:
+    base = _base()
+    sources = RowSources({300: (1, 2)}, {}, {})
+    a = new_row_values(base, range(300, 310), rule, _gen(7), sources)
+    b = new_row_values(base, range(300, 310), rule, _gen(7), sources)
+    c = new_row_values(base, range(300, 310), rule, _gen(8), sources)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_an_unknown_rule_is_one_paragraph() -> None:
+    with pytest.raises(ValueError, match=r"row_init is 'fvt'\. Expected one of romanized, "):
+        new_row_values(_base(), range(300, 301), "fvt", _gen())
+
+
+# -- the Amharic romaniser and the registry -----------------------------------------------
+
+
+@pytest.mark.parametrize("text, spelled", [
+    ("ሰላም", "selam"), ("ኢትዮጵያ", "ityopya"), ("አማርኛ", "amarnya"), ("ቋንቋ", "kwankwa"),
+    ("ሠላም ለዓለም።", "selam lealem"), ("ጤና ይስጥልኝ", "tena ystlny")])
+def test_amharic_romanizer_spells_for_an_english_reader(text: str, spelled: str) -> None:
+    assert amharic.romanize(text) == spelled
+
+
+@pytest.mark.parametrize("text", ["።", "hello", "፩፪", ""])
+def test_amharic_romanizer_declines_text_without_ethiopic_syllables(text: str) -> None:
+    assert amharic.romanize(text) is None
+
+
+def test_every_ethiopic_letter_of_the_amharic_alphabet_is_spelled() -> None:
+    letters = [chr(c) for c in range(0x1200, 0x135B)
+               if chr(c).isalpha() and c not in range(0x1248, 0x1260)]
+    unspelled = [ch for ch in letters if amharic.romanize(ch) is None]
+    # the reserved code points of the labialised series are not letters; all others spell
+    assert not unspelled, unspelled
+
+
+def test_a_registered_romanizer_is_used_and_a_failing_one_is_a_fallback() -> None:
+    register_language("zz", romanize=lambda text: "zed" if "\u2c00" in text else None)
+    register_language("zy", romanize=lambda text: 1 / 0)
+    try:
+        from patches.languages import romanize
+
+        assert romanize("\u2c00") == ("zed", "zz")
+        assert romanize("ሰ") == ("se", "am")
+        assert romanize("\u0561") is None  # no language spells Armenian
+    finally:
+        unregister_language("zz")
+        unregister_language("zy")
+
+
+def test_register_language_refuses_a_romanizer_that_is_not_callable() -> None:
+    with pytest.raises(patches.ConfigError, match="romanize='abc', which is not callable"):
+        register_language("zx", romanize="abc")
+
+
+# -- spellings -> rows with a real tokenizer ------------------------------------------------
+
+
+def _grown_vocab(tmp_path) -> tuple[str, int, int]:
+    """A base English BPE vocab.json (XTTS layout) grown for Amharic by the library's own
+    extender: (path, base rows, grown rows)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from patches.integrations.tokenizer.bpe import extend_vocab_file
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=120, show_progress=False,
+        special_tokens=["[STOP]", "[UNK]", "[SPACE]", "[en]"])
+    tok.train_from_iterator(["selam lealem", "the sea is calm", "a lamp and a seal",
+                             "tea time for all", "i see the sun"] * 20, trainer=trainer)
+    tok.add_special_tokens(["[START]"])
+    base = tmp_path / "vocab.json"
+    tok.save(str(base))
+    grown = tmp_path / "vocab_am.json"
+    extend_vocab_file(base, ["ሰላም ለዓለም", "ሰላም ሰላም ጤና", "ለዓለም ሰላም."], grown,
+                      language="am", new_pieces=6)
+    base_rows = tokenizers.Tokenizer.from_file(str(base)).get_vocab_size()
+    return str(grown), base_rows, tokenizers.Tokenizer.from_file(str(grown)).get_vocab_size()
+
+
+def test_romanized_sources_are_the_base_pieces_of_each_tokens_spelling(tmp_path) -> None:
+    grown, base_rows, rows = _grown_vocab(tmp_path)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(grown)
+    new = range(base_rows - 1, rows - 1)  # [START] stays last
+    found = row_init.romanized_sources(grown, new, trained=lambda i: i < base_rows - 1)
+    assert set(found.sources) | set(found.unspelled) == set(new)
+    sela = tok.token_to_id("ሰላም")
+    assert sela in found.sources, found.unspelled
+    assert list(found.sources[sela]) == tok.encode("selam").ids
+    assert all(i < base_rows - 1 for ids in found.sources.values() for i in ids)
+    # [am] is a special token: nothing to spell, it falls back
+    assert found.unspelled[tok.token_to_id("[am]")] == "[am]"
+
+
+def _tiny(rows: int, start_last: bool = False) -> TinyTextModel:
+    """The tiny text model; with ``start_last`` in XTTS's layout ([START] the last row)."""
+    model = TinyTextModel(vocab=rows, dim=8)
+    if start_last:
+        model.start_text_token = rows - 1
+    return model
+
+
+def _tiny_checkpoint(tmp_path, rows: int, start_last: bool = False) -> str:
+    torch.manual_seed(0)
+    path = tmp_path / "base.pt"
+    torch.save({"model": _tiny(rows, start_last).state_dict()}, path)
+    return str(path)
+
+
+def test_the_loader_starts_new_rows_by_the_asked_rules_and_reports_them(tmp_path) -> None:
+    grown, base_rows, rows = _grown_vocab(tmp_path)
+    path = _tiny_checkpoint(tmp_path, base_rows, start_last=True)
+    saved = torch.load(path)["model"]
+    model = _tiny(rows, start_last=True)
+    report = patches.load_checkpoint(path, model, freeze=False, row_init="romanized",
+                                     head_row_init="std0.02", tokenizer=grown)
+    info = report.row_init
+    assert info["embedding"] == "romanized" and info["head"] == "std0.02"
+    assert info["spelled"] + info["fallback"] == rows - base_rows
+    assert info["spelled"] >= 3
+    assert "[am]" in info["fallback_tokens"]
+    assert "vocabulary row(s) (embedding romanized (" in report.summary()
+    assert "head std0.02" in report.summary()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(grown)
+    new = slice(base_rows - 1, rows - 1)  # XTTS layout: [START] moved to the new last row
+    emb = model.text_embedding.weight.detach().double()
+    old = saved["text_embedding.weight"].double()[: base_rows - 1]
+    std = old.std(0, unbiased=False)
+    sela = tok.token_to_id("ሰላም")
+    pieces = tok.encode("selam").ids
+    assert ((emb[sela] - old[pieces].mean(0)).abs() <= 5 * ROMANIZED_NOISE * std).all()
+    head = model.text_head.weight.detach()[new]
+    assert abs(head.std().item() - 0.02) < 0.01
+    assert torch.equal(model.text_head.bias.detach()[new], torch.zeros(rows - base_rows))
+
+
+def test_romanized_without_a_tokenizer_falls_back_and_says_so(tmp_path) -> None:
+    path = _tiny_checkpoint(tmp_path, 20)
+    model = TinyTextModel(vocab=24, dim=8)
+    report = patches.load_checkpoint(path, model, freeze=False, row_init="romanized",
+                                     head_row_init="mean")
+    assert report.row_init["no_tokenizer"] is True and report.row_init["fallback"] == 4
+    assert "no tokenizer was given" in report.summary()
+
+
+def test_the_environment_sets_the_rules_and_a_bad_value_is_refused(tmp_path, monkeypatch,
+                                                                    clean_patches) -> None:
+    path = _tiny_checkpoint(tmp_path, 20)
+    monkeypatch.setenv("TRAINING_PATCHES_ROW_INIT", "std0.02")
+    monkeypatch.setenv("TRAINING_PATCHES_HEAD_ROW_INIT", "randn")
+    patches.apply(["checkpoint"])
+    model = TinyTextModel(vocab=24, dim=8)
+    report = patches.load_checkpoint(path, model, freeze=False)
+    assert report.row_init == {"embedding": "std0.02", "head": "randn"}
+    # a keyword wins over the environment
+    report = patches.load_checkpoint(path, TinyTextModel(vocab=24, dim=8), freeze=False,
+                                     row_init="spread")
+    assert report.row_init == {"embedding": "spread", "head": "randn"}
+    patches.revert()
+    monkeypatch.setenv("TRAINING_PATCHES_ROW_INIT", "fvt")
+    with pytest.raises(patches.ConfigError, match=r"TRAINING_PATCHES_ROW_INIT.*'fvt'"):
+        patches.apply(["checkpoint"])
+
+
+def test_the_same_seed_grows_the_same_rows_under_every_rule(tmp_path) -> None:
+    path = _tiny_checkpoint(tmp_path, 20)
+    for rule in row_init.ROW_INITS:
+        a, b = TinyTextModel(vocab=26, dim=8), TinyTextModel(vocab=26, dim=8)
+        patches.load_checkpoint(path, a, freeze=False, seed=3, row_init=rule, head_row_init=rule)
+        patches.load_checkpoint(path, b, freeze=False, seed=3, row_init=rule, head_row_init=rule)
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                     b.state_dict().values())), rule
