@@ -543,11 +543,10 @@ def _record(output_dir: Path, event: str, **fields: Any) -> None:
 
     fields = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(),
               **fields}
-    # One file per rank under a launcher of several (the report merges them), strict JSON.
-    with open(output_dir / _run.rank_file_name(RUNS_NAME), "a", encoding="utf-8") as handle:
-        handle.write(_run.json_line(_run.with_rank(fields)) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    # One file per rank under a launcher of several (the report merges them), strict JSON;
+    # best effort, as every record of the patches: a full disk never ends the run here.
+    _run.append_line(str(output_dir / _run.rank_file_name(RUNS_NAME)),
+                     _run.json_line(_run.with_rank(fields)))
 
 
 def _load_report_record(report: Any) -> dict[str, Any] | None:

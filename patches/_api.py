@@ -236,10 +236,14 @@ def stats() -> dict[str, dict[str, float]]:
     So on every rank ``skipped`` = the steps where this rank saw a bad value +
     ``peer_skips``; a step skipped because one rank saw a NaN is one skip of the job.
     Events follow the same split (:mod:`patches._run`: one file per rank, each record with
-    its ``rank`` and ``world_size``).
+    its ``rank`` and ``world_size``). ``evidence`` counts this process's records:
+    ``written``, ``waiting`` (in memory: their file could not be written, retried),
+    ``lost`` and ``write_failures`` (:func:`patches._run.evidence_stats`).
     """
-    return {name: spec.stats() for name, spec in _registry.specs().items()
-            if spec.stats is not None}
+    counts = {name: spec.stats() for name, spec in _registry.specs().items()
+              if spec.stats is not None}
+    counts["evidence"] = _run.evidence_stats()
+    return counts
 
 
 def runtime_state() -> dict[str, dict[str, int]]:

@@ -14,6 +14,7 @@ wrote it, and which run (``run_id``: :func:`run_id`). Records are strict JSON: a
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import math
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import _dist, _options
+from ._log import logger
 
 _lock = threading.Lock()
 _output_dir: str | None = None
@@ -212,21 +214,170 @@ def with_rank(record: dict[str, Any]) -> dict[str, Any]:
 
 def append_jsonl(name: str, record: dict[str, Any]) -> str:
     """Append one JSON line to this rank's ``name`` (:func:`rank_file_name`) in
-    :func:`report_dir`, with the rank and world size; return the file's path."""
-    folder = report_dir()
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, rank_file_name(name))
-    line = json_line(with_rank(record))
-    with _lock, open(path, "a", encoding="utf-8") as handle:
-        handle.write(line + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    :func:`report_dir`, with the rank and world size; return the file's path.
+
+    Best effort (:func:`append_line`): a record that cannot be written never raises into
+    training; it waits in memory and :func:`where_recorded` says so."""
+    path = os.path.join(report_dir(), rank_file_name(name))
+    append_line(path, json_line(with_rank(record)))
     return path
 
 
+# -- evidence is best-effort: a write error never ends a run -------------------------
+#
+# A full disk, a read-only folder, a quota, a file-size limit or a folder that vanished
+# must not raise from inside optimizer.step() or scaler.update(), where torch alone would
+# have carried on. A line that cannot be written waits in memory (at most MAX_WAITING, the
+# oldest dropped first and counted as lost), is retried before the next line and at exit,
+# and one WARNING per file and failure says so; ``patches.stats()["evidence"]`` counts.
+
+MAX_WAITING = 10_000
+_waiting: dict[str, list[str]] = {}  # path -> lines not written yet, oldest first
+_failing: dict[str, str] = {}  # path -> the error of its current failure (warned once)
+_evidence = {"written": 0, "lost": 0, "write_failures": 0}
+
+
+def _write_lines(path: str, lines: list[str], *, shared: bool = False,
+                 skip_last: Callable[[], bool] | None = None) -> bool:
+    """Append ``lines`` to ``path`` whole or not at all: a failed write is cut back to the
+    file's old end, so no half line is left for the next record to follow. ``shared``:
+    other processes append too (the dataset guard's DataLoader workers), so hold an
+    exclusive lock on the file; ``skip_last()``, asked under that lock, leaves the last
+    line out (it is there already). Returns whether the last line was written."""
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        if shared:
+            try:
+                import fcntl  # lazy: POSIX only (ImportError caught)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes
+            except (ImportError, OSError):
+                pass
+        last = not (skip_last is not None and skip_last())
+        data = memoryview("".join(line + "\n" for line in (lines if last else lines[:-1]))
+                          .encode("utf-8"))
+        start = os.fstat(fd).st_size
+        try:
+            while data:  # a write may be short at a size limit; the next one then fails
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass  # the reader counts a broken last line; nothing more can be done here
+            raise
+    finally:
+        os.close(fd)
+    return last
+
+
+def _error_text(exc: OSError) -> str:
+    return f"{type(exc).__name__}: [Errno {exc.errno}] {exc.strerror}" if exc.strerror \
+        else f"{type(exc).__name__}: {exc}"
+
+
+def append_line(path: str, line: str, *, shared: bool = False,
+                skip: Callable[[], bool] | None = None) -> bool:
+    """Append ``line`` (no newline) to ``path``, after any lines still waiting for it.
+    Never raises an OSError: a line that cannot be written is kept in memory, logged once
+    per file and retried with the next line and at exit. ``shared`` and ``skip``: see
+    :func:`_write_lines` (``skip()`` True: the line is not written). Returns False when
+    ``skip()`` left the line out, else True (written, or waiting)."""
+    with _lock:
+        lines = [*_waiting.get(path, ()), line]
+        try:
+            wrote = _write_lines(path, lines, shared=shared, skip_last=skip)
+        except OSError as exc:
+            _keep(path, line, exc)
+            return True
+        _written(path, len(lines) - (not wrote))
+    if _waiting:
+        retry_waiting()
+    return wrote
+
+
+def _keep(path: str, line: str, exc: OSError) -> None:
+    waiting = _waiting.setdefault(path, [])
+    waiting.append(line)
+    if len(waiting) > MAX_WAITING:
+        del waiting[0]
+        _evidence["lost"] += 1
+    _evidence["write_failures"] += 1
+    if path not in _failing:
+        _failing[path] = _error_text(exc)
+        logger.warning(
+            "training-patches: could not write to %s (%s); training goes on as it would "
+            "without the patches. The record is kept in memory (%d waiting) and written "
+            "with the next one or at exit, once the file can be written; "
+            "patches.stats()['evidence'] counts what is not written. Free space on that "
+            "disk or make the folder writable, or point TRAINING_PATCHES_OUTPUT_DIR at "
+            "another folder for the next run.", path, _failing[path], len(waiting))
+
+
+def _written(path: str, count: int) -> None:
+    waited = len(_waiting.pop(path, ()))
+    _evidence["written"] += count
+    if _failing.pop(path, None) is not None and waited:
+        logger.warning("training-patches: %s can be written again: the %d record(s) that "
+                       "waited in memory are written", path, waited)
+
+
+def retry_waiting() -> None:
+    """Try once more to write every line still waiting (each file in turn)."""
+    with _lock:
+        for path in list(_waiting):
+            try:
+                _write_lines(path, _waiting[path])
+            except OSError:
+                continue
+            _written(path, len(_waiting[path]))
+
+
+def where_recorded(path: str) -> str:
+    """How a log line names the file a record went to: ``recorded in PATH``, or that it
+    waits in memory because PATH cannot be written."""
+    if path in _waiting:
+        return (f"NOT yet recorded in {path} ({_failing.get(path, 'write failed')}; "
+                f"{len(_waiting[path])} record(s) wait in memory)")
+    return f"recorded in {path}"
+
+
+def evidence_stats() -> dict[str, int]:
+    """``written``: records written; ``waiting``: records in memory that could not be
+    written yet (retried); ``lost``: records given up (too many waiting, or a reset or
+    exit with the file still unwritable); ``write_failures``: failed attempts."""
+    return {"written": _evidence["written"],
+            "waiting": sum(len(lines) for lines in _waiting.values()),
+            "lost": _evidence["lost"], "write_failures": _evidence["write_failures"]}
+
+
+def _give_up(when: str) -> None:
+    """Retry, then log what still waits (the lines themselves, so the log keeps them)."""
+    if not _waiting:
+        return
+    retry_waiting()
+    with _lock:
+        for path, lines in _waiting.items():
+            _evidence["lost"] += len(lines)
+            logger.warning("training-patches: %d record(s) could not be written to %s (%s) "
+                           "%s and are lost from that file; they were:\n%s", len(lines), path,
+                           _failing.get(path, "write failed"), when, "\n".join(lines))
+        _waiting.clear()
+        _failing.clear()
+
+
+atexit.register(_give_up, "at exit")
+
+
 def reset() -> None:
-    """Forget the output folders, the batch in hand and the trainer step."""
+    """Forget the output folders, the batch in hand and the trainer step; records still
+    waiting to be written are tried once more, then logged and counted as lost."""
     global _output_dir, _trainer_dir, _checkpoint_dir, trainer_step
+    _give_up("before a reset of the run's state")
+    _evidence.update(written=0, lost=0, write_failures=0)
     _output_dir = _trainer_dir = _checkpoint_dir = trainer_step = None
     batch_ids.clear()
 

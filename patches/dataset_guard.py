@@ -55,7 +55,10 @@ def sample_key(split: str, sample: dict[str, Any]) -> str:
 
 
 def record_drop(path: Path, key: str, entry: dict[str, Any]) -> bool:
-    """Append one dropped sample to the report unless ``key`` is already there; count it."""
+    """Append one dropped sample to the report unless ``key`` is already there; count it.
+
+    Best effort (:func:`patches._run.append_line`): a report that cannot be read or
+    written never stops the dataset; the entry waits in memory and is counted as new."""
     with _lock:
         new = _append_once(path, key, entry)
         if new:
@@ -64,24 +67,23 @@ def record_drop(path: Path, key: str, entry: dict[str, Any]) -> bool:
 
 
 def _append_once(path: Path, key: str, entry: dict[str, Any]) -> bool:
-    """Append ``entry`` unless ``key`` is already in the file (DataLoader workers share it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+", encoding="utf-8") as handle:
+    """Append ``entry`` unless ``key`` is already in the file (DataLoader workers share it,
+    so the check and the write happen under one file lock)."""
+    def listed() -> bool:
         try:
-            import fcntl  # lazy: optional, POSIX only (ImportError caught)
-            fcntl.flock(handle, fcntl.LOCK_EX)  # workers append to one file
-        except (ImportError, OSError):
-            pass
-        handle.seek(0)
-        for line in handle:
-            try:
-                if json.loads(line).get("key") == key:
-                    return False
-            except ValueError:
-                continue
-        handle.write(_run.json_line(_run.with_rank({**entry, "key": key})) + "\n")
-        handle.flush()
-    return True
+            with open(path, encoding="utf-8") as handle:
+                return any(_key_of(line) == key for line in handle)
+        except OSError:
+            return False  # unreadable now: the write says why, once
+    line = _run.json_line(_run.with_rank({**entry, "key": key}))
+    return _run.append_line(str(path), line, shared=True, skip=listed)
+
+
+def _key_of(line: str) -> Any:
+    try:
+        return json.loads(line).get("key")
+    except (ValueError, AttributeError):
+        return None
 
 
 def read_report(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:

@@ -384,17 +384,18 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
                        "non-finite loss or gradient or a loss spike (this rank's own loss: %s; "
                        "its gradients were finite apart from what the gradient sync brought "
                        "from that rank); every rank skips the same steps; "
-                       "recorded in %s", where, _dist.rank(), _dist.world_size(), loss_value,
-                       path)
+                       "%s", where, _dist.rank(), _dist.world_size(), loss_value,
+                       _run.where_recorded(path))
     else:
         grads = event["nonfinite_grads"]
         what = (f"non-finite gradients in {', '.join(grads[:3])}"
                 + (f" (+{len(grads) - 3} more)" if len(grads) > 3 else "")) if grads else kind
         logger.warning("nan_guard: %s skipped: the whole optimizer step (%s; loss=%s)%s%s; "
-                       "recorded in %s", where, what, loss_value,
+                       "%s", where, what, loss_value,
                        f"; samples: {', '.join(event['samples'][:4])}" if event["samples"]
                        else "",
-                       f"; source: {event['source']}" if event.get("source") else "", path)
+                       f"; source: {event['source']}" if event.get("source") else "",
+                       _run.where_recorded(path))
     if _state.streak >= opts.max_bad_steps:
         _raise(step)
 
@@ -489,9 +490,10 @@ def _on_bad_micro_batch(loss: torch.Tensor) -> None:
              else f"a micro-batch of optimizer step {event['step']}")
     logger.warning("nan_guard: %s: non-finite loss (%s); this micro-batch is left out of the "
                    "accumulated gradient and the optimizer step uses the others%s%s; "
-                   "recorded in %s", where, value,
+                   "%s", where, value,
                    f"; samples: {', '.join(event['samples'][:4])}" if event["samples"] else "",
-                   f"; source: {event['source']}" if event.get("source") else "", path)
+                   f"; source: {event['source']}" if event.get("source") else "",
+                   _run.where_recorded(path))
 
 
 @contextlib.contextmanager

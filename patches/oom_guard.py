@@ -129,9 +129,10 @@ def on_oom(exc: BaseException, batch: Any, optimizers: Iterable[torch.optim.Opti
     path = _run.append_jsonl("oom_events.jsonl", event)
     logger.warning(
         "oom_guard: %s ran out of GPU memory (%s); the batch is skipped and its gradients "
-        "dropped (%d in a row, the limit is %d); shapes: %s; samples: %s; recorded in %s",
+        "dropped (%d in a row, the limit is %d); shapes: %s; samples: %s; %s",
         f"trainer step {step}" if step is not None else "a batch", first_line, streak, limit,
-        described["shapes"], ", ".join(described["samples"][:4]) or "unknown", path)
+        described["shapes"], ", ".join(described["samples"][:4]) or "unknown",
+        _run.where_recorded(path))
     if streak >= limit:
         failed = list(_state.failed)
         _state.failed.clear()

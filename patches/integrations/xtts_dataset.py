@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .. import _options
+from .. import _options, _run
 from .._log import logger
 from .._registry import Integration, Site, is_enabled, register_integration
 from ..dataset_guard import (  # noqa: F401  (re-exported: the XTTS guard's public names)
@@ -195,9 +195,9 @@ def _dataset_class(original: type) -> type:
             if dropped <= _LOGGED_EACH or dropped % _LOG_EVERY == 0:
                 logger.warning(
                     "training-patches: dropped %s sample %s (%s: %s); %d of %d %s samples "
-                    "dropped so far (%.0f%%), listed in %s", self._tp_split(),
+                    "dropped so far (%.0f%%), %s", self._tp_split(),
                     entry["audio_file"], reason, detail, dropped, total, self._tp_split(),
-                    100.0 * dropped / max(total, 1), path)
+                    100.0 * dropped / max(total, 1), _run.where_recorded(str(path)))
             self._tp_check_share(total)
 
         def _tp_check_share(self, total: int) -> None:
