@@ -77,6 +77,15 @@ def nonnegative_float(text: Any) -> float:
     return value
 
 
+# What the machine can honour: a loss scale lives in a float32 tensor (finite, and not
+# rounded to 0), the scaler's growth tracker and hysteresis counter in int32 tensors, every
+# other count in the int64 counters of patches._counters.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 2.0 ** -126  # the smallest normal float32
+INT32_MAX = 2 ** 31 - 1
+INT64_MAX = 2 ** 63 - 1
+
+
 def names(text: Any) -> tuple[str, ...]:
     """A comma-separated list (or an iterable) of names, sorted, without repeats."""
     items = text.split(",") if isinstance(text, str) else list(text)
@@ -94,9 +103,11 @@ class Option:
     ``parse`` turns a keyword value or the variable's text into the value (raising
     ValueError with what is wrong); ``expected`` is shown in the error; ``help`` is the
     options table's one line; ``shown_default`` is the table's default where the value's
-    repr is not how a user writes it (``2^-14``, ``off``). ``also`` names other patches
-    that read the option: applying any of them sets it. ``owners`` is filled by
-    :func:`declare` (empty: the whole library).
+    repr is not how a user writes it (``2^-14``, ``off``). ``low``/``high`` bound a
+    number to what the machine can honour (a window it can allocate, a scale finite in
+    float32, a count in int64), ``bound_why`` says why: validation, ``doctor`` and the
+    table's range column all read them. ``also`` names other patches that read the option: applying any of them
+    sets it. ``owners`` is filled by :func:`declare` (empty: the whole library).
     """
 
     name: str
@@ -107,10 +118,46 @@ class Option:
     shown_default: str = ""
     also: tuple[str, ...] = ()
     owners: tuple[str, ...] = ()
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # the value must be above ``low``, not equal to it
+    bound_why: str = ""  # why the range is what it is, for the error
 
     @property
     def env(self) -> str:
         return env_name(self.name)
+
+    def out_of_range(self, value: Any) -> str | None:
+        """Why a parsed ``value`` is outside ``low``..``high``, or None."""
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return f"{'at or ' if self.low_open else ''}below {number_text(self.low)}"
+        if self.high is not None and value > self.high:
+            return f"above {number_text(self.high)}"
+        return None
+
+    @property
+    def range_text(self) -> str:
+        """The accepted range as the table and the errors say it ("" when unbounded)."""
+        if self.low is None and self.high is None:
+            return ""
+        low = "" if self.low is None else (
+            f"above {number_text(self.low)}" if self.low_open else f"at least {number_text(self.low)}")
+        high = "" if self.high is None else f"at most {number_text(self.high)}"
+        if low and high and not self.low_open:
+            return f"{number_text(self.low)} to {number_text(self.high)}"
+        return ", ".join(part for part in (low, high) if part)
+
+
+def number_text(value: float) -> str:
+    """A bound as a user reads it: ``100,000``, ``2^31-1``, ``3.4e+38``."""
+    named = {INT32_MAX: "2^31-1", INT64_MAX: "2^63-1", FLOAT32_TINY: "2^-126"}
+    if value in named:
+        return named[value]
+    if float(value).is_integer() and abs(value) < 1e15:
+        return f"{int(value):,}"
+    return f"{value:.2g}"
 
 
 # A check of values each valid alone but unusable together: (options, where) where
@@ -227,13 +274,22 @@ def env_name(option: str) -> str:
 def _parse(option: str, value: Any, source: str) -> Any:
     declared = OPTIONS[option]
     try:
-        return declared.parse(value)
-    except (TypeError, ValueError) as exc:
+        parsed = declared.parse(value)
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(
             f"training-patches: {source} is {value!r}, which is not usable ({exc}). "
-            f"Expected {declared.expected}. Fix the value or leave it out to use the default "
-            f"({declared.default!r})."
+            f"Expected {declared.expected}"
+            + (f" ({declared.range_text})" if declared.range_text else "")
+            + f". Fix the value or leave it out to use the default ({declared.default!r})."
         ) from None
+    why = declared.out_of_range(parsed)
+    if why is not None:
+        raise ConfigError(
+            f"training-patches: {source} is {value!r}, which is out of range ({why}). "
+            f"Expected {declared.expected}: {declared.range_text}"
+            + (f" ({declared.bound_why})" if declared.bound_why else "")
+            + f". Fix the value or leave it out to use the default ({declared.default!r}).")
+    return parsed
 
 
 def fields_of(patch: str) -> list[str]:
@@ -355,4 +411,4 @@ def set_current(options: Options) -> None:
 __all__ = ["ConfigError", "Option", "Options", "OPTIONS", "declare", "resolve", "merge",
            "fields_of", "owner_text", "known_env", "current", "env_name", "output_dir_problem",
            "flag", "positive_float", "positive_int", "window", "share", "nonnegative_float",
-           "names"]
+           "names", "FLOAT32_MAX", "FLOAT32_TINY", "INT32_MAX", "INT64_MAX"]

@@ -139,5 +139,6 @@ SPEC = register(PatchSpec(
     options=(Option("max_drop_share", share, 0.5,
                     "a fraction above 0 and at most 1, e.g. 0.5 (stop when more than half the "
                     "samples cannot be loaded)",
-                    "stop when more than this share of samples cannot be loaded"),),
+                    "stop when more than this share of samples cannot be loaded",
+                    low=0, high=1, low_open=True, bound_why="a share of the samples"),),
 ))

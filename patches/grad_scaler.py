@@ -42,7 +42,8 @@ from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from . import _options, _run
 from ._counters import DeviceCounters
 from ._log import info, logger
-from ._options import ConfigError, Option, flag, positive_float, positive_int
+from ._options import (FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, INT64_MAX, ConfigError, Option,
+                       flag, positive_float, positive_int)
 from ._registry import PatchSpec, Site, register
 
 # The private torch names SafeGradScaler relies on. A torch that lacks one leaves only
@@ -520,6 +521,10 @@ def stats() -> dict[str, float]:
     return scaler.stats() if scaler is not None else {}
 
 
+_FLOAT32_SCALE = "the loss scale is a float32 tensor: finite, and never rounded to 0"
+_INT64_COUNT = "steps are counted in int64"
+
+
 def _check_options(opts: _options.Options, where: Any) -> None:
     if opts.min_scale > opts.init_scale:
         raise ConfigError(
@@ -552,21 +557,26 @@ SPEC = register(PatchSpec(
     stats=stats,
     options=(
         Option("init_scale", positive_float, 1024.0, "a number greater than 0, e.g. 1024",
-               "first loss scale of a SafeGradScaler", shown_default="1024"),
+               "first loss scale of a SafeGradScaler", shown_default="1024",
+               low=FLOAT32_TINY, high=FLOAT32_MAX, bound_why=_FLOAT32_SCALE),
         Option("growth_interval", positive_int, 100,
                "a whole number of steps of at least 1, e.g. 100",
-               "clean steps before the scale doubles"),
+               "clean steps before the scale doubles", low=1, high=INT32_MAX,
+               bound_why="torch counts the clean steps in an int32 tensor"),
         Option("log_interval", positive_int, 500,
                "a whole number of steps of at least 1, e.g. 500", "steps between stats lines",
-               also=("nan_guard",)),
+               also=("nan_guard",), low=1, high=INT64_MAX, bound_why=_INT64_COUNT),
         Option("hysteresis", positive_int, 1,
                "a whole number of at least 1 (1 = back off on every overflow)",
-               "back off only after this many consecutive overflows"),
+               "back off only after this many consecutive overflows", low=1, high=INT32_MAX,
+               bound_why="the overflows left before a back-off are counted in an int32 tensor"),
         Option("min_scale", positive_float, 2.0 ** -14, "a number greater than 0, e.g. 6.1e-05",
-               "the floor of the loss scale (at most `init_scale`)", shown_default="2^-14"),
+               "the floor of the loss scale (at most `init_scale`)", shown_default="2^-14",
+               low=FLOAT32_TINY, high=FLOAT32_MAX, bound_why=_FLOAT32_SCALE),
         Option("max_floor_skips", positive_int, 10,
                "a whole number of steps of at least 1, e.g. 10",
-               "consecutive skipped steps at the floor before the run stops"),
+               "consecutive skipped steps at the floor before the run stops", low=1,
+               high=INT64_MAX, bound_why=_INT64_COUNT),
     ),
     check=_check_options,
 ))

@@ -28,7 +28,8 @@ from torch.optim.optimizer import (
 
 from . import _dist, _options, _run, grad_clip, grad_scaler
 from ._log import info, logger
-from ._options import ConfigError, Option, flag, nonnegative_float, positive_int, window
+from ._options import (INT64_MAX, ConfigError, Option, flag, nonnegative_float, positive_int,
+                       window)
 from ._registry import PatchSpec, Site, register
 
 EVENTS_FILE = "nonfinite_events.jsonl"
@@ -708,6 +709,10 @@ def _disable() -> None:
         _hooks.pop().remove()
 
 
+SPIKE_K_MAX = 1e6
+SPIKE_WINDOW_MAX = 100_000  # 400 KB of float32 on the device
+
+
 def _check_options(opts: _options.Options, where: Callable[[str], str]) -> None:
     if opts.spike_k > 0 and opts.spike_window < 2:
         raise ConfigError(
@@ -740,13 +745,18 @@ SPEC = register(PatchSpec(
     load_stats=load_stats,
     options=(
         Option("max_bad_steps", positive_int, 25, "a whole number of steps of at least 1, e.g. 25",
-               "consecutive steps the NaN guard skips before the run stops"),
+               "consecutive steps the NaN guard skips before the run stops", low=1,
+               high=INT64_MAX, bound_why="steps are counted in int64"),
         Option("spike_k", nonnegative_float, 0.0,
                "a number of standard deviations, e.g. 6 (0 = off)",
                "skip a step whose loss is this many standard deviations above the window",
-               shown_default="0 (off)"),
+               shown_default="0 (off)", low=0, high=SPIKE_K_MAX,
+               bound_why="a loss a million standard deviations above the window is no test "
+                         "any more, and k times the deviation must stay finite in float32"),
         Option("spike_window", window, 100, "a whole number of steps of at least 2, e.g. 100",
-               "losses in the spike guard's window (at least 2)"),
+               "losses in the spike guard's window", low=2, high=SPIKE_WINDOW_MAX,
+               bound_why="the window is a tensor on the training device whose mean and "
+                         "deviation are taken at every step"),
         Option("lr_step_on_skip", flag, True, "1 or 0",
                "1: the LR scheduler still steps on a skipped step, so it follows the trainer's "
                "step count; 0: it is held"),

@@ -25,7 +25,7 @@ import torch
 
 from . import _options, _run
 from ._log import logger
-from ._options import Option, positive_int
+from ._options import INT64_MAX, Option, positive_int
 from ._registry import PatchSpec, register
 
 # torch >= 2.5 has the device-generic name; torch.cuda.OutOfMemoryError is the same class.
@@ -171,7 +171,8 @@ SPEC = register(PatchSpec(
     stats=stats,
     options=(Option("max_oom_skips", positive_int, 3,
                     "a whole number of batches of at least 1, e.g. 3",
-                    "consecutive out-of-memory batches skipped before the run stops"),),
+                    "consecutive out-of-memory batches skipped before the run stops",
+                    low=1, high=INT64_MAX, bound_why="batches are counted in int64"),),
 ))
 
 

@@ -25,7 +25,7 @@ from torch.optim.optimizer import (
 
 from . import _dist, _options, _run
 from ._log import info, logger
-from ._options import Option, positive_int
+from ._options import INT64_MAX, Option, positive_int
 from ._registry import PatchSpec, register
 from .vocab_rows import (PLAIN, RowLayout, VocabFreezeError, describe_rows, frozen_rows, new_rows,
                          owner_models, owner_paths, row_layout)
@@ -679,7 +679,8 @@ SPEC = register(PatchSpec(
     options=(Option("base_vocab", _base_vocab, None,
                     "a whole number of base tokens, e.g. 12000 (0 or empty = off)",
                     "freeze the rows of the first N tokens of every model trained that has a "
-                    "text embedding and head", shown_default="off"),),
+                    "text embedding and head", shown_default="off", low=1, high=INT64_MAX,
+                    bound_why="token ids are int64"),),
 ))
 
 __all__ = ["freeze_base_vocab", "freeze_of", "frozen_rows", "new_rows",

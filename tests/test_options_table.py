@@ -54,7 +54,9 @@ def unit_with_an_option(monkeypatch: pytest.MonkeyPatch, clean_patches: None) ->
         stats=lambda: dict(counts), load_stats=counts.update,
         reset=lambda: counts.update(probes=0),
         options=(_options.Option("probe_limit", _options.positive_int, 7,
-                                 "a whole number, e.g. 7", "how far the probe looks"),),
+                                 "a whole number, e.g. 7", "how far the probe looks",
+                                 low=1, high=10_000, bound_why="the probe holds a buffer "
+                                 "of that many steps"),),
         check=check))
     yield "probe"
     patches.revert("probe")
@@ -74,6 +76,11 @@ def test_a_declared_option_reaches_every_reader(unit_with_an_option: str,
     assert _options.resolve({}, {"TRAINING_PATCHES_PROBE_LIMIT": "12"}).probe_limit == 12
     with pytest.raises(ConfigError, match="TRAINING_PATCHES_PROBE_LIMIT.*Expected a whole number"):
         _options.resolve({}, {"TRAINING_PATCHES_PROBE_LIMIT": "x"})
+    # its range, with why, at resolve time (a value that parses, out of range)
+    with pytest.raises(ConfigError, match=r"TRAINING_PATCHES_PROBE_LIMIT is '20000', which is "
+                       r"out of range \(above 10,000\)\. Expected a whole number, e\.g\. 7: "
+                       r"1 to 10,000 \(the probe holds a buffer of that many steps\)"):
+        _options.resolve({}, {"TRAINING_PATCHES_PROBE_LIMIT": "20000"})
     # its cross-option check runs at resolve time
     with pytest.raises(ConfigError, match="probe_limit"):
         _options.resolve({"probe_limit": 5000, "init_scale": 4}, {})
@@ -85,15 +92,18 @@ def test_a_declared_option_reaches_every_reader(unit_with_an_option: str,
     # it belongs to its unit: applying another patch never touches it
     assert _options.fields_of("probe") == ["probe_limit"]
     # the table and the banner
-    assert "| `probe_limit` | `TRAINING_PATCHES_PROBE_LIMIT` | 7 | probe | how far the probe" \
-        in markdown_table()
+    assert ("| `probe_limit` | `TRAINING_PATCHES_PROBE_LIMIT` | 7 | 1 to 10,000 | probe | how "
+            "far the probe") in markdown_table()
     caplog.set_level(logging.INFO, logger="training_patches")
     monkeypatch.setenv("TRAINING_PATCHES_PROBE_LIMIT", "9")
     patches.apply(["probe"])
     assert "probe limit 9" in caplog.text and "probe_limit=9" in caplog.text
-    # doctor names the unit of a variable that is set
+    # doctor names the unit of a variable that is set, and refuses it out of range
     status, _, detail = doctor.settings_check()
     assert status == doctor.OK and "TRAINING_PATCHES_PROBE_LIMIT=9 (probe)" in detail
+    monkeypatch.setenv("TRAINING_PATCHES_PROBE_LIMIT", "10001")
+    status, _, detail = doctor.settings_check()
+    assert status == doctor.FAIL and "out of range (above 10,000)" in detail
 
 
 def test_a_declared_counter_reaches_stats_and_checkpoints(unit_with_an_option: str) -> None:

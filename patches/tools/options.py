@@ -1,7 +1,7 @@
 """``training-patches options``: every setting, read from the units' declarations.
 
-Lists each option with its environment variable, default, the patch that reads it and one
-line of help, as :data:`patches._options.OPTIONS` declares them; ``--markdown`` prints the
+Lists each option with its environment variable, default, the range it accepts, the patch
+that reads it and one line of help, as :data:`patches._options.OPTIONS` declares them; ``--markdown`` prints the
 table of TRAINING_PATCHES_README.md (``tests/test_options_table.py`` fails when the two
 differ). Variables set in this environment are marked with their value."""
 
@@ -30,12 +30,19 @@ def _default(option: _options.Option) -> str:
     return str(value)
 
 
+def _range(option: _options.Option) -> str:
+    """The values the option accepts, as its declaration bounds them."""
+    if option.range_text:
+        return option.range_text
+    return "0 or 1" if option.parse is _options.flag else "-"
+
+
 def markdown_table() -> str:
     """The options table of TRAINING_PATCHES_README.md, from the declarations."""
-    lines = ["| option | environment variable | default | patch | meaning |",
-             "|---|---|---|---|---|"]
+    lines = ["| option | environment variable | default | range | patch | meaning |",
+             "|---|---|---|---|---|---|"]
     for name, option in _options.OPTIONS.items():
-        lines.append(f"| `{name}` | `{option.env}` | {_default(option)} | "
+        lines.append(f"| `{name}` | `{option.env}` | {_default(option)} | {_range(option)} | "
                      f"{_options.owner_text(option)} | {option.help} |")
     return "\n".join(lines)
 
@@ -51,14 +58,14 @@ def _options_cmd(args: argparse.Namespace) -> int:
     if args.markdown:
         print(markdown_table())
         return 0
-    rows = [(option.env, _default(option), _options.owner_text(option),
+    rows = [(option.env, _default(option), _range(option), _options.owner_text(option),
              option.help + (f" [set here: {os.environ[option.env]!r}]"
                             if option.env in os.environ else ""))
             for option in _options.OPTIONS.values()]
-    rows.insert(0, ("environment variable", "default", "patch", "meaning"))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    rows.insert(0, ("environment variable", "default", "range", "patch", "meaning"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
     return 0
 
 
