@@ -541,8 +541,9 @@ def _record(output_dir: Path, event: str, **fields: Any) -> None:
     """One JSON line in ``<output_dir>/headless_runs.jsonl`` (what the demo summary reads)."""
     from patches import _run
 
+    # cwd: the report resolves the run's relative paths (--output-dir runs/am) as the run did
     fields = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(),
-              **fields}
+              "cwd": os.getcwd(), **fields}
     # One file per rank under a launcher of several (the report merges them), strict JSON;
     # best effort, as every record of the patches: a full disk never ends the run here.
     _run.append_line(str(output_dir / _run.rank_file_name(RUNS_NAME)),

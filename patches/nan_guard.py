@@ -285,23 +285,41 @@ def _value(tensor: torch.Tensor | None) -> float | None:
 
 
 def _learn_names(params: list[torch.Tensor]) -> None:
-    """Name parameters by their module path, from the model that holds them.
+    """Name parameters by their full module path, from the model that holds them.
 
     The guard is not told about the model in a plain loop: when a bad step needs names,
-    the live module holding the most of these parameters (the root model) names them
-    (:func:`patches._run.live_modules`).
+    the outermost live module holding the most of these parameters names them (the root
+    model: ``block.1.weight``, never ``1.weight`` from the ``block`` inside it;
+    :func:`patches._run.live_modules`), below the wrappers DDP and ``torch.compile`` add.
     """
     wanted = {id(p) for p in params if id(p) not in _state.names}
     if not wanted:
         return
-    best: tuple[int, torch.nn.Module] | None = None
+    best = 0
+    tied: list[torch.nn.Module] = []
     for module in _run.live_modules():
         held = sum(1 for p in module.parameters() if id(p) in wanted)
-        if held and (best is None or held > best[0] or
-                     (held == best[0] and len(module._modules) > len(best[1]._modules))):
-            best = (held, module)
-    if best is not None:
-        watch(best[1])
+        if held > best:
+            best, tied = held, [module]
+        elif held and held == best:
+            tied.append(module)
+    inner = {id(sub) for module in tied for sub in module.modules() if sub is not module}
+    roots = [module for module in tied if id(module) not in inner]
+    if roots:
+        watch(_unwrapped(roots[0]))
+
+
+_WRAPPED = ("module", "_orig_mod")  # DistributedDataParallel, FSDP1; torch.compile
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP/FSDP1/``torch.compile`` wrappers (names without their prefix)."""
+    children = dict(module.named_children())
+    while len(children) == 1 and next(iter(children)) in _WRAPPED and not any(
+            True for _ in module.parameters(recurse=False)):
+        module = next(iter(children.values()))
+        children = dict(module.named_children())
+    return module
 
 
 def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
@@ -315,18 +333,6 @@ def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
     _learn_names([p for _, _, p in bad])
     return [_state.names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
             for g, i, p in bad]
-
-
-def _optimizer_step(optimizer: torch.optim.Optimizer | None) -> int | None:
-    """The step this optimizer is taking, counted by its own state (restored on resume, so
-    it follows a plain loop's own step counter where no integration reports one)."""
-    if optimizer is None:
-        return None
-    for state in optimizer.state.values():
-        step = state.get("step") if isinstance(state, dict) else None
-        if step is not None:
-            return int(step.item() if isinstance(step, torch.Tensor) else step) + 1
-    return _state.host_steps
 
 
 def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: torch.Tensor,
@@ -356,8 +362,9 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
         "nonfinite_loss" if nonfinite_loss else "nonfinite_grad")
     event: dict[str, Any] = {
         "step": step,
-        "trainer_step": (trainer_step if trainer_step is not None
-                         else _optimizer_step(optimizer)),
+        # the trainer's counter where an integration knows it; never the optimizer's own
+        # step count, which a skipped step does not advance (the report counts "step")
+        "trainer_step": trainer_step,
         "kind": kind,
         "loss": loss_value,
     }

@@ -125,7 +125,9 @@ def test_stalled_loss_and_unstable_scale_are_named_with_figures(tmp_path) -> Non
     assert names == ["unstable scale", "repeated skips", "stalled loss"]
     details = {f.name: f.detail for f in report.findings}
     assert "backed off 6 times in 12 steps, from 1024 down to 16" in details["unstable scale"]
-    assert "6 of 12 steps skipped (50.0%): 6 overflow" in details["repeated skips"]
+    # TensorBoard's last step is a lower bound (it logs every plot_step): no percentage
+    assert ("6 skipped steps in at least 12 (the run's total number of steps was not "
+            "recorded): 6 overflow") in details["repeated skips"]
     assert "longest streak 3" in details["repeated skips"]
     assert "mean loss of the first 3 logged steps 4" in details["stalled loss"]
     fig = report.figure()

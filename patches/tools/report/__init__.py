@@ -160,10 +160,10 @@ def _run_json(report: Report) -> dict[str, Any]:
     f, run = report.facts, report.run
     loss = f.losses.get("loss", [])
     return {
-        "folder": run.folder, "shared_folders": run.shared_folders,
+        "folder": run.folder, "shared_folders": run.shared_folders, "run_ids": run.run_ids,
         "verdict": report.headline, "healthy": report.healthy,
         "findings": [{"name": x.name, "detail": x.detail} for x in report.findings],
-        "steps": f.steps,
+        "steps": f.steps, "steps_known": f.steps_known,
         "skipped_steps": [{"step": s.step, "kind": s.kind, "loss": s.loss,
                            "seen_on_ranks": s.seen_on, "followed_on_ranks": s.followed_on}
                           for s in f.skips],
@@ -177,6 +177,7 @@ def _run_json(report: Report) -> dict[str, Any]:
         "frozen_rows": f.freeze,
         "ranks": {str(rank): vars(figures) for rank, figures in f.ranks.items()},
         "records": run.files, "unreadable_lines": run.broken_lines,
+        "impossible_records": dict(f.impossible), "not_checked": f.not_checked,
         "tensorboard": {"files": run.tb_files, "problem": run.tb_problem,
                         "incomplete": run.tb_incomplete},
     }

@@ -3,8 +3,9 @@
 A run records its freeze where it starts: headlessXttsTrain.py writes the base model file
 and the frozen row ranges into ``headless_runs.jsonl`` (``base_weights``). The check
 compares those rows of the text embedding and text head in the run's newest checkpoint
-with the base model's rows, bit for bit (``max |checkpoint - base|``). Without such a
-record, or without a checkpoint, nothing is claimed.
+with the base model's rows, bit for bit (``max |checkpoint - base|``); relative paths are
+resolved from the working directory the run recorded. Without such a record nothing is
+claimed; a check that cannot run says why (``checked`` False), and the report names it.
 """
 
 from __future__ import annotations
@@ -21,14 +22,21 @@ from .reading import Run
 VOCAB_TENSORS = ("gpt.text_embedding.weight", "gpt.text_head.weight", "gpt.text_head.bias")
 
 
-def _freeze_record(run: Run) -> dict[str, Any] | None:
+def _freeze_records(run: Run) -> tuple[dict[str, Any] | None, list[str]]:
+    """The start record of ``run`` that names a freeze, and the relative run folders of
+    freeze records that could not be resolved (neither is this run's, as far as known)."""
+    unresolved = []
     for record in run.get(reading.HEADLESS):
-        if record.get("event") != "start" or record.get("run_folder") not in (None, run.folder):
-            continue
         weights = record.get("base_weights")
-        if isinstance(weights, dict) and weights.get("frozen_rows") and weights.get("path"):
-            return weights
-    return None
+        if record.get("event") != "start" or not (
+                isinstance(weights, dict) and weights.get("frozen_rows") and weights.get("path")):
+            continue
+        mine = reading.names_run(record, run)
+        if mine:
+            return record, []
+        if mine is None:
+            unresolved.append(str(record.get("run_folder")))
+    return None, unresolved
 
 
 def _newest_checkpoint(folder: str) -> str | None:
@@ -44,23 +52,35 @@ def _vocab_tensors(path: str) -> dict[str, Any]:
             if key.endswith(suffix)}
 
 
+def _not_checked(why: str) -> dict[str, Any]:
+    return {"moved": False, "checked": False, "max_drift": None, "detail": f"not checked: {why}"}
+
+
 def check_frozen_rows(run: Run) -> dict[str, Any] | None:
-    """``{"moved", "max_drift", "detail", ...}``, or None when the run records no freeze."""
-    record = _freeze_record(run)
+    """``{"moved", "checked", "max_drift", "detail", ...}``, or None when the run records no
+    freeze. ``checked`` is False when the check could not run (no checkpoint, a path that
+    cannot be resolved or read, rows that do not match): the report says so."""
+    record, unresolved = _freeze_records(run)
     if record is None:
-        return None
+        return None if not unresolved else _not_checked(
+            f"headless_runs.jsonl records a freeze for the relative run folder(s) "
+            f"{', '.join(unresolved)} and not the working directory they were relative to, so "
+            f"it cannot tell whether one of them is {run.folder}")
+    weights = record["base_weights"]
+    base_path = reading.recorded_path(record, weights["path"], run)
+    if base_path is None:
+        return _not_checked(f"the base model {weights['path']} is a relative path and "
+                            f"headless_runs.jsonl does not record the folder it was relative to")
     checkpoint = _newest_checkpoint(run.folder)
     if checkpoint is None:
-        return {"moved": False, "max_drift": None, "detail": "no checkpoint in the run folder "
-                "to check the frozen rows against"}
-    ranges = [range(int(a), int(b) + 1) for a, b in record["frozen_rows"]]
-    rows = torch.tensor([i for r in ranges for i in r], dtype=torch.long)
+        return _not_checked("no checkpoint in the run folder to check the frozen rows against")
     try:
-        base = _vocab_tensors(str(record["path"]))
+        ranges = [range(int(a), int(b) + 1) for a, b in weights["frozen_rows"]]
+        rows = torch.tensor([i for r in ranges for i in r], dtype=torch.long)
+        base = _vocab_tensors(base_path)
         trained = _vocab_tensors(checkpoint)
     except Exception as exc:  # noqa: BLE001 - a report states what it could not check
-        return {"moved": False, "max_drift": None,
-                "detail": f"not checked: {type(exc).__name__}: {exc}"}
+        return _not_checked(f"{type(exc).__name__}: {exc}")
     worst = 0.0
     compared = []
     for name, old in base.items():
@@ -70,9 +90,8 @@ def check_frozen_rows(run: Run) -> dict[str, Any] | None:
         worst = max(worst, float((new.index_select(0, rows).float() - old.float()).abs().max()))
         compared.append(name.split(".", 1)[1])
     if not compared:
-        return {"moved": False, "max_drift": None, "detail": (
-            f"not checked: the row layout of {record['path']} and {checkpoint} does not match "
-            f"the recorded frozen rows {record['frozen_rows']}")}
-    return {"moved": worst > 0.0, "max_drift": worst, "checkpoint": checkpoint,
-            "detail": f"{len(rows)} rows {record['frozen_rows']} of {', '.join(compared)}: max "
+        return _not_checked(f"the row layout of {base_path} and {checkpoint} does not match "
+                            f"the recorded frozen rows {weights['frozen_rows']}")
+    return {"moved": worst > 0.0, "checked": True, "max_drift": worst, "checkpoint": checkpoint,
+            "detail": f"{len(rows)} rows {weights['frozen_rows']} of {', '.join(compared)}: max "
                       f"|{os.path.basename(checkpoint)} - base| = {worst:.3g}"}

@@ -55,6 +55,7 @@ class Run:
     tb_problem: str | None = None  # the TensorBoard files could not be read at all
     tb_incomplete: list[str] = field(default_factory=list)  # a file cut off or damaged
     newest: float = 0.0  # mtime of its newest file
+    run_ids: list[str] = field(default_factory=list)  # set when a folder held several runs
 
     def get(self, name: str) -> list[dict[str, Any]]:
         """The records of every ``name`` file of this run (run folder first)."""
@@ -169,9 +170,114 @@ def find_runs(root: str, *, scalars: bool = True) -> list[Run]:
             _read_folder(run, place, folders[place])
         if scalars:
             read_scalars(run, [n for n in folders[folder] if n.startswith(TB_PREFIX)])
-        runs.append(run)
+        runs.extend(split_by_run_id(run))
     runs.sort(key=lambda r: r.newest)
     return runs
+
+
+def run_cwd(record: dict[str, Any], run: Run) -> str | None:
+    """The folder the run's relative paths were relative to: the working directory the
+    record carries (headlessXttsTrain.py writes ``cwd``) while it still holds the run;
+    else, for a relative ``run_folder`` that the run's folder ends with (a record of an
+    older writer, or a folder copied elsewhere), the folder above that ending; else None."""
+    cwd = record.get("cwd")
+    folder = record.get("run_folder")
+    if isinstance(cwd, str) and os.path.isabs(cwd) and (
+            not isinstance(folder, str) or os.path.isabs(folder)
+            or os.path.normpath(os.path.join(cwd, folder)) == run.folder):
+        return cwd
+    if isinstance(folder, str) and not os.path.isabs(folder):
+        tail = os.path.normpath(folder)
+        if tail != os.curdir and run.folder.endswith(os.sep + tail):
+            return run.folder[:-len(tail) - 1] or os.sep
+    return cwd if isinstance(cwd, str) and os.path.isabs(cwd) else None
+
+
+def recorded_path(record: dict[str, Any], path: Any, run: Run) -> str | None:
+    """A path a record names, resolved as the run resolved it (:func:`run_cwd`); None
+    when it is relative and nothing says what it was relative to."""
+    if not isinstance(path, str) or not path:
+        return None
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    cwd = run_cwd(record, run)
+    return None if cwd is None else os.path.normpath(os.path.join(cwd, path))
+
+
+def names_run(record: dict[str, Any], run: Run) -> bool | None:
+    """Whether a headless_runs.jsonl record is about ``run``: True without a
+    ``run_folder``, or when it resolves to the run's folder; None when it is relative and
+    cannot be resolved."""
+    if record.get("run_folder") is None:
+        return True
+    folder = recorded_path(record, record.get("run_folder"), run)
+    return None if folder is None else folder == run.folder
+
+
+def record_step(record: dict[str, Any]) -> int | None:
+    """The step a record names: the trainer's counter where the writer knew it, else the
+    patch's own count (``step``); None when neither is a whole number."""
+    for key in ("trainer_step", "step"):
+        value = record.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    return None
+
+
+def split_by_run_id(run: Run) -> list[Run]:
+    """``run`` as one Run per training run its folder holds, told apart by ``run_id``.
+
+    Every process has its own run_id, so a resume has a new one too: a run_id whose
+    steps all come after the steps of the run before it continues that run (a resume);
+    one whose steps go back over them is another run that wrote into the same folder.
+    Only the folder's step records (events, scale changes, out-of-memory batches) decide;
+    the other records follow their run_id (records without one, from older writers, go
+    with the first run; those of a run_id with no steps here, with the newest)."""
+    order: list[str] = []
+    spans: dict[str, list[int]] = {}
+    for name in _RUN_FILES:
+        for record in run.records.get(name, []):
+            run_id = record.get("run_id")
+            step = record_step(record)
+            if not isinstance(run_id, str) or step is None:
+                continue
+            if run_id not in spans:
+                order.append(run_id)
+                spans[run_id] = [step, step]
+            span = spans[run_id]
+            span[0], span[1] = min(span[0], step), max(span[1], step)
+    if len(order) < 2:
+        return [run]
+    chains: list[list[str]] = []  # in the order the files first name them
+    ends: list[int] = []
+    for run_id in order:
+        first, end = spans[run_id]
+        if chains and first > ends[-1]:
+            chains[-1].append(run_id)
+            ends[-1] = max(ends[-1], end)
+        else:
+            chains.append([run_id])
+            ends.append(end)
+    if len(chains) < 2:
+        return [run]
+    chain_of = {run_id: i for i, chain in enumerate(chains) for run_id in chain}
+    parts = [Run(folder=run.folder, shared_folders=list(run.shared_folders), run_ids=chain,
+                 newest=run.newest - (len(chains) - 1 - i) * 1e-6)
+             for i, chain in enumerate(chains)]
+    for name, records in run.records.items():
+        for record in records:
+            run_id = record.get("run_id")
+            index = chain_of.get(run_id, 0 if not isinstance(run_id, str) else len(chains) - 1)
+            parts[index].records.setdefault(name, []).append(record)
+    for part in parts:
+        part.files = {name: paths for name, paths in run.files.items() if name in part.records}
+    parts[0].broken_lines = dict(run.broken_lines)  # lines without a readable run_id
+    newest = parts[-1]  # TensorBoard files are the newest run's (coqui: one per run folder)
+    newest.scalars, newest.tb_files = run.scalars, run.tb_files
+    newest.tb_problem, newest.tb_incomplete = run.tb_problem, run.tb_incomplete
+    return parts
 
 
 def _read_folder(run: Run, folder: str, names: list[str]) -> None:

@@ -40,7 +40,9 @@ SKIPPED = "skipped steps"
 DROPPED = "dropped samples"
 OOM = "out-of-memory batches"
 UNREADABLE = "unreadable records"
+IMPOSSIBLE = "impossible records"
 TB_INCOMPLETE = "incomplete TensorBoard file"
+NOT_CHECKED = "checks not run"
 
 
 PEER = "peer_nonfinite"  # patches.nan_guard: this rank skipped because a peer saw it
@@ -76,6 +78,7 @@ class Facts:
 
     run: Run
     steps: int = 0
+    steps_known: bool = False  # False: ``steps`` is only a lower bound (nothing recorded it)
     skips: list[Skip] = field(default_factory=list)
     micro_batches: list[int] = field(default_factory=list)  # non-finite, left out, not skipped
     overflows: list[int] = field(default_factory=list)  # steps the scaler skipped (NaN loss too)
@@ -92,6 +95,8 @@ class Facts:
     freeze: dict[str, Any] | None = None
     patch_stats: dict[str, dict[str, float]] = field(default_factory=dict)
     ranks: dict[int, RankFigures] = field(default_factory=dict)  # {} for one process
+    impossible: Counter[str] = field(default_factory=Counter)  # file -> records left out
+    not_checked: list[str] = field(default_factory=list)  # checks that could not run, why
 
 
 @dataclass
@@ -116,12 +121,35 @@ def _finite(series: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(s, v) for s, v in series if math.isfinite(v)]
 
 
-def _step_of(record: dict[str, Any]) -> int | None:
-    for key in ("trainer_step", "step"):
+_step_of = reading.record_step
+
+
+def _impossible(record: dict[str, Any], name: str) -> str | None:
+    """What a step record holds that no writer of the patches writes (a NaN, negative or
+    fractional step, a loss scale that is not a positive finite number), or None."""
+    for key in ("step", "trainer_step"):
         value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return int(value)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not value.is_integer()) or value < 0:
+            return f"{key} {value!r}"
+    if name == reading.SCALE:
+        for key in ("scale", "scale_before"):
+            value = number(record.get(key))
+            if key in record and (value is None or not math.isfinite(value) or value <= 0):
+                return f"{key} {record.get(key)!r}"
     return None
+
+
+def _steps_at_least(record: dict[str, Any]) -> int:
+    """How many steps a run that wrote ``record`` took at least: the trainer's counter
+    starts at 0, the patches' own counts at 1."""
+    trainer = record.get("trainer_step")
+    if isinstance(trainer, int) and not isinstance(trainer, bool):
+        return trainer + 1
+    step = _step_of(record)
+    return step if step is not None else 0
 
 
 def _streak(steps: list[int]) -> int:
@@ -148,7 +176,7 @@ def _patch_stats(run: Run) -> dict[str, dict[str, float]]:
     folder_ends = [r for r in run.get(reading.HEADLESS)
                    if r.get("event") in ("finished", "interrupted")
                    and isinstance(r.get("patch_stats"), dict)
-                   and r.get("run_folder") in (None, run.folder)]
+                   and reading.names_run(r, run)]
     by_rank: dict[int | None, list[dict[str, Any]]] = {}
     for record in folder_ends:
         by_rank.setdefault(reading.rank_of(record), []).append(record)
@@ -214,9 +242,9 @@ def _skips_of_events(run: Run, f: Facts) -> tuple[dict[int, Skip], list[int]]:
         consecutive = event.get("consecutive")
         if isinstance(consecutive, int):
             streaks.append(consecutive)
-    for skip in skips.values():
-        skip.seen_on.sort()
-        skip.followed_on.sort()
+    for skip in skips.values():  # a rank names a step once (a record written twice counts once)
+        skip.seen_on = sorted(set(skip.seen_on))
+        skip.followed_on = sorted(set(skip.followed_on))
     return skips, streaks
 
 
@@ -224,6 +252,7 @@ def facts(run: Run) -> Facts:
     """The figures of ``run`` (all its ranks)."""
     f = Facts(run=run)
     several = reading.ranks(run)
+    _leave_out_impossible(run, f)
     skips, streaks = _skips_of_events(run, f)
     all_scale = [r for r in run.get(reading.SCALE) if _step_of(r) is not None]
     # every rank's scaler takes the same steps (found-inf is agreed): the series of one
@@ -301,17 +330,55 @@ def facts(run: Run) -> Facts:
     else:
         f.ranks = {}
     f.patch_stats = _patch_stats(run)
-    seen = [s for series in (*f.losses.values(), f.lr, f.grad_norm) for s, _ in series[-1:]]
-    seen += [s.step for s in f.skips] + [s for s, _ in f.scale[-1:]]
     guard_steps = int(f.patch_stats.get("nan_guard", {}).get("steps", 0))
-    f.steps = max([guard_steps] + [s + 1 for s in seen])
+    if guard_steps:  # the guard's own count of the run's optimizer steps, recorded at its end
+        f.steps, f.steps_known = guard_steps, True
+    else:  # a lower bound: the last step anything names
+        seen = [s + 1 for series in (*f.losses.values(), f.lr, f.grad_norm)
+                for s, _ in series[-1:]]
+        seen += [_steps_at_least(r) for name in (reading.EVENTS, reading.SCALE, reading.OOM)
+                 for r in run.get(name)]
+        f.steps = max([0] + seen)
+    _checks_not_run(run, f)
     return f
+
+
+def _leave_out_impossible(run: Run, f: Facts) -> None:
+    """Records with values no writer of the patches makes are counted per file, and left
+    out of every figure (never a traceback, never a silent skip)."""
+    for name in (reading.EVENTS, reading.SCALE, reading.OOM):
+        kept = []
+        for record in run.get(name):
+            why = _impossible(record, name)
+            if why is None:
+                kept.append(record)
+            else:
+                f.impossible[f"{name} ({why})"] += 1
+        if name in run.records:
+            run.records[name] = kept
+
+
+def _checks_not_run(run: Run, f: Facts) -> None:
+    """What could not be checked, and why: each is a finding (never a silent skip)."""
+    if run.tb_problem:
+        f.not_checked.append(f"the TensorBoard files: {run.tb_problem}")
+    unresolved = sorted({str(r.get("run_folder")) for r in run.get(reading.HEADLESS)
+                         if reading.names_run(r, run) is None})
+    if unresolved and not any(reading.names_run(r, run) for r in run.get(reading.HEADLESS)
+                              if r.get("run_folder") is not None):
+        f.not_checked.append(
+            f"the patches' counters and freeze in headless_runs.jsonl: it names the relative "
+            f"run folder(s) {', '.join(unresolved)} and not the working directory they were "
+            f"relative to, so none can be matched with {run.folder}")
 
 
 def verdict(f: Facts) -> list[Finding]:
     """What needs a look in the run, each with the figures behind it; [] when healthy."""
     found: list[Finding] = []
     steps = max(f.steps, 1)
+    not_checked = list(f.not_checked)
+    if f.freeze is not None and f.freeze.get("checked") is False:
+        not_checked.append(f"the frozen rows: {f.freeze['detail']}")
     if f.freeze is not None and f.freeze.get("moved"):
         found.append(Finding(FROZEN_MOVED, f"frozen base rows moved by up to "
                                            f"{f.freeze['max_drift']:.3g} ({f.freeze['detail']})"))
@@ -329,8 +396,10 @@ def verdict(f: Facts) -> list[Finding]:
         kinds = Counter(s.kind for s in f.skips)
         where = ", ".join(str(s.step) for s in f.skips[:8]) + (" ..." if len(f.skips) > 8 else "")
         detail = (f"{len(f.skips)} of {f.steps} steps skipped "
-                  f"({100.0 * len(f.skips) / steps:.1f}%): "
-                  + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in kinds.most_common())
+                  f"({100.0 * len(f.skips) / steps:.1f}%): " if f.steps_known else
+                  f"{len(f.skips)} skipped steps in at least {f.steps} (the run's total "
+                  f"number of steps was not recorded): ")
+        detail += (", ".join(f"{n} {k.replace('_', ' ')}" for k, n in kinds.most_common())
                   + f"; at step {where}; longest streak {f.longest_streak}")
         repeated = f.longest_streak >= 2 or (len(f.skips) >= 2
                                              and len(f.skips) > REPEAT_SHARE * steps)
@@ -361,6 +430,12 @@ def verdict(f: Facts) -> list[Finding]:
         found.append(Finding(UNREADABLE, "; ".join(
             f"{n} unreadable lines in {p}" for p, n in f.run.broken_lines.items())
             + " (the figures leave them out)"))
+    if f.impossible:
+        found.append(Finding(IMPOSSIBLE, "; ".join(
+            f"{n} record(s) of {what}" for what, n in f.impossible.items())
+            + " (values no run writes: the figures leave them out)"))
+    if not_checked:
+        found.append(Finding(NOT_CHECKED, "; ".join(not_checked)))
     return found
 
 
@@ -398,11 +473,13 @@ def headline(findings: list[Finding]) -> str:
 def describe(f: Facts, findings: list[Finding]) -> list[str]:
     """The report's text: where the run is, its figures, the verdict."""
     run = f.run
-    lines = [f"run: {run.folder}"]
+    lines = [f"run: {run.folder}" + (f" (run_id {', '.join(run.run_ids)})" if run.run_ids
+                                     else "")]
     for folder in run.shared_folders:
         lines.append(f"  with the files of {folder}")
     loss = f.losses.get("loss", [])
-    lines.append(f"steps: {f.steps}" + (f"; loss {loss[0][1]:.4g} at step {loss[0][0]} -> "
+    lines.append(f"steps: {f.steps if f.steps_known else f'at least {f.steps} (not recorded)'}"
+                 + (f"; loss {loss[0][1]:.4g} at step {loss[0][0]} -> "
                                         f"{loss[-1][1]:.4g} at step {loss[-1][0]} "
                                         f"({len(loss)} logged)" if loss else
                                         "; no loss logged to TensorBoard"))
