@@ -83,18 +83,24 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
 def check_output(path: str | os.PathLike[str], *, prog: str, what: str, force: bool = False,
                  inputs: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
                  others: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
-                 example: str | None = None) -> bool:
+                 example: str | None = None, stdout: bool = True) -> bool:
     """Raise :class:`OutputRefused` unless ``path`` (the value of option ``what`` of the
     command ``prog``) may be written; return whether a file is there (to be replaced).
 
     Refused: any of ``inputs`` ((name, path) pairs; with ``--force`` too), any of ``others``
     (the command's other outputs), a folder (with ``--force`` too), a path whose folder is
     missing or is a file, and an existing file without ``force``. ``example`` is a file
-    name to suggest. ``-`` (stdout) is always allowed."""
+    name to suggest. ``-`` means stdout where the output is text the command can put
+    there (``stdout``), and is refused otherwise (never a file named ``-``)."""
     path = os.fspath(path)
-    if path == STDOUT:
-        return False
     suggest = f" (e.g. {example})" if example else ""
+    if path == STDOUT:
+        if stdout:
+            return False
+        raise OutputRefused(
+            f"{prog}: {what} - would mean stdout, but {what} is a file this command writes "
+            f"whole (its stdout carries what it reports), so nothing was written. Give a file "
+            f"name{suggest}.")
     for name, source in inputs:
         if source is not None and same_file(path, source):
             raise OutputRefused(

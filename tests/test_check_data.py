@@ -301,7 +301,8 @@ def test_empty_and_letterless_transcripts_and_long_text(tmp_path) -> None:
     clips = json.loads(report_path.read_text(encoding="utf-8"))["clips"]
     assert [[e["reason"] for e in c["errors"]] for c in clips[3:]] == [
         ["empty_text"], ["empty_text"], []]
-    assert [w["reason"] for w in clips[5]["warnings"]] == ["over_char_limit"]
+    # the rows reuse the first three files: each is also a repeated file (a warning)
+    assert [w["reason"] for w in clips[5]["warnings"]] == ["repeated_file", "over_char_limit"]
 
 
 def test_undecodable_files_and_the_fallback_decoder(tmp_path) -> None:
@@ -502,3 +503,45 @@ def test_json_report_is_strict_follows_the_umask_and_can_go_to_stdout(dataset, t
     assert doc["tool"] == "training-patches check-data" and doc["format"] == 1
     assert doc["exit_code"] == 1 and doc["summary"]["flagged_clips"] == 7
     assert "clips: 15" in captured.err and "result:" in captured.err
+
+
+def test_rows_naming_one_file_count_its_audio_once(tmp_path, capsys) -> None:
+    """3,000 rows naming the same 12 files were counted as 127.7 minutes of audio: each
+    file counts once, each repeating row is a warning, and the table says how many."""
+    files = clean_rows(tmp_path, count=3)
+    rows = [files[i % 3] for i in range(30)]
+    manifest = write_manifest(tmp_path / "metadata.csv", rows)
+    report_path = tmp_path / "report.json"
+    assert run([str(manifest), "--workers", "1", "--json", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    summary = report["summary"]
+    seconds = sum(sf.info(tmp_path / row[0]).duration for row in files)
+    assert summary["minutes"] == pytest.approx(seconds / 60, abs=0.002)
+    assert summary["clean_minutes"] == pytest.approx(seconds / 60, abs=0.002)
+    assert (summary["clips"], summary["audio_files"], summary["repeated_rows"]) == (30, 3, 27)
+    assert summary["warnings"] == {"repeated_file": 27}
+    assert report["clips"][3]["warnings"] == [
+        {"reason": "repeated_file", "detail": "the same audio file as line 2"}]
+    assert "in 3 audio files; 27 rows name a file an earlier row names (each file counted " \
+        "once)" in out
+
+
+def test_clean_manifest_dash_goes_to_stdout_alone(dataset, tmp_path, capsys,
+                                                   monkeypatch) -> None:
+    """``--clean-manifest -`` wrote a file named ``-``: now the manifest is stdout, alone,
+    its audio paths relative to the current folder; the table goes to stderr."""
+    manifest, clean, _ = dataset
+    monkeypatch.chdir(tmp_path)
+    assert run([str(manifest), "--workers", "1", "--clean-manifest", "-"]) == 1
+    captured = capsys.readouterr()
+    assert not (tmp_path / "-").exists()
+    lines = captured.out.splitlines()
+    assert lines[0] == "audio_file|text|speaker_name" and len(lines) == 1 + len(clean)
+    assert all((tmp_path / line.split("|")[0]).is_file() for line in lines[1:])
+    assert "clean manifest: stdout (8 of 15 rows)" in captured.err
+    # both outputs on stdout at once: one paragraph, nothing written
+    assert run([str(manifest), "--json", "-", "--clean-manifest", "-"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "both ask for stdout" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1

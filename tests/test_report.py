@@ -331,7 +331,8 @@ def test_out_never_replaces_a_run_record_or_a_foreign_file(tmp_path, capsys) -> 
 def test_default_picture_goes_to_the_current_folder_not_the_run(tmp_path, capsys,
                                                                 monkeypatch) -> None:
     """Without --out the run folder is left exactly as the run wrote it; the PNG lands in
-    the current folder, named after the run, and a second report replaces its own PNG."""
+    the current folder, named after the run; a second report replaces its own PNG only
+    with --force (issue 26: it redrew it without)."""
     run = tmp_path / "am_run"
     _run_with_records(run)
     listing = {p.name: _sha(p) for p in run.iterdir()}
@@ -344,8 +345,13 @@ def test_default_picture_goes_to_the_current_folder_not_the_run(tmp_path, capsys
     assert f"picture: {png.name}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {p.name: _sha(p) for p in run.iterdir()} == listing
-    first = png.stat().st_mtime_ns
-    assert cli.main(["report", str(run)]) == 1  # its own picture: replaced, not refused
+    first, digest = png.stat().st_mtime_ns, _sha(png)
+    assert cli.main(["report", str(run)]) == 2  # its own picture: only with --force
+    err = capsys.readouterr().err
+    _one_paragraph(err)
+    assert f"the picture {png.name} already exists" in err and "--force" in err
+    assert _sha(png) == digest and png.stat().st_mtime_ns == first
+    assert cli.main(["report", str(run), "--force"]) == 1
     assert png.stat().st_mtime_ns >= first and "picture:" in capsys.readouterr().out
     assert sorted(p.name for p in here.iterdir()) == [png.name]
 

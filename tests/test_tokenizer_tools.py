@@ -684,3 +684,33 @@ def test_a_missing_file_is_one_paragraph_naming_it(tmp_path: Path, reader: str,
     assert f"{missing} was not found" in message and expected in message
     assert message.endswith("Check the path.") and "\n" not in message
     assert not missing.exists()
+
+
+def test_output_dash_is_refused_never_a_file_named_dash(files, tmp_path, capsys,
+                                                        monkeypatch) -> None:
+    """``--output -`` wrote a file named ``-``; the extended tokenizer is a file the command
+    writes whole (its stdout carries its report): one paragraph, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    rc, stdout, err = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus",
+                            files["corpus"], "--language", "am", "--output", "-")
+    assert rc == 2 and "written" not in stdout
+    _one_paragraph(err)
+    assert "--output - would mean stdout" in err and "Give a file name" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_an_input_that_cannot_be_read_names_it(files, tmp_path, capsys,
+                                                      monkeypatch) -> None:
+    """An input that exists and cannot be read was reported as 'could not write --json
+    None'."""
+    from patches.tools import verify_tokenizer
+
+    def unreadable(*args, **kwargs):
+        raise OSError(5, "Input/output error", str(tmp_path / "lines.txt"))
+
+    monkeypatch.setattr(verify_tokenizer, "verify", unreadable)
+    rc, stdout, err = _main(capsys, "verify-tokenizer", files["vocab"])
+    assert rc == 2 and stdout == ""
+    _one_paragraph(err)
+    assert f"could not read {tmp_path / 'lines.txt'} (Input/output error)" in err
+    assert "--json" not in err and "None" not in err

@@ -58,11 +58,18 @@ def _verify(args: argparse.Namespace) -> int:
                          inputs=[("tokenizer", args.tokenizer), ("--base", args.base),
                                  ("--checkpoint", args.checkpoint),
                                  *(("--text", text) for text in args.text or ())])
-        preprocess = make_preprocess(args.language, g2p=args.g2p,
-                                     clean=not args.no_cleaner) if args.text else (lambda t: t)
-        found = verify(args.tokenizer, base=args.base, base_size=args.base_size,
-                       language=args.language, texts=args.text or (), preprocess=preprocess,
-                       checkpoint=args.checkpoint, max_unk_rate=args.max_unk_rate)
+        try:
+            preprocess = make_preprocess(args.language, g2p=args.g2p, clean=not args.no_cleaner
+                                         ) if args.text else (lambda t: t)
+            found = verify(args.tokenizer, base=args.base, base_size=args.base_size,
+                           language=args.language, texts=args.text or (),
+                           preprocess=preprocess, checkpoint=args.checkpoint,
+                           max_unk_rate=args.max_unk_rate)
+        except OSError as exc:  # an input that exists and cannot be read
+            print(f"{PROG}: error: could not read {exc.filename or 'an input'} "
+                  f"({exc.strerror or exc}); nothing was checked or written. Expected a "
+                  f"readable file; check the path and its permissions.", file=sys.stderr)
+            return 2
         if args.json is not None:
             write_json(args.json, findings_json(args.tokenizer, found), replace=args.force,
                        prog=PROG)

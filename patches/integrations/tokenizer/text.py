@@ -242,7 +242,7 @@ def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
     example = src.with_name(src.stem + suffix + src.suffix)
     try:  # the rule every command follows (patches/_output.py)
         _output.check_output(out, prog="training-patches extend-tokenizer", what="--output",
-                             force=force, inputs=inputs, example=str(example))
+                             force=force, inputs=inputs, example=str(example), stdout=False)
     except OutputRefused as exc:
         raise TokenizerToolError(str(exc).split(": ", 1)[1]) from None
     return out

@@ -72,6 +72,9 @@ REASONS: dict[str, tuple[str, str]] = {  # reason -> (what it means, what to do)
     "foreign_letters": ("some letters are outside the language's script", ""),
     "over_char_limit": ("longer than the language's character limit (coqui warns and may "
                         "truncate the audio at inference)", "split long transcripts"),
+    "repeated_file": ("the same audio file as an earlier row: trained on once per row, "
+                      "counted once in the minutes", "remove the extra rows unless you mean "
+                      "to weight that clip"),
 }
 
 
@@ -85,6 +88,7 @@ class Clip:
     text: dict[str, Any] = field(default_factory=dict)
     errors: list[dict[str, str]] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
+    file: str = ""  # the audio file's real path: rows naming one file share it
 
     def error(self, reason: str, detail: str) -> None:
         self.errors.append({"reason": reason, "detail": detail})
@@ -255,19 +259,27 @@ def check_manifest(path: str, options: CheckDataOptions,
 
     header, rows = manifest if manifest is not None else read_data_manifest(path)
     tokenizer = load_tokenizer(options.tokenizer, options.language)  # fails before decoding
-    clips = [Clip(row) for row in rows]
-    paths = [row.audio_path for row in rows]
-    bar = tqdm(total=len(paths), unit="clip", desc="check-data", disable=(
+    clips = [Clip(row, file=os.path.realpath(row.audio_path)) for row in rows]
+    # each audio file is decoded once, however many rows name it
+    by_file: dict[str, list[Clip]] = {}
+    for clip in clips:
+        by_file.setdefault(clip.file, []).append(clip)
+    bar = tqdm(total=len(clips), unit="clip", desc="check-data", disable=(
         None if options.progress is None else not options.progress), file=sys.stderr)
-    results = analyse_many(paths, options.workers)
+    results = analyse_many([same[0].row.audio_path for same in by_file.values()],
+                           options.workers)
     try:
         with bar:
-            for clip, stats in zip(clips, results):
-                if "_columns" in clip.row.fields:
-                    clip.error("malformed_row", f"{clip.row.fields['_columns']} columns, the "
-                               f"header has {len(header)}")
-                check_audio(clip, stats, options.max_audio_seconds, options.min_snr)
-                bar.update(1)
+            for same, stats in zip(by_file.values(), results):
+                for clip in same:
+                    if "_columns" in clip.row.fields:
+                        clip.error("malformed_row", f"{clip.row.fields['_columns']} columns, "
+                                   f"the header has {len(header)}")
+                    check_audio(clip, dict(stats), options.max_audio_seconds, options.min_snr)
+                    if clip is not same[0]:
+                        clip.warn("repeated_file", f"the same audio file as line "
+                                  f"{same[0].row.line_no}")
+                bar.update(len(same))
     finally:
         results.close()  # a signal between two clips: the workers end here
     script = script_of(options.language)
@@ -277,6 +289,22 @@ def check_manifest(path: str, options: CheckDataOptions,
     unit = "syllables" if script == "Ethiopic" else "letters"
     medians = check_rates(clips, unit, options.rate_tolerance)
     return _report(path, options, clips, script, unit, medians, tokenizer), clips
+
+
+def _minutes(clips: Sequence[Clip]) -> dict[str, float]:
+    """Minutes of audio of ``clips``, each audio file counted once however many rows name
+    it: ``minutes`` (every file), ``clean_minutes`` and ``speech_minutes`` (voiced; files
+    named by at least one row without errors)."""
+    files: dict[str, tuple[Clip, bool]] = {}
+    for clip in clips:
+        first, clean = files.get(clip.file, (clip, False))
+        files[clip.file] = (first, clean or not clip.errors)
+    return {"minutes": round(sum(c.audio.get("duration_s", 0.0) for c, _ in files.values())
+                             / 60.0, 3),
+            "clean_minutes": round(sum(c.audio.get("duration_s", 0.0)
+                                       for c, clean in files.values() if clean) / 60.0, 3),
+            "speech_minutes": round(sum(voiced_seconds(c) for c, clean in files.values()
+                                        if clean) / 60.0, 3)}
 
 
 def _report(path: str, options: CheckDataOptions, clips: Sequence[Clip], script: str | None,
@@ -293,20 +321,13 @@ def _report(path: str, options: CheckDataOptions, clips: Sequence[Clip], script:
                      f"script share was not checked and the rate is in letters")
     speakers: dict[str, dict[str, Any]] = {}
     for clip in clips:
-        entry = speakers.setdefault(clip.speaker, {"clips": 0, "clean_clips": 0,
-                                                   "minutes": 0.0, "clean_minutes": 0.0,
-                                                   "speech_minutes": 0.0})
+        entry = speakers.setdefault(clip.speaker, {"clips": 0, "clean_clips": 0})
         entry["clips"] += 1
-        minutes = clip.audio.get("duration_s", 0.0) / 60.0
-        entry["minutes"] += minutes
-        if not clip.errors:
-            entry["clean_clips"] += 1
-            entry["clean_minutes"] += minutes
-            entry["speech_minutes"] += voiced_seconds(clip) / 60.0
+        entry["clean_clips"] += not clip.errors
         entry["median_rate"] = medians.get(clip.speaker, medians.get("*"))
-    for entry in speakers.values():
-        for key in ("minutes", "clean_minutes", "speech_minutes"):
-            entry[key] = round(entry[key], 3)
+    for name, entry in speakers.items():
+        entry.update(_minutes([c for c in clips if c.speaker == name]))
+    totals = _minutes(clips)
     errors = Counter(e["reason"] for c in clips for e in c.errors)
     warnings = Counter(w["reason"] for c in clips for w in c.warnings)
     rates = Counter(c.audio["sample_rate"] for c in clips if c.audio)
@@ -316,9 +337,9 @@ def _report(path: str, options: CheckDataOptions, clips: Sequence[Clip], script:
         "flagged_clips": sum(bool(c.errors) for c in clips),
         "clips_with_warnings": sum(bool(c.warnings) and not c.errors for c in clips),
         "errors": dict(errors.most_common()), "warnings": dict(warnings.most_common()),
-        "minutes": round(sum(s["minutes"] for s in speakers.values()), 3),
-        "clean_minutes": round(sum(s["clean_minutes"] for s in speakers.values()), 3),
-        "speech_minutes": round(sum(s["speech_minutes"] for s in speakers.values()), 3),
+        "audio_files": len({c.file for c in clips}),
+        "repeated_rows": len(clips) - len({c.file for c in clips}),
+        **totals,
         "sample_rates": {str(k): v for k, v in sorted(rates.items())},
         "channels": {str(k): v for k, v in sorted(channels.items())},
         "problems": problems, "notes": notes,

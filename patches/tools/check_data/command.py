@@ -64,7 +64,9 @@ def summary_lines(report: dict[str, Any], clips: Sequence[Clip], most: int = 25)
              f"clips: {s['clips']}  clean: {s['clean_clips']}  with errors: "
              f"{s['flagged_clips']}  clean with warnings: {s['clips_with_warnings']}",
              f"audio: {s['minutes']:.1f} min, clean {s['clean_minutes']:.1f} min, speech "
-             f"(voiced, clean clips) {s['speech_minutes']:.1f} min",
+             f"(voiced, clean clips) {s['speech_minutes']:.1f} min"
+             + (f" in {s['audio_files']} audio files; {s['repeated_rows']} rows name a file "
+                f"an earlier row names (each file counted once)" if s["repeated_rows"] else ""),
              "sample rates: " + (", ".join(f"{k} Hz x{v}" for k, v in
                                            s["sample_rates"].items()) or "none decoded")
              + "; channels: " + (", ".join(f"{k} x{v}" for k, v in s["channels"].items())
@@ -131,6 +133,11 @@ def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
                if os.path.exists(row.audio_path)]
     outputs = [("--json", args.json, "check.json"),
                ("--clean-manifest", args.clean_manifest, f"{stem}.clean{suffix}")]
+    if args.json == STDOUT and args.clean_manifest == STDOUT:
+        raise ManifestError(
+            f"{PROG}: --json - and --clean-manifest - both ask for stdout, which can carry only "
+            f"one of them; nothing was read or written. Give one of them a file name (e.g. "
+            f"--clean-manifest {stem}.clean{suffix}).")
     for what, path, example in outputs:
         if path is None:
             continue
@@ -194,8 +201,8 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
     except ManifestError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    # --json -: the JSON object alone on stdout, the table on stderr
-    text = sys.stderr if args.json == STDOUT else sys.stdout
+    # --json - or --clean-manifest -: that output alone on stdout, the table on stderr
+    text = sys.stderr if STDOUT in (args.json, args.clean_manifest) else sys.stdout
     print("\n".join(summary_lines(report, clips)), file=text)
     try:
         if args.json:
@@ -209,18 +216,24 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
         if args.clean_manifest:
             with open(args.manifest, encoding="utf-8") as handle:
                 header = handle.readline()
+            # on stdout, audio paths are made relative to the current folder
             cleaned = clean_manifest_text(args.manifest, args.clean_manifest, header, clips)
-            try:
-                write_file(args.clean_manifest, cleaned.encode("utf-8"),
-                           replace=args.force)
-            except OutputExists:
-                raise OutputRefused(
-                    f"{PROG}: --clean-manifest {args.clean_manifest} was created by another "
-                    f"program while this command ran; it was left as it is. Run again with "
-                    f"another path, or pass --force to replace it.") from None
-            written.append(args.clean_manifest)
-            print(f"clean manifest: {args.clean_manifest} ({report['summary']['clean_clips']} "
-                  f"of {report['summary']['clips']} rows)", file=text)
+            if args.clean_manifest == STDOUT:
+                sys.stdout.write(cleaned)
+                sys.stdout.flush()
+            else:
+                try:
+                    write_file(args.clean_manifest, cleaned.encode("utf-8"),
+                               replace=args.force)
+                except OutputExists:
+                    raise OutputRefused(
+                        f"{PROG}: --clean-manifest {args.clean_manifest} was created by another "
+                        f"program while this command ran; it was left as it is. Run again with "
+                        f"another path, or pass --force to replace it.") from None
+                written.append(args.clean_manifest)
+            print(f"clean manifest: {'stdout' if args.clean_manifest == STDOUT else args.clean_manifest}"
+                  f" ({report['summary']['clean_clips']} of {report['summary']['clips']} rows)",
+                  file=text)
     except (OutputRefused, OSError) as exc:
         done = f" ({' and '.join(written)} had been written)" if written else ""
         print(f"{exc}{done}" if isinstance(exc, OutputRefused) else
@@ -251,7 +264,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="write the full report as one strict JSON object (NaN/Infinity "
                              "as strings); - puts it on stdout and the table on stderr")
     parser.add_argument("--clean-manifest", metavar="FILE",
-                        help="write the header and the rows without errors (never the input)")
+                        help="write the header and the rows without errors (never the input); "
+                             "- puts them on stdout (the table then goes to stderr)")
     parser.add_argument("--force", action="store_true",
                         help="replace an existing --json/--clean-manifest file")
     parser.add_argument("--workers", type=number(int, low=1, high=MAX_WORKERS,

@@ -225,19 +225,25 @@ def check_json_out(path: str, folder: str, png: str | None, force: bool) -> bool
         raise ReportOutputError(str(exc)) from None
 
 
-def write_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
-                 ) -> tuple[list[Report], str | None]:
+def write_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
+                 *, replace: bool = True) -> tuple[list[Report], str | None]:
     """Reports of every run under ``folder`` (newest last) and the PNG of the newest.
 
     The PNG goes to ``out`` (default ``<folder>/training_report.png``: the trainer's own
     report, :func:`log_report`); None when matplotlib is missing. ``out`` must be a new
-    ``.png`` file or a picture drawn before (:func:`check_out`, checked before anything is
-    read). Raises :class:`NoRunFound` when there is no run, :class:`ReportOutputError` for
-    a refused ``out``.
+    ``.png`` file or, with ``replace``, a picture drawn before (:func:`check_out`, checked
+    before anything is read; the command passes ``replace`` only with ``--force``). Raises
+    :class:`NoRunFound` when there is no run, :class:`ReportOutputError` for a refused
+    ``out``.
     """
     folder = os.fspath(folder)
     path = os.fspath(out) if out is not None else os.path.join(folder, REPORT_NAME)
     exists = check_out(path)
+    if exists and not replace:
+        raise ReportOutputError(
+            f"training-patches report: the picture {path} already exists (the report drew it "
+            f"before); nothing was written and it is untouched. Pass --force to draw it again, "
+            f"or give --out a new file name ending in .png.")
     runs = find_runs(folder)
     if not runs:
         raise NoRunFound(no_run_message(folder))
@@ -282,7 +288,7 @@ def _report(args: argparse.Namespace) -> int:
                 raise NoRunFound(no_run_message(folder))
             reports, png = [build(run) for run in runs], None
         else:
-            reports, png = write_report(folder, out)
+            reports, png = write_report(folder, out, replace=args.force)
         if args.json is not None:
             write_json(args.json, report_json(folder, reports, png), replace=args.force,
                        prog=JSON_TOOL)
@@ -330,7 +336,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     rep.add_argument("run_dir", help="a run's output folder (or the folder above its runs)")
     rep.add_argument("--out", default=None,
                      help="where the PNG goes: a new .png file, a picture the report drew "
-                          "before (replaced), or a folder (FOLDER/training_report.png). "
+                          "before (replaced with --force), or a folder "
+                          "(FOLDER/training_report.png). "
                           "Default: training_report_<RUN_DIR's name>.png in the current "
                           "folder; never one of the run's own files")
     rep.add_argument("--no-picture", action="store_true",
@@ -340,7 +347,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "as strings); - puts it on stdout instead of the text. Never one "
                           "of the run's files; an existing FILE only with --force")
     rep.add_argument("--force", action="store_true",
-                     help="replace an existing --json FILE")
+                     help="replace an existing --json FILE (a report JSON) or a picture the "
+                          "report drew before")
     rep.set_defaults(handler=_report)
 
 
