@@ -218,3 +218,18 @@ def test_the_headless_record_carries_the_working_directory(tmp_path: Path,
     headlessXttsTrain._record(Path("out"), "start")
     (record,) = [json.loads(line) for line in (tmp_path / "out" / HEADLESS).open()]
     assert record["cwd"] == str(tmp_path)
+
+
+def test_records_the_run_could_not_write_are_a_finding(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The run's own count (patches.stats()["evidence"], in headless_runs.jsonl): records
+    still waiting in memory when it ended are missing from its files and figures."""
+    _jsonl(tmp_path / EVENTS, [{"step": 3, "kind": "nonfinite_loss", "loss": "NaN"}])
+    _jsonl(tmp_path / HEADLESS, [
+        {"event": "interrupted", "patch_stats": {"nan_guard": {"steps": 6},
+                                                 "evidence": {"written": 1, "waiting": 4}}},
+        {"event": "finished", "patch_stats": {"nan_guard": {"steps": 6},
+                                              "evidence": {"written": 0, "waiting": 2}}}])
+    code, text = _text(tmp_path, capsys)
+    assert code == 1 and "records not written: 2 record(s) of the patches could not be " \
+        "written when the run ended" in text

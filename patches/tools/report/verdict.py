@@ -43,6 +43,7 @@ UNREADABLE = "unreadable records"
 IMPOSSIBLE = "impossible records"
 TB_INCOMPLETE = "incomplete TensorBoard file"
 NOT_CHECKED = "checks not run"
+UNWRITTEN = "records not written"
 
 
 PEER = "peer_nonfinite"  # patches.nan_guard: this rank skipped because a peer saw it
@@ -166,7 +167,8 @@ def _streak(steps: list[int]) -> int:
 # Every other counter holds the same value on every rank (an agreed decision, the scale):
 # a job's figure is one rank's.
 PER_RANK = ("nonfinite_losses", "nonfinite_grads", "spikes", "skipped_micro_batches",
-            "peer_skips", "oom_skipped")
+            "peer_skips", "oom_skipped",
+            "written", "waiting", "lost", "write_failures")  # evidence: each rank its own files
 
 
 def _patch_stats(run: Run) -> dict[str, dict[str, float]]:
@@ -199,8 +201,8 @@ def _sum_stats(folder_ends: list[dict[str, Any]]) -> dict[str, dict[str, float]]
                 continue
             into = total.setdefault(patch, {})
             for name, value in counts.items():
-                if isinstance(value, (int, float)) and name not in ("scale", "enabled",
-                                                                    "consecutive_skips"):
+                if isinstance(value, (int, float)) and name not in (
+                        "scale", "enabled", "consecutive_skips", "waiting"):  # now, not a count
                     into[name] = into.get(name, 0) + value
                 elif isinstance(value, (int, float)):
                     into[name] = value
@@ -436,6 +438,14 @@ def verdict(f: Facts) -> list[Finding]:
             + " (values no run writes: the figures leave them out)"))
     if not_checked:
         found.append(Finding(NOT_CHECKED, "; ".join(not_checked)))
+    evidence = f.patch_stats.get("evidence", {})
+    unwritten = int(evidence.get("waiting", 0)) + int(evidence.get("lost", 0))
+    if unwritten:  # the run's own count: its files (and these figures) miss them
+        found.append(Finding(UNWRITTEN, (
+            f"{unwritten} record(s) of the patches could not be written when the run ended "
+            f"(a full disk, a read-only folder, a file-size limit; headless_runs.jsonl's "
+            f"patch_stats.evidence): the figures above miss them; the run's log names the "
+            f"file and the error, and lists the records")))
     return found
 
 
