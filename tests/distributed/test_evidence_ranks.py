@@ -70,3 +70,23 @@ def test_evidence_report_merges_the_ranks(job_dir: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "skipped steps: 1 (nonfinite_loss 1) at steps 3" in out
     assert "ranks: 2 (0, 1)" in out and f"out-of-memory batches skipped: {2 * N_OOM}" in out
+
+
+def test_evidence_that_cannot_be_written_never_stops_a_job(job_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """The same job with its report folder under a file (NotADirectoryError on every
+    write): both ranks train to the same parameters as the job above, each rank warns once
+    per file it could not write, and counts every record that waits."""
+    (tmp_path / "afile").write_text("a file, not a folder")
+    result = jobs.torchrun(RANKS / "evidence_writer.py", str(tmp_path), str(N_OOM),
+                           str(N_DROPPED), str(tmp_path / "afile" / "reports"), timeout=180)
+    for rank in (0, 1):
+        stats = json.loads((tmp_path / f"job.rank{rank}.json").read_text())
+        expected = json.loads((job_dir / f"job.rank{rank}.json").read_text())
+        assert stats["identical"] and stats["finite"]
+        assert stats["params"] == expected["params"] and stats["nan_guard"]["skipped"] == 1
+        assert stats["evidence"]["waiting"] == 1 + N_OOM + N_DROPPED + 1
+        for name in ("nonfinite_events", "oom_events", "dropped_samples"):
+            assert result.stdout.count(
+                f"could not write to {tmp_path}/afile/reports/{name}.rank{rank}.jsonl "
+                f"(NotADirectoryError: [Errno 20] Not a directory)") == 1

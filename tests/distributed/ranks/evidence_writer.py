@@ -2,11 +2,13 @@
 step 3 (the real NaN guard), then out-of-memory batches (the real oom_guard) and dropped
 samples (the real dataset guard) written by every rank at once.
 
-argv: OUT_DIR N_OOM N_DROPPED
+argv: OUT_DIR N_OOM N_DROPPED [REPORT_DIR]: the evidence goes to REPORT_DIR (default
+OUT_DIR; one that cannot be written tests that training goes on regardless).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -24,11 +26,12 @@ NAN_STEP = 3
 
 def main() -> None:
     out, n_oom, n_dropped = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    report_dir = sys.argv[4] if len(sys.argv) > 4 else out
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
     patches.apply()
-    _run.set_output_dir(out)
+    _run.set_output_dir(report_dir)
     torch.manual_seed(0)
     model = DDP(TinyGPT())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -63,7 +66,8 @@ def main() -> None:
     gathered = [torch.zeros_like(params) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, params)
     with open(f"{out}/job.rank{rank}.json", "w", encoding="utf-8") as handle:
-        json.dump({"nan_guard": nan_guard.stats(),
+        json.dump({"nan_guard": nan_guard.stats(), "evidence": patches.stats()["evidence"],
+                   "params": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
                    "identical": all(torch.equal(gathered[0], g) for g in gathered),
                    "finite": bool(torch.isfinite(params).all())}, handle)
     dist.barrier()  # no rank tears gloo down while a peer still talks to it
