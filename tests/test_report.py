@@ -225,8 +225,11 @@ def test_report_of_a_real_coqui_run(tiny_xtts, tmp_path, clean_patches) -> None:
     assert f.lr and f.grad_norm and any(v for _, v in f.grad_norm)
     assert report.headline == "repeated skips, dropped samples"
     details = {x.name: x.detail for x in report.findings}
+    # no headless_runs.jsonl: TensorBoard's last step is only a lower bound (it logs
+    # every plot_step), so no percentage is claimed
     assert details["repeated skips"].startswith(
-        "2 of 14 steps skipped (14.3%): 1 nonfinite loss, 1 overflow")
+        "2 skipped steps in at least 14 (the run's total number of steps was not recorded): "
+        "1 nonfinite loss, 1 overflow")
 
     fig = report.figure()  # read before saving
     axes = _axes(fig)
