@@ -10,6 +10,8 @@ In a job of several ranks every process writes its own files: rank 1's events go
 process appends to, and every record says which ``rank`` of how many (``world_size``)
 wrote it, and which run (``run_id``: :func:`run_id`). Records are strict JSON: a non-finite float is the string ``"NaN"``,
 ``"Infinity"`` or ``"-Infinity"`` (:func:`json_line`), which any JSON parser reads.
+Writing is best effort (:func:`append_line`): a record that cannot be written waits in
+memory and never raises into training.
 """
 
 from __future__ import annotations
