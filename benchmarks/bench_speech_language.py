@@ -542,7 +542,7 @@ def main() -> None:
             cfg[key] = value
     cfg["eval_every"] = min(cfg["eval_every"], max(1, cfg["steps"] // 4))
     cfg["base_eval_every"] = min(cfg["base_eval_every"], max(1, cfg["base_max_steps"] // 4))
-    out = Path(args.out) if args.out else HERE / "results" / (
+    out = Path(args.out).resolve() if args.out else HERE / "results" / (
         "speech_language" + ("_quick" if args.quick else ""))
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)

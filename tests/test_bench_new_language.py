@@ -18,7 +18,11 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("upstream", "notes", "notes_stale", "library", "library_unfrozen", "library_resume")
+# the arms run once clean and once with a NaN, and those run clean only (one per rule)
+NAN_ARMS = ("upstream", "notes", "notes_stale", "library", "library_unfrozen", "library_resume")
+CLEAN_ARMS = ("hooks_std002", "plain_std002", "library_mean", "library_spread",
+              "library_std002", "library_romanized", "library_romanized_mean")
+ARMS = NAN_ARMS + CLEAN_ARMS
 
 
 def test_quick_run_writes_table_json_and_plot_with_every_arm(tmp_path: Path) -> None:
@@ -31,9 +35,10 @@ def test_quick_run_writes_table_json_and_plot_with_every_arm(tmp_path: Path) -> 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text(encoding="utf-8"))
     assert set(result["summary"]["arms"]) == set(ARMS)
-    # every arm ran once clean and once with its injected NaN
+    # every NaN arm ran once clean and once with its injected NaN, the rule arms clean
     assert sorted((r["arm"], r["nan_at"] is None) for r in result["runs"]) == sorted(
-        (arm, clean) for arm in ARMS for clean in (True, False))
+        [(arm, clean) for arm in NAN_ARMS for clean in (True, False)]
+        + [(arm, True) for arm in CLEAN_ARMS])
     table = (out / "table.md").read_text(encoding="utf-8")
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 2 + len(ARMS) + 3  # two headers, one row per arm, three resume rows
@@ -41,8 +46,11 @@ def test_quick_run_writes_table_json_and_plot_with_every_arm(tmp_path: Path) -> 
     assert (out / "new_language.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "work").exists()  # checkpoints and the base model are not left behind
     runs = {(r["arm"], r["nan_at"] is None): r for r in result["runs"]}
-    for arm in ("library", "library_resume"):  # library_unfrozen trains every row
+    for arm in ("library", "library_resume", *CLEAN_ARMS[2:]):  # unfrozen trains every row
         assert runs[arm, True]["base_row_drift"] == 0.0, arm  # freeze_base_vocab: exact
+    # each rule arm started its new rows by its rule, read back from the load report
+    assert "embedding romanized (" in runs["library_romanized", True]["load"]
+    assert "embedding std0.02, head std0.02" in runs["library_std002", True]["load"]
     assert runs["library_unfrozen", True]["base_row_drift"] > 0.0
     for arm in ("library", "library_unfrozen", "library_resume"):
         assert runs[arm, False]["guard"]["skipped"] == 1, arm  # the NaN step was skipped
