@@ -70,7 +70,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # The library arms that start new rows by a rule other than the default (embedding, head):
-# each with the library's freeze, clean runs only. "library" itself uses the defaults.
+# each with the library's freeze, clean runs only. "library" itself uses the defaults
+# (romanized embedding, spread head); library_mean is the default before issue 25.
 RULE_ARMS = {
     "library_mean": ("mean", "mean"),
     "library_spread": ("spread", "spread"),
@@ -91,7 +92,7 @@ ARM_TEXT = {
     "notes_stale": "notes before their fix: fresh opt, old sched",
     "hooks_std002": "std-0.02 rows + the notes' grad hooks",
     "plain_std002": "std-0.02 rows, nothing frozen",
-    "library": "library: default rows, freeze, guard",
+    "library": "library: default rows (romanized/spread), freeze, guard",
     "library_unfrozen": "library without the freeze",
     "library_resume": "library + resume after 2nd growth",
     **{arm: f"library, {emb} rows / {head} head, freeze" for arm, (emb, head) in RULE_ARMS.items()},

@@ -24,6 +24,10 @@ import torch
 from . import languages
 
 ROW_INITS = ("romanized", "spread", "mean", "std0.02", "randn")
+# The defaults, chosen from the benchmarks (docs/design/row_init.md, "Why the default"):
+# the embedding from the token's spelling, the head at the old rows' own spread.
+DEFAULT_ROW_INIT = "romanized"
+DEFAULT_HEAD_ROW_INIT = "spread"
 # The rule of a row that "romanized" cannot place.
 FALLBACK = "spread"
 # Noise around a romanised row, in units of the old rows' per-channel standard deviation:
@@ -220,5 +224,5 @@ def romanized_sources(tokenizer: Any, rows: Iterable[int],
     return RowSources(sources, spelled, unspelled)
 
 
-__all__ = ["COVARIANCE_SCALE", "FALLBACK", "ROMANIZED_NOISE", "ROW_INITS", "RowSources",
+__all__ = ["COVARIANCE_SCALE", "DEFAULT_HEAD_ROW_INIT", "DEFAULT_ROW_INIT", "FALLBACK", "ROMANIZED_NOISE", "ROW_INITS", "RowSources",
            "check_rule", "new_bias_values", "new_row_values", "romanized_sources"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._options import Option
 from .._registry import PatchSpec, register
-from ..row_init import ROW_INITS, check_rule
+from ..row_init import DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, ROW_INITS, check_rule
 from .reading import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, check_file,
                       manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
 from .atomic import atomic_torch_save, atomic_write
@@ -56,12 +56,14 @@ SPEC = register(PatchSpec(
                     "rows) or reset (start all three fresh)",
                     "`remap` keeps optimizer, scheduler and scaler on resume (moments resized); "
                     "`reset` starts all three fresh", shown_default="`remap`"),
-             Option("row_init", _row_rule("row_init"), "mean", " / ".join(ROW_INITS),
+             Option("row_init", _row_rule("row_init"), DEFAULT_ROW_INIT, " / ".join(ROW_INITS),
                     "how the text embedding's new rows start when the vocabulary grows "
-                    "(docs/benchmarks.md, 'New rows that learn')", shown_default="`mean`"),
-             Option("head_row_init", _row_rule("head_row_init"), "mean", " / ".join(ROW_INITS),
+                    "(`romanized` needs the tokenizer; without it `spread`)",
+                    shown_default=f"`{DEFAULT_ROW_INIT}`"),
+             Option("head_row_init", _row_rule("head_row_init"), DEFAULT_HEAD_ROW_INIT,
+                    " / ".join(ROW_INITS),
                     "how the text head's new rows (and bias entries) start when the "
-                    "vocabulary grows", shown_default="`mean`")),
+                    "vocabulary grows", shown_default=f"`{DEFAULT_HEAD_ROW_INIT}`")),
 ))
 
 __all__ = [

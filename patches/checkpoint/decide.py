@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .. import _dist
+from ..row_init import DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import _as_list, _check_plain_state, _remap_optimizer_state
 from .plan import MODEL_KEYS, ModelPlan, check_finite, plan_model
@@ -50,8 +51,8 @@ class LoadOptions:
     trusted: bool = False
     truncate: bool = False
     resume_step: bool = True
-    row_init: str = "mean"
-    head_row_init: str = "mean"
+    row_init: str = DEFAULT_ROW_INIT
+    head_row_init: str = DEFAULT_ROW_INIT
     tokenizer: Any = None
 
 

@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..row_init import RowSources, check_rule, romanized_sources
+from ..row_init import (DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, RowSources, check_rule,
+                        romanized_sources)
 from ..vocab_resize import RowPlan, grow_bias, grow_rows
 from ..vocab_rows import row_layout
 from .reading import _what_to_do, nonfinite_flags
@@ -210,7 +211,7 @@ class NewRows:
             if rule != "romanized":
                 out.append(f"{part} {rule}")
             elif self.sources is None:
-                out.append(f"{part} romanized asked, but no tokenizer was given to spell the "
+                out.append(f"{part} romanized: no tokenizer was given to spell the "
                            f"new tokens: all by spread")
             else:
                 out.append(f"{part} romanized ({self.sources.describe()})")
@@ -247,7 +248,7 @@ def _is_head(model: torch.nn.Module, key: str) -> bool:
 def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
                strict: bool, vocab_modules: Sequence[str], start_token_row: str | bool,
                seed: int, key_filter: Callable[[str], bool] | None = None,
-               truncate: bool = False, row_init: str = "mean", head_row_init: str = "mean",
+               truncate: bool = False, row_init: str = DEFAULT_ROW_INIT, head_row_init: str = DEFAULT_ROW_INIT,
                tokenizer: Any = None) -> ModelPlan:
     """The :class:`ModelPlan` of loading ``ckpt`` into ``model``: keys matched, shapes and
     dtypes checked, vocabulary rows grown. Raises before anything is changed."""
