@@ -7,7 +7,8 @@ Sites (coqui-tts-trainer 0.4), all reversible through the registry:
   load with :func:`patches.checkpoint.load_checkpoint`. Upstream falls back to a
   partial load that drops every tensor whose shape changed (74 -> 82 tokens: 0 of 74
   trained rows kept) and restores scheduler and scaler even when the optimizer did not
-  load. Here a grown vocabulary is resized (rows kept, new rows at the old mean, the
+  load. Here a grown vocabulary is resized (rows kept, new rows by
+  :mod:`patches.row_init`'s rules, spelled with the config's ``tokenizer_file``, the
   base rows frozen), any other mismatch is an error, and ``continue_path`` restores
   optimizer, scheduler and scaler as one set (``TRAINING_PATCHES_RESUME_POLICY``:
   ``remap``, or ``reset`` to start all three fresh). ``restore_path`` alone loads the
