@@ -533,6 +533,31 @@ def test_disk_full_between_checkpoint_and_manifest_leaves_no_orphan(tmp_path, mo
     assert manager.resume("auto") == third and manager.checkpoints() == [first, third]
 
 
+def test_a_killed_writers_latest_temp_file_is_swept_like_the_others(tmp_path):
+    """Issue 26: the ``latest`` pointer is written through a temporary file too; a kill
+    between its write and its rename left ``.latest.tp-tmp-...`` for good."""
+    import subprocess
+
+    from patches.checkpoint.atomic import host_name, temp_prefix
+
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    here = host_name()
+    dead_latest = out / f".latest.tp-tmp-{dead.pid}@{here}~abc123"
+    dead_ckpt = out / f".ckpt_000000001.pt.tp-tmp-{dead.pid}@{here}~def456"
+    live_latest = out / f".latest.tp-tmp-{os.getppid()}@{here}~ghi789"  # a writer that runs
+    other_host = out / f".latest.tp-tmp-{dead.pid}@another-node~jkl012"
+    for path in (dead_latest, dead_ckpt, live_latest, other_host):
+        path.write_bytes(b"ckpt_000000001.pt\n")
+    assert temp_prefix("latest").startswith(".latest.tp-tmp-")  # the name the writer uses
+    CheckpointManager(out, keep=None).save(2, TinyGPT())
+    assert not dead_latest.exists() and not dead_ckpt.exists()
+    assert live_latest.exists() and other_host.exists()
+    assert _latest(out) == "ckpt_000000002.pt"
+
+
 def test_atomic_torch_save_checks_the_space_too(tmp_path, monkeypatch):
     """coqui's save_fsspec goes through atomic_torch_save: the same paragraph there."""
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 0, 100))

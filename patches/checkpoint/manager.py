@@ -259,7 +259,8 @@ class CheckpointManager:
         """Remove temporary files and incomplete sharded folders of this manager's saves
         whose writer is dead (killed).
 
-        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``, and
+        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``, the
+        ``latest`` pointer's ``.latest<mark><pid>@<host>~...``, and
         ``<prefix>_<step>.dcp`` folders without a commit marker) are touched, and only
         those written on THIS host whose pid no longer runs: on a shared filesystem
         another machine's save in progress is never touched (a pid says nothing across
@@ -269,8 +270,9 @@ class CheckpointManager:
         if not self.output_dir.is_dir():
             return
         sweep_incomplete(self.output_dir, self.folder_pattern, _pid_alive)
-        mark = re.compile(rf"^\.{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
-                          rf"{TMP_OWNER.pattern}")
+        # The ``latest`` pointer is written the same way: its temporary file too.
+        own = rf"{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
+        mark = re.compile(rf"^\.(?:{own}|{re.escape(LATEST)}){TMP_OWNER.pattern}")
         here = host_name()
         for entry in self.output_dir.iterdir():
             match = mark.match(entry.name)
