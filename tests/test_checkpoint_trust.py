@@ -442,6 +442,85 @@ def test_decide_changes_nothing_and_apply_carries_out_its_plan(tmp_path):
     assert report.restored == ["optimizer", "scheduler", "scaler"] and report.rng_restored
 
 
+# ----------------------------------------------------------------- another kind of optimizer
+
+
+def _kinds(opt_cls, sched_kind: str, seed: int = 0):
+    """A model with an optimizer of ``opt_cls`` and a scheduler of ``sched_kind``, stepped."""
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    sched = {"lambda": lambda: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+             "step": lambda: torch.optim.lr_scheduler.StepLR(opt, 3),
+             "exponential": lambda: torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)}[sched_kind]()
+    tokens = torch.randint(0, VOCAB, (4, 5))
+    for _ in range(2):
+        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), tokens.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def _bare_file(path: Path, model, opt, sched) -> Path:
+    """A checkpoint as coqui or a plain loop writes it: no record of the classes."""
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "step": 2}, path)
+    return path
+
+
+KIND_CASES = {  # saved (optimizer, scheduler) -> loaded into (optimizer, scheduler)
+    "sgd_into_adamw": ((torch.optim.SGD, "lambda"), (torch.optim.AdamW, "lambda"), "optimizer"),
+    "adamw_into_sgd": ((torch.optim.AdamW, "lambda"), (torch.optim.SGD, "lambda"), "optimizer"),
+    "adam_into_adamw": ((torch.optim.Adam, "lambda"), (torch.optim.AdamW, "lambda"), "optimizer"),
+    "steplr_into_lambdalr": ((torch.optim.AdamW, "step"), (torch.optim.AdamW, "lambda"),
+                             "scheduler"),
+    "exponential_into_steplr": ((torch.optim.AdamW, "exponential"), (torch.optim.AdamW, "step"),
+                                "scheduler"),
+}
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["manager_file", "bare_file"])
+@pytest.mark.parametrize("case", list(KIND_CASES))
+def test_a_state_of_another_class_is_refused_never_restored(tmp_path, case, recorded):
+    """Issue 26 item 8: torch loads an SGD state into AdamW (or a StepLR state into a
+    LambdaLR) and steps with the wrong settings; under remap it is refused, nothing
+    changed, and under reset the same file loads with all three started fresh."""
+    (saved_opt, saved_sched), (opt_cls, sched_kind), part = KIND_CASES[case]
+    source = _kinds(saved_opt, saved_sched)
+    path = (CheckpointManager(tmp_path / "run", keep=None).save(2, *source) if recorded
+            else _bare_file(tmp_path / "bare.pt", *source))
+    model, opt, sched = _kinds(opt_cls, sched_kind, seed=5)
+    before = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+              "groups": [dict(g, params=None) for g in opt.param_groups],
+              "state": {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state.items()}}
+    with pytest.raises(ck.CheckpointMismatchError) as info:
+        load_checkpoint(path, model, opt, sched, freeze=False)
+    message = str(info.value)
+    assert f"the {part} state in {path}" in message and "Nothing was loaded" in message
+    assert "policy='reset'" in message
+    assert _same({k: v for k, v in model.state_dict().items()}, before["model"])
+    assert [dict(g, params=None) for g in opt.param_groups] == before["groups"]
+    assert _same({k: dict(v) for k, v in opt.state.items()}, before["state"])
+    report = load_checkpoint(path, model, opt, sched, freeze=False, policy="reset")
+    assert report.parts["optimizer"].status == "reset"
+    assert report.parts["scheduler"].status == "reset"
+
+
+def test_a_state_of_the_same_class_is_still_restored(tmp_path):
+    """The control of the test above: same classes, with and without the record."""
+    for index, recorded in enumerate((True, False)):
+        source = _kinds(torch.optim.AdamW, "step")
+        path = (CheckpointManager(tmp_path / "run", keep=None).save(2, *source) if recorded
+                else _bare_file(tmp_path / "bare.pt", *source))
+        model, opt, sched = _kinds(torch.optim.AdamW, "step", seed=5 + index)
+        report = load_checkpoint(path, model, opt, sched, freeze=False)
+        assert report.parts["optimizer"].status == "restored"
+        assert report.parts["scheduler"].status == "restored"
+        assert sched.state_dict()["last_epoch"] == 2
+
+
 # ----------------------------------------------------------------- bad disk
 
 
