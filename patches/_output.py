@@ -9,7 +9,9 @@
 - :func:`check_output`: the one rule every command applies to a path it is asked to
   write, before it reads or computes anything: never an input (even with ``--force``),
   never another output of the same command, never a folder, only in an existing folder,
-  and an existing file only with ``--force``. A command never picks a default inside a
+  and an existing file only with ``--force`` and only when it is of the kind the command
+  writes there (:class:`OwnKind`, e.g. :func:`tool_json`): never a checkpoint, a run's
+  record or a user's own file. A command never picks a default inside a
   run's folder: its defaults are the current folder (``report``'s picture) or stdout.
 - :func:`write_json` / :func:`json_text`: the ``--json`` outputs: one strict JSON object
   (NaN and infinities written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``,
@@ -80,17 +82,54 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         return False
 
 
+class OwnKind:
+    """What a command writes to one of its outputs, for ``--force`` to tell its own earlier
+    output (which it may replace) from any other file (which it never does).
+
+    ``name`` says it in a sentence ("a JSON report of training-patches report");
+    ``test(path)`` is true for a file of that kind."""
+
+    def __init__(self, name: str, test: Callable[[str], bool]) -> None:
+        self.name = name
+        self.test = test
+
+
+def _starts_with(path: str, first: bytes) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(first)
+    except OSError:
+        return False
+
+
+def tool_json(tool: str) -> OwnKind:
+    """The ``--json`` output of ``tool``: a JSON object whose ``"tool"`` is ``tool``."""
+    def test(path: str) -> bool:
+        if not _starts_with(path, b"{"):  # a checkpoint, a picture, ...: not read further
+            return False
+        try:
+            with open(path, encoding="utf-8") as handle:
+                value = json.load(handle)
+        except (OSError, ValueError, RecursionError):
+            return False
+        return isinstance(value, dict) and value.get("tool") == tool
+
+    return OwnKind(f"a JSON report written by {tool}", test)
+
+
 def check_output(path: str | os.PathLike[str], *, prog: str, what: str, force: bool = False,
                  inputs: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
                  others: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
-                 example: str | None = None) -> bool:
+                 example: str | None = None, own: OwnKind | None = None) -> bool:
     """Raise :class:`OutputRefused` unless ``path`` (the value of option ``what`` of the
     command ``prog``) may be written; return whether a file is there (to be replaced).
 
     Refused: any of ``inputs`` ((name, path) pairs; with ``--force`` too), any of ``others``
     (the command's other outputs), a folder (with ``--force`` too), a path whose folder is
-    missing or is a file, and an existing file without ``force``. ``example`` is a file
-    name to suggest. ``-`` (stdout) is always allowed."""
+    missing or is a file, an existing file without ``force``, and (with ``force`` too) an
+    existing file that is not of the kind ``own`` the command writes there: ``--force``
+    replaces the command's own earlier output, never a checkpoint, a run's records or a
+    user's file. ``example`` is a file name to suggest. ``-`` (stdout) is always allowed."""
     path = os.fspath(path)
     if path == STDOUT:
         return False
@@ -119,6 +158,12 @@ def check_output(path: str | os.PathLike[str], *, prog: str, what: str, force: b
             f"nothing was written. Expected a file in an existing folder. Create the folder "
             f"or give another path.")
     exists = os.path.lexists(path)
+    if exists and own is not None and not own.test(path):
+        raise OutputRefused(
+            f"{prog}: {what} {path} already exists and is not {own.name} (it may be a "
+            f"checkpoint, a run's record or your own file); --force replaces only a file of "
+            f"that kind, so nothing was written and the file is untouched. Expected a path "
+            f"that does not exist yet, or {own.name}. Give another path{suggest}.")
     if exists and not force:
         raise OutputRefused(
             f"{prog}: {what} {path} already exists; nothing was written. Expected a path that "
@@ -252,5 +297,5 @@ def number(kind: type = float, *, low: float | None = None, high: float | None =
     return parse
 
 
-__all__ = ["write_file", "same_file", "check_output", "json_text", "write_json",
+__all__ = ["write_file", "same_file", "check_output", "OwnKind", "tool_json", "json_text", "write_json",
            "stop_on_signals", "number", "Interrupted", "OutputExists", "OutputRefused", "STDOUT"]

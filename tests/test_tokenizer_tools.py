@@ -286,13 +286,42 @@ def test_cli_never_overwrites_the_input_or_an_existing_output(files, tmp_path, c
     out = tmp_path / "taken.json"
     out.write_text("mine", encoding="utf-8")
     rc, _, err = _main(capsys, *args, "--output", out)
-    assert rc == 2 and "already exists" in err and "--force" in err
+    assert rc == 2 and "is not an XTTS vocab.json tokenizer" in err
+    rc, _, err = _main(capsys, *args, "--output", out, "--force")  # not a tokenizer: never
+    assert rc == 2 and "is not an XTTS vocab.json tokenizer" in err and "untouched" in err
     assert out.read_text(encoding="utf-8") == "mine"
+    out.write_bytes(files["vocab"].read_bytes())  # a tokenizer (an earlier output)
+    rc, _, err = _main(capsys, *args, "--output", out)
+    assert rc == 2 and "already exists" in err and "--force" in err
     assert _main(capsys, *args, "--output", out, "--force")[0] == 0
     assert json.loads(out.read_text(encoding="utf-8"))["model"]["type"] == "BPE"
+    assert _sha(out) != _sha(files["vocab"])
     assert _main(capsys, *args, "--in-place")[0] == 0
     assert _sha(vocab) != before and _sha(vocab) == _sha(out)
     assert not [p for p in tmp_path.iterdir() if ".tp-tmp-" in p.name]  # no temporary left
+
+
+def test_in_place_still_refuses_an_input(files, tmp_path, capsys) -> None:
+    """Issue 26 item 4: --in-place skipped the input checks, so --corpus (or --base-text)
+    naming the tokenizer itself got it overwritten. Refused, one paragraph, the file byte
+    for byte as it was, whatever link names it."""
+    vocab = tmp_path / "vocab.json"
+    vocab.write_bytes(files["vocab"].read_bytes())
+    link = tmp_path / "corpus.txt"
+    link.symlink_to(vocab)
+    before = _sha(vocab)
+    for extra in (["--corpus", vocab], ["--corpus", link],
+                  ["--corpus", files["corpus"], "--base-text", vocab]):
+        rc, stdout, err = _main(capsys, "extend-tokenizer", vocab, "--language", "am",
+                                "--in-place", "--force", *extra)
+        assert rc == 2 and "written:" not in stdout, (extra, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "--in-place would write over" in err and "an input is never overwritten" in err
+        assert _sha(vocab) == before
+    # Control: with a corpus of its own, --in-place writes the tokenizer.
+    assert _main(capsys, "extend-tokenizer", vocab, "--language", "am", "--in-place",
+                 "--corpus", files["corpus"])[0] == 0
+    assert _sha(vocab) != before
 
 
 @pytest.mark.parametrize("name,content,expected", [

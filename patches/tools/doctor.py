@@ -19,7 +19,7 @@ import patches
 from .. import _registry
 from .._api import check_settings
 from .._options import OPTIONS, ConfigError, owner_text
-from .._output import STDOUT, OutputRefused, check_output, write_json
+from .._output import STDOUT, OutputRefused, check_output, tool_json, write_json
 
 OK, WARN, FAIL = "ok  ", "warn", "FAIL"
 PROG = "training-patches doctor"
@@ -110,7 +110,7 @@ def _doctor(args: argparse.Namespace) -> int:
     try:  # before the checks: a refused --json costs nothing
         if args.json is not None:
             check_output(args.json, prog=PROG, what="--json", force=args.force,
-                         example="doctor.json")
+                         example="doctor.json", own=tool_json(PROG))
     except OutputRefused as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .._output import Interrupted, OutputExists, number, stop_on_signals, write_file
+from .._output import Interrupted, OutputExists, OwnKind, number, stop_on_signals, write_file
 from ..integrations.tokenizer import TokenizerToolError
-from ..integrations.tokenizer.bpe import DEFAULT_NEW_PIECES, extend_vocab_file
+from ..integrations.tokenizer.bpe import DEFAULT_NEW_PIECES, extend_vocab_file, load_vocab_json
 from ..integrations.tokenizer.errors import FrontEndError
 from ..integrations.tokenizer.text import (MAX_WORD_CHARS, check_output, check_word_lengths, make_preprocess,
                               read_lines, sample_base_text)
@@ -75,6 +75,26 @@ def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | N
     return texts
 
 
+def tokenizer_kind(json_kind: bool) -> OwnKind:
+    """What ``--force`` may replace: a tokenizer of the input's format (an XTTS vocab.json,
+    or a SentencePiece model), never a checkpoint, a record or another file."""
+    def test(path: str) -> bool:
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(64)
+            if json_kind:
+                return head.lstrip()[:1] == b"{" and bool(load_vocab_json(path))
+            if head[:1] != b"\n":  # a ModelProto starts with its pieces (field 1)
+                return False
+            from ..integrations.tokenizer.spm import load_model_proto  # lazy: sentencepiece+protobuf, .model only
+            return bool(load_model_proto(path))
+        except (OSError, TokenizerToolError):
+            return False
+
+    return OwnKind("an XTTS vocab.json tokenizer" if json_kind else "a SentencePiece model",
+                   test)
+
+
 def _extend(args: argparse.Namespace) -> int:
     try:
         with stop_on_signals():
@@ -114,7 +134,7 @@ def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
     out = check_output(src, Path(args.output) if args.output else None,
                        in_place=args.in_place, force=args.force,
                        suffix=f"_{args.language}" if args.language else "_extended",
-                       inputs=inputs)
+                       inputs=inputs, own=tokenizer_kind(json_kind))
     preprocess = make_preprocess(args.language, g2p=args.g2p, clean=not args.no_cleaner)
     raw = [line for corpus in args.corpus for line in read_lines(corpus)]
     texts = _clean_corpus(raw, preprocess, args.g2p)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._output import STDOUT, OutputRefused, check_output, number, write_json
+from .._output import STDOUT, OutputRefused, check_output, number, tool_json, write_json
 from ..checkpoint import CheckpointError
 from ..integrations.tokenizer import TokenizerToolError
 from ..integrations.tokenizer.text import make_preprocess
@@ -54,7 +54,7 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         if args.json is not None:
             check_output(args.json, prog=PROG, what="--json", force=args.force,
-                         example="verify.json",
+                         example="verify.json", own=tool_json(PROG),
                          inputs=[("tokenizer", args.tokenizer), ("--base", args.base),
                                  ("--checkpoint", args.checkpoint),
                                  *(("--text", text) for text in args.text or ())])

@@ -220,16 +220,24 @@ def words_of(lines: Iterable[str]) -> list[str]:
 
 
 def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
-                 suffix: str, inputs: Sequence[tuple[str, str | os.PathLike[str]]] = ()
-                 ) -> Path:
+                 suffix: str, inputs: Sequence[tuple[str, str | os.PathLike[str]]] = (),
+                 own: _output.OwnKind | None = None) -> Path:
     """Where to write, refusing to overwrite the input (unless ``in_place``), an existing
-    file (unless ``force``), a folder, or any of ``inputs`` ((what, path): the corpus, the
-    base text; never, even with ``force``)."""
+    file (unless ``force``, and then only one of the kind ``own``: a tokenizer), a folder,
+    or any of ``inputs`` ((what, path): the corpus, the base text; never, even with
+    ``force`` or ``in_place``)."""
     if in_place:
         if out is not None and out.resolve() != src.resolve():
             raise TokenizerToolError(
                 f"--in-place writes over {src} itself; it cannot be used with --output {out}. "
                 f"Give one of them.")
+        for what, path in inputs:  # --in-place replaces the tokenizer, never another input
+            if same_file(src, path):
+                raise TokenizerToolError(
+                    f"--in-place would write over {src}, which is also the {what} "
+                    f"({os.fspath(path)}): an input is never overwritten, so nothing was "
+                    f"written. Expected the {what} to be another file than the tokenizer; "
+                    f"give the right {what}.")
         return src
     if out is None:
         raise TokenizerToolError(
@@ -242,7 +250,7 @@ def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
     example = src.with_name(src.stem + suffix + src.suffix)
     try:  # the rule every command follows (patches/_output.py)
         _output.check_output(out, prog="training-patches extend-tokenizer", what="--output",
-                             force=force, inputs=inputs, example=str(example))
+                             force=force, inputs=inputs, example=str(example), own=own)
     except OutputRefused as exc:
         raise TokenizerToolError(str(exc).split(": ", 1)[1]) from None
     return out

@@ -40,8 +40,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..._output import (STDOUT, Interrupted, OutputExists, OutputRefused, check_output, number,
-                        stop_on_signals, write_file, write_json)
+from ..._output import (STDOUT, Interrupted, OutputExists, OutputRefused, OwnKind, check_output,
+                        number, stop_on_signals, tool_json, write_file, write_json)
 from .checks import (MAX_TEXT_LENGTH, MAX_WAV_LENGTH, MIN_SECONDS, MIN_SNR_DB, RATE_TOLERANCE,
                      REASONS, XTTS_SAMPLE_RATE, CheckDataOptions, Clip, check_manifest)
 from .manifest import ManifestError, Row, read_data_manifest
@@ -120,6 +120,20 @@ def clean_manifest_text(manifest: str, out: str, header: str, clips: Iterable[Cl
     return buffer.getvalue()
 
 
+def _is_manifest(path: str) -> bool:
+    """A coqui manifest: its first line (a BOM aside) is a ``|`` header naming audio_file."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            first = handle.readline(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return first.rstrip("\r\n").split("|")[0] == "audio_file"
+
+
+# What --force may replace with --clean-manifest: a manifest, never a checkpoint or a record.
+MANIFEST_KIND = OwnKind("a coqui manifest (header audio_file|text|speaker_name)", _is_manifest)
+
+
 def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
     """The shared output rule (:func:`patches._output.check_output`) for --json and
     --clean-manifest: never the manifest, the tokenizer or (with ``rows``) an audio file it
@@ -129,15 +143,15 @@ def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
                                             ("--tokenizer", args.tokenizer)]
     inputs += [(f"audio file (manifest line {row.line_no})", row.audio_path) for row in rows
                if os.path.exists(row.audio_path)]
-    outputs = [("--json", args.json, "check.json"),
-               ("--clean-manifest", args.clean_manifest, f"{stem}.clean{suffix}")]
-    for what, path, example in outputs:
+    outputs = [("--json", args.json, "check.json", tool_json(PROG)),
+               ("--clean-manifest", args.clean_manifest, f"{stem}.clean{suffix}", MANIFEST_KIND)]
+    for what, path, example, own in outputs:
         if path is None:
             continue
-        others = [(o_what, o_path) for o_what, o_path, _ in outputs if o_what != what]
+        others = [(o_what, o_path) for o_what, o_path, _, _ in outputs if o_what != what]
         try:
             check_output(path, prog=PROG, what=what, force=args.force, inputs=inputs,
-                         others=others, example=example)
+                         others=others, example=example, own=own)
         except OutputRefused as exc:
             raise ManifestError(str(exc)) from None
 
