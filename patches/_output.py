@@ -1,6 +1,7 @@
 """How the ``training-patches`` tools write their outputs and end on a signal.
 
-- :func:`write_file`: a file that is complete or absent. Without ``replace`` it is created
+- :func:`write_file`: a file that is complete or absent; the system refusing the write is
+  :class:`WriteFailed`, one paragraph (the commands exit 1). Without ``replace`` it is created
   only if nothing is at the path *when it is written* (``os.link`` of a finished temporary
   file fails with ``EEXIST``), so two commands started together cannot both say "written";
   with ``replace`` it is swapped in with ``os.replace``. The file's mode follows the umask
@@ -52,6 +53,41 @@ class OutputRefused(ValueError):
 
 class OutputExists(FileExistsError):
     """Another file appeared at the output path while the command ran (nothing written)."""
+
+
+class WriteFailed(OSError):
+    """The system refused to write an output (a full disk or quota, a read-only folder, no
+    permission, over this process's file-size limit). The message is one paragraph; no
+    partial file was left and a file that was at the path is unchanged. The commands exit 1.
+    ``cause`` is the system's error."""
+
+    def __init__(self, message: str, cause: OSError) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+# Why a write failed, by errno, and what to do about it.
+_WRITE_FAILURES = {
+    errno.ENOSPC: ("the disk is full", "Free space there, or write to another disk"),
+    errno.EDQUOT: ("your disk quota is spent", "Free space in your quota, or write elsewhere"),
+    errno.EROFS: ("the file system is read-only", "Write to a writable folder"),
+    errno.EACCES: ("permission was denied", "Write to a folder you may write to"),
+    errno.EPERM: ("the operation is not permitted", "Write to a folder you may write to"),
+    errno.EFBIG: ("the file would pass this process's file-size limit (ulimit -f)",
+                  "Raise the limit (ulimit -f unlimited), or write a smaller output"),
+}
+
+
+def write_failed(path: str | os.PathLike[str], error: OSError, *,
+                 again: str = "run the command again") -> WriteFailed:
+    """The :class:`WriteFailed` paragraph for ``error`` raised while writing ``path``:
+    what the system said, that nothing partial is left, and what to do (then ``again``)."""
+    why, todo = _WRITE_FAILURES.get(error.errno or 0, (
+        error.strerror or str(error) or type(error).__name__, "Write to another place"))
+    return WriteFailed(
+        f"could not write {os.fspath(path)}: {why} ({error.strerror or error}). No partial "
+        f"file was left, and a file that was at that path is unchanged. {todo}, then "
+        f"{again}.", error)
 
 
 class Interrupted(BaseException):
@@ -205,8 +241,19 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, replace: bool = Fal
     ``replace=False``: create ``path`` only if it does not exist at that moment, else raise
     :class:`OutputExists` (the temporary file is removed, whatever is at ``path`` is kept).
     ``replace=True``: replace it atomically. Either way a reader never sees half a file.
+    The system refusing the write (full, read-only, over the file-size limit, ...) is
+    :class:`WriteFailed`, with the temporary file removed.
     """
     path = Path(path)
+    try:
+        return _write_file(path, data, replace=replace)
+    except (OutputExists, IsADirectoryError):
+        raise
+    except OSError as exc:
+        raise write_failed(path, exc) from exc
+
+
+def _write_file(path: Path, data: bytes, *, replace: bool) -> Path:
     folder = path.parent if str(path.parent) else Path(".")
     mode = 0o666 & ~_umask()
     for attempt in range(100):
@@ -297,5 +344,6 @@ def number(kind: type = float, *, low: float | None = None, high: float | None =
     return parse
 
 
-__all__ = ["write_file", "same_file", "check_output", "OwnKind", "tool_json", "json_text", "write_json",
+__all__ = ["write_file", "same_file", "check_output", "OwnKind", "tool_json", "WriteFailed",
+           "write_failed", "json_text", "write_json",
            "stop_on_signals", "number", "Interrupted", "OutputExists", "OutputRefused", "STDOUT"]

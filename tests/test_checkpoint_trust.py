@@ -637,6 +637,60 @@ def test_a_killed_writers_latest_temp_file_is_swept_like_the_others(tmp_path):
     assert _latest(out) == "ckpt_000000002.pt"
 
 
+SAVE_UNDER_A_LIMIT = r"""
+import sys
+import torch
+from patches.checkpoint import CheckpointError, CheckpointManager
+manager = CheckpointManager(sys.argv[1], keep=None)
+manager.save(1, torch.nn.Linear(4, 4))              # a few KB: under the limit
+try:
+    manager.save(2, torch.nn.Linear(512, 512))      # 1 MB: over it
+except CheckpointError as exc:
+    print(type(exc).__name__, exc, file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def test_a_save_over_the_file_size_limit_is_one_paragraph(tmp_path):
+    """Issue 26 item 7: CheckpointManager.save under ``ulimit -f`` raised torch's
+    "[enforce fail at inline_container.cc]" RuntimeError. Now one CheckpointWriteError
+    paragraph naming the limit; nothing partial left, the earlier checkpoint still resumes."""
+    from io_faults import run_with_file_limit, temporaries
+
+    out = tmp_path / "run"
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_UNDER_A_LIMIT, encoding="utf-8")
+    done = run_with_file_limit([str(script), str(out)], 200_000, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    err = done.stderr.strip()
+    assert err.startswith("CheckpointWriteError training-patches: could not write "
+                          f"{out / 'ckpt_000000002.pt'}: the file would pass this process's "
+                          "file-size limit (ulimit -f)"), err
+    assert "enforce fail" not in err and len(err.splitlines()) == 1
+    assert not manager_path_exists(out, 2) and temporaries(out) == []
+    assert CheckpointManager(out, keep=None).resume("auto") == out / "ckpt_000000001.pt"
+
+
+def manager_path_exists(out: Path, step: int) -> bool:
+    path = CheckpointManager(out, keep=None).path_for(step)
+    return path.exists() or manifest_path(path).exists()
+
+
+def test_a_save_into_a_read_only_folder_is_one_paragraph(tmp_path):
+    """Issue 26 item 7: a read-only folder (the mount; root ignores permission bits) is one
+    CheckpointWriteError paragraph, not an OSError from deep inside the save."""
+    from io_faults import read_only
+
+    with read_only(tmp_path / "ro") as folder:
+        with pytest.raises(ck.CheckpointWriteError) as info:
+            CheckpointManager(folder, keep=None).save(1, TinyGPT())
+        message = str(info.value)
+        assert "the file system is read-only" in message and str(folder) in message
+        assert not isinstance(info.value, DiskFullError) and list(folder.iterdir()) == []
+        with pytest.raises(ck.CheckpointWriteError, match="read-only"):
+            ck.atomic_torch_save({"w": torch.ones(2)}, folder / "checkpoint_5.pth")
+
+
 def test_atomic_torch_save_checks_the_space_too(tmp_path, monkeypatch):
     """coqui's save_fsspec goes through atomic_torch_save: the same paragraph there."""
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 0, 100))

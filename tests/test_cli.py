@@ -236,6 +236,41 @@ def test_force_replaces_only_a_file_the_command_wrote(output, tmp_path, capsys) 
         assert path.read_bytes() == before, name
 
 
+def test_a_json_write_the_system_refuses_is_one_paragraph_and_exit_1(tmp_path, capsys) -> None:
+    """Issue 26 item 7: every command's --json into a read-only folder (and onto a full
+    disk) is one paragraph saying which, exit 1 (not a usage error), nothing left there."""
+    from io_faults import full_disk, read_only, temporaries
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "nonfinite_events.jsonl").write_text('{"step": 3, "kind": "nonfinite_loss"}\n',
+                                                encoding="utf-8")
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("audio_file|text|speaker_name\nmissing.wav|hello|spk\n",
+                        encoding="utf-8")
+    pytest.importorskip("tokenizers")
+    from demo.xtts_tiny import DEFAULT_TEXTS, train_bpe_vocab
+
+    vocab = train_bpe_vocab(list(DEFAULT_TEXTS), tmp_path / "vocab.json", languages=("en",),
+                            vocab_size=74)
+    commands = {"doctor": ["doctor"], "report": ["report", str(run), "--no-picture"],
+                "check-data": ["check-data", str(manifest), "--workers", "1"],
+                "verify-tokenizer": ["verify-tokenizer", str(vocab)]}
+    for fault, place in (("the file system is read-only", read_only(tmp_path / "ro")),
+                         ("the disk is full", full_disk(tmp_path / "full", free=0))):
+        with place as folder:
+            listing = sorted(p.name for p in folder.iterdir())
+            for name, argv in commands.items():
+                out = folder / f"{name}.json"
+                assert cli.main([*argv, "--json", str(out)]) == 1, name
+                err = capsys.readouterr().err.strip()
+                assert f"could not write {out}: {fault}" in err, err
+                assert err.splitlines()[-1].startswith(f"training-patches {name}"), err
+                assert "Traceback" not in err and not out.exists()
+            assert sorted(p.name for p in folder.iterdir()) == listing
+            assert temporaries(folder) == []
+
+
 def _tool(argv: list[str], cwd: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "patches", *argv], cwd=cwd, env=env,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._output import STDOUT, OutputRefused, check_output, number, tool_json, write_json
+from .._output import (STDOUT, OutputRefused, WriteFailed, check_output, number, tool_json,
+                       write_json)
 from ..checkpoint import CheckpointError
 from ..integrations.tokenizer import TokenizerToolError
 from ..integrations.tokenizer.text import make_preprocess
@@ -72,6 +73,9 @@ def _verify(args: argparse.Namespace) -> int:
     except OutputRefused as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    except WriteFailed as exc:  # the system refused the write: not a usage error
+        print(f"{PROG}: --json: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"{PROG}: could not write --json {args.json} ({exc.strerror or exc}). Expected "
               f"a writable place; give another path.", file=sys.stderr)

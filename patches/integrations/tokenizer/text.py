@@ -187,6 +187,15 @@ def language_cleaner(language: str) -> Callable[[str], str]:
         f"use the corpus as it is.")
 
 
+def _text_returned(value: object) -> str:
+    """What a front-end returned, if it is text: None, bytes or a list of phonemes would be
+    trained into the tokenizer as their ``str()`` ("None", "b'...'", "['a', ...]")."""
+    if not isinstance(value, str):
+        raise TypeError(f"it returned {type(value).__name__} {str(value)[:40]!r}, not text "
+                        f"(a str)")
+    return value
+
+
 def make_preprocess(language: str | None, *, g2p: str | None = None,
                     clean: bool = True) -> Callable[[str], str]:
     """Text -> what the trainer gives the tokenizer: G2P (if named), then the cleaner."""
@@ -200,12 +209,12 @@ def make_preprocess(language: str | None, *, g2p: str | None = None,
         original = text
         if front is not None:
             try:
-                text = str(front(text, language) if with_language else front(text))
+                text = _text_returned(front(text, language) if with_language else front(text))
             except Exception as exc:  # noqa: BLE001 - any failure of the user's code
                 raise FrontEndError(f"--g2p {g2p}", original, exc) from None
         if cleaner is not None:
             try:
-                text = cleaner(text)
+                text = _text_returned(cleaner(text))
             except Exception as exc:  # noqa: BLE001
                 raise FrontEndError(f"the {language} cleaner", original, exc) from None
         return text

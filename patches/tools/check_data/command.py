@@ -40,8 +40,9 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..._output import (STDOUT, Interrupted, OutputExists, OutputRefused, OwnKind, check_output,
-                        number, stop_on_signals, tool_json, write_file, write_json)
+from ..._output import (STDOUT, Interrupted, OutputExists, OutputRefused, OwnKind, WriteFailed,
+                        check_output, number, stop_on_signals, tool_json, write_file,
+                        write_json)
 from .checks import (MAX_TEXT_LENGTH, MAX_WAV_LENGTH, MIN_SECONDS, MIN_SNR_DB, RATE_TOLERANCE,
                      REASONS, XTTS_SAMPLE_RATE, CheckDataOptions, Clip, check_manifest)
 from .manifest import ManifestError, Row, read_data_manifest
@@ -237,6 +238,9 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
                   f"of {report['summary']['clips']} rows)", file=text)
     except (OutputRefused, OSError) as exc:
         done = f" ({' and '.join(written)} had been written)" if written else ""
+        if isinstance(exc, WriteFailed):  # the system refused the write: not a usage error
+            print(f"{PROG}: {exc}{done}", file=sys.stderr)
+            return 1
         print(f"{exc}{done}" if isinstance(exc, OutputRefused) else
               f"{PROG}: could not write {exc.filename or 'an output'}: {exc.strerror or exc}"
               f"{done}. Expected a writable place; give another path.", file=sys.stderr)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._log import logger
-from ..._output import STDOUT, OutputExists, check_output, tool_json, write_json
+from ..._output import STDOUT, OutputExists, WriteFailed, check_output, tool_json, write_json
 from .freeze_check import check_frozen_rows
 from .plotting import render, save
 from .reading import Run, find_runs, read_jsonl
@@ -279,6 +279,9 @@ def _report(args: argparse.Namespace) -> int:
     except (NoRunFound, ReportOutputError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    except WriteFailed as exc:  # the system refused the write: not a usage error
+        print(f"training-patches report: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"training-patches report: could not write {exc.filename or out} "
               f"({exc.strerror or exc}); choose another place with --out or --json.",
