@@ -16,6 +16,7 @@ summed (each rank's batch is its own); a sample dropped on several ranks counts 
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ DROPPED = "dropped samples"
 OOM = "out-of-memory batches"
 UNREADABLE = "unreadable records"
 TB_INCOMPLETE = "incomplete TensorBoard file"
+INTERRUPTED = "interrupted"
 
 
 PEER = "peer_nonfinite"  # patches.nan_guard: this rank skipped because a peer saw it
@@ -92,6 +94,7 @@ class Facts:
     freeze: dict[str, Any] | None = None
     patch_stats: dict[str, dict[str, float]] = field(default_factory=dict)
     ranks: dict[int, RankFigures] = field(default_factory=dict)  # {} for one process
+    interrupted: dict[str, Any] | None = None  # the run's last record, when it is a stop
 
 
 @dataclass
@@ -177,6 +180,25 @@ def _sum_stats(folder_ends: list[dict[str, Any]]) -> dict[str, dict[str, float]]
                 elif isinstance(value, (int, float)):
                     into[name] = value
     return total
+
+
+def _names_folder(recorded: Any, folder: str) -> bool:
+    """A record's ``run_folder`` names ``folder``: the run folders of one output folder are
+    told apart by their names (the record may hold a path relative to where the run was
+    started)."""
+    return isinstance(recorded, str) and bool(recorded) and (
+        os.path.basename(os.path.normpath(recorded)) == os.path.basename(os.path.normpath(folder)))
+
+
+def _interruption(run: Run) -> dict[str, Any] | None:
+    """The run's last start/stop record (headless_runs.jsonl) when it is ``interrupted``: a
+    run stopped by a signal and not (yet) continued to its end."""
+    last = None
+    for record in run.get(reading.HEADLESS):
+        if (record.get("event") in ("start", "interrupted", "finished", "failed")
+                and _names_folder(record.get("run_folder"), run.folder)):
+            last = record
+    return last if last is not None and last.get("event") == "interrupted" else None
 
 
 def _cause_rank(kind: str) -> int:
@@ -301,6 +323,7 @@ def facts(run: Run) -> Facts:
     else:
         f.ranks = {}
     f.patch_stats = _patch_stats(run)
+    f.interrupted = _interruption(run)
     seen = [s for series in (*f.losses.values(), f.lr, f.grad_norm) for s, _ in series[-1:]]
     seen += [s.step for s in f.skips] + [s for s, _ in f.scale[-1:]]
     guard_steps = int(f.patch_stats.get("nan_guard", {}).get("steps", 0))
@@ -312,6 +335,15 @@ def verdict(f: Facts) -> list[Finding]:
     """What needs a look in the run, each with the figures behind it; [] when healthy."""
     found: list[Finding] = []
     steps = max(f.steps, 1)
+    if f.interrupted is not None:
+        stop = f.interrupted
+        checkpoint = stop.get("checkpoint")
+        found.append(Finding(INTERRUPTED, (
+            f"stopped by {stop.get('signal') or 'a signal'} at trainer step "
+            f"{stop.get('step', '?')} and not continued since; "
+            + (f"{os.path.basename(str(checkpoint))} was written: continue it with "
+               f"--resume auto" if checkpoint else "no checkpoint was written then")
+            + " (headless_runs.jsonl)")))
     if f.freeze is not None and f.freeze.get("moved"):
         found.append(Finding(FROZEN_MOVED, f"frozen base rows moved by up to "
                                            f"{f.freeze['max_drift']:.3g} ({f.freeze['detail']})"))
