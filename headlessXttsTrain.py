@@ -762,6 +762,15 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _folder_in_use(error: BaseException) -> bool:
+    """Another run holds the run folder this one would continue (one paragraph, exit 2)."""
+    try:
+        from patches import RunFolderInUse
+    except ImportError:
+        return False
+    return isinstance(error, RunFolderInUse)
+
+
 def _user_error(error: BaseException) -> bool:
     """A failed activation the user can fix: a bad setting, the library or torch missing,
     or (strict mode) a patch site that cannot land."""
@@ -804,6 +813,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Exception as exc:  # noqa: BLE001 - an internal error: traceback kept, also in the log
         if exc is _ACTIVATION_ERROR and _user_error(exc):
+            say(str(exc))
+            return 2
+        if _folder_in_use(exc):  # --resume of a run another process is training
+            log_error(f"training-patches: refused: {exc}")
             say(str(exc))
             return 2
         log_error(f"internal error: {type(exc).__name__}: {exc}", exc)

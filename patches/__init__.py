@@ -35,6 +35,7 @@ from .grad_scaler import LossScaleFloorError, SafeGradScaler  # noqa: E402
 from .vocab_freeze import freeze_base_vocab  # noqa: E402
 from .nan_guard import NonFiniteTrainingError, find_nonfinite_source, observe_loss  # noqa: E402
 from ._run import set_output_dir  # noqa: E402
+from ._runlock import RunFolderInUse  # noqa: E402
 from .oom_guard import OutOfMemoryTrainingError, skip_on_oom  # noqa: E402
 
 __all__ = [
@@ -45,5 +46,5 @@ __all__ = [
     "CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError", "DiskFullError",
     "CheckpointWriteError",
     "NonFiniteTrainingError", "find_nonfinite_source", "observe_loss", "set_output_dir",
-    "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom",
+    "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom", "RunFolderInUse",
 ]

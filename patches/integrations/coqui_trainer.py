@@ -268,6 +268,13 @@ INTEGRATION = register_integration(Integration(
         Site(MODULE, "Trainer.save_checkpoint", coqui_interrupt.make_save_checkpoint,
              patch="checkpoint",
              lost="an interrupted coqui run saves again a step it has already saved"),
+        Site(MODULE, "get_experiment_folder_path", coqui_checkpoint.make_experiment_folder,
+             patch="checkpoint",
+             lost="two coqui runs started in the same minute into one output folder share a "
+                  "run folder and overwrite each other's checkpoints"),
+        Site(MODULE, "copy_model_files", coqui_checkpoint.make_copy_model_files,
+             patch="checkpoint",
+             lost="a second run continuing a run folder in use overwrites its checkpoints"),
         Site(coqui_checkpoint.IO, "save_fsspec", coqui_checkpoint.make_save_fsspec,
              patch="checkpoint",
              lost="coqui checkpoints are written in place, not atomically: a kill during a "
