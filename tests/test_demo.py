@@ -121,17 +121,6 @@ def test_demo_takes_no_base_files(tmp_path: Path) -> None:
     assert "--base-dir" in result.stderr and "Traceback" not in result.stderr
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
-                           text=True).stdout.strip()
-    return bool(state) and not state.startswith("Z")
-
-
 @pytest.mark.xtts
 @pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGKILL"])
@@ -143,6 +132,8 @@ def test_the_fine_tune_child_ends_with_the_demo(tmp_path: Path, signame: str) ->
     pytest.importorskip("TTS")
     import signal
     import time
+
+    from processes import alive as _alive
 
     out = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=str(ROOT))

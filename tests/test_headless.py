@@ -153,43 +153,6 @@ def test_tiny_amharic_finetune_and_resume_auto(tmp_path: Path) -> None:
 # -- a signal is an interruption (issue 26 item 2) ------------------------------------------
 
 
-def _start(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    """headlessXttsTrain.py in its own process group (so that what is left of it after it
-    exits, its DataLoader workers or a child, can be looked for)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
-                            start_new_session=True)
-
-
-def _wait_for_text(path: Path, text: str, proc: subprocess.Popen[str],
-                   timeout: float = 600) -> None:
-    """Until ``path`` holds ``text`` (``timeout`` only turns a hang into a failure)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.is_file() and text in path.read_text(encoding="utf-8", errors="replace"):
-            return
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} never appeared in {path}")
-
-
-def _group_left(pgid: int) -> bool:
-    """Whether any process of the process group ``pgid`` still runs."""
-    import signal
-
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still counts for killpg: look at the states
-    states = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True,
-                            text=True).stdout.split()
-    return any(not state.startswith("Z") for state in states)
-
-
 @pytest.mark.xtts
 @pytest.mark.slow
 @pytest.mark.parametrize("signame,code", [("SIGTERM", 143), ("SIGHUP", 129)])
@@ -201,16 +164,12 @@ def test_a_signal_is_an_interruption(tmp_path: Path, signame: str, code: int) ->
     pytest.importorskip("TTS")
     import signal
 
-    from conftest import write_amharic_base
+    from processes import group_left, start_headless, tiny_run, wait_for_text
 
-    tiny, base = write_amharic_base(tmp_path)
-    out = tmp_path / "out"
-    common = ["--base-dir", str(base), "--train-manifest", str(tiny.manifest), "--language",
-              "am", "--output-dir", str(out), "--batch-size", "2", "--lr", "1e-4",
-              "--print-step", "1", "--workers", "2"]
-    proc = _start(*common, "--epochs", "50", cwd=tmp_path)
+    out, common = tiny_run(tmp_path, "--workers", "2")
+    proc = start_headless(*common, "--epochs", "50", cwd=tmp_path)
     try:
-        _wait_for_text(out / "train.log", "GLOBAL_STEP: 1", proc)  # steps have finished
+        wait_for_text(out / "train.log", "GLOBAL_STEP: 1", proc)  # steps have finished
         proc.send_signal(getattr(signal, signame))
         output = proc.communicate(timeout=600)[0]
     finally:
@@ -228,7 +187,7 @@ def test_a_signal_is_an_interruption(tmp_path: Path, signame: str, code: int) ->
     assert checkpoint.is_file() and checkpoint.name == f"checkpoint_{stop['step']}.pth"
     assert f"interrupted by {signame} after trainer step {stop['step']}" in said[0]
     assert f"{checkpoint.name} written" in said[0]
-    assert not _group_left(proc.pid), "a DataLoader worker outlived the run"
+    assert not group_left(proc.pid), "a DataLoader worker outlived the run"
     report = _run_report(out)
     assert report.returncode == 1 and "verdict: interrupted" in report.stdout, report.stdout
     assert f"stopped by {signame} at trainer step {stop['step']}" in report.stdout

@@ -21,8 +21,7 @@ import pytest
 from patches import RunFolderInUse
 from patches._runlock import LOCK_NAME, claim_new_folder, lock_folder
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "headlessXttsTrain.py"
+from processes import ROOT, SCRIPT
 
 
 def test_a_new_run_folder_is_never_one_that_exists(tmp_path: Path) -> None:
@@ -99,22 +98,10 @@ def test_coqui_runs_started_in_the_same_minute_get_their_own_folders(tmp_path: P
         generic.get_experiment_folder_path(tmp_path, "x")
 
 
-def _start(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
-                            start_new_session=True)
-
-
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=900)
-
-
-def _listing(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in folder.iterdir()
-            if p.suffix in (".json",) or p.name.startswith("checkpoint_")}
 
 
 @pytest.mark.xtts
@@ -125,21 +112,13 @@ def test_two_headless_runs_into_one_output_folder_never_share_a_run_folder(
     paragraph, nothing of the first run changed); a second new run gets its own run
     folder; ``report`` finds two runs."""
     pytest.importorskip("TTS")
-    import time
+    from processes import start_headless, tiny_run, wait_for_text
 
-    from conftest import write_amharic_base
-
-    tiny, base = write_amharic_base(tmp_path)
-    out = tmp_path / "out"
-    common = ["--base-dir", str(base), "--train-manifest", str(tiny.manifest), "--language",
-              "am", "--output-dir", str(out), "--batch-size", "2", "--lr", "1e-4",
-              "--print-step", "1", "--save-step", "2"]
-    first = _start(*common, "--epochs", "50", cwd=tmp_path)
+    out, common = tiny_run(tmp_path, "--save-step", "2")
+    first = start_headless(*common, "--epochs", "50", cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 900  # only turns a hang into a failure
-        while not list(out.glob("xtts_finetune-*/checkpoint_*.pth")):
-            assert time.monotonic() < deadline and first.poll() is None, first.poll()
-            time.sleep(0.2)
+        # printed in the step after the one that saved checkpoint_2.pth
+        wait_for_text(out / "train.log", "GLOBAL_STEP: 3", first)
         (folder,) = list(out.glob("xtts_finetune-*"))
         config = (folder / "config.json").read_bytes()
         resumed = _run(*common, "--epochs", "1", "--resume", "auto", cwd=tmp_path)
