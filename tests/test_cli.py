@@ -218,6 +218,8 @@ def test_force_replaces_only_a_file_the_command_wrote(output, tmp_path, capsys) 
     inputs = {"run": run, "vocab": tmp_path / "vocab.json", "manifest": tmp_path / "m.csv",
               "corpus": tmp_path / "am.txt"}
     inputs["vocab"].write_text("{}", encoding="utf-8")  # refused before it is read
+    inputs["manifest"].write_text("audio_file|text|speaker_name\nmissing.wav|hello|spk\n",
+                                  encoding="utf-8")
     files = _foreign_files(tmp_path / "others")
     if "doctor" in output:
         del files["doctor_json"]  # its own kind

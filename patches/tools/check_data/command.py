@@ -135,15 +135,16 @@ def _is_manifest(path: str) -> bool:
 MANIFEST_KIND = OwnKind("a coqui manifest (header audio_file|text|speaker_name)", _is_manifest)
 
 
-def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
+def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] | None = None) -> None:
     """The shared output rule (:func:`patches._output.check_output`) for --json and
     --clean-manifest: never the manifest, the tokenizer or (with ``rows``) an audio file it
-    names, never each other; an existing file only with --force."""
+    names, never each other; an existing file only with --force, and (once ``rows`` are
+    known, so that an audio file is named as such) only one of the command's own kind."""
     stem, suffix = Path(args.manifest).stem, Path(args.manifest).suffix
     inputs: list[tuple[str, str | None]] = [("manifest being checked", args.manifest),
                                             ("--tokenizer", args.tokenizer)]
-    inputs += [(f"audio file (manifest line {row.line_no})", row.audio_path) for row in rows
-               if os.path.exists(row.audio_path)]
+    inputs += [(f"audio file (manifest line {row.line_no})", row.audio_path)
+               for row in rows or () if os.path.exists(row.audio_path)]
     outputs = [("--json", args.json, "check.json", tool_json(PROG)),
                ("--clean-manifest", args.clean_manifest, f"{stem}.clean{suffix}", MANIFEST_KIND)]
     for what, path, example, own in outputs:
@@ -152,7 +153,7 @@ def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
         others = [(o_what, o_path) for o_what, o_path, _, _ in outputs if o_what != what]
         try:
             check_output(path, prog=PROG, what=what, force=args.force, inputs=inputs,
-                         others=others, example=example, own=own)
+                         others=others, example=example, own=own if rows is not None else None)
         except OutputRefused as exc:
             raise ManifestError(str(exc)) from None
 
