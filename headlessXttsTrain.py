@@ -637,14 +637,18 @@ def train(s: Settings) -> dict[str, Any]:
         resume_freeze = freeze_on_resume(model, s.files)
 
     def on_interrupt(trainer: Any) -> None:
-        # coqui's fit() has just written checkpoint_<step>.pth; it exits with code 130 next.
+        # Ctrl-C, SIGTERM or SIGHUP: the coqui integration has finished the step, written
+        # checkpoint_<step>.pth when a step finished since the last one and said so in one
+        # line; the process exits with 128 + the signal's number next (130, 143, 129).
+        from patches.integrations.coqui_interrupt import interrupted_by
+
         checkpoint = Path(trainer.output_path) / f"checkpoint_{trainer.total_steps_done}.pth"
-        logger.warning("training-patches: interrupted after step %d; %s written. Continue "
-                       "with the same command and --resume auto", trainer.total_steps_done,
-                       checkpoint)
+        newest = find_resume(s.output_dir)
+        logger.debug("training-patches: continue with the same command and --resume auto")
         _record(s.output_dir, "interrupted", run_folder=str(trainer.output_path),
-                step=int(trainer.total_steps_done),
+                step=int(trainer.total_steps_done), signal=interrupted_by(trainer) or "SIGINT",
                 checkpoint=str(checkpoint) if checkpoint.is_file() else None,
+                resume_from=str(newest) if newest is not None else None,
                 patch_stats=patches.stats())
 
     callbacks: dict[str, Any] = {"on_keyboard_interrupt": on_interrupt}
@@ -698,8 +702,9 @@ def fit_trainer(trainer: Any, s: Settings) -> None:
 
     coqui's ``fit`` prints the traceback, removes a run folder holding no checkpoint and
     exits 1 on any error. Its training loop (``_fit``) is wrapped on this one Trainer so
-    the error comes back here instead; a Ctrl-C still reaches coqui's handler, which
-    writes a checkpoint and exits 130.
+    the error comes back here instead; Ctrl-C, SIGTERM and SIGHUP end ``fit`` with
+    ``SystemExit(130/143/129)`` once a checkpoint is written (the coqui integration), and
+    that passes through.
     """
     failure: list[BaseException] = []
     inner = getattr(trainer, "_fit", None)
@@ -713,8 +718,8 @@ def fit_trainer(trainer: Any, s: Settings) -> None:
     try:
         trainer.fit()
     except SystemExit as exc:  # a coqui without _fit: its fit turns any error into exit 1
-        if exc.code in (0, None, 130):
-            raise
+        if exc.code in (0, None) or (isinstance(exc.code, int) and exc.code > 128):
+            raise  # a normal end, or a signal's (130, 143, 129)
         failure.append(exc.__context__ if exc.__context__ is not None else exc)
     if not failure:
         return
@@ -757,6 +762,15 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _folder_in_use(error: BaseException) -> bool:
+    """Another run holds the run folder this one would continue (one paragraph, exit 2)."""
+    try:
+        from patches import RunFolderInUse
+    except ImportError:
+        return False
+    return isinstance(error, RunFolderInUse)
+
+
 def _user_error(error: BaseException) -> bool:
     """A failed activation the user can fix: a bad setting, the library or torch missing,
     or (strict mode) a patch site that cannot land."""
@@ -771,7 +785,8 @@ def _user_error(error: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 trained, 2 bad input (one paragraph, nothing built), 1 an error during
-    training (one paragraph; its traceback in train.log), 130 interrupted (coqui)."""
+    training (one paragraph; its traceback in train.log), 130/143/129 interrupted by
+    Ctrl-C/SIGTERM/SIGHUP (a checkpoint written when a step finished since the last one)."""
     global _log_handler
     _log_handler = None  # a train.log of this run only
     parser = build_parser()
@@ -798,6 +813,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Exception as exc:  # noqa: BLE001 - an internal error: traceback kept, also in the log
         if exc is _ACTIVATION_ERROR and _user_error(exc):
+            say(str(exc))
+            return 2
+        if _folder_in_use(exc):  # --resume of a run another process is training
+            log_error(f"training-patches: refused: {exc}")
             say(str(exc))
             return 2
         log_error(f"internal error: {type(exc).__name__}: {exc}", exc)

@@ -28,13 +28,14 @@ from ._registry import PatchSiteError  # noqa: E402
 from .languages import register_language  # noqa: E402
 from .anomaly import enable_anomaly_detection  # noqa: E402
 from .checkpoint import (  # noqa: E402
-    CheckpointError, CheckpointManager, CheckpointMismatchError, DiskFullError, LoadReport,
-    UnsafeCheckpointError, load_checkpoint)
+    CheckpointError, CheckpointManager, CheckpointMismatchError, CheckpointWriteError,
+    DiskFullError, LoadReport, UnsafeCheckpointError, load_checkpoint)
 from .grad_clip import safe_clip_grad_norm_  # noqa: E402
 from .grad_scaler import LossScaleFloorError, SafeGradScaler  # noqa: E402
 from .vocab_freeze import freeze_base_vocab  # noqa: E402
 from .nan_guard import NonFiniteTrainingError, find_nonfinite_source, observe_loss  # noqa: E402
 from ._run import set_output_dir  # noqa: E402
+from ._runlock import RunFolderInUse  # noqa: E402
 from .oom_guard import OutOfMemoryTrainingError, skip_on_oom  # noqa: E402
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "safe_clip_grad_norm_", "ConfigError", "PatchSiteError", "__version__",
     "register_language", "load_checkpoint", "CheckpointManager", "LoadReport",
     "CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError", "DiskFullError",
+    "CheckpointWriteError",
     "NonFiniteTrainingError", "find_nonfinite_source", "observe_loss", "set_output_dir",
-    "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom",
+    "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom", "RunFolderInUse",
 ]

@@ -1,6 +1,7 @@
 """How the ``training-patches`` tools write their outputs and end on a signal.
 
-- :func:`write_file`: a file that is complete or absent. Without ``replace`` it is created
+- :func:`write_file`: a file that is complete or absent; the system refusing the write is
+  :class:`WriteFailed`, one paragraph (the commands exit 1). Without ``replace`` it is created
   only if nothing is at the path *when it is written* (``os.link`` of a finished temporary
   file fails with ``EEXIST``), so two commands started together cannot both say "written";
   with ``replace`` it is swapped in with ``os.replace``. The file's mode follows the umask
@@ -9,7 +10,9 @@
 - :func:`check_output`: the one rule every command applies to a path it is asked to
   write, before it reads or computes anything: never an input (even with ``--force``),
   never another output of the same command, never a folder, only in an existing folder,
-  and an existing file only with ``--force``. A command never picks a default inside a
+  and an existing file only with ``--force`` and only when it is of the kind the command
+  writes there (:class:`OwnKind`, e.g. :func:`tool_json`): never a checkpoint, a run's
+  record or a user's own file. A command never picks a default inside a
   run's folder: its defaults are the current folder (``report``'s picture) or stdout.
 - :func:`write_json` / :func:`json_text`: the ``--json`` outputs: one strict JSON object
   (NaN and infinities written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``,
@@ -52,6 +55,41 @@ class OutputExists(FileExistsError):
     """Another file appeared at the output path while the command ran (nothing written)."""
 
 
+class WriteFailed(OSError):
+    """The system refused to write an output (a full disk or quota, a read-only folder, no
+    permission, over this process's file-size limit). The message is one paragraph; no
+    partial file was left and a file that was at the path is unchanged. The commands exit 1.
+    ``cause`` is the system's error."""
+
+    def __init__(self, message: str, cause: OSError) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+# Why a write failed, by errno, and what to do about it.
+_WRITE_FAILURES = {
+    errno.ENOSPC: ("the disk is full", "Free space there, or write to another disk"),
+    errno.EDQUOT: ("your disk quota is spent", "Free space in your quota, or write elsewhere"),
+    errno.EROFS: ("the file system is read-only", "Write to a writable folder"),
+    errno.EACCES: ("permission was denied", "Write to a folder you may write to"),
+    errno.EPERM: ("the operation is not permitted", "Write to a folder you may write to"),
+    errno.EFBIG: ("the file would pass this process's file-size limit (ulimit -f)",
+                  "Raise the limit (ulimit -f unlimited), or write a smaller output"),
+}
+
+
+def write_failed(path: str | os.PathLike[str], error: OSError, *,
+                 again: str = "run the command again") -> WriteFailed:
+    """The :class:`WriteFailed` paragraph for ``error`` raised while writing ``path``:
+    what the system said, that nothing partial is left, and what to do (then ``again``)."""
+    why, todo = _WRITE_FAILURES.get(error.errno or 0, (
+        error.strerror or str(error) or type(error).__name__, "Write to another place"))
+    return WriteFailed(
+        f"could not write {os.fspath(path)}: {why} ({error.strerror or error}). No partial "
+        f"file was left, and a file that was at that path is unchanged. {todo}, then "
+        f"{again}.", error)
+
+
 class Interrupted(BaseException):
     """The command got SIGINT or SIGTERM; ``exit_code`` is 128 + the signal number. A
     BaseException, like KeyboardInterrupt: ``except Exception`` in a worker does not stop it."""
@@ -80,18 +118,57 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         return False
 
 
+class OwnKind:
+    """What a command writes to one of its outputs, for ``--force`` to tell its own earlier
+    output (which it may replace) from any other file (which it never does).
+
+    ``name`` says it in a sentence ("a JSON report of training-patches report");
+    ``test(path)`` is true for a file of that kind."""
+
+    def __init__(self, name: str, test: Callable[[str], bool]) -> None:
+        self.name = name
+        self.test = test
+
+
+def _starts_with(path: str, first: bytes) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(first)
+    except OSError:
+        return False
+
+
+def tool_json(tool: str) -> OwnKind:
+    """The ``--json`` output of ``tool``: a JSON object whose ``"tool"`` is ``tool``."""
+    def test(path: str) -> bool:
+        if not _starts_with(path, b"{"):  # a checkpoint, a picture, ...: not read further
+            return False
+        try:
+            with open(path, encoding="utf-8") as handle:
+                value = json.load(handle)
+        except (OSError, ValueError, RecursionError):
+            return False
+        return isinstance(value, dict) and value.get("tool") == tool
+
+    return OwnKind(f"a JSON report written by {tool}", test)
+
+
 def check_output(path: str | os.PathLike[str], *, prog: str, what: str, force: bool = False,
                  inputs: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
                  others: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
-                 example: str | None = None, stdout: bool = True) -> bool:
+                 example: str | None = None, stdout: bool = True,
+                 own: OwnKind | None = None) -> bool:
     """Raise :class:`OutputRefused` unless ``path`` (the value of option ``what`` of the
     command ``prog``) may be written; return whether a file is there (to be replaced).
 
     Refused: any of ``inputs`` ((name, path) pairs; with ``--force`` too), any of ``others``
     (the command's other outputs), a folder (with ``--force`` too), a path whose folder is
-    missing or is a file, and an existing file without ``force``. ``example`` is a file
-    name to suggest. ``-`` means stdout where the output is text the command can put
-    there (``stdout``), and is refused otherwise (never a file named ``-``)."""
+    missing or is a file, an existing file without ``force``, and (with ``force`` too) an
+    existing file that is not of the kind ``own`` the command writes there: ``--force``
+    replaces the command's own earlier output, never a checkpoint, a run's records or a
+    user's file. ``example`` is a file name to suggest. ``-`` means stdout where the output
+    is text the command can put there (``stdout``), and is refused otherwise (never a file
+    named ``-``)."""
     path = os.fspath(path)
     suggest = f" (e.g. {example})" if example else ""
     if path == STDOUT:
@@ -125,6 +202,12 @@ def check_output(path: str | os.PathLike[str], *, prog: str, what: str, force: b
             f"nothing was written. Expected a file in an existing folder. Create the folder "
             f"or give another path.")
     exists = os.path.lexists(path)
+    if exists and own is not None and not own.test(path):
+        raise OutputRefused(
+            f"{prog}: {what} {path} already exists and is not {own.name} (it may be a "
+            f"checkpoint, a run's record or your own file); --force replaces only a file of "
+            f"that kind, so nothing was written and the file is untouched. Expected a path "
+            f"that does not exist yet, or {own.name}. Give another path{suggest}.")
     if exists and not force:
         raise OutputRefused(
             f"{prog}: {what} {path} already exists; nothing was written. Expected a path that "
@@ -166,8 +249,19 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, replace: bool = Fal
     ``replace=False``: create ``path`` only if it does not exist at that moment, else raise
     :class:`OutputExists` (the temporary file is removed, whatever is at ``path`` is kept).
     ``replace=True``: replace it atomically. Either way a reader never sees half a file.
+    The system refusing the write (full, read-only, over the file-size limit, ...) is
+    :class:`WriteFailed`, with the temporary file removed.
     """
     path = Path(path)
+    try:
+        return _write_file(path, data, replace=replace)
+    except (OutputExists, IsADirectoryError):
+        raise
+    except OSError as exc:
+        raise write_failed(path, exc) from exc
+
+
+def _write_file(path: Path, data: bytes, *, replace: bool) -> Path:
     folder = path.parent if str(path.parent) else Path(".")
     mode = 0o666 & ~_umask()
     for attempt in range(100):
@@ -258,5 +352,6 @@ def number(kind: type = float, *, low: float | None = None, high: float | None =
     return parse
 
 
-__all__ = ["write_file", "same_file", "check_output", "json_text", "write_json",
+__all__ = ["write_file", "same_file", "check_output", "OwnKind", "tool_json", "WriteFailed",
+           "write_failed", "json_text", "write_json",
            "stop_on_signals", "number", "Interrupted", "OutputExists", "OutputRefused", "STDOUT"]

@@ -157,7 +157,11 @@ def test_clean_manifest_holds_exactly_the_clean_rows(dataset, tmp_path) -> None:
     before = out.read_bytes()
     assert run([str(manifest), "--workers", "1", "--clean-manifest", str(out)]) == 2
     assert out.read_bytes() == before
-    out.write_text("mine\n", encoding="utf-8")
+    out.write_text("mine\n", encoding="utf-8")  # not a manifest: never replaced (issue 26)
+    assert run([str(manifest), "--workers", "1", "--clean-manifest", str(out), "--force"]) == 2
+    assert out.read_text(encoding="utf-8") == "mine\n"
+    out.write_text("audio_file|text|speaker_name\nold.wav|an older run|spk\n",
+                   encoding="utf-8")  # a manifest (an earlier output): replaced with --force
     assert run([str(manifest), "--workers", "1", "--clean-manifest", str(out), "--force"]) == 1
     assert out.read_text(encoding="utf-8").splitlines(keepends=True) == expected
     out.unlink()

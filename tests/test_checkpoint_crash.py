@@ -1,7 +1,11 @@
 """Crash suite: a real training process killed with SIGKILL at random moments.
 
-Half of the kills land at a random moment of training, half just after a save began
-(while the checkpoint file is being written). After every kill:
+Half of the kills land between two training steps, half inside a save: while the
+checkpoint's bytes are written, before its rename, before its manifest, before ``latest``
+and in the middle of a prune. The moments are drawn at random (seeded), and each is
+reached by the worker itself: at that point it writes ``stopped ...`` to its log and
+waits, and only then is it killed. No sleep decides where a kill lands, so the suite is
+the same on a loaded machine (issue 26 item 9). After every kill:
 
 - ``CheckpointManager.resume("auto")`` finds a checkpoint, it validates, and
   ``load_checkpoint`` loads it in a fresh model (every resume succeeds);
@@ -34,7 +38,7 @@ KEEP = 3
 REPO = Path(__file__).resolve().parents[1]
 
 WORKER = r'''
-import os, random, sys
+import os, pathlib, random, sys, time
 import numpy as np
 import torch
 from torch import nn
@@ -56,7 +60,70 @@ class Model(nn.Module):
         return self.text_head(self.body(self.text_embedding(x)))
 
 
-def main(out, log_path, total, save_every):
+def block(log, why):
+    """A kill point reached: say so, then wait for the SIGKILL."""
+    log.write(f"stopped {why}\n")
+    log.flush()
+    while True:
+        time.sleep(3600)
+
+
+def arm(log, stop, point, nbytes, saving):
+    """Make the save of step ``stop`` wait at ``point`` (``saving[0]``: the step being saved)."""
+    from patches.checkpoint import manager as mgr
+
+    def armed():
+        return saving[0] == stop
+
+    real_write = mgr.write_atomically
+
+    def write_atomically(path, write, **kwargs):
+        if not (armed() and point == "write" and mgr.CheckpointManager.PATTERN.match(path.name)):
+            return real_write(path, write, **kwargs)
+
+        class Tripwire:  # the checkpoint's bytes: stop once nbytes of them are written
+            def __init__(self, handle):
+                self.handle, self.size = handle, 0
+
+            def write(self, data):
+                written = self.handle.write(data)
+                self.size += memoryview(data).nbytes
+                if self.size >= nbytes:
+                    self.handle.flush()
+                    block(log, f"{stop} write {self.size}")
+                return written
+
+            def flush(self):
+                self.handle.flush()
+        return real_write(path, lambda handle: write(Tripwire(handle)), **kwargs)
+
+    mgr.write_atomically = write_atomically
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        name = os.path.basename(os.fspath(dst))
+        if armed():
+            if point in ("write", "rename") and name.endswith(".pt"):
+                block(log, f"{stop} {point}")  # "write": its byte count was past the end
+            if point == "manifest" and name.endswith(".manifest.json"):
+                block(log, f"{stop} manifest")
+            if point == "latest" and name == "latest":
+                block(log, f"{stop} latest")
+        return real_replace(src, dst, *args, **kwargs)
+
+    os.replace = replace
+    real_unlink = pathlib.Path.unlink
+
+    def unlink(self, *args, **kwargs):
+        # A prune removes the manifest, then the file: stop between the two.
+        if armed() and point == "prune" and mgr.CheckpointManager.PATTERN.match(self.name):
+            block(log, f"{stop} prune {self.name}")
+        return real_unlink(self, *args, **kwargs)
+
+    pathlib.Path.unlink = unlink
+
+
+def main(out, log_path, total, save_every, stop=0, point="", nbytes=0):
     torch.manual_seed(0); np.random.seed(0); random.seed(0)
     model = Model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -65,6 +132,9 @@ def main(out, log_path, total, save_every):
     data = torch.randint(0, VOCAB, (40, 8), generator=torch.Generator().manual_seed(1))
     manager = CheckpointManager(out, keep=%(keep)d)
     log = open(log_path, "a", buffering=1)
+    saving = [None]
+    if point and point != "step":
+        arm(log, stop, point, nbytes, saving)
     step, epoch, pos = 0, 0, 0
     if save_every:
         path = manager.resume("auto")
@@ -88,10 +158,16 @@ def main(out, log_path, total, save_every):
             step += 1
             pos += 4
             log.write(f"loss {step} {loss.item()!r}\n")
+            if point == "step" and step == stop:
+                block(log, f"{stop} step")
             if save_every and step %% save_every == 0:
                 log.write(f"save-begin {step}\n")
+                saving[0] = step
                 manager.save(step, model, opt, sched, scaler, epoch=epoch, pos=pos)
+                saving[0] = None
                 log.write(f"save-end {step}\n")
+                if point and step == stop:  # the point was never reached: still stop here
+                    block(log, f"{stop} missed")
         if pos >= len(order):
             epoch, pos = epoch + 1, 0
     log.write("done\n")
@@ -111,7 +187,8 @@ for command in sys.stdin:
         if pid == 0:
             code = 0
             try:
-                main(words[1], words[2], int(words[3]), int(words[4]))
+                main(words[1], words[2], int(words[3]), int(words[4]), int(words[5]),
+                     words[6] if words[6] != "-" else "", int(words[7]))
             except BaseException:
                 import traceback
                 traceback.print_exc()
@@ -131,12 +208,15 @@ class Zygote:
     def __init__(self, script: Path) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
                    TRAINING_PATCHES_QUIET="1")
+        self.running: int | None = None  # a forked run not yet waited for
         self.proc = subprocess.Popen([sys.executable, "-W", "ignore", str(script)], env=env,
                                      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
 
-    def run(self, out: Path, log: Path, total: int, save_every: int) -> int:
-        self.proc.stdin.write(f"run {out} {log} {total} {save_every}\n")
+    def run(self, out: Path, log: Path, total: int, save_every: int, stop: int = 0,
+            point: str = "-", nbytes: int = 0) -> int:
+        """Fork a training run; with ``point``, it waits at that point of step ``stop``."""
+        self.proc.stdin.write(f"run {out} {log} {total} {save_every} {stop} {point} {nbytes}\n")
         self.proc.stdin.flush()
         return int(self.proc.stdout.readline())
 
@@ -147,20 +227,26 @@ class Zygote:
         return int(self.proc.stdout.readline())
 
     def close(self) -> None:
+        # Nothing is left to check in the zygote itself: end it rather than wait for its
+        # exit, which on a starved machine can take longer than any fixed time.
+        self.proc.kill()
+        self.proc.wait()
         self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
 
 
 def _lines(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def _wait_for(log: Path, start: int, predicate, timeout: float = 60.0) -> bool:
+def _wait_for(log: Path, start: int, predicate, timeout: float = 600.0) -> bool:
+    """Poll the worker's log until a line from ``start`` on matches; ``timeout`` only turns
+    a worker that never gets there into a failure instead of a hang."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(predicate(line) for line in _lines(log)[start:]):
             return True
-        time.sleep(0.002)
+        time.sleep(0.01)
     raise AssertionError(f"worker did not get there in {timeout}s: {_lines(log)[start:][-5:]}")
 
 
@@ -188,27 +274,44 @@ def test_sigkill_at_random_moments_never_loses_or_tears_a_checkpoint(tmp_path):
     try:
         _trials(zygote, rng, out, log, user_files, tmp_path)
     finally:
+        if zygote.running is not None:  # a failed trial: its worker still waits
+            os.kill(zygote.running, signal.SIGKILL)
         zygote.close()
+
+
+# Where inside a save the odd trials stop the worker, in turn.
+SAVE_POINTS = ("write", "rename", "manifest", "latest", "prune")
+SAVE_EVERY = 2
 
 
 def _trials(zygote, rng, out, log, user_files, tmp_path) -> None:
     seen: dict[str, int] = {}
     during_save = 0
     resumed_from: list[int] = []
+    points: list[str] = []
     for trial in range(TRIALS):
-        start = len(_lines(log))
-        pid = zygote.run(out, log, total=10 ** 6, save_every=2)
-        assert _wait_for(log, start, lambda line: line == "ready")
-        if trial % 2:
-            # Aim at a save: wait for the next one to begin, then kill within its write.
-            ready_at = len(_lines(log))
-            _wait_for(log, ready_at, lambda line: line.startswith("save-begin"))
-            time.sleep(rng.uniform(0.0, 0.03))
+        newest = max(seen.values(), default=0)
+        if trial % 2 == 0:
+            # Between two steps (at least one save done before the first kill).
+            point, stop = "step", newest + rng.randint(3 if trial == 0 else 1, 7)
         else:
-            time.sleep(rng.uniform(0.0, 0.4))
+            point = SAVE_POINTS[(trial // 2) % len(SAVE_POINTS)]
+            saves = rng.randint(1, 3)
+            if point == "prune":  # a save prunes once more than KEEP are complete
+                saves = max(saves, KEEP - len(seen) + 1)
+            stop = newest + SAVE_EVERY * saves
+        points.append(point)
+        start = len(_lines(log))
+        pid = zygote.run(out, log, total=10 ** 6, save_every=SAVE_EVERY, stop=stop,
+                         point=point, nbytes=rng.randint(1, 8_000_000))
+        zygote.running = pid
+        assert _wait_for(log, start, lambda line: line.startswith("stopped "))
         os.kill(pid, signal.SIGKILL)
         status = zygote.wait(pid)
+        zygote.running = None
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+        stopped = [line for line in _lines(log)[start:] if line.startswith("stopped ")]
+        assert stopped[-1].split()[1:3] == [str(stop), point], stopped  # where it was aimed
         tail = [line for line in _lines(log)[start:] if line.startswith("save-")]
         if tail and tail[-1].startswith("save-begin"):
             during_save += 1
@@ -243,11 +346,9 @@ def _trials(zygote, rng, out, log, user_files, tmp_path) -> None:
             report = load_checkpoint(chosen, fresh, freeze=False, restore_rng=False)
             assert report.step == newest
 
-    assert during_save >= TRIALS // 4, f"only {during_save} kills landed during a save"
-    # Every trial that found checkpoints resumed (asserted above); on a loaded machine the
-    # first kills can land before any save, so only half the trials are required to have
-    # found one (a quiet machine: all but the first).
-    assert len(resumed_from) >= TRIALS // 2, f"only {len(resumed_from)} trials resumed"
+    # Every save-point kill landed inside a save, and every trial after the first resumed.
+    assert during_save == sum(p != "step" for p in points), (during_save, points)
+    assert len(resumed_from) == TRIALS - 1, f"only {len(resumed_from)} trials resumed"
 
     # Finish the run without a kill, then replay it uninterrupted from scratch.
     last = max(seen.values())
@@ -265,7 +366,8 @@ def _trials(zygote, rng, out, log, user_files, tmp_path) -> None:
     assert replayed > 0  # steps lost to kills were trained again after a resume
     for step, loss in logged:
         assert loss == reference[int(step)], f"step {step}: {loss} != {reference[int(step)]}"
-    # Temporary files of killed saves were cleaned up by later saves (all writers are dead).
-    leftovers = [p.name for p in out.iterdir() if ".tp-tmp-" in p.name and p.name.startswith(".ckpt")]
-    assert len(leftovers) <= 1, leftovers
+    # Temporary files of killed saves (checkpoints, manifests, latest) were swept by later
+    # saves: all their writers are dead.
+    leftovers = [p.name for p in out.iterdir() if ".tp-tmp-" in p.name]
+    assert leftovers == [], leftovers
     assert all(manifest_path(out / name).is_file() for name in _complete(out))

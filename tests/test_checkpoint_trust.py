@@ -442,6 +442,85 @@ def test_decide_changes_nothing_and_apply_carries_out_its_plan(tmp_path):
     assert report.restored == ["optimizer", "scheduler", "scaler"] and report.rng_restored
 
 
+# ----------------------------------------------------------------- another kind of optimizer
+
+
+def _kinds(opt_cls, sched_kind: str, seed: int = 0):
+    """A model with an optimizer of ``opt_cls`` and a scheduler of ``sched_kind``, stepped."""
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    sched = {"lambda": lambda: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+             "step": lambda: torch.optim.lr_scheduler.StepLR(opt, 3),
+             "exponential": lambda: torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)}[sched_kind]()
+    tokens = torch.randint(0, VOCAB, (4, 5))
+    for _ in range(2):
+        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), tokens.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def _bare_file(path: Path, model, opt, sched) -> Path:
+    """A checkpoint as coqui or a plain loop writes it: no record of the classes."""
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "step": 2}, path)
+    return path
+
+
+KIND_CASES = {  # saved (optimizer, scheduler) -> loaded into (optimizer, scheduler)
+    "sgd_into_adamw": ((torch.optim.SGD, "lambda"), (torch.optim.AdamW, "lambda"), "optimizer"),
+    "adamw_into_sgd": ((torch.optim.AdamW, "lambda"), (torch.optim.SGD, "lambda"), "optimizer"),
+    "adam_into_adamw": ((torch.optim.Adam, "lambda"), (torch.optim.AdamW, "lambda"), "optimizer"),
+    "steplr_into_lambdalr": ((torch.optim.AdamW, "step"), (torch.optim.AdamW, "lambda"),
+                             "scheduler"),
+    "exponential_into_steplr": ((torch.optim.AdamW, "exponential"), (torch.optim.AdamW, "step"),
+                                "scheduler"),
+}
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["manager_file", "bare_file"])
+@pytest.mark.parametrize("case", list(KIND_CASES))
+def test_a_state_of_another_class_is_refused_never_restored(tmp_path, case, recorded):
+    """Issue 26 item 8: torch loads an SGD state into AdamW (or a StepLR state into a
+    LambdaLR) and steps with the wrong settings; under remap it is refused, nothing
+    changed, and under reset the same file loads with all three started fresh."""
+    (saved_opt, saved_sched), (opt_cls, sched_kind), part = KIND_CASES[case]
+    source = _kinds(saved_opt, saved_sched)
+    path = (CheckpointManager(tmp_path / "run", keep=None).save(2, *source) if recorded
+            else _bare_file(tmp_path / "bare.pt", *source))
+    model, opt, sched = _kinds(opt_cls, sched_kind, seed=5)
+    before = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+              "groups": [dict(g, params=None) for g in opt.param_groups],
+              "state": {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state.items()}}
+    with pytest.raises(ck.CheckpointMismatchError) as info:
+        load_checkpoint(path, model, opt, sched, freeze=False)
+    message = str(info.value)
+    assert f"the {part} state in {path}" in message and "Nothing was loaded" in message
+    assert "policy='reset'" in message
+    assert _same({k: v for k, v in model.state_dict().items()}, before["model"])
+    assert [dict(g, params=None) for g in opt.param_groups] == before["groups"]
+    assert _same({k: dict(v) for k, v in opt.state.items()}, before["state"])
+    report = load_checkpoint(path, model, opt, sched, freeze=False, policy="reset")
+    assert report.parts["optimizer"].status == "reset"
+    assert report.parts["scheduler"].status == "reset"
+
+
+def test_a_state_of_the_same_class_is_still_restored(tmp_path):
+    """The control of the test above: same classes, with and without the record."""
+    for index, recorded in enumerate((True, False)):
+        source = _kinds(torch.optim.AdamW, "step")
+        path = (CheckpointManager(tmp_path / "run", keep=None).save(2, *source) if recorded
+                else _bare_file(tmp_path / "bare.pt", *source))
+        model, opt, sched = _kinds(torch.optim.AdamW, "step", seed=5 + index)
+        report = load_checkpoint(path, model, opt, sched, freeze=False)
+        assert report.parts["optimizer"].status == "restored"
+        assert report.parts["scheduler"].status == "restored"
+        assert sched.state_dict()["last_epoch"] == 2
+
+
 # ----------------------------------------------------------------- bad disk
 
 
@@ -531,6 +610,85 @@ def test_disk_full_between_checkpoint_and_manifest_leaves_no_orphan(tmp_path, mo
     # Nothing blocks the next saves.
     third = manager.save(3, model, opt, sched, scaler)
     assert manager.resume("auto") == third and manager.checkpoints() == [first, third]
+
+
+def test_a_killed_writers_latest_temp_file_is_swept_like_the_others(tmp_path):
+    """Issue 26: the ``latest`` pointer is written through a temporary file too; a kill
+    between its write and its rename left ``.latest.tp-tmp-...`` for good."""
+    import subprocess
+
+    from patches.checkpoint.atomic import host_name, temp_prefix
+
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    here = host_name()
+    dead_latest = out / f".latest.tp-tmp-{dead.pid}@{here}~abc123"
+    dead_ckpt = out / f".ckpt_000000001.pt.tp-tmp-{dead.pid}@{here}~def456"
+    live_latest = out / f".latest.tp-tmp-{os.getppid()}@{here}~ghi789"  # a writer that runs
+    other_host = out / f".latest.tp-tmp-{dead.pid}@another-node~jkl012"
+    for path in (dead_latest, dead_ckpt, live_latest, other_host):
+        path.write_bytes(b"ckpt_000000001.pt\n")
+    assert temp_prefix("latest").startswith(".latest.tp-tmp-")  # the name the writer uses
+    CheckpointManager(out, keep=None).save(2, TinyGPT())
+    assert not dead_latest.exists() and not dead_ckpt.exists()
+    assert live_latest.exists() and other_host.exists()
+    assert _latest(out) == "ckpt_000000002.pt"
+
+
+SAVE_UNDER_A_LIMIT = r"""
+import sys
+import torch
+from patches.checkpoint import CheckpointError, CheckpointManager
+manager = CheckpointManager(sys.argv[1], keep=None)
+manager.save(1, torch.nn.Linear(4, 4))              # a few KB: under the limit
+try:
+    manager.save(2, torch.nn.Linear(512, 512))      # 1 MB: over it
+except CheckpointError as exc:
+    print(type(exc).__name__, exc, file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def test_a_save_over_the_file_size_limit_is_one_paragraph(tmp_path):
+    """Issue 26 item 7: CheckpointManager.save under ``ulimit -f`` raised torch's
+    "[enforce fail at inline_container.cc]" RuntimeError. Now one CheckpointWriteError
+    paragraph naming the limit; nothing partial left, the earlier checkpoint still resumes."""
+    from io_faults import run_with_file_limit, temporaries
+
+    out = tmp_path / "run"
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_UNDER_A_LIMIT, encoding="utf-8")
+    done = run_with_file_limit([str(script), str(out)], 200_000, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    err = done.stderr.strip()
+    assert err.startswith("CheckpointWriteError training-patches: could not write "
+                          f"{out / 'ckpt_000000002.pt'}: the file would pass this process's "
+                          "file-size limit (ulimit -f)"), err
+    assert "enforce fail" not in err and len(err.splitlines()) == 1
+    assert not manager_path_exists(out, 2) and temporaries(out) == []
+    assert CheckpointManager(out, keep=None).resume("auto") == out / "ckpt_000000001.pt"
+
+
+def manager_path_exists(out: Path, step: int) -> bool:
+    path = CheckpointManager(out, keep=None).path_for(step)
+    return path.exists() or manifest_path(path).exists()
+
+
+def test_a_save_into_a_read_only_folder_is_one_paragraph(tmp_path):
+    """Issue 26 item 7: a read-only folder (the mount; root ignores permission bits) is one
+    CheckpointWriteError paragraph, not an OSError from deep inside the save."""
+    from io_faults import read_only
+
+    with read_only(tmp_path / "ro") as folder:
+        with pytest.raises(ck.CheckpointWriteError) as info:
+            CheckpointManager(folder, keep=None).save(1, TinyGPT())
+        message = str(info.value)
+        assert "the file system is read-only" in message and str(folder) in message
+        assert not isinstance(info.value, DiskFullError) and list(folder.iterdir()) == []
+        with pytest.raises(ck.CheckpointWriteError, match="read-only"):
+            ck.atomic_torch_save({"w": torch.ones(2)}, folder / "checkpoint_5.pth")
 
 
 def test_atomic_torch_save_checks_the_space_too(tmp_path, monkeypatch):

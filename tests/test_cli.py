@@ -152,16 +152,125 @@ def test_doctor_json_file_follows_the_output_rule(tmp_path, capsys, monkeypatch)
     assert "[ok  ] torch" in capsys.readouterr().out
     assert out.stat().st_mode & 0o777 == 0o640  # mkstemp's 0600 would not follow the umask
     assert strict_loads(out.read_text(encoding="utf-8"))["tool"] == "training-patches doctor"
-    out.write_text("mine", encoding="utf-8")
+    written = out.read_bytes()
     assert cli.main(["doctor", "--json", str(out)]) == 2
     err = capsys.readouterr().err
     assert "already exists" in err and "--force" in err and len(err.strip().splitlines()) == 1
-    assert out.read_text(encoding="utf-8") == "mine"
-    assert cli.main(["doctor", "--json", str(out), "--force"]) == 0
+    assert out.read_bytes() == written
+    assert cli.main(["doctor", "--json", str(out), "--force"]) == 0  # its own JSON: replaced
     assert strict_loads(out.read_text(encoding="utf-8"))["ok"] is True
+    out.write_text("mine", encoding="utf-8")  # not a doctor JSON: refused, --force or not
+    assert cli.main(["doctor", "--json", str(out), "--force"]) == 2
+    assert "is not a JSON report written by training-patches doctor" in capsys.readouterr().err
+    assert out.read_text(encoding="utf-8") == "mine"
     capsys.readouterr()
     assert cli.main(["doctor", "--json", str(tmp_path), "--force"]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def _foreign_files(folder: Path) -> dict[str, Path]:
+    """Files no command writes: a checkpoint, a run's events file, a user's JSON, another
+    command's JSON report, a user's text."""
+    import torch
+
+    folder.mkdir()
+    files = {"checkpoint": folder / "checkpoint_6.pth", "events": folder / "nonfinite_events.jsonl",
+             "user_json": folder / "settings.json", "doctor_json": folder / "doctor.json",
+             "notes": folder / "notes.txt"}
+    torch.save({"model": {"w": torch.ones(64, 64)}, "step": 6}, files["checkpoint"])
+    files["events"].write_text('{"step": 3, "kind": "nonfinite_loss", "loss": "NaN"}\n',
+                               encoding="utf-8")
+    files["user_json"].write_text('{"lr": 5e-06, "epochs": 10}\n', encoding="utf-8")
+    files["doctor_json"].write_text('{"tool": "training-patches doctor", "format": 1}\n',
+                                    encoding="utf-8")
+    files["notes"].write_text("audio_file is the first column\n", encoding="utf-8")
+    return files
+
+
+# Each command's --force output, with what the refusal names as its own kind.
+FORCE_OUTPUTS = {
+    "report --json": (["report", "{run}", "--no-picture", "--json", "{out}"],
+                      "a JSON report written by training-patches report"),
+    "doctor --json": (["doctor", "--json", "{out}"],
+                      "a JSON report written by training-patches doctor"),
+    "verify-tokenizer --json": (["verify-tokenizer", "{vocab}", "--json", "{out}"],
+                                "a JSON report written by training-patches verify-tokenizer"),
+    "check-data --json": (["check-data", "{manifest}", "--json", "{out}"],
+                          "a JSON report written by training-patches check-data"),
+    "check-data --clean-manifest": (["check-data", "{manifest}", "--clean-manifest", "{out}"],
+                                    "a coqui manifest"),
+    "extend-tokenizer --output": (["extend-tokenizer", "{vocab}", "--corpus", "{corpus}",
+                                   "--language", "am", "--output", "{out}"],
+                                  "an XTTS vocab.json tokenizer"),
+}
+
+
+@pytest.mark.parametrize("output", list(FORCE_OUTPUTS))
+def test_force_replaces_only_a_file_the_command_wrote(output, tmp_path, capsys) -> None:
+    """Issue 26 item 4: ``report --json FILE --force`` replaced a 324 MB checkpoint with a
+    1.5 KB JSON. --force replaces only the command's own kind of output: a checkpoint, an
+    events file, a user's JSON, another command's report or a text file is refused (exit 2,
+    one paragraph) and kept byte for byte. (The replacing of the command's own earlier
+    output is tested with each command.)"""
+    argv, kind = FORCE_OUTPUTS[output]
+    run = tmp_path / "run"
+    run.mkdir()
+    inputs = {"run": run, "vocab": tmp_path / "vocab.json", "manifest": tmp_path / "m.csv",
+              "corpus": tmp_path / "am.txt"}
+    inputs["vocab"].write_text("{}", encoding="utf-8")  # refused before it is read
+    inputs["manifest"].write_text("audio_file|text|speaker_name\nmissing.wav|hello|spk\n",
+                                  encoding="utf-8")
+    files = _foreign_files(tmp_path / "others")
+    if "doctor" in output:
+        del files["doctor_json"]  # its own kind
+    for name, path in files.items():
+        before = path.read_bytes()
+        line = [a.format(out=path, **inputs) for a in argv]
+        for force in ([], ["--force"]):
+            assert cli.main(line + force) == 2, (name, force)
+            err = capsys.readouterr().err
+            assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+            assert str(path) in err, err
+            if force or name != "checkpoint":
+                continue
+            assert "already exists" in err
+        assert f"is not {kind}" in err and "untouched" in err, err
+        assert path.read_bytes() == before, name
+
+
+def test_a_json_write_the_system_refuses_is_one_paragraph_and_exit_1(tmp_path, capsys) -> None:
+    """Issue 26 item 7: every command's --json into a read-only folder (and onto a full
+    disk) is one paragraph saying which, exit 1 (not a usage error), nothing left there."""
+    from io_faults import full_disk, read_only, temporaries
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "nonfinite_events.jsonl").write_text('{"step": 3, "kind": "nonfinite_loss"}\n',
+                                                encoding="utf-8")
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("audio_file|text|speaker_name\nmissing.wav|hello|spk\n",
+                        encoding="utf-8")
+    pytest.importorskip("tokenizers")
+    from demo.xtts_tiny import DEFAULT_TEXTS, train_bpe_vocab
+
+    vocab = train_bpe_vocab(list(DEFAULT_TEXTS), tmp_path / "vocab.json", languages=("en",),
+                            vocab_size=74)
+    commands = {"doctor": ["doctor"], "report": ["report", str(run), "--no-picture"],
+                "check-data": ["check-data", str(manifest), "--workers", "1"],
+                "verify-tokenizer": ["verify-tokenizer", str(vocab)]}
+    for fault, place in (("the file system is read-only", read_only(tmp_path / "ro")),
+                         ("the disk is full", full_disk(tmp_path / "full", free=0))):
+        with place as folder:
+            listing = sorted(p.name for p in folder.iterdir())
+            for name, argv in commands.items():
+                out = folder / f"{name}.json"
+                assert cli.main([*argv, "--json", str(out)]) == 1, name
+                err = capsys.readouterr().err.strip()
+                assert f"could not write {out}: {fault}" in err, err
+                assert err.splitlines()[-1].startswith(f"training-patches {name}"), err
+                assert "Traceback" not in err and not out.exists()
+            assert sorted(p.name for p in folder.iterdir()) == listing
+            assert temporaries(folder) == []
 
 
 def _tool(argv: list[str], cwd: Path) -> subprocess.Popen:

@@ -72,16 +72,30 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
 
 
 def test_second_demo_replaces_only_its_own_folder(tmp_path: Path) -> None:
-    """What a second ``make demo`` does first: a folder with the demo's marker is emptied,
-    any other non-empty folder is refused untouched."""
-    from demo.xtts_demo import MARKER, DemoError, prepare_folder
+    """What a second ``make demo`` does first: the files the demo wrote (listed in its
+    marker) are removed; a file someone left beside them stays; a file someone left among
+    them refuses the run with nothing removed (issue 26: the demo deleted them); any other
+    non-empty folder is refused untouched."""
+    from demo.xtts_demo import MARKER, DemoError, prepare_folder, record_files
 
     demo = tmp_path / "demo_output"
     prepare_folder(demo)
     (demo / "finetune").mkdir()
     (demo / "finetune" / "old.pth").write_bytes(b"x")
+    record_files(demo)  # as the demo does after each phase
+    (demo / "notes.txt").write_text("mine", encoding="utf-8")  # beside the demo's files
     prepare_folder(demo)
-    assert sorted(p.name for p in demo.iterdir()) == [MARKER]
+    assert sorted(p.name for p in demo.iterdir()) == [MARKER, "notes.txt"]
+    assert (demo / "notes.txt").read_text(encoding="utf-8") == "mine"
+    (demo / "finetune").mkdir()
+    (demo / "finetune" / "old.pth").write_bytes(b"x")
+    record_files(demo)
+    (demo / "finetune" / "my_best.pth").write_bytes(b"keep")  # among the demo's files
+    with pytest.raises(DemoError, match="did not write.*finetune/my_best.pth.*Nothing was "
+                                        "removed"):
+        prepare_folder(demo)
+    assert (demo / "finetune" / "my_best.pth").read_bytes() == b"keep"
+    assert (demo / "finetune" / "old.pth").is_file()
     other = tmp_path / "other"
     other.mkdir()
     (other / "keep.txt").write_text("keep", encoding="utf-8")
@@ -105,3 +119,60 @@ def test_demo_takes_no_base_files(tmp_path: Path) -> None:
     result = _run("--demo", "--base-dir", str(tmp_path), timeout=120)
     assert result.returncode == 2
     assert "--base-dir" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.xtts
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGKILL"])
+def test_the_fine_tune_child_ends_with_the_demo(tmp_path: Path, signame: str) -> None:
+    """Issue 26 item 2: SIGTERM to ``--demo`` left its fine-tune child training. The child
+    now gets the signal too (SIGTERM to the demo), or SIGTERM when the demo dies outright
+    (SIGKILL): it finishes its step, writes a checkpoint and an ``interrupted`` record, and
+    exits; the demo exits 143."""
+    pytest.importorskip("TTS")
+    import signal
+    import time
+
+    from processes import alive as _alive
+
+    out = tmp_path / "demo"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--demo", "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=ROOT, start_new_session=True)
+    runs = out / "finetune" / "headless_runs.jsonl"
+    log = out / "finetune" / "train.log"
+    child = None
+    try:
+        deadline = time.monotonic() + 900  # only turns a hang into a failure
+        while child is None or "GLOBAL_STEP: 1" not in log.read_text(encoding="utf-8"):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+            time.sleep(0.2)
+            if child is None and runs.is_file():
+                starts = [json.loads(line) for line in runs.read_text().splitlines()
+                          if '"start"' in line]
+                child = starts[0]["pid"] if starts else None
+        assert _alive(child)
+        os.kill(proc.pid, getattr(signal, signame))
+        output = proc.communicate(timeout=600)[0]
+        while _alive(child):  # the child, reparented after a SIGKILL, ends on its own
+            assert time.monotonic() < deadline, "the fine-tune child trains on"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+    records = [json.loads(line) for line in runs.read_text(encoding="utf-8").splitlines()]
+    assert records[-1]["event"] == "interrupted" and records[-1]["signal"] == "SIGTERM"
+    assert Path(records[-1]["checkpoint"]).is_file()
+    if signame == "SIGTERM":
+        assert proc.returncode == 143, output[-3000:]
+        assert "== demo: interrupted by SIGTERM: the fine-tune run was stopped the same way " \
+               "(exit 143" in output and "Traceback" not in output
+        assert not (out / "demo_summary.json").exists()
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    import shutil
+
+    shutil.rmtree(out)  # coqui checkpoints: not kept in pytest's tmp folders

@@ -148,3 +148,57 @@ def test_tiny_amharic_finetune_and_resume_auto(tmp_path: Path) -> None:
     steps_second = int(re.findall(r"finished: {'steps': (\d+)", log)[-1])
     assert steps_second > steps_first  # continued the step count, not restarted
     assert list(out.glob("xtts_finetune-*")) == runs
+
+
+# -- a signal is an interruption (issue 26 item 2) ------------------------------------------
+
+
+@pytest.mark.xtts
+@pytest.mark.slow
+@pytest.mark.parametrize("signame,code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_signal_is_an_interruption(tmp_path: Path, signame: str, code: int) -> None:
+    """SIGTERM (a cloud machine stopping) or SIGHUP (a closed ssh session) during training:
+    the step ends, a checkpoint is written, one line says so, an ``interrupted`` record,
+    exit 143 (129), its DataLoader workers gone with it; ``report`` calls the run
+    interrupted, not healthy, until ``--resume auto`` continues it to its end."""
+    pytest.importorskip("TTS")
+    import signal
+
+    from processes import group_left, start_headless, tiny_run, wait_for_text
+
+    out, common = tiny_run(tmp_path, "--workers", "2")
+    proc = start_headless(*common, "--epochs", "50", cwd=tmp_path)
+    try:
+        wait_for_text(out / "train.log", "GLOBAL_STEP: 1", proc)  # steps have finished
+        proc.send_signal(getattr(signal, signame))
+        output = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, output[-3000:]
+    assert "Traceback" not in output
+    said = [line for line in output.splitlines() if "interrupted" in line]
+    assert len(said) == 1, said
+    records = [json.loads(line) for line in
+               (out / "headless_runs.jsonl").read_text(encoding="utf-8").splitlines()]
+    stop = records[-1]
+    assert stop["event"] == "interrupted" and stop["signal"] == signame
+    checkpoint = Path(stop["checkpoint"])
+    assert checkpoint.is_file() and checkpoint.name == f"checkpoint_{stop['step']}.pth"
+    assert f"interrupted by {signame} after trainer step {stop['step']}" in said[0]
+    assert f"{checkpoint.name} written" in said[0]
+    assert not group_left(proc.pid), "a DataLoader worker outlived the run"
+    report = _run_report(out)
+    assert report.returncode == 1 and "verdict: interrupted" in report.stdout, report.stdout
+    assert f"stopped by {signame} at trainer step {stop['step']}" in report.stdout
+    if signame == "SIGTERM":  # continued to its end: no longer interrupted
+        resumed = _run(*common, "--epochs", "1", "--resume", "auto", "--workers", "0")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        report = _run_report(out)
+        assert "verdict: interrupted" not in report.stdout, report.stdout
+
+
+def _run_report(folder: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "patches", "report", str(folder),
+                           "--no-picture"], capture_output=True, text=True, env=env)

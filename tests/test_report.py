@@ -447,3 +447,30 @@ def test_no_default_picture_inside_the_run_folder(tmp_path, capsys, monkeypatch)
     assert {p.name: _sha(p) for p in run.iterdir()} == listing
     assert cli.main(["report", ".", "--out", "mine.png"]) == 1  # asked for: written
     assert (run / "mine.png").is_file()
+
+
+def test_an_interrupted_run_is_named_interrupted_not_healthy(tmp_path, capsys) -> None:
+    """Issue 26 item 2: a run stopped by SIGTERM was called healthy. Its last record is an
+    ``interrupted`` one: the verdict says so, exit 1; once a resume of that run folder has
+    finished, it is healthy again. Another run folder's records say nothing about it."""
+    out = tmp_path / "out"
+    run = out / "xtts_finetune-November-25-2026_01+43PM-0000000"
+    _tensorboard(run, [5.0 - 0.3 * i for i in range(12)])
+    other = "xtts_finetune-November-25-2026_01+44PM-0000000"
+    records = [
+        {"event": "start", "run_folder": f"out/{run.name}", "start_step": 0},  # relative
+        {"event": "interrupted", "run_folder": f"out/{run.name}", "step": 7,
+         "signal": "SIGTERM", "checkpoint": f"out/{run.name}/checkpoint_7.pth"},
+        {"event": "finished", "run_folder": f"out/{other}", "steps": 12},
+    ]
+    _jsonl(out / "headless_runs.jsonl", records)
+    assert cli.main(["report", str(out), "--no-picture"]) == 1
+    text = capsys.readouterr().out
+    assert "verdict: interrupted" in text
+    assert ("interrupted: stopped by SIGTERM at trainer step 7 and not continued since; "
+            "checkpoint_7.pth was written: continue it with --resume auto") in text
+    _jsonl(out / "headless_runs.jsonl", records + [
+        {"event": "start", "run_folder": str(run), "start_step": 8},
+        {"event": "finished", "run_folder": str(run), "steps": 12}])
+    assert cli.main(["report", str(out), "--no-picture"]) == 0
+    assert "verdict: healthy" in capsys.readouterr().out

@@ -286,13 +286,115 @@ def test_cli_never_overwrites_the_input_or_an_existing_output(files, tmp_path, c
     out = tmp_path / "taken.json"
     out.write_text("mine", encoding="utf-8")
     rc, _, err = _main(capsys, *args, "--output", out)
-    assert rc == 2 and "already exists" in err and "--force" in err
+    assert rc == 2 and "is not an XTTS vocab.json tokenizer" in err
+    rc, _, err = _main(capsys, *args, "--output", out, "--force")  # not a tokenizer: never
+    assert rc == 2 and "is not an XTTS vocab.json tokenizer" in err and "untouched" in err
     assert out.read_text(encoding="utf-8") == "mine"
+    out.write_bytes(files["vocab"].read_bytes())  # a tokenizer (an earlier output)
+    rc, _, err = _main(capsys, *args, "--output", out)
+    assert rc == 2 and "already exists" in err and "--force" in err
     assert _main(capsys, *args, "--output", out, "--force")[0] == 0
     assert json.loads(out.read_text(encoding="utf-8"))["model"]["type"] == "BPE"
+    assert _sha(out) != _sha(files["vocab"])
     assert _main(capsys, *args, "--in-place")[0] == 0
     assert _sha(vocab) != before and _sha(vocab) == _sha(out)
     assert not [p for p in tmp_path.iterdir() if ".tp-tmp-" in p.name]  # no temporary left
+
+
+def test_in_place_still_refuses_an_input(files, tmp_path, capsys) -> None:
+    """Issue 26 item 4: --in-place skipped the input checks, so --corpus (or --base-text)
+    naming the tokenizer itself got it overwritten. Refused, one paragraph, the file byte
+    for byte as it was, whatever link names it."""
+    vocab = tmp_path / "vocab.json"
+    vocab.write_bytes(files["vocab"].read_bytes())
+    link = tmp_path / "corpus.txt"
+    link.symlink_to(vocab)
+    before = _sha(vocab)
+    for extra in (["--corpus", vocab], ["--corpus", link],
+                  ["--corpus", files["corpus"], "--base-text", vocab]):
+        rc, stdout, err = _main(capsys, "extend-tokenizer", vocab, "--language", "am",
+                                "--in-place", "--force", *extra)
+        assert rc == 2 and "written:" not in stdout, (extra, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "--in-place would write over" in err and "an input is never overwritten" in err
+        assert _sha(vocab) == before
+    # Control: with a corpus of its own, --in-place writes the tokenizer.
+    assert _main(capsys, "extend-tokenizer", vocab, "--language", "am", "--in-place",
+                 "--corpus", files["corpus"])[0] == 0
+    assert _sha(vocab) != before
+
+
+@pytest.mark.parametrize("fault", ["full_disk", "read_only"])
+def test_a_write_the_system_refuses_is_one_paragraph_and_exit_1(fault, files, tmp_path,
+                                                                capsys) -> None:
+    """Issue 26 item 7: extend-tokenizer writing to a full disk or a read-only folder ended
+    in a traceback. One paragraph saying which, exit 1, no temporary file, and the files
+    already there byte for byte as they were."""
+    from io_faults import full_disk, read_only, temporaries
+
+    place = full_disk(tmp_path / "disk") if fault == "full_disk" else read_only(
+        tmp_path / "disk", {"old.json": b"{}"})
+    with place as folder:
+        before = {p.name: _sha(p) for p in folder.iterdir()}
+        out = folder / "vocab_am.json"
+        rc, stdout, err = _main(capsys, "extend-tokenizer", files["vocab"], "--corpus",
+                                files["corpus"], "--language", "am", "--new-pieces", "400",
+                                "--output", out)
+        assert rc == 1 and "written:" not in stdout, err
+        _one_paragraph(err)
+        why = "the disk is full" if fault == "full_disk" else "the file system is read-only"
+        assert f"could not write {out}: {why}" in err and "No partial file was left" in err
+        assert not out.exists() and temporaries(folder) == []
+        assert {p.name: _sha(p) for p in folder.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_a_write_over_the_file_size_limit_is_one_paragraph_and_exit_1(files, tmp_path) -> None:
+    """The same under ``ulimit -f`` (a subprocess with RLIMIT_FSIZE, SIGXFSZ ignored)."""
+    from io_faults import run_with_file_limit, temporaries
+
+    out = tmp_path / "vocab_am.json"
+    done = run_with_file_limit(["-m", "patches", "extend-tokenizer", str(files["vocab"]),
+                                "--corpus", str(files["corpus"]), "--language", "am",
+                                "--output", str(out)], 1024, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    _one_paragraph(done.stderr)
+    assert "file-size limit (ulimit -f)" in done.stderr and str(out) in done.stderr
+    assert not out.exists() and temporaries(tmp_path) == []
+
+
+def test_what_g2p_returns_is_checked(files, tmp_path, capsys) -> None:
+    """Issue 26 item 7: --g2p returning None (or bytes, or a list of phonemes) was trained
+    into the tokenizer as the text "None". Refused: one paragraph naming the function, the
+    line and what it returned; nothing written."""
+    (tmp_path / "g2p_none.py").write_text(
+        "def g2p(text):\n    return None if 'ደህና' in text else text\n", encoding="utf-8")
+    out = tmp_path / "vocab_am.json"
+    for command in (["extend-tokenizer", files["vocab"], "--corpus", files["corpus"],
+                     "--output", out], ["verify-tokenizer", files["vocab"], "--text",
+                                        files["corpus"]]):
+        rc, _, err = _main(capsys, *command, "--language", "am",
+                           "--g2p", f"{tmp_path / 'g2p_none.py'}:g2p")
+        assert rc == 2, err
+        _one_paragraph(err)
+        assert "g2p_none.py:g2p failed on" in err and "line 2" in err, err
+        assert "returned NoneType 'None', not text (a str)" in err
+    assert not out.exists()
+
+
+def test_new_pieces_beyond_any_vocabulary_is_a_usage_error(files, tmp_path, capsys) -> None:
+    """Issue 26 item 7: --new-pieces 99999999999999999999 was an OverflowError traceback
+    (and 2**32 a Rust panic) inside the tokenizers trainer."""
+    for flag, value in (("--new-pieces", "99999999999999999999"), ("--new-pieces", "4294967296"),
+                        ("--min-frequency", "99999999999999999999")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["extend-tokenizer", str(files["vocab"]), "--corpus", str(files["corpus"]),
+                      "--language", "am", "--output", str(tmp_path / "o.json"), flag, value])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        _one_paragraph(err)
+        assert f"argument {flag}: expected a whole number" in err and "at most" in err
+    assert not (tmp_path / "o.json").exists()
 
 
 @pytest.mark.parametrize("name,content,expected", [

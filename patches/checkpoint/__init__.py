@@ -19,7 +19,8 @@ from ..row_init import DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, ROW_INITS, check
 from .reading import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, check_file,
                       manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
 from .atomic import atomic_torch_save, atomic_write
-from .errors import CheckpointError, CheckpointMismatchError, DiskFullError, UnsafeCheckpointError
+from .errors import (CheckpointError, CheckpointMismatchError, CheckpointWriteError, DiskFullError,
+                     UnsafeCheckpointError)
 from .load import POLICIES, LoadReport, load_checkpoint, warn_weights_only
 from .report import PARTS, STATUSES, Part
 from .manager import LATEST, CheckpointManager
@@ -70,6 +71,6 @@ __all__ = [
     "load_checkpoint", "LoadReport", "CheckpointManager", "CheckpointError",
     "UnsafeCheckpointError", "CheckpointMismatchError", "read_checkpoint", "check_file",
     "newest_valid_beside", "atomic_write", "atomic_torch_save", "capture_rng_state",
-    "restore_rng_state", "DiskFullError", "manifest_path", "read_manifest", "Manifest",
+    "restore_rng_state", "DiskFullError", "CheckpointWriteError", "manifest_path", "read_manifest", "Manifest",
     "check_folder", "DCP_SUFFIX", "warn_weights_only", "Part", "PARTS", "STATUSES",
 ]

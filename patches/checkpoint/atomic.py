@@ -5,7 +5,10 @@ target with ``os.replace`` and the folder is fsynced (Lightning's ``_atomic_save
 Free space is checked before a large write, and a write that runs out of space
 (``ENOSPC``/``EDQUOT``, which torch reports as ``[enforce fail at inline_container.cc]``)
 becomes a :class:`~patches.checkpoint.errors.DiskFullError` naming the folder, the bytes
-needed and the bytes free.
+needed and the bytes free. Any other write the system refuses (a read-only folder, no
+permission, over the process's file-size limit) is a
+:class:`~patches.checkpoint.errors.CheckpointWriteError` saying which, the partial file
+removed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import DiskFullError
+from .. import _output
+from .errors import CheckpointWriteError, DiskFullError
 
 # Marks the temporary files of an atomic write; the writer's pid and host follow it
 # (``<pid>@<host>~``), so that a sweep on a shared filesystem can tell its own host's
@@ -131,8 +135,16 @@ def disk_full_error(path: Path, needed: int, free: int | None, *,
 
 
 def ensure_free_space(path: str | os.PathLike[str], needed: int) -> None:
-    """Raise :class:`DiskFullError` when ``path``'s folder has fewer than ``needed`` bytes."""
+    """Raise :class:`DiskFullError` when ``path``'s folder has fewer than ``needed`` bytes
+    (:class:`CheckpointWriteError` when it is on a read-only file system)."""
     path = Path(path)
+    try:  # a read-only mount reports no free space: say what it is
+        read_only = bool(os.statvfs(path.parent).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        read_only = False
+    if read_only:
+        raise _write_error(path, OSError(errno.EROFS, os.strerror(errno.EROFS), str(path)),
+                           needed, written=0)
     free = disk_free(path.parent)
     if free is not None and free < needed:
         raise disk_full_error(path, needed, free)
@@ -170,6 +182,18 @@ def estimate_bytes(obj: Any) -> int:
     return total
 
 
+def _write_error(path: Path, error: OSError, needed: int | None, *,
+                 written: int) -> CheckpointWriteError:
+    """The one paragraph of a write the system refused: :class:`DiskFullError` for a full
+    disk or quota, else (read-only, no permission, over ``ulimit -f``, ...) what it said."""
+    if error.errno in _NO_SPACE:
+        return disk_full_error(path, max(needed or 0, written), disk_free(path.parent),
+                               written=written)
+    said = _output.write_failed(path, error, again="save again")
+    return CheckpointWriteError(f"training-patches: {said} The files already in {path.parent} "
+                                f"are unchanged.")
+
+
 def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], *,
                      digest: bool = False, needed: int | None = None) -> Written:
     """:func:`atomic_write` that also returns the size and (``digest``) SHA-256 written.
@@ -178,11 +202,14 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], 
     ``needed`` (the estimated size) goes into the paragraph of a full disk.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The pid and host in the name tell a stale temporary file (its writer was killed) from
-    # one being written right now by another process or machine: see
-    # CheckpointManager._sweep_temp.
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # The pid and host in the name tell a stale temporary file (its writer was killed)
+        # from one being written right now by another process or machine: see
+        # CheckpointManager._sweep_temp.
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
+    except OSError as exc:  # a read-only or full folder refuses even the temporary file
+        raise _write_error(path, exc, needed, written=0) from exc
     sink: _Sink | None = None
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -197,10 +224,9 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], 
         except FileNotFoundError:
             pass
         error = sink.error if sink is not None and sink.error is not None else exc
-        if isinstance(error, OSError) and error.errno in _NO_SPACE:
-            written = sink.size if sink is not None else 0
-            raise disk_full_error(path, max(needed or 0, written), disk_free(path.parent),
-                                  written=written) from exc
+        if isinstance(error, OSError):  # torch reports it as "[enforce fail at ...]"
+            raise _write_error(path, error, needed,
+                               written=sink.size if sink is not None else 0) from exc
         raise
     _fsync_dir(path.parent)
     size = sink.size

@@ -17,7 +17,7 @@ import torch
 from .. import _dist
 from ..row_init import DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT
 from .errors import CheckpointError, CheckpointMismatchError
-from .optimizer import _as_list, _check_plain_state, _remap_optimizer_state
+from .optimizer import _as_list, _check_plain_state, _remap_optimizer_state, check_kinds
 from .plan import MODEL_KEYS, ModelPlan, check_finite, plan_model
 from .reading import _what_to_do, read_checkpoint
 from .report import _runtime_state
@@ -123,6 +123,8 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     saved_step = (_step_of(path, meta) if any(meta.get(k) is not None for k in STEP_KEYS)
                   else None)
     epoch = meta.get("epoch")
+    if options.policy == "remap":  # a state of another class is refused, never "restored"
+        check_kinds(path, meta, optimizers, saved_opts, schedulers, saved_scheds)
     effective, states, resized = _plan_optimizers(path, model, plan, options, optimizers,
                                                   saved_opts)
     if effective == "remap" and schedulers and saved_scheds:

@@ -16,7 +16,13 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not fit the model/optimizer (other than a vocabulary growth)."""
 
 
-class DiskFullError(CheckpointError):
+class CheckpointWriteError(CheckpointError):
+    """The system refused to write a checkpoint (a read-only folder, no permission, over
+    the process's file-size limit, a full disk: :class:`DiskFullError`). Nothing of the save
+    was left behind and the files already in the folder are unchanged."""
+
+
+class DiskFullError(CheckpointWriteError):
     """Not enough free space in the checkpoint folder; nothing of the save was left behind.
 
     ``folder``, ``needed`` and ``free`` (bytes) say where and how much.
@@ -29,4 +35,5 @@ class DiskFullError(CheckpointError):
         self.free = free
 
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError", "DiskFullError"]
+__all__ = ["CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError",
+           "CheckpointWriteError", "DiskFullError"]

@@ -32,7 +32,7 @@ from .atomic import TMP_OWNER, host_name
 from .atomic import atomic_text as _atomic_text
 from .atomic import disk_free, disk_full_error, ensure_free_space, estimate_bytes, write_atomically
 from .errors import CheckpointError, DiskFullError
-from .optimizer import _as_list
+from .optimizer import _as_list, class_names
 from .rng import capture_rng_state
 from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
                       is_sharded_model, remove_folder, save_sharded, sweep_incomplete)
@@ -157,16 +157,20 @@ class CheckpointManager:
 
         model_state = model.state_dict()
         optimizer_states = [o.state_dict() for o in _as_list(optimizer)]
+        schedulers = [s for s in _as_list(scheduler) if s is not None]
         payload = {
             "format": FORMAT,
             "step": step,
             "model": model_state,
             "optimizer": optimizer_states or None,
-            "scheduler": [s.state_dict() for s in _as_list(scheduler) if s is not None] or None,
+            "scheduler": [s.state_dict() for s in schedulers] or None,
             "scaler": scaler.state_dict() if scaler is not None else None,
             # "rng" is the writer's (what older readers restore); "rng_ranks" every rank's.
             "rng": rng_ranks[0] if rng_ranks else capture_rng_state(),
-            "training_patches": {"version": __version__, "runtime": _api.runtime_state()},
+            # "classes" is compared at load: a state of another class is refused.
+            "training_patches": {"version": __version__, "runtime": _api.runtime_state(),
+                                 "classes": {"optimizer": class_names(_as_list(optimizer)),
+                                             "scheduler": class_names(schedulers)}},
             "extra": extra,
         }
         if rng_ranks:
@@ -259,7 +263,8 @@ class CheckpointManager:
         """Remove temporary files and incomplete sharded folders of this manager's saves
         whose writer is dead (killed).
 
-        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``, and
+        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``, the
+        ``latest`` pointer's ``.latest<mark><pid>@<host>~...``, and
         ``<prefix>_<step>.dcp`` folders without a commit marker) are touched, and only
         those written on THIS host whose pid no longer runs: on a shared filesystem
         another machine's save in progress is never touched (a pid says nothing across
@@ -269,8 +274,9 @@ class CheckpointManager:
         if not self.output_dir.is_dir():
             return
         sweep_incomplete(self.output_dir, self.folder_pattern, _pid_alive)
-        mark = re.compile(rf"^\.{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
-                          rf"{TMP_OWNER.pattern}")
+        # The ``latest`` pointer is written the same way: its temporary file too.
+        own = rf"{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
+        mark = re.compile(rf"^\.(?:{own}|{re.escape(LATEST)}){TMP_OWNER.pattern}")
         here = host_name()
         for entry in self.output_dir.iterdir():
             match = mark.match(entry.name)

@@ -57,6 +57,91 @@ def _check_group(path: Path, index: int, saved: Mapping[Any, Any], group: Mappin
                                      f"optimizer has {current!r}")
 
 
+# What a parameter group holds besides its hyperparameters.
+_GROUP_BOOKKEEPING = frozenset({"params", "param_names", "initial_lr"})
+# Flags torch added to its optimizers over its versions: a state saved before one existed
+# lacks it and torch fills in the default, so its absence says nothing about the class.
+_OPTIMIZER_VERSION_FLAGS = frozenset({"foreach", "maximize", "capturable", "differentiable",
+                                      "fused", "decoupled_weight_decay"})
+# A scheduler's private attributes (``_step_count``, ...) change with torch's versions, and
+# "verbose" was an argument of every scheduler until torch removed it: neither tells classes
+# apart. Its public ones (``gamma``, ``milestones``, ``lr_lambdas``, ``T_max``, ...) do.
+_SCHEDULER_VERSION_KEYS = frozenset({"verbose"})
+
+
+def class_names(objects: list[Any]) -> list[str]:
+    """``module.QualName`` of each object: what :class:`CheckpointManager` records beside
+    the optimizer and scheduler states, for :func:`check_kinds` to compare at load."""
+    return [f"{type(o).__module__}.{type(o).__qualname__}" for o in objects]
+
+
+def _recorded_class(meta: Mapping[str, Any], part: str, index: int) -> str | None:
+    ours = meta.get("training_patches")
+    classes = ours.get("classes") if isinstance(ours, Mapping) else None
+    names = classes.get(part) if isinstance(classes, Mapping) else None
+    if isinstance(names, list) and index < len(names) and isinstance(names[index], str):
+        return names[index]
+    return None
+
+
+def _other_kind(path: Path, part: str, obj: Any, found: str) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"training-patches: the {part} state in {path} was saved from another kind of {part} "
+        f"than this {type(obj).__name__}: {found}. torch would load it anyway and then step "
+        f"with another algorithm's settings (or fail at step()). Nothing was loaded. Build the "
+        f"{part} the way the run that saved it did, or use policy='reset' to start the "
+        f"optimizer, scheduler and scaler fresh.")
+
+
+def _keys_found(saved: set[str], own: set[str], where: str, obj: Any) -> str:
+    extra, missing = sorted(saved - own), sorted(own - saved)
+    said = ([f"{', '.join(extra)}, which this {type(obj).__name__} has not"] if extra else []) + (
+        [f"no {', '.join(missing)}"] if missing else [])
+    return f"{where} has {' and '.join(said)}"
+
+
+def check_kinds(path: Path, meta: Mapping[str, Any], optimizers: list[Any], saved_opts: list[Any],
+                schedulers: list[Any], saved_scheds: list[Any]) -> None:
+    """Each saved optimizer and scheduler state comes from the class that is to take it:
+    the class recorded with the state (CheckpointManager's files), else the names of its
+    settings (a parameter group's hyperparameters, a scheduler's public attributes).
+
+    Raises :class:`CheckpointMismatchError` (under ``remap``: never ``restored``): an SGD
+    state loaded into AdamW, or a StepLR state into a LambdaLR, is accepted by torch and
+    steps with the wrong settings, or fails at ``step()``."""
+    for index, (saved, opt) in enumerate(zip(saved_opts, optimizers)):
+        recorded = _recorded_class(meta, "optimizer", index)
+        if recorded is not None and recorded != class_names([opt])[0]:
+            raise _other_kind(path, "optimizer", opt, f"it was recorded as a {recorded}")
+        groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+        for number, (group, current) in enumerate(zip(groups if isinstance(groups, list)
+                                                      else [], opt.param_groups)):
+            if not isinstance(group, Mapping):
+                continue  # not a state_dict at all: _remap_optimizer_state says so
+            ignored = _GROUP_BOOKKEEPING | _OPTIMIZER_VERSION_FLAGS
+            keys = {str(k) for k in group} - ignored
+            own = set(current) - ignored
+            if keys != own:
+                raise _other_kind(path, "optimizer", opt,
+                                  _keys_found(keys, own, f"its parameter group {number}", opt))
+            # Adam and AdamW share every key; this flag is what tells them apart.
+            flag = "decoupled_weight_decay"
+            if flag in group and flag in current and bool(group[flag]) != bool(current[flag]):
+                raise _other_kind(path, "optimizer", opt,
+                                  f"its parameter group {number} has {flag}={group[flag]!r}, "
+                                  f"this {type(opt).__name__} has {current[flag]!r}")
+    for index, (saved, sched) in enumerate(zip(saved_scheds, schedulers)):
+        recorded = _recorded_class(meta, "scheduler", index)
+        if recorded is not None and recorded != class_names([sched])[0]:
+            raise _other_kind(path, "scheduler", sched, f"it was recorded as a {recorded}")
+        if not isinstance(saved, Mapping) or not hasattr(sched, "state_dict"):
+            continue  # not a state_dict: _check_plain_state says so
+        keys = {str(k) for k in saved if not str(k).startswith("_")} - _SCHEDULER_VERSION_KEYS
+        own = {k for k in sched.state_dict() if not k.startswith("_")} - _SCHEDULER_VERSION_KEYS
+        if keys != own:
+            raise _other_kind(path, "scheduler", sched, _keys_found(keys, own, "it", sched))
+
+
 def _remap_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimizer,
                            names: dict[int, str], plan: ModelPlan, *, allow_nonfinite: bool = False,
                            ) -> tuple[dict[str, Any], list[str]]:

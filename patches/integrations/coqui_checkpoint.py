@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _options
+from .. import _dist, _options, _runlock
 from .._log import info, logger
 from ..checkpoint import (CheckpointError, atomic_torch_save, check_file, load_checkpoint,
                           warn_weights_only)
@@ -116,6 +116,46 @@ def make_save_fsspec(original: Callable[..., None]) -> Callable[..., None]:
 
     save_fsspec._training_patch = PATCH  # type: ignore[attr-defined]
     return save_fsspec
+
+
+def _one_process() -> bool:
+    """Not one rank of several: under ``trainer.distribute`` (which sets ``RANK``) or
+    torchrun every rank must name the same run folder."""
+    return "RANK" not in os.environ and _dist.world_size() <= 1
+
+
+def make_experiment_folder(original: Callable[[Any, str], Path]) -> Callable[[Any, str], Path]:
+    """``get_experiment_folder_path`` that never names a folder another run has.
+
+    Upstream names a new run ``<run_name>-<month-day-year_hour+minute>-<commit>``: two runs
+    started in the same minute into one output folder shared it, each overwriting the
+    other's checkpoints and config.json. Here the name is claimed as it is made (the first
+    free of ``<name>``, ``<name>-2``, ...); ranks of one job keep upstream's shared name."""
+
+    @functools.wraps(original)
+    def get_experiment_folder_path(root_path: Any, model_name: str) -> Path:
+        path = original(root_path, model_name)
+        if not is_local(path) or not _one_process():
+            return path
+        return _runlock.claim_new_folder(local_path(path))
+
+    get_experiment_folder_path._training_patch = PATCH  # type: ignore[attr-defined]
+    return get_experiment_folder_path
+
+
+def make_copy_model_files(original: Callable[..., None]) -> Callable[..., None]:
+    """``copy_model_files``, the Trainer's first write into its run folder (new or
+    continued), after the folder is locked for this process: a second run continuing a
+    folder in use is :class:`patches.RunFolderInUse`, before it writes anything there."""
+
+    @functools.wraps(original)
+    def copy_model_files(config: Any, out_path: Any, *args: Any, **kwargs: Any) -> None:
+        if is_local(out_path) and _dist.rank() == 0:
+            _runlock.lock_folder(local_path(out_path))
+        return original(config, out_path, *args, **kwargs)
+
+    copy_model_files._training_patch = PATCH  # type: ignore[attr-defined]
+    return copy_model_files
 
 
 def make_get_last_checkpoint(original: Callable[[Any], tuple[str, str]]

@@ -11,7 +11,9 @@ What it adds to the generic patches, site by site:
   (``Trainer._compute_loss``), NaN losses are kept out of the running averages
   (``Trainer.detach_loss_dict``), the counters go to TensorBoard (``Trainer.train_step``)
   and a run folder holding our reports is kept on error (``remove_experiment_folder``).
-- ``checkpoint``: restore, save and continue (:mod:`.coqui_checkpoint`).
+- ``checkpoint``: restore, save and continue (:mod:`.coqui_checkpoint`); SIGTERM and
+  SIGHUP interrupt a run as Ctrl-C does, the step under way finished and a checkpoint
+  written (:mod:`.coqui_interrupt`).
 - ``nan_guard`` under DDP (``python -m trainer.distribute``): coqui 0.4 wraps the model in
   ``DistributedDataParallel`` but keeps only ``ddp_model.module`` and calls
   ``model.train_step`` on it, so DDP's forward never runs and gradients are never
@@ -40,7 +42,7 @@ from .. import _api, _run, nan_guard, oom_guard
 from .._log import logger
 from .._registry import Integration, Site, register_integration
 from ..grad_scaler import SafeGradScaler
-from . import coqui_checkpoint
+from . import coqui_checkpoint, coqui_interrupt
 
 NAME = "coqui_trainer"
 DISTRIBUTION = "coqui-tts-trainer"
@@ -252,6 +254,27 @@ INTEGRATION = register_integration(Integration(
         Site(MODULE, "get_last_checkpoint", coqui_checkpoint.make_get_last_checkpoint,
              patch="checkpoint",
              lost="continue_path resumes from the newest file name even when it is torn"),
+        Site(MODULE, "Trainer.fit", coqui_interrupt.make_fit, patch="checkpoint",
+             lost="SIGTERM (a cloud machine stopping) or SIGHUP kills a coqui run with no "
+                  "checkpoint, and Ctrl-C ends it with os._exit(130), workers left behind"),
+        Site(MODULE, "Trainer._fit", coqui_interrupt.make_inner_fit, patch="checkpoint",
+             lost="SIGTERM (a cloud machine stopping) or SIGHUP kills a coqui run with no "
+                  "checkpoint"),
+        Site(MODULE, "Trainer.train_step", coqui_interrupt.make_uninterrupted,
+             patch="checkpoint",
+             lost="a signal stops a coqui step half-way (weights half-updated)"),
+        Site(MODULE, "Trainer.save_best_model", coqui_interrupt.make_uninterrupted,
+             patch="checkpoint", lost="a signal stops the epoch's best-model save half-way"),
+        Site(MODULE, "Trainer.save_checkpoint", coqui_interrupt.make_save_checkpoint,
+             patch="checkpoint",
+             lost="an interrupted coqui run saves again a step it has already saved"),
+        Site(MODULE, "get_experiment_folder_path", coqui_checkpoint.make_experiment_folder,
+             patch="checkpoint",
+             lost="two coqui runs started in the same minute into one output folder share a "
+                  "run folder and overwrite each other's checkpoints"),
+        Site(MODULE, "copy_model_files", coqui_checkpoint.make_copy_model_files,
+             patch="checkpoint",
+             lost="a second run continuing a run folder in use overwrites its checkpoints"),
         Site(coqui_checkpoint.IO, "save_fsspec", coqui_checkpoint.make_save_fsspec,
              patch="checkpoint",
              lost="coqui checkpoints are written in place, not atomically: a kill during a "

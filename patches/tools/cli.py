@@ -26,7 +26,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from .._version import __version__
-from .._output import Interrupted, stop_on_signals
+from .._output import Interrupted, WriteFailed, stop_on_signals
 
 # Each subcommand lives in its own module, which has ``register(sub)``: it adds its parser
 # with ``set_defaults(handler=...)``; a handler takes the parsed args and returns the exit
@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # (``run`` execs the trainer, which gets the default handlers back.)
         with stop_on_signals():
             return int(args.handler(args))
+    except WriteFailed as exc:  # a command that did not say it itself: still one paragraph
+        print(f"training-patches {args.command}: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # `training-patches options | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

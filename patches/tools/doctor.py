@@ -19,7 +19,7 @@ import patches
 from .. import _registry
 from .._api import check_settings
 from .._options import OPTIONS, ConfigError, owner_text
-from .._output import STDOUT, OutputRefused, check_output, write_json
+from .._output import STDOUT, OutputRefused, WriteFailed, check_output, tool_json, write_json
 
 OK, WARN, FAIL = "ok  ", "warn", "FAIL"
 PROG = "training-patches doctor"
@@ -110,7 +110,7 @@ def _doctor(args: argparse.Namespace) -> int:
     try:  # before the checks: a refused --json costs nothing
         if args.json is not None:
             check_output(args.json, prog=PROG, what="--json", force=args.force,
-                         example="doctor.json")
+                         example="doctor.json", own=tool_json(PROG))
     except OutputRefused as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -123,6 +123,9 @@ def _doctor(args: argparse.Namespace) -> int:
                 "exit_code": 1 if failed else 0,
                 "checks": [{"status": status.strip(), "what": what, "detail": detail}
                            for status, what, detail in checks]}, replace=args.force, prog=PROG)
+        except WriteFailed as exc:  # the system refused the write: not a usage error
+            print(f"{PROG}: --json: {exc}", file=sys.stderr)
+            return 1
         except (OutputRefused, OSError) as exc:
             print(str(exc) if isinstance(exc, OutputRefused) else
                   f"{PROG}: could not write --json {args.json} ({exc.strerror or exc}). "

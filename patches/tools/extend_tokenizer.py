@@ -16,15 +16,20 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .._output import Interrupted, OutputExists, number, stop_on_signals, write_file
+from .._output import (Interrupted, OutputExists, OwnKind, WriteFailed, number, stop_on_signals,
+                       write_file)
 from ..integrations.tokenizer import TokenizerToolError
-from ..integrations.tokenizer.bpe import DEFAULT_NEW_PIECES, extend_vocab_file
+from ..integrations.tokenizer.bpe import DEFAULT_NEW_PIECES, extend_vocab_file, load_vocab_json
 from ..integrations.tokenizer.errors import FrontEndError
 from ..integrations.tokenizer.text import (MAX_WORD_CHARS, check_output, check_word_lengths, make_preprocess,
                               read_lines, sample_base_text)
 from ..integrations.tokenizer.verify import is_json_tokenizer
 
 PROG = "training-patches extend-tokenizer"
+# Beyond these the tokenizers' trainers overflow (a traceback, or a Rust panic): a million
+# pieces is far more than any TTS tokenizer holds (XTTS's: 6,681 for 17 languages).
+MAX_NEW_PIECES = 1_000_000
+MAX_MIN_FREQUENCY = 2 ** 31 - 1
 
 DESCRIPTION = """\
 Extend a tokenizer for a new language, keeping every base id.
@@ -75,6 +80,26 @@ def _clean_corpus(raw: list[str], preprocess: Callable[[str], str], g2p: str | N
     return texts
 
 
+def tokenizer_kind(json_kind: bool) -> OwnKind:
+    """What ``--force`` may replace: a tokenizer of the input's format (an XTTS vocab.json,
+    or a SentencePiece model), never a checkpoint, a record or another file."""
+    def test(path: str) -> bool:
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(64)
+            if json_kind:
+                return head.lstrip()[:1] == b"{" and bool(load_vocab_json(path))
+            if head[:1] != b"\n":  # a ModelProto starts with its pieces (field 1)
+                return False
+            from ..integrations.tokenizer.spm import load_model_proto  # lazy: sentencepiece+protobuf, .model only
+            return bool(load_model_proto(path))
+        except (OSError, TokenizerToolError):
+            return False
+
+    return OwnKind("an XTTS vocab.json tokenizer" if json_kind else "a SentencePiece model",
+                   test)
+
+
 def _extend(args: argparse.Namespace) -> int:
     try:
         with stop_on_signals():
@@ -82,6 +107,9 @@ def _extend(args: argparse.Namespace) -> int:
     except TokenizerToolError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except WriteFailed as exc:  # full, read-only, over the file-size limit: exit 1
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     except (Interrupted, KeyboardInterrupt) as exc:
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         print(f"{PROG}: {stop}; nothing was written (no partial file is left).", file=sys.stderr)
@@ -114,7 +142,7 @@ def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
     out = check_output(src, Path(args.output) if args.output else None,
                        in_place=args.in_place, force=args.force,
                        suffix=f"_{args.language}" if args.language else "_extended",
-                       inputs=inputs)
+                       inputs=inputs, own=tokenizer_kind(json_kind))
     preprocess = make_preprocess(args.language, g2p=args.g2p, clean=not args.no_cleaner)
     raw = [line for corpus in args.corpus for line in read_lines(corpus)]
     texts = _clean_corpus(raw, preprocess, args.g2p)
@@ -165,12 +193,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--in-place", action="store_true",
                      help="write over the input tokenizer instead of --output")
     cmd.add_argument("--force", action="store_true", help="replace an existing --output file")
-    cmd.add_argument("--new-pieces", type=number(int, low=0), default=DEFAULT_NEW_PIECES,
+    cmd.add_argument("--new-pieces", type=number(int, low=0, high=MAX_NEW_PIECES,
+                                                 what="more than any tokenizer's vocabulary"),
+                     default=DEFAULT_NEW_PIECES,
                      metavar="N",
                      help=f"learned pieces to add besides every character (default "
                           f"{DEFAULT_NEW_PIECES}: about 2,000 per language worked best for XTTS "
                           f"in community experiments; 3,000 similar, 5,000 worse)")
-    cmd.add_argument("--min-frequency", type=number(int, low=1), default=2, metavar="N",
+    cmd.add_argument("--min-frequency", type=number(int, low=1, high=MAX_MIN_FREQUENCY),
+                     default=2, metavar="N",
                      help="a vocab.json piece must occur at least N times in the corpus "
                           "(default 2)")
     cmd.add_argument("--g2p", metavar="MODULE:FUNCTION",

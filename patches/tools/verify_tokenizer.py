@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._output import STDOUT, OutputRefused, check_output, number, write_json
+from .._output import (STDOUT, OutputRefused, WriteFailed, check_output, number, tool_json,
+                       write_json)
 from ..checkpoint import CheckpointError
 from ..integrations.tokenizer import TokenizerToolError
 from ..integrations.tokenizer.text import make_preprocess
@@ -54,7 +55,7 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         if args.json is not None:
             check_output(args.json, prog=PROG, what="--json", force=args.force,
-                         example="verify.json",
+                         example="verify.json", own=tool_json(PROG),
                          inputs=[("tokenizer", args.tokenizer), ("--base", args.base),
                                  ("--checkpoint", args.checkpoint),
                                  *(("--text", text) for text in args.text or ())])
@@ -79,6 +80,9 @@ def _verify(args: argparse.Namespace) -> int:
     except OutputRefused as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    except WriteFailed as exc:  # the system refused the write: not a usage error
+        print(f"{PROG}: --json: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"{PROG}: could not write --json {args.json} ({exc.strerror or exc}). Expected "
               f"a writable place; give another path.", file=sys.stderr)

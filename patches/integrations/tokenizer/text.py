@@ -187,6 +187,15 @@ def language_cleaner(language: str) -> Callable[[str], str]:
         f"use the corpus as it is.")
 
 
+def _text_returned(value: object) -> str:
+    """What a front-end returned, if it is text: None, bytes or a list of phonemes would be
+    trained into the tokenizer as their ``str()`` ("None", "b'...'", "['a', ...]")."""
+    if not isinstance(value, str):
+        raise TypeError(f"it returned {type(value).__name__} {str(value)[:40]!r}, not text "
+                        f"(a str)")
+    return value
+
+
 def make_preprocess(language: str | None, *, g2p: str | None = None,
                     clean: bool = True) -> Callable[[str], str]:
     """Text -> what the trainer gives the tokenizer: G2P (if named), then the cleaner."""
@@ -200,12 +209,12 @@ def make_preprocess(language: str | None, *, g2p: str | None = None,
         original = text
         if front is not None:
             try:
-                text = str(front(text, language) if with_language else front(text))
+                text = _text_returned(front(text, language) if with_language else front(text))
             except Exception as exc:  # noqa: BLE001 - any failure of the user's code
                 raise FrontEndError(f"--g2p {g2p}", original, exc) from None
         if cleaner is not None:
             try:
-                text = cleaner(text)
+                text = _text_returned(cleaner(text))
             except Exception as exc:  # noqa: BLE001
                 raise FrontEndError(f"the {language} cleaner", original, exc) from None
         return text
@@ -220,16 +229,24 @@ def words_of(lines: Iterable[str]) -> list[str]:
 
 
 def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
-                 suffix: str, inputs: Sequence[tuple[str, str | os.PathLike[str]]] = ()
-                 ) -> Path:
+                 suffix: str, inputs: Sequence[tuple[str, str | os.PathLike[str]]] = (),
+                 own: _output.OwnKind | None = None) -> Path:
     """Where to write, refusing to overwrite the input (unless ``in_place``), an existing
-    file (unless ``force``), a folder, or any of ``inputs`` ((what, path): the corpus, the
-    base text; never, even with ``force``)."""
+    file (unless ``force``, and then only one of the kind ``own``: a tokenizer), a folder,
+    or any of ``inputs`` ((what, path): the corpus, the base text; never, even with
+    ``force`` or ``in_place``)."""
     if in_place:
         if out is not None and out.resolve() != src.resolve():
             raise TokenizerToolError(
                 f"--in-place writes over {src} itself; it cannot be used with --output {out}. "
                 f"Give one of them.")
+        for what, path in inputs:  # --in-place replaces the tokenizer, never another input
+            if same_file(src, path):
+                raise TokenizerToolError(
+                    f"--in-place would write over {src}, which is also the {what} "
+                    f"({os.fspath(path)}): an input is never overwritten, so nothing was "
+                    f"written. Expected the {what} to be another file than the tokenizer; "
+                    f"give the right {what}.")
         return src
     if out is None:
         raise TokenizerToolError(
@@ -242,7 +259,8 @@ def check_output(src: Path, out: Path | None, *, in_place: bool, force: bool,
     example = src.with_name(src.stem + suffix + src.suffix)
     try:  # the rule every command follows (patches/_output.py)
         _output.check_output(out, prog="training-patches extend-tokenizer", what="--output",
-                             force=force, inputs=inputs, example=str(example), stdout=False)
+                             force=force, inputs=inputs, example=str(example), stdout=False,
+                             own=own)
     except OutputRefused as exc:
         raise TokenizerToolError(str(exc).split(": ", 1)[1]) from None
     return out

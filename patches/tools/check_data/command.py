@@ -40,8 +40,9 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..._output import (STDOUT, Interrupted, OutputExists, OutputRefused, check_output, number,
-                        stop_on_signals, write_file, write_json)
+from ..._output import (STDOUT, Interrupted, OutputExists, OutputRefused, OwnKind, WriteFailed,
+                        check_output, number, stop_on_signals, tool_json, write_file,
+                        write_json)
 from .checks import (MAX_TEXT_LENGTH, MAX_WAV_LENGTH, MIN_SECONDS, MIN_SNR_DB, RATE_TOLERANCE,
                      REASONS, XTTS_SAMPLE_RATE, CheckDataOptions, Clip, check_manifest)
 from .manifest import ManifestError, Row, read_data_manifest
@@ -122,29 +123,44 @@ def clean_manifest_text(manifest: str, out: str, header: str, clips: Iterable[Cl
     return buffer.getvalue()
 
 
-def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] = ()) -> None:
+def _is_manifest(path: str) -> bool:
+    """A coqui manifest: its first line (a BOM aside) is a ``|`` header naming audio_file."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            first = handle.readline(4096)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return first.rstrip("\r\n").split("|")[0] == "audio_file"
+
+
+# What --force may replace with --clean-manifest: a manifest, never a checkpoint or a record.
+MANIFEST_KIND = OwnKind("a coqui manifest (header audio_file|text|speaker_name)", _is_manifest)
+
+
+def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] | None = None) -> None:
     """The shared output rule (:func:`patches._output.check_output`) for --json and
     --clean-manifest: never the manifest, the tokenizer or (with ``rows``) an audio file it
-    names, never each other; an existing file only with --force."""
+    names, never each other; an existing file only with --force, and (once ``rows`` are
+    known, so that an audio file is named as such) only one of the command's own kind."""
     stem, suffix = Path(args.manifest).stem, Path(args.manifest).suffix
     inputs: list[tuple[str, str | None]] = [("manifest being checked", args.manifest),
                                             ("--tokenizer", args.tokenizer)]
-    inputs += [(f"audio file (manifest line {row.line_no})", row.audio_path) for row in rows
-               if os.path.exists(row.audio_path)]
-    outputs = [("--json", args.json, "check.json"),
-               ("--clean-manifest", args.clean_manifest, f"{stem}.clean{suffix}")]
+    inputs += [(f"audio file (manifest line {row.line_no})", row.audio_path)
+               for row in rows or () if os.path.exists(row.audio_path)]
+    outputs = [("--json", args.json, "check.json", tool_json(PROG)),
+               ("--clean-manifest", args.clean_manifest, f"{stem}.clean{suffix}", MANIFEST_KIND)]
     if args.json == STDOUT and args.clean_manifest == STDOUT:
         raise ManifestError(
             f"{PROG}: --json - and --clean-manifest - both ask for stdout, which can carry only "
             f"one of them; nothing was read or written. Give one of them a file name (e.g. "
             f"--clean-manifest {stem}.clean{suffix}).")
-    for what, path, example in outputs:
+    for what, path, example, own in outputs:
         if path is None:
             continue
-        others = [(o_what, o_path) for o_what, o_path, _ in outputs if o_what != what]
+        others = [(o_what, o_path) for o_what, o_path, _, _ in outputs if o_what != what]
         try:
             check_output(path, prog=PROG, what=what, force=args.force, inputs=inputs,
-                         others=others, example=example)
+                         others=others, example=example, own=own if rows is not None else None)
         except OutputRefused as exc:
             raise ManifestError(str(exc)) from None
 
@@ -236,6 +252,9 @@ def _check(args: argparse.Namespace, written: list[str]) -> int:
                   file=text)
     except (OutputRefused, OSError) as exc:
         done = f" ({' and '.join(written)} had been written)" if written else ""
+        if isinstance(exc, WriteFailed):  # the system refused the write: not a usage error
+            print(f"{PROG}: {exc}{done}", file=sys.stderr)
+            return 1
         print(f"{exc}{done}" if isinstance(exc, OutputRefused) else
               f"{PROG}: could not write {exc.filename or 'an output'}: {exc.strerror or exc}"
               f"{done}. Expected a writable place; give another path.", file=sys.stderr)

@@ -14,7 +14,6 @@ was refused (nothing written).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import struct
 import sys
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._log import logger
-from ..._output import STDOUT, OutputExists, check_output, write_json
+from ..._output import STDOUT, OutputExists, WriteFailed, check_output, tool_json, write_json
 from .freeze_check import check_frozen_rows
 from .plotting import render, save
 from .reading import Run, find_runs, read_jsonl
@@ -196,31 +195,23 @@ def report_json(folder: str | os.PathLike[str], reports: list[Report], png: str 
             "runs": [_run_json(r) for r in reports]}
 
 
-def _is_report_json(path: str) -> bool:
-    """A JSON file this command wrote (its ``tool`` key), which ``--force`` may replace."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle).get("tool") == JSON_TOOL
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def check_json_out(path: str, folder: str, png: str | None, force: bool) -> bool:
     """The shared output rule (:func:`patches._output.check_output`) for ``--json``:
     never the picture, never a file of a run under ``folder`` (its records, TensorBoard
-    files, checkpoints; a report JSON written there before may be replaced with --force).
-    Returns whether a file is there."""
+    files, checkpoints) and, with --force or without, no file but a report JSON written
+    before. Returns whether a file is there."""
     if path == STDOUT:
         return False
     inputs: list[tuple[str, str | None]] = []
     target = os.path.dirname(os.path.abspath(path))
-    if os.path.lexists(path) and not _is_report_json(path):
+    own = tool_json(JSON_TOOL)  # what --force may replace: a report JSON, nothing else
+    if os.path.lexists(path) and not own.test(path):
         for run in find_runs(folder, scalars=False):
             if target in (run.folder, *run.shared_folders):
                 inputs.append((f"record of the run in {target}", path))
     try:
         return check_output(path, prog=JSON_TOOL, what="--json", force=force, inputs=inputs,
-                            others=[("--out", png)], example="report.json")
+                            others=[("--out", png)], example="report.json", own=own)
     except ValueError as exc:
         raise ReportOutputError(str(exc)) from None
 
@@ -295,6 +286,9 @@ def _report(args: argparse.Namespace) -> int:
     except (NoRunFound, ReportOutputError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    except WriteFailed as exc:  # the system refused the write: not a usage error
+        print(f"training-patches report: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"training-patches report: could not write {exc.filename or out} "
               f"({exc.strerror or exc}); choose another place with --out or --json.",

@@ -16,6 +16,7 @@ summed (each rank's batch is its own); a sample dropped on several ranks counts 
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ IMPOSSIBLE = "impossible records"
 TB_INCOMPLETE = "incomplete TensorBoard file"
 NOT_CHECKED = "checks not run"
 UNWRITTEN = "records not written"
+INTERRUPTED = "interrupted"
 
 
 PEER = "peer_nonfinite"  # patches.nan_guard: this rank skipped because a peer saw it
@@ -98,6 +100,7 @@ class Facts:
     ranks: dict[int, RankFigures] = field(default_factory=dict)  # {} for one process
     impossible: Counter[str] = field(default_factory=Counter)  # file -> records left out
     not_checked: list[str] = field(default_factory=list)  # checks that could not run, why
+    interrupted: dict[str, Any] | None = None  # the run's last record, when it is a stop
 
 
 @dataclass
@@ -207,6 +210,25 @@ def _sum_stats(folder_ends: list[dict[str, Any]]) -> dict[str, dict[str, float]]
                 elif isinstance(value, (int, float)):
                     into[name] = value
     return total
+
+
+def _names_folder(recorded: Any, folder: str) -> bool:
+    """A record's ``run_folder`` names ``folder``: the run folders of one output folder are
+    told apart by their names (the record may hold a path relative to where the run was
+    started)."""
+    return isinstance(recorded, str) and bool(recorded) and (
+        os.path.basename(os.path.normpath(recorded)) == os.path.basename(os.path.normpath(folder)))
+
+
+def _interruption(run: Run) -> dict[str, Any] | None:
+    """The run's last start/stop record (headless_runs.jsonl) when it is ``interrupted``: a
+    run stopped by a signal and not (yet) continued to its end."""
+    last = None
+    for record in run.get(reading.HEADLESS):
+        if (record.get("event") in ("start", "interrupted", "finished", "failed")
+                and _names_folder(record.get("run_folder"), run.folder)):
+            last = record
+    return last if last is not None and last.get("event") == "interrupted" else None
 
 
 def _cause_rank(kind: str) -> int:
@@ -332,6 +354,7 @@ def facts(run: Run) -> Facts:
     else:
         f.ranks = {}
     f.patch_stats = _patch_stats(run)
+    f.interrupted = _interruption(run)
     guard_steps = int(f.patch_stats.get("nan_guard", {}).get("steps", 0))
     if guard_steps:  # the guard's own count of the run's optimizer steps, recorded at its end
         f.steps, f.steps_known = guard_steps, True
@@ -378,6 +401,15 @@ def verdict(f: Facts) -> list[Finding]:
     """What needs a look in the run, each with the figures behind it; [] when healthy."""
     found: list[Finding] = []
     steps = max(f.steps, 1)
+    if f.interrupted is not None:
+        stop = f.interrupted
+        checkpoint = stop.get("checkpoint")
+        found.append(Finding(INTERRUPTED, (
+            f"stopped by {stop.get('signal') or 'a signal'} at trainer step "
+            f"{stop.get('step', '?')} and not continued since; "
+            + (f"{os.path.basename(str(checkpoint))} was written: continue it with "
+               f"--resume auto" if checkpoint else "no checkpoint was written then")
+            + " (headless_runs.jsonl)")))
     not_checked = list(f.not_checked)
     if f.freeze is not None and f.freeze.get("checked") is False:
         not_checked.append(f"the frozen rows: {f.freeze['detail']}")

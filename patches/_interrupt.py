@@ -1,0 +1,96 @@
+"""A signal is an interruption: SIGTERM (what a cloud machine or a scheduler sends before it
+stops the job) and SIGHUP (a closed terminal or ssh session) stop a training loop the way
+Ctrl-C does, and the step under way is finished first.
+
+:class:`Interruption` is what a trainer integration uses (the coqui Trainer's, in
+:mod:`patches.integrations.coqui_trainer`): while :meth:`Interruption.installed`, each of
+:data:`SIGNALS` whose handler is still the default one (a handler of the trainer's own and
+an ignored signal, as under ``nohup``, are left alone) makes the main thread raise
+:class:`TrainingInterrupted`, a ``KeyboardInterrupt``. Inside :meth:`Interruption.step`
+the first signal waits for the step to end (an optimizer step stopped half-way would leave
+half-updated weights for the checkpoint); a second one raises at once. The process then
+exits with ``128 + the signal number`` (130, 143, 129), as a shell reports a signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Iterator
+
+# SIGHUP does not exist on Windows.
+SIGNALS: tuple[int, ...] = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """The run was stopped by a signal. A ``KeyboardInterrupt``, so that a trainer's own
+    Ctrl-C handling applies; ``exit_code`` is 128 + ``signum``; ``mid_step`` is true when a
+    second signal stopped a step before it ended (its weights may be half-updated)."""
+
+    def __init__(self, signum: int, *, mid_step: bool = False) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+        self.mid_step = mid_step
+        super().__init__(f"interrupted by {self.name}")
+
+
+def _is_default(signum: int, handler: Any) -> bool:
+    if signum == signal.SIGINT:
+        return handler is signal.default_int_handler
+    return handler == signal.SIG_DFL
+
+
+class Interruption:
+    """One run's interruption: which signal came (``signum``, None while none did), and
+    whether a step is under way."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.in_step = False
+        self.pending = False  # a signal came during a step: raised when it ends
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.in_step and not self.pending:  # the first signal: let the step finish
+            self.signum, self.pending = signum, True
+            return
+        self.signum = self.signum or signum
+        self.pending = False
+        raise TrainingInterrupted(self.signum, mid_step=self.in_step)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["Interruption"]:
+        """While inside, :data:`SIGNALS` with their default handler interrupt the run (the
+        main thread only; elsewhere nothing is installed). The handlers are put back."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous: dict[int, Any] = {}
+        for signum in SIGNALS:
+            current = signal.getsignal(signum)
+            if _is_default(signum, current):
+                previous[signum] = signal.signal(signum, self._on_signal)
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One training step: a signal during it is raised as :class:`TrainingInterrupted`
+        when it ends (a second signal raises at once)."""
+        outer = self.in_step
+        self.in_step = True
+        try:
+            yield
+        finally:
+            self.in_step = outer
+        if self.pending and not outer:
+            self.pending = False
+            raise TrainingInterrupted(self.signum or signal.SIGINT)
+
+
+__all__ = ["SIGNALS", "TrainingInterrupted", "Interruption"]

@@ -1,0 +1,146 @@
+"""The coqui Trainer stopped by a signal (the ``checkpoint`` patch, declared by
+:mod:`.coqui_trainer`): SIGTERM and SIGHUP are an interruption, as Ctrl-C is.
+
+Upstream (coqui-tts-trainer 0.4) catches ``KeyboardInterrupt`` in ``Trainer.fit``: it saves
+a checkpoint, calls the ``on_keyboard_interrupt`` callbacks and ends the process with
+``os._exit(130)`` (no cleanup: DataLoader workers are left to notice on their own). SIGTERM,
+which a cloud machine sends before it stops, and SIGHUP (a closed ssh session) kill the
+process outright: no checkpoint, no callback, no message. Here, for the three signals
+(:mod:`patches._interrupt`):
+
+- ``Trainer.fit``: the signals interrupt the run while it trains; after the interruption is
+  handled ``fit`` ends with ``SystemExit(128 + signal)`` (130, 143, 129), a normal exit
+  that shuts the DataLoader workers down.
+- ``Trainer.train_step`` and ``Trainer.save_best_model``: a signal during a step (or the
+  epoch's best-model save) waits for it to end (a second one does not wait).
+- ``Trainer._fit``: the interruption is handled here, inside upstream's ``fit``: a checkpoint
+  when a step finished since the last one (and ``save_on_interrupt`` is on), the
+  ``on_keyboard_interrupt`` callbacks, one WARNING line.
+- ``Trainer.save_checkpoint``: remembers the step of the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+from .._interrupt import Interruption, TrainingInterrupted
+from .._log import logger
+
+PATCH = "checkpoint"
+
+# Per Trainer: its interruption, the step its fit() started at, the step of its last save.
+_interruptions: "weakref.WeakKeyDictionary[Any, Interruption]" = weakref.WeakKeyDictionary()
+_started_at: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_saved_at: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _steps(trainer: Any) -> int:
+    return int(getattr(trainer, "total_steps_done", 0) or 0)
+
+
+def make_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``Trainer.fit`` with SIGINT, SIGTERM and SIGHUP interrupting the run."""
+
+    @functools.wraps(original)
+    def fit(self: Any) -> None:
+        interruption = Interruption()
+        _interruptions[self] = interruption
+        _started_at[self] = _steps(self)
+        with interruption.installed():
+            original(self)
+        if interruption.signum is not None:
+            raise SystemExit(128 + interruption.signum)
+
+    fit._training_patch = PATCH  # type: ignore[attr-defined]
+    return fit
+
+
+def make_uninterrupted(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A Trainer method (``train_step``, ``save_best_model``) that a signal interrupts only
+    once it has ended: an optimizer step or a save stopped half-way leaves nothing usable."""
+
+    @functools.wraps(original)
+    def uninterrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        interruption = _interruptions.get(self)
+        if interruption is None:
+            return original(self, *args, **kwargs)
+        with interruption.step():
+            return original(self, *args, **kwargs)
+
+    uninterrupted._training_patch = PATCH  # type: ignore[attr-defined]
+    return uninterrupted
+
+
+def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer.save_checkpoint`` that remembers the step it saved."""
+
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        _saved_at[self] = _steps(self)
+        return result
+
+    save_checkpoint._training_patch = PATCH  # type: ignore[attr-defined]
+    return save_checkpoint
+
+
+def make_inner_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``Trainer._fit`` that handles an interruption and returns, so that upstream's ``fit``
+    ends normally (its KeyboardInterrupt branch would ``os._exit(130)``)."""
+
+    @functools.wraps(original)
+    def _fit(self: Any) -> None:
+        try:
+            original(self)
+        except TrainingInterrupted as stop:
+            if _interruptions.get(self) is None:
+                raise
+            on_interrupt(self, stop)
+
+    _fit._training_patch = PATCH  # type: ignore[attr-defined]
+    return _fit
+
+
+def on_interrupt(trainer: Any, stop: TrainingInterrupted) -> None:
+    """Save (when a step finished since the last checkpoint), call the trainer's
+    ``on_keyboard_interrupt`` callbacks, say it in one line."""
+    steps = _steps(trainer)
+    folder = Path(getattr(trainer, "output_path", "."))
+    # A periodic save runs inside the step, before upstream counts it: its weights are
+    # those of the step after it.
+    last = _saved_at.get(trainer)
+    done = max(_started_at.get(trainer, 0), last + 1 if last is not None else 0)
+    wanted = bool(getattr(getattr(trainer, "config", None), "save_on_interrupt", True))
+    if stop.mid_step:
+        saved = ("no checkpoint written: a second signal stopped a step half-way, so its "
+                 "weights may be half-updated; the last checkpoint in that folder is the one "
+                 "to continue from")
+    elif steps <= done:
+        saved = ("no step finished since the last checkpoint, so none was written; continue "
+                 "from that run folder")
+    elif not wanted:
+        saved = "no checkpoint written (save_on_interrupt is off)"
+    else:
+        trainer.save_checkpoint()
+        saved = (f"checkpoint_{steps}.pth written; continue from that run folder "
+                 f"(continue_path)")
+    logger.warning("training-patches: interrupted by %s after trainer step %d in %s: %s",
+                   stop.name, steps, folder, saved)
+    callbacks = getattr(trainer, "callbacks", None)
+    if callbacks is not None:
+        callbacks.on_keyboard_interrupt(trainer)
+
+
+def interrupted_by(trainer: Any) -> str | None:
+    """The name of the signal that interrupted ``trainer``'s run (``"SIGTERM"``), or None."""
+    interruption = _interruptions.get(trainer)
+    if interruption is None or interruption.signum is None:
+        return None
+    return TrainingInterrupted(interruption.signum).name
+
+
+__all__ = ["make_fit", "make_inner_fit", "make_uninterrupted", "make_save_checkpoint",
+           "on_interrupt", "interrupted_by"]

@@ -1,0 +1,71 @@
+"""Processes of the signal and run-folder tests: headlessXttsTrain.py started in its own
+process group (so that what is left of it after it exits can be looked for), waiting on a
+line a run writes, and whether a process or a process group still runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "headlessXttsTrain.py"
+
+
+def start_headless(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    """``headlessXttsTrain.py args...`` in a new session; stdout and stderr together."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+
+
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen[str],
+                  timeout: float = 900) -> None:
+    """Until ``path`` holds ``text``, ``proc`` still running (``timeout`` only turns a hang
+    into a failure; nothing is decided by it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file() and text in path.read_text(encoding="utf-8", errors="replace"):
+            return
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+def _running(states: str) -> bool:
+    return any(not state.startswith("Z") for state in states.split())  # a zombie has ended
+
+
+def alive(pid: int) -> bool:
+    """Whether the process ``pid`` runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return _running(subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
+                                   text=True).stdout)
+
+
+def group_left(pgid: int) -> bool:
+    """Whether any process of the process group ``pgid`` still runs."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return _running(subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True,
+                                   text=True).stdout)
+
+
+def tiny_run(tmp_path: Path, *extra: str) -> tuple[Path, list[str]]:
+    """A tiny Amharic base and dataset in ``tmp_path``: (the output folder, the arguments of
+    a headless run into it, ``extra`` appended)."""
+    from conftest import write_amharic_base
+
+    tiny, base = write_amharic_base(tmp_path)
+    out = tmp_path / "out"
+    return out, ["--base-dir", str(base), "--train-manifest", str(tiny.manifest), "--language",
+                 "am", "--output-dir", str(out), "--batch-size", "2", "--lr", "1e-4",
+                 "--print-step", "1", *extra]

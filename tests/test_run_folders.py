@@ -1,0 +1,149 @@
+"""One run, one folder (issue 26 item 3): two runs into one output folder never share a run
+folder, a run folder in use is never continued by a second process, and ``report`` tells
+the runs apart.
+
+Reproduced before the fix: two headless runs into one ``--output-dir`` started in the same
+minute both exited 0 in one coqui run folder (its name has the minute only), one run's
+``checkpoint_6.pth`` and ``config.json`` replaced, its best model deleted, and ``report``
+showed a single healthy run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from patches import RunFolderInUse
+from patches._runlock import LOCK_NAME, claim_new_folder, lock_folder
+
+from processes import ROOT, SCRIPT
+
+
+def test_a_new_run_folder_is_never_one_that_exists(tmp_path: Path) -> None:
+    taken = tmp_path / "xtts_finetune-November-25-2026_01+43PM-0000000"
+    taken.mkdir()
+    (taken / "checkpoint_6.pth").write_bytes(b"the first run's")
+    second = claim_new_folder(taken)
+    third = claim_new_folder(taken)
+    assert second.name == taken.name + "-2" and third.name == taken.name + "-3"
+    assert second.is_dir() and third.is_dir() and not list(second.iterdir())
+    assert (taken / "checkpoint_6.pth").read_bytes() == b"the first run's"
+
+
+def test_a_folder_locked_by_another_process_is_refused_until_it_ends(tmp_path: Path) -> None:
+    """The lock is the system's (flock): held by a live process it refuses, in one paragraph
+    naming that process; the process gone, however it ended, it is free."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # another run: takes the lock, says so, waits to be told to end
+        try:
+            lock_folder(folder)
+            os.write(ready_w, b"1")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        with pytest.raises(RunFolderInUse) as info:
+            lock_folder(folder)
+        message = str(info.value)
+        assert f"is in use by process {pid} on " in message and str(folder) in message
+        assert "Nothing was written there" in message and len(message.splitlines()) == 1
+    finally:
+        os.write(go_w, b"1")
+        os.waitpid(pid, 0)
+    assert lock_folder(folder) == folder / LOCK_NAME  # its holder ended: free
+    assert json.loads((folder / LOCK_NAME).read_text())["pid"] == os.getpid()
+
+
+@pytest.mark.xtts
+def test_coqui_runs_started_in_the_same_minute_get_their_own_folders(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """The coqui Trainer's folder name (``<run_name>-<month-day-year_hour+minute>-<commit>``)
+    for two runs in one minute: two folders, each made as it is named."""
+    pytest.importorskip("trainer")
+    import datetime
+
+    import trainer.generic_utils as generic
+    import trainer.trainer
+
+    import patches
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):  # one minute for both runs
+            return cls(2026, 11, 25, 13, 43)
+
+    monkeypatch.setattr(generic.datetime, "datetime", Frozen)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    patches.apply(["checkpoint"])
+    try:
+        first = trainer.trainer.get_experiment_folder_path(tmp_path, "xtts_finetune")
+        second = trainer.trainer.get_experiment_folder_path(tmp_path, "xtts_finetune")
+    finally:
+        patches.revert()
+    assert first != second and first.is_dir() and second.is_dir()
+    assert second.name == first.name + "-2"
+    # Control: upstream's own function names one folder for both.
+    assert generic.get_experiment_folder_path(tmp_path, "x") == \
+        generic.get_experiment_folder_path(tmp_path, "x")
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=900)
+
+
+@pytest.mark.xtts
+@pytest.mark.slow
+def test_two_headless_runs_into_one_output_folder_never_share_a_run_folder(
+        tmp_path: Path) -> None:
+    """A run trains in ``out``; a second ``--resume auto`` of it is refused (exit 2, one
+    paragraph, nothing of the first run changed); a second new run gets its own run
+    folder; ``report`` finds two runs."""
+    pytest.importorskip("TTS")
+    from processes import start_headless, tiny_run, wait_for_text
+
+    out, common = tiny_run(tmp_path, "--save-step", "2")
+    first = start_headless(*common, "--epochs", "50", cwd=tmp_path)
+    try:
+        # printed in the step after the one that saved checkpoint_2.pth
+        wait_for_text(out / "train.log", "GLOBAL_STEP: 3", first)
+        (folder,) = list(out.glob("xtts_finetune-*"))
+        config = (folder / "config.json").read_bytes()
+        resumed = _run(*common, "--epochs", "1", "--resume", "auto", cwd=tmp_path)
+        assert resumed.returncode == 2, resumed.stderr[-3000:]
+        said = [line for line in resumed.stderr.splitlines() if "error:" in line]
+        assert len(said) == 1 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+        assert said[0] == resumed.stderr.strip().splitlines()[-1]  # the one paragraph, last
+        assert f"the run folder {folder} is in use by process {first.pid}" in said[0]
+        assert (folder / "config.json").read_bytes() == config
+        second = _run(*common, "--epochs", "1", cwd=tmp_path)  # a new run beside it
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert first.poll() is None  # the first run trains on, undisturbed
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 143
+    folders = sorted(out.glob("xtts_finetune-*"))
+    assert len(folders) == 2 and all(list(f.glob("checkpoint_*.pth")) for f in folders)
+    report = subprocess.run([sys.executable, "-m", "patches", "report", str(out), "--json", "-",
+                             "--no-picture"], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    runs = json.loads(report.stdout)["runs"]
+    assert sorted(r["folder"] for r in runs) == [str(f) for f in folders]
+    verdicts = {Path(r["folder"]): r["verdict"] for r in runs}
+    assert verdicts[folder] == "interrupted" and "interrupted" not in [
+        v for f, v in verdicts.items() if f != folder]
