@@ -96,7 +96,7 @@ def arms_for(which: str) -> list[dict[str, Any]]:
     with other head rules (the two measured apart). Stage 2: the library's default and the
     best other sane rule, each with one setting changed (freeze released after a quarter of
     the steps, no freeze, no English mixed in, the seeds' LR) and with both freeze and
-    mixing off (the plain recipe)."""
+    mixing off (the plain recipe); and the default and std-0.02 rows with 20% English."""
     stage1 = [arm(rule) for rule in RULES]
     stage1 += [arm("romanized", "spread"), arm("romanized", "mean"), arm("romanized", "std0.02"),
                arm("spread", "mean")]
@@ -107,6 +107,8 @@ def arms_for(which: str) -> list[dict[str, Any]]:
         for change in (dict(freeze="until"), dict(freeze="off"), dict(mix=0.0), dict(lr="low"),
                        dict(freeze="off", mix=0.0)):
             stage2.append(arm(emb, head, **change))
+    # what keeps English: twice the English samples, for the default and the small rows
+    stage2 += [arm("romanized", "spread", mix=0.2), arm("std0.02", mix=0.2)]
     return stage1 + stage2
 
 
