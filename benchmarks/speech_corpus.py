@@ -105,6 +105,25 @@ def amharic_utterances(max_chars: int) -> list[str]:
     return out
 
 
+def held_out_first(lines: list[str], n_eval: int) -> list[str]:
+    """``lines`` reordered so that the first ``n_eval`` (the held-out ones) use only
+    characters that some later (training) line also has: a character the tokenizer never
+    saw is an unknown token, which measures the split and not the new rows. Lines are taken
+    in order; a line whose character would then be left to the held-out lines alone goes to
+    training instead. Where the first ``n_eval`` lines already qualify, nothing moves."""
+    from collections import Counter
+
+    left = Counter(c for line in lines for c in set(line))  # lines still holding each char
+    held, train = [], []
+    for line in lines:
+        if len(held) < n_eval and all(left[c] > 1 for c in set(line)):
+            held.append(line)
+            left.subtract(set(line))
+        else:
+            train.append(line)
+    return held + train
+
+
 def english_utterances(max_chars: int) -> list[str]:
     """``bench_new_language.english_sentences`` that fit in ``max_chars``."""
     from bench_new_language import english_sentences
