@@ -15,7 +15,12 @@ record of what it skipped. SafeGradScaler is a ``torch.amp.GradScaler`` (so
   forever;
 - optionally backs off only after ``hysteresis`` consecutive overflows (as
   DeepSpeed and Megatron do). With ``hysteresis=1`` its scale follows torch's
-  exactly.
+  exactly;
+- under a process group of more than one rank, agrees the overflow flag across the
+  ranks (one all-reduce, MAX, of one scalar per unscale): a non-finite gradient that
+  appears on one rank after DDP's gradient sync (a hook, a clip, a custom reduction)
+  makes every rank skip, so the scales, step counts and replicas stay identical.
+  Torch's GradScaler decides per rank, and its replicas then diverge.
 
 FSDP's ``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``) becomes :func:`sharded_scaler_class`: a
 subclass of it and of SafeGradScaler, so the same defaults, counters and floor hold,
@@ -39,7 +44,7 @@ import torch.amp.grad_scaler as _torch_grad_scaler
 import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 
-from . import _options, _run
+from . import _dist, _options, _run
 from ._counters import DeviceCounters
 from ._log import info, logger
 from ._options import (FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, INT64_MAX, ConfigError, Option,
@@ -146,6 +151,8 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
 
     # The torch class the user's code asked for, which this class stands in for.
     _tp_built_as = "torch.amp.GradScaler"
+    # Whether the torch class already all-reduces the overflow flag (FSDP's does).
+    _tp_agrees_itself = False
 
     def __init__(
         self,
@@ -220,6 +227,16 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
             self._tp_unscaled.update(
                 id(p) for group in optimizer.param_groups for p in group["params"])
 
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool
+                        ) -> dict[torch.device, torch.Tensor]:
+        # Both torch paths come here: unscale_ (explicit, or inside step) and the fused
+        # optimizers' _check_inf_per_device.
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if not self._tp_agrees_itself and _dist.collectives():
+            _agree_found_inf(per_device, found_inf)
+        return per_device
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if self._enabled and not any(p.grad is not None for group in optimizer.param_groups
                                      for p in group["params"]):
@@ -230,6 +247,9 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
                 scale = self._check_scale_growth_tracker("step")[0]
                 state["found_inf_per_device"][scale.device] = torch.ones(
                     (), dtype=torch.float32, device=scale.device)
+                if not self._tp_agrees_itself and _dist.collectives():
+                    # the peers' unscale all-reduces their flags: meet them there
+                    _agree_found_inf(state["found_inf_per_device"], scale)
                 state["stage"] = _torch_grad_scaler.OptState.STEPPED
                 self._tp_found_host.append(True)
                 return None
@@ -445,6 +465,18 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         return state
 
 
+def _agree_found_inf(per_device: dict[torch.device, torch.Tensor],
+                     found_inf: torch.Tensor) -> None:
+    """Every rank's overflow flags set to whether any rank overflowed: one all-reduce of
+    one scalar (also from a rank with no gradient on any device, so no rank waits alone)."""
+    local = found_inf.new_zeros(())
+    for flag in per_device.values():
+        local = torch.maximum(local, flag.to(local.device, non_blocking=True).reshape(()))
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    for flag in per_device.values():
+        flag.copy_(local.to(flag.device, non_blocking=True).reshape(flag.shape))
+
+
 class CudaSafeGradScaler(SafeGradScaler):
     """SafeGradScaler with the signature of the deprecated ``torch.cuda.amp.GradScaler``."""
 
@@ -476,6 +508,7 @@ def sharded_scaler_class(original: type) -> type:
         __doc__ = (f"SafeGradScaler's defaults, counters and floor on "
                    f"{original.__module__}.{original.__qualname__}.")
         _tp_built_as = "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
+        _tp_agrees_itself = True  # its unscale_ all-reduces the flag over process_group
 
         def __init__(self, device: str = "cuda", init_scale: float | None = None,
                      backoff_factor: float = 0.5, growth_factor: float = 2.0,

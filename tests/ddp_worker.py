@@ -8,7 +8,10 @@ import torch
 import torch.distributed as dist
 
 
-def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int]) -> None:
+def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int],
+           scaler: bool = False) -> None:
+    """30 steps of a DDP model, a NaN written into rank 0's gradient after the all-reduce at
+    the ``inject`` steps. ``scaler``: through a (patched) ``torch.amp.GradScaler("cpu")``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -17,23 +20,30 @@ def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int]) ->
         from patches import nan_guard
 
         nan_guard.reset()
-        patches.apply(["nan_guard"], output_dir=os.path.join(out_dir, f"rank{rank}"), quiet=True)
+        patches.apply(["nan_guard", "grad_scaler"] if scaler else ["nan_guard"], output_dir=os.path.join(out_dir, f"rank{rank}"), quiet=True)
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(
             torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        amp = torch.amp.GradScaler("cpu", init_scale=256.0) if scaler else None
         torch.manual_seed(100 + rank)  # each rank its own data
         for step in range(1, 31):
             opt.zero_grad()
             x = torch.randn(16, 8)
             loss = model(x).pow(2).mean()
-            loss.backward()  # gradients are all-reduced here
+            (amp.scale(loss) if amp else loss).backward()  # gradients are all-reduced here
             if rank == 0 and step in inject:
                 # a fault after the all-reduce, on one rank only
                 model.module[0].weight.grad[0, 0] = float("nan")
-            opt.step()
+            if amp:
+                amp.step(opt)
+                amp.update()
+            else:
+                opt.step()
         torch.save({"params": [p.detach() for p in model.parameters()],
-                    "stats": patches.stats()["nan_guard"]},
+                    "stats": patches.stats()["nan_guard"],
+                    "scaler": ({**amp.stats(), "scale": amp.get_scale(),
+                                "class": type(amp).__name__} if amp else None)},
                    os.path.join(out_dir, f"result{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""Under DDP every rank makes the same skip decision (gloo, 2 CPU processes)."""
+"""Under DDP every rank makes the same skip decision, with and without a loss scaler
+(gloo, 2 CPU processes)."""
 
 from __future__ import annotations
 
@@ -29,5 +30,23 @@ def test_fault_on_one_rank_is_skipped_on_both(tmp_path) -> None:
         assert result["stats"]["skipped"] == len(inject)
         assert result["stats"]["steps"] == 30
         assert all(bool(torch.isfinite(p).all()) for p in result["params"])
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_scaler_overflow_on_one_rank_is_skipped_on_both(tmp_path) -> None:
+    """fp16-style loss scaling under DDP: torch's GradScaler decides per rank, so a
+    non-finite gradient on one rank after the sync is skipped there only and the replicas
+    diverge. SafeGradScaler agrees the overflow flag: same skips, same scale, same weights."""
+    inject = [4, 11, 12, 25]
+    mp.spawn(worker, args=(2, free_port(), str(tmp_path), inject, True), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
+    for result in results:
+        assert result["scaler"]["class"] == "SafeGradScaler"
+        assert result["scaler"]["skipped"] == len(inject)
+        assert result["scaler"]["steps"] == 30
+        assert all(bool(torch.isfinite(p).all()) for p in result["params"])
+    assert results[0]["scaler"]["scale"] == results[1]["scaler"]["scale"]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
