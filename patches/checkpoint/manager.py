@@ -15,6 +15,7 @@ import logging
 import operator
 import os
 import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -106,6 +107,7 @@ class CheckpointManager:
         self.collective = collective
         self.pattern = re.compile(rf"^{re.escape(prefix)}_(\d+)\.pt$")
         self.folder_pattern = re.compile(rf"^{re.escape(prefix)}_(\d+){re.escape(DCP_SUFFIX)}$")
+        self._shared_checked = False  # whether every rank was shown to see this folder
         # A plain loop names no run folder: its reports (nonfinite_events.jsonl, ...) go
         # beside its checkpoints unless set_output_dir / TRAINING_PATCHES_OUTPUT_DIR says
         # otherwise (a torch.save path does the same, see patches._run.saw_checkpoint).
@@ -142,6 +144,8 @@ class CheckpointManager:
         """
         step = _as_step(step)
         _run.saw_checkpoint_folder(self.output_dir)  # the folder of the newest save wins
+        if self._collective():
+            self._check_shared()
         if is_sharded_model(model):
             return save_sharded(self, step, model, optimizer, scheduler, scaler, extra)
         if not self._collective():
@@ -348,10 +352,72 @@ class CheckpointManager:
         checkpoint, which must validate.
         """
         if self._collective():
+            self._check_shared()
             return _collective.on_writer(
                 lambda: self._resume(which, verify_hash=verify_hash,
                                      allow_nonfinite=allow_nonfinite))
         return self._resume(which, verify_hash=verify_hash, allow_nonfinite=allow_nonfinite)
+
+    def _check_shared(self) -> None:
+        """Under a process group, once per manager: ``output_dir`` must be one folder that
+        every rank sees. Rank 0 writes a file of a fresh random name (a name no cache can
+        know yet) and every rank looks for it; where rank 0 cannot write (a read-only
+        folder, resume only), every rank's list of complete checkpoints must agree.
+        Raises :class:`CheckpointError` on every rank otherwise: a folder local to each
+        node makes rank 0 resume from its own (maybe empty) disk while the checkpoints
+        are on another node's, and sharded saves commit folders missing other nodes'
+        shards."""
+        if self._shared_checked:
+            return
+        planted: list[Path] = []  # rank 0's probe, removed whatever happens below
+
+        def plant() -> str | None:
+            name = f".training_patches_shared_{host_name()}_{os.getpid()}_{secrets.token_hex(8)}"
+            try:
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                (self.output_dir / name).write_text(name, encoding="utf-8")
+            except OSError:
+                return None
+            planted.append(self.output_dir / name)
+            return name
+
+        def look(name: str | None) -> list[Any]:
+            if name is None:
+                return [sorted(path.name for path, _ in self._own()), host_name()]
+            try:
+                return [(self.output_dir / name).read_text(encoding="utf-8") == name,
+                        host_name()]
+            except OSError:
+                return [False, host_name()]
+
+        try:
+            name = _collective.on_writer(plant)
+            views = _collective.gather_checked(lambda: look(name))
+        finally:
+            for path in planted:  # every rank has looked (or the collective failed)
+                path.unlink(missing_ok=True)
+        if name is not None:
+            apart = [rank for rank, (seen, _) in enumerate(views) if not seen]
+            found = (f"a file rank 0 (host {views[0][1]}) wrote there is not visible to "
+                     + ", ".join(f"rank {r} (host {views[r][1]})" for r in apart))
+        else:
+            apart = [rank for rank, (seen, _) in enumerate(views) if seen != views[0][0]]
+            found = (f"rank 0 (host {views[0][1]}) sees the checkpoints "
+                     f"{', '.join(views[0][0]) or 'none'}, while "
+                     + "; ".join(f"rank {r} (host {views[r][1]}) sees "
+                                 f"{', '.join(views[r][0]) or 'none'}" for r in apart))
+        if apart:
+            raise CheckpointError(
+                f"training-patches: the checkpoint folder {self.output_dir} is not one folder "
+                f"shared by every rank: {found}. Under a process group CheckpointManager saves "
+                f"from rank 0 (FSDP2 shards from every rank) and resumes from what rank 0 "
+                f"sees, so a folder local to each node would lose the run: a resume would "
+                f"start over from step 0, a sharded checkpoint would miss the other nodes' "
+                f"shards. Nothing was written or loaded. Point output_dir at a filesystem "
+                f"every node mounts at the same path (NFS, Lustre, a bucket mount), or keep "
+                f"one folder per node on purpose with CheckpointManager(..., collective=False), "
+                f"saving and resuming from one rank yourself.")
+        self._shared_checked = True
 
     def _resume(self, which: str | int | os.PathLike[str], *, verify_hash: bool,
                 allow_nonfinite: bool) -> Path | None:

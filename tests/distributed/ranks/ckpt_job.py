@@ -14,6 +14,11 @@
 - ``fsdp_save OUT REF``: FSDP2, train and save 3 times (keep=2); rank 0 writes the full
   parameters and optimizer state to REF; draws after the last save.
 - ``fsdp_resume OUT REF``: FSDP2, resume, compare full state with REF bit for bit, draw.
+- ``node_local_resume OUT LAYOUT ACCESS``: ``resume("auto")`` on every rank, from ``OUT``
+  (LAYOUT ``shared``) or from ``OUT/node<rank>`` (``per_node``: a disk per node at the
+  same path); ACCESS ``ro``: no file can be created in it (a read-only mount, which root
+  cannot make here: the write of the shared-folder probe raises PermissionError).
+- ``node_local_fsdp_save OUT``: the same folders, an FSDP2 sharded save.
 
 Lines the test reads: ``RANK <r> <KEY> <json>``.
 """
@@ -282,6 +287,34 @@ elif MODE == "fsdp_diskfull":
         code = 0
     except Exception as exc:  # noqa: BLE001 - the test reads it
         say("ERROR", f"{type(exc).__name__}: {str(exc)[:300]}")
+        code = 3
+    end_job(globals())
+    sys.exit(code)
+
+elif MODE in ("node_local_resume", "node_local_fsdp_save"):
+    folder = os.path.join(OUT, f"node{RANK}")
+    try:
+        if MODE == "node_local_resume":
+            if sys.argv[3] == "shared":
+                folder = OUT
+            if sys.argv[4] == "ro":
+                import pathlib
+
+                real_write = pathlib.Path.write_text
+
+                def read_only(self, *args, **kwargs):
+                    if self.name.startswith(".training_patches_shared"):
+                        raise PermissionError(13, "Read-only file system", str(self))
+                    return real_write(self, *args, **kwargs)
+
+                pathlib.Path.write_text = read_only
+            say("RESUMED", str(CheckpointManager(folder).resume("auto")))
+        else:
+            model, opt = fsdp_model()
+            say("SAVED", str(CheckpointManager(folder).save(1, model, opt)))
+        code = 0
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        say("ERROR", f"{type(exc).__name__}: {exc}")
         code = 3
     end_job(globals())
     sys.exit(code)
