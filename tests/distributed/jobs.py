@@ -83,3 +83,35 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, env: dict[str, str]
     """Run ``script`` under torchrun with ``nproc`` ranks (gloo on the CPU)."""
     return run_job(torchrun_command(script, *args, nproc=nproc), env=env, timeout=timeout,
                    check=check)
+
+
+def run_nodes(commands: list[list[str]], *, timeout: float = 240,
+              check: bool = True) -> list[subprocess.CompletedProcess]:
+    """Start every node's command at once (they rendezvous with each other, e.g. torchrun
+    with ``nnodes=2``); stop all of them past ``timeout``."""
+    procs = [subprocess.Popen(c, env=rank_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for c in commands]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the nodes timed out:\n" + "\n".join(_stop(p)[-3000:] for p in procs))
+    results = [subprocess.CompletedProcess(c, p.returncode, out, None)
+               for c, p, out in zip(commands, procs, outputs)]
+    if check:
+        for result in results:
+            assert result.returncode == 0, result.stdout[-4000:]
+    return results
+
+
+def two_nodes(script: str | Path, *args: object, timeout: float = 240,
+              check: bool = True) -> list[subprocess.CompletedProcess]:
+    """``script`` as one job of two torchrun launchers (two "nodes" on this host, one rank
+    each: node 0 holds global rank 0), both started at once."""
+    port = free_port()
+    return run_nodes([torchrun_command(script, *map(str, args), nproc=1, nnodes=2,
+                                       node_rank=node, port=port) for node in (0, 1)],
+                     timeout=timeout, check=check)

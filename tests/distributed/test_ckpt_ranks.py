@@ -309,21 +309,22 @@ def test_ckpt_fsdp2_killed_save_is_never_resumed_and_swept_by_the_next(tmp_path:
 
 
 
-def _resume_errors(tmp_path: Path, layout: str, access: str) -> tuple[dict, str]:
-    result = torchrun("node_local_resume", tmp_path, layout, access, timeout=120, check=False)
-    lines = said(result.stdout)
-    return lines, result.stdout[-3000:]
+def _on_two_nodes(*args: object) -> tuple[dict, str]:
+    """The job on two launchers as two nodes: what every rank said, and the output."""
+    out = "".join(r.stdout for r in jobs.two_nodes(JOB, *args, timeout=180, check=False))
+    return said(out), out[-3000:]
 
 
 @pytest.mark.parametrize("access", ["rw", "ro"])
 def test_ckpt_folder_not_shared_between_nodes_is_refused_on_every_rank(
         tmp_path: Path, access: str) -> None:
-    """A checkpoint folder local to each node (the same path, another disk): rank 0's is
+    """Two launchers as two nodes, each with its own checkpoint folder (the same path on
+    another disk, as a node-local disk is): rank 0's is
     empty, rank 1's holds the run. Without the check resume("auto") returns None on every
     rank and the job silently starts over. Refused on every rank, before anything is read;
     where no probe file can be written (ro), by the checkpoints each rank sees."""
     torchrun("ddp_saves", tmp_path / "node1", "2", timeout=120)  # the run, on "node 1"
-    lines, out = _resume_errors(tmp_path, "per_node", access)
+    lines, out = _on_two_nodes("node_local_resume", tmp_path, "per_node", access)
     errors = lines["ERROR"]
     # the same error on both ranks (each names its own folder: here the paths differ)
     assert set(errors) == {0, 1}, out
@@ -340,7 +341,7 @@ def test_ckpt_folder_not_shared_between_nodes_is_refused_on_every_rank(
                    for node in ("node0", "node1") if (tmp_path / node).is_dir()
                    for name in os.listdir(tmp_path / node))
     # The same files in one shared folder resume on every rank, writable or not.
-    lines, out = _resume_errors(tmp_path / "node1", "shared", access)
+    lines, out = _on_two_nodes("node_local_resume", tmp_path / "node1", "shared", access)
     assert "ERROR" not in lines, out
     assert lines["RESUMED"][0] == lines["RESUMED"][1] and \
         lines["RESUMED"][0][0].endswith("ckpt_000000001.pt"), out
@@ -349,8 +350,7 @@ def test_ckpt_folder_not_shared_between_nodes_is_refused_on_every_rank(
 def test_ckpt_fsdp2_save_into_folders_local_to_each_node_is_refused(tmp_path: Path) -> None:
     """An FSDP2 save into a folder local to each node would commit a folder without the
     other node's shards (found only at resume, which then starts over): refused first."""
-    result = torchrun("node_local_fsdp_save", tmp_path, timeout=120, check=False)
-    errors = said(result.stdout)["ERROR"]
-    assert set(errors) == {0, 1} and "not one folder shared by every rank" in errors[0][0], \
-        result.stdout[-3000:]
+    lines, out = _on_two_nodes("node_local_fsdp_save", tmp_path)
+    errors = lines["ERROR"]
+    assert set(errors) == {0, 1} and "not one folder shared by every rank" in errors[0][0], out
     assert not list(tmp_path.rglob(COMMIT_NAME)) and not list(tmp_path.rglob("*.dcp"))

@@ -25,33 +25,11 @@ def _reports(folder: Path, ranks: int) -> dict[int, dict]:
     return found
 
 
-def _run_nodes(commands: list[list[str]], timeout: float = 240) -> list[str]:
-    """Start every node's command at once (they rendezvous with each other); kill all of
-    them past ``timeout``."""
-    procs = [subprocess.Popen(c, env=jobs.rank_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for c in commands]
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("two-node torchrun timed out:\n" + "\n".join(
-            (p.communicate()[0] or "")[-3000:] for p in procs))
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, out[-4000:]
-    return outputs
-
-
 def _two_nodes(out: Path, launcher: list[str]) -> dict[int, dict]:
     port = jobs.free_port()
-    _run_nodes([launcher + jobs.torchrun_command(PROBE, str(out), nproc=2, nnodes=2,
-                                                 node_rank=node, port=port)
-                for node in (0, 1)])
+    jobs.run_nodes([launcher + jobs.torchrun_command(PROBE, str(out), nproc=2, nnodes=2,
+                                                     node_rank=node, port=port)
+                    for node in (0, 1)])
     return _reports(out, 4)
 
 

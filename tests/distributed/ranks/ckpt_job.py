@@ -14,11 +14,12 @@
 - ``fsdp_save OUT REF``: FSDP2, train and save 3 times (keep=2); rank 0 writes the full
   parameters and optimizer state to REF; draws after the last save.
 - ``fsdp_resume OUT REF``: FSDP2, resume, compare full state with REF bit for bit, draw.
-- ``node_local_resume OUT LAYOUT ACCESS``: ``resume("auto")`` on every rank, from ``OUT``
-  (LAYOUT ``shared``) or from ``OUT/node<rank>`` (``per_node``: a disk per node at the
-  same path); ACCESS ``ro``: no file can be created in it (a read-only mount, which root
+- ``node_local_resume OUT LAYOUT ACCESS`` (two launchers as two nodes): ``resume("auto")``
+  on every rank, from ``OUT`` (LAYOUT ``shared``) or from ``OUT/node<node>`` (``per_node``:
+  a disk per node at the same path); ACCESS ``ro``: no file can be created in it (a read-only mount, which root
   cannot make here: the write of the shared-folder probe raises PermissionError).
-- ``node_local_fsdp_save OUT``: the same folders, an FSDP2 sharded save.
+- ``node_local_fsdp_save OUT`` (two launchers as two nodes): ``OUT/node<node>``, an FSDP2
+  sharded save.
 
 Lines the test reads: ``RANK <r> <KEY> <json>``.
 """
@@ -292,7 +293,7 @@ elif MODE == "fsdp_diskfull":
     sys.exit(code)
 
 elif MODE in ("node_local_resume", "node_local_fsdp_save"):
-    folder = os.path.join(OUT, f"node{RANK}")
+    folder = os.path.join(OUT, f"node{os.environ['GROUP_RANK']}")  # torchrun's node rank
     try:
         if MODE == "node_local_resume":
             if sys.argv[3] == "shared":
