@@ -168,7 +168,10 @@ def applied() -> dict[str, list[str]]:
 def status(name: str) -> dict[str, Any]:
     """The state of one patch or integration: ``state`` is ``applied``, ``degraded`` (some
     site missing or failed, or an unsupported upstream version), ``waiting`` (nothing
-    imported yet) or ``off``; with the landed and pending sites and the problems."""
+    imported yet) or ``off``; with the landed and pending sites and the problems. A patch
+    with no sites of its own (``vocab_freeze``) says what it has done in ``detail``
+    ("frozen 12000 rows of 12500 in gpt.text_embedding, ..."), ``waiting`` until it could
+    act, and ``degraded`` with the reason among the problems when it could not."""
     _check_names([name], "status()")
     problems = _registry.problems(name)
     if name in _registry.integrations():
@@ -181,16 +184,24 @@ def status(name: str) -> dict[str, Any]:
     else:
         landed, pending = _registry.landed_sites(name)
         on = _registry.is_enabled(name)
+    messages = [p.message for p in problems]
+    spec = _registry.specs().get(name)
+    runtime = spec.state() if on and spec is not None and spec.state is not None else None
+    detail = runtime[1] if runtime else ""
     if not on:
         state = "degraded" if any(p.kind == "requires" for p in problems) else "off"
     elif problems:
         state = "degraded"
+    elif runtime is not None:  # a patch with no sites says what it has done
+        state = {"not applied": "degraded"}.get(runtime[0], runtime[0])
+        if runtime[0] == "not applied":
+            messages.append(f"not applied: {runtime[1]}")
     elif not landed and pending:
         state = "waiting"
     else:
         state = "applied"
     return {"name": name, "state": state, "landed": landed, "pending": pending,
-            "problems": [p.message for p in problems]}
+            "problems": messages, "detail": detail}
 
 
 def is_applied(name: str) -> bool:

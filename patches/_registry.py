@@ -108,6 +108,9 @@ class PatchSpec:
     # (patches.runtime_state / load_runtime_state).
     stats: Callable[[], dict[str, Any]] | None = None
     load_stats: Callable[[dict[str, Any]], None] | None = None
+    # What a patch with no sites has done so far, for patches.status(): (``"applied"``,
+    # ``"waiting"`` or ``"not applied"``, a sentence), or None for "nothing asked of it".
+    state: Callable[[], tuple[str, str] | None] | None = None
 
 
 @dataclass(frozen=True)

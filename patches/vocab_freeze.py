@@ -601,9 +601,74 @@ def _describe_patch(opts: _options.Options) -> str:
     base = getattr(opts, "base_vocab", None)
     if not base:
         return "idle: set TRAINING_PATCHES_BASE_VOCAB to freeze the base text rows"
-    return (f"freeze text rows of the first {base} tokens of every model trained (XTTS, "
-            f"IndexTTS UnifiedVoice, any with text_embedding/text_head; gradients zeroed, rows "
-            f"restored after each optimizer step)")
+    return (f"waiting: at the first optimizer step, freeze the text rows of the first {base} "
+            f"tokens of the model it trains (XTTS, IndexTTS UnifiedVoice, any with "
+            f"text_embedding/text_head; gradients zeroed, rows restored after each step), "
+            f"or warn that no such model was found")
+
+
+# Set when an optimizer's first step found no model to freeze and no freeze was live: the
+# one paragraph of that warning (what status() then says). None: not (yet) the case.
+_not_applied: str | None = None
+
+
+def _state() -> tuple[str, str] | None:
+    """What the freeze has done so far, for :func:`patches.status`: ``("applied", "frozen N
+    rows of M in ...")``, ``("waiting", ...)`` before the first optimizer step, or
+    ``("not applied", why)``; None when nothing was asked (no BASE_VOCAB, no live freeze)."""
+    live = live_freezes()
+    if live:
+        return "applied", "; ".join(
+            f"frozen {sum(len(r) for r in h.rows)} rows of {h.vocab_size} in "
+            f"{', '.join(h.paths)}" + ("" if h.until_step is None
+                                       else f" (released after {h.until_step} steps)")
+            for h in live)
+    base = _options.current().base_vocab
+    if not base:
+        return None
+    if _not_applied is not None:
+        return "not applied", _not_applied
+    return "waiting", (f"TRAINING_PATCHES_BASE_VOCAB={base}: the model is found at the first "
+                       f"optimizer step")
+
+
+def _embeddings_of(params: set[int]) -> list[str]:
+    """``name (rows x dim)`` of every embedding, and of every Linear as wide as one (a
+    head), in the outermost live modules that hold any of ``params``."""
+    modules = list(_run.live_modules())
+    holders = {id(m) for m in modules
+               if any(id(p) in params for p in m.parameters(recurse=False))}
+    roots = [m for m in modules if any(id(sub) in holders for sub in m.modules())]
+    inner = {id(sub) for model in roots for sub in model.modules() if sub is not model}
+    found: list[str] = []
+    for root in (m for m in roots if id(m) not in inner):
+        embeddings = {m.num_embeddings for m in root.modules() if isinstance(m, nn.Embedding)}
+        for name, module in root.named_modules():
+            if isinstance(module, nn.Embedding):
+                found.append(f"{name} ({module.num_embeddings} x {module.embedding_dim})")
+            elif isinstance(module, nn.Linear) and module.out_features in embeddings:
+                found.append(f"{name} (Linear {module.in_features} -> {module.out_features})")
+    return found
+
+
+def _warn_not_applied(optimizer: torch.optim.Optimizer, base: int) -> None:
+    """No model with a known layout at an optimizer's first step, and no freeze anywhere:
+    a WARNING (an error under STRICT), never silence."""
+    global _not_applied
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    found = _embeddings_of(params)
+    names = [item.split(" (")[0] for item in found][:2]
+    _not_applied = (
+        f"TRAINING_PATCHES_BASE_VOCAB={base} is set, but the model that "
+        f"{type(optimizer).__name__} trains has no vocabulary layout the freeze knows "
+        f"(text_embedding and text_head, as XTTS's GPT and IndexTTS's UnifiedVoice have): "
+        f"NOTHING IS FROZEN, every base row trains. Its embeddings: "
+        f"{', '.join(found) or 'none found'}. Name them after building the model: "
+        f"patches.freeze_base_vocab(model, {base}, modules={names or ['...']!r})")
+    message = f"{TAG} {_not_applied}"
+    if _options.current().strict:
+        raise VocabFreezeError(message + " (TRAINING_PATCHES_STRICT=1 makes this an error)")
+    logger.warning(message)
 
 
 def _roots_of(params: set[int]) -> list[nn.Module]:
@@ -645,17 +710,21 @@ def _discover(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             for entry in handle._entries:
                 if entry.param.grad is not None:
                     handle._zero_grad_rows(entry.param)
+    if not live_freezes() and _not_applied is None:
+        _warn_not_applied(optimizer, base)
 
 
 def _enable(options: Any) -> None:
-    global _discovery_hook
+    global _discovery_hook, _not_applied
+    _not_applied = None
     _ensure_global_hooks()  # before discovery: a freeze made inside a step adds no hook
     if _discovery_hook is None:
         _discovery_hook = register_optimizer_step_pre_hook(_discover)
 
 
 def _disable() -> None:
-    global _discovery_hook
+    global _discovery_hook, _not_applied
+    _not_applied = None
     if _discovery_hook is not None:
         _discovery_hook.remove()
         _discovery_hook = None
@@ -676,6 +745,7 @@ SPEC = register(PatchSpec(
     priority=5,  # around the checkpoint patch's GPTTrainer.__init__: freeze after loading
     enable=_enable,
     disable=_disable,
+    state=_state,
     options=(Option("base_vocab", _base_vocab, None,
                     "a whole number of base tokens, e.g. 12000 (0 or empty = off)",
                     "freeze the rows of the first N tokens of every model trained that has a "
