@@ -109,6 +109,39 @@ def _join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
 
+def _hf_targets(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """A Hugging Face ``PreTrainedModel``'s vocabulary: ``get_input_embeddings()`` and, when
+    it is a Linear with one output per token, ``get_output_embeddings()`` (the LLM-based TTS
+    models that grow it with ``resize_token_embeddings``). Rows are tokens (PLAIN)."""
+    if not any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__):
+        return None
+    try:
+        embedding = model.get_input_embeddings()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except (AttributeError, NotImplementedError):  # e.g. XTTS's GPT2 core, whose wte is gone
+        return None
+    if not isinstance(embedding, nn.Embedding):
+        return None
+    names = {id(module): name for name, module in model.named_modules()}
+    targets = [(names.get(id(embedding), "input_embeddings"), embedding)]
+    if isinstance(head, nn.Linear) and head.out_features == embedding.num_embeddings:
+        targets.append((names.get(id(head), "output_embeddings"), head))
+    return targets
+
+
+def _vocab_targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], nn.Module] | None:
+    """(the vocabulary modules with their paths, the module owning them) by the known
+    layouts: ``text_embedding``/``text_head`` at the registered owner paths (XTTS, IndexTTS),
+    else a Hugging Face model's input and output embeddings."""
+    hit = _find_owner(model)
+    if hit is not None:
+        path, owner = hit
+        return [(_join(path, "text_embedding"), owner.text_embedding),
+                (_join(path, "text_head"), owner.text_head)], owner
+    targets = _hf_targets(model)
+    return (targets, model) if targets else None
+
+
 def _resolve_modules(model: nn.Module, modules: Iterable[nn.Module | str]
                      ) -> list[tuple[str, nn.Module]]:
     names = {id(mod): name for name, mod in model.named_modules()}
@@ -145,7 +178,7 @@ def _entries(model: nn.Module, modules: Iterable[nn.Module | str] | None
              ) -> tuple[list[_Entry], nn.Module | None]:
     """The tensors to freeze and the module owning them (for the start-token rule)."""
     if modules is None:
-        hit = _find_owner(model)
+        hit = _vocab_targets(model)
         if hit is None:
             paths = [f".{path}" for path in owner_paths() if path]
             where = (", ".join(paths[:-1]) + f" and {paths[-1]}" if len(paths) > 1
@@ -154,11 +187,10 @@ def _entries(model: nn.Module, modules: Iterable[nn.Module | str] | None
             raise VocabFreezeError(
                 f"training-patches vocab_freeze: no text embedding found in "
                 f"{type(model).__name__}. Looked for text_embedding and text_head on the model "
-                f"and on {where}{models}. Pass the modules explicitly, e.g. "
+                f"and on {where}{models}, and for a Hugging Face model's "
+                f"get_input_embeddings(). Pass the modules explicitly, e.g. "
                 f"freeze_base_vocab(model, 12000, modules=['decoder.embed', 'decoder.lm_head']).")
-        path, owner = hit
-        targets = [(_join(path, "text_embedding"), owner.text_embedding),
-                   (_join(path, "text_head"), owner.text_head)]
+        targets, owner = hit
     else:
         targets = _resolve_modules(model, modules)
         if not targets:
@@ -166,10 +198,12 @@ def _entries(model: nn.Module, modules: Iterable[nn.Module | str] | None
                                    "text embedding and the text head to freeze.")
         owner = _parent(model, targets[0][0])
     entries = []
+    seen: set[int] = set()  # a tied head shares the embedding's tensor: frozen (and counted) once
     for path, mod in targets:
         for name in ("weight", "bias"):
             param = mod._parameters.get(name)
-            if isinstance(param, nn.Parameter) and param.dim() >= 1:
+            if isinstance(param, nn.Parameter) and param.dim() >= 1 and id(param) not in seen:
+                seen.add(id(param))
                 entries.append(_Entry(_join(path, name), mod, name, param))
     if not entries:
         raise VocabFreezeError(
@@ -603,8 +637,9 @@ def _describe_patch(opts: _options.Options) -> str:
         return "idle: set TRAINING_PATCHES_BASE_VOCAB to freeze the base text rows"
     return (f"waiting: at the first optimizer step, freeze the text rows of the first {base} "
             f"tokens of the model it trains (XTTS, IndexTTS UnifiedVoice, any with "
-            f"text_embedding/text_head; gradients zeroed, rows restored after each step), "
-            f"or warn that no such model was found")
+            f"text_embedding/text_head, Hugging Face models through get_input_embeddings; "
+            f"gradients zeroed, rows restored after each step), or warn that no such model "
+            f"was found")
 
 
 # Set when an optimizer's first step found no model to freeze and no freeze was live: the
@@ -661,7 +696,8 @@ def _warn_not_applied(optimizer: torch.optim.Optimizer, base: int) -> None:
     _not_applied = (
         f"TRAINING_PATCHES_BASE_VOCAB={base} is set, but the model that "
         f"{type(optimizer).__name__} trains has no vocabulary layout the freeze knows "
-        f"(text_embedding and text_head, as XTTS's GPT and IndexTTS's UnifiedVoice have): "
+        f"(text_embedding and text_head, as XTTS's GPT and IndexTTS's UnifiedVoice have, or a "
+        f"Hugging Face model's get_input_embeddings()): "
         f"NOTHING IS FROZEN, every base row trains. Its embeddings: "
         f"{', '.join(found) or 'none found'}. Name them after building the model: "
         f"patches.freeze_base_vocab(model, {base}, modules={names or ['...']!r})")
@@ -672,15 +708,16 @@ def _warn_not_applied(optimizer: torch.optim.Optimizer, base: int) -> None:
 
 
 def _roots_of(params: set[int]) -> list[nn.Module]:
-    """The outermost live modules holding any of ``params`` that own a text embedding.
+    """The outermost live modules holding any of ``params`` whose vocabulary a known layout
+    finds (a text embedding, a Hugging Face model's input embeddings).
 
     Found once per optimizer, at its first step (:func:`patches._run.live_modules`): a
     plain loop never tells the library which model it trains.
     """
     found: list[nn.Module] = []
     for module in _run.live_modules():
-        hit = _find_owner(module)
-        if hit is not None and any(id(p) in params for p in hit[1].text_embedding.parameters()):
+        hit = _vocab_targets(module)
+        if hit is not None and any(id(p) in params for p in hit[0][0][1].parameters()):
             found.append(module)
     # keep the outermost: a module whose own owner is inside another found one is inner
     inner = {id(sub) for model in found for sub in model.modules() if sub is not model}
@@ -702,8 +739,8 @@ def _discover(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _seen_optimizers.add(optimizer)
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for model in _roots_of(params):
-        hit = _find_owner(model)
-        if hit is None or freeze_of(hit[1].text_embedding.weight) is not None:
+        hit = _vocab_targets(model)
+        if hit is None or freeze_of(hit[0][0][1].weight) is not None:
             continue
         handle = freeze_base_vocab(model, base)
         with torch.no_grad():  # this step's backward ran before the freeze existed

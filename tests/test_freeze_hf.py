@@ -1,0 +1,82 @@
+"""The freeze on a Hugging Face model grown with ``resize_token_embeddings`` (the LLM-based
+TTS models fine-tune this way): found through ``get_input_embeddings()`` /
+``get_output_embeddings()``, a tied head frozen and counted once, base rows bit-identical."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import patches
+from patches.vocab_freeze import live_freezes
+
+transformers = pytest.importorskip("transformers")
+
+BASE, GROWN = 64, 80
+
+
+def _gpt2() -> torch.nn.Module:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=BASE,
+                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.resize_token_embeddings(GROWN)
+    return model
+
+
+
+@pytest.fixture(autouse=True)
+def no_live_freezes():
+    """Freezes other tests left on models still alive would show in status(): none here."""
+    for handle in live_freezes():
+        handle.remove()
+    yield
+    for handle in live_freezes():
+        handle.remove()
+
+def _train(model: torch.nn.Module, steps: int = 3) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.arange(GROWN).reshape(4, 20)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+
+def test_base_vocab_freezes_a_grown_hf_model_through_its_embeddings(
+        clean_patches, caplog: pytest.LogCaptureFixture) -> None:
+    patches.apply(["vocab_freeze"], base_vocab=BASE)
+    model = _gpt2()
+    wte = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is wte  # tied
+    before = wte.detach().clone()
+    try:
+        with caplog.at_level(logging.INFO, logger="training_patches"):
+            _train(model)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert torch.equal(wte[:BASE], before[:BASE])  # bit-identical
+        assert (wte[BASE:] - before[BASE:]).abs().max().item() > 0  # the new rows learn
+        status = patches.status("vocab_freeze")
+        assert status["state"] == "applied"
+        assert status["detail"] == f"frozen {BASE} rows of {GROWN} in transformer.wte.weight"
+        # the share is the one tied tensor's, counted once
+        total = sum(p.numel() for p in model.parameters())
+        share = f"{100 * BASE * 16 / total:.1f}%"
+        line = next(r.getMessage() for r in caplog.records if "Freezing" in r.getMessage())
+        assert f"{BASE * 16:,} parameters, {share} of the model's {total:,}" in line, line
+    finally:
+        for handle in live_freezes():
+            handle.remove()
+
+
+def test_explicit_tied_modules_are_one_tensor(clean_patches) -> None:
+    model = _gpt2()
+    handle = patches.freeze_base_vocab(model, BASE, modules=["transformer.wte", "lm_head"])
+    try:
+        assert handle.paths == ["transformer.wte.weight"]
+        assert handle.frozen_numel() == BASE * 16
+    finally:
+        handle.remove()
