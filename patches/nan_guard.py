@@ -178,8 +178,42 @@ def _step_boundary() -> None:
     _state.backwards = _state.left_out = 0
 
 
+class _ClosureRun:
+    """A step's closure the guard has already run once, so that it judged the gradients
+    that closure made (Lightning's automatic optimization, any ``step(closure)`` caller).
+    The optimizer's first call gets that result back; later calls run the closure again
+    (LBFGS evaluates it several times per step)."""
+
+    def __init__(self, closure: Any, result: Any) -> None:
+        self.closure, self.result, self.first = closure, result, True
+
+    def __call__(self) -> Any:
+        if self.first:
+            self.first = False
+            return self.result
+        return self.closure()
+
+
 def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> None:
+              kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Decide the step on the gradients it will apply. Given a closure, run it first (its
+    forward, backward and whatever it clips), decide, and hand the optimizer a closure
+    that returns that result: a decision taken before the closure would judge the previous
+    step's gradients and let this step's NaN through."""
+    # torch passes the step's own arguments with the optimizer first: (self, closure, ...)
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure) or isinstance(closure, _ClosureRun) or _protected(optimizer, kwargs):
+        _decide(optimizer, kwargs)
+        return None
+    with torch.enable_grad():
+        ran = _ClosureRun(closure, closure())
+    _decide(optimizer, kwargs)
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": ran}
+    return (args[0], ran, *args[2:]), kwargs
+
+
+def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
     if not grad_scaler.stepping():  # a scaler's step: its update() marks the boundary
         _step_boundary()
     if _protected(optimizer, kwargs):
@@ -257,6 +291,10 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
 
 def _post_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> None:
+    if not grad_scaler.stepping():
+        # Backwards inside the step (LBFGS evaluating its closure again) belong to it, not
+        # to the next step: they are no accumulation. A scaler's update() ends its steps.
+        _state.backwards = _state.left_out = 0
     if id(optimizer) in _state.set_found_inf:
         _state.set_found_inf.discard(id(optimizer))
         del optimizer.found_inf  # type: ignore[attr-defined]

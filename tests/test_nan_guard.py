@@ -285,3 +285,39 @@ def test_host_syncs_per_step(guard: str, monkeypatch: pytest.MonkeyPatch, fused:
         return counter[0]
 
     assert count(guarded=True) - count(guarded=False) == expected * 10
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda params: torch.optim.SGD(params, lr=0.05),
+    lambda params: torch.optim.AdamW(params, lr=1e-2),
+    lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=3),
+], ids=["sgd", "adamw", "lbfgs"])
+def test_step_closure_is_judged_on_the_gradients_it_makes(guard: str, make_opt) -> None:
+    """``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS): the closure
+    runs forward and backward inside the step. The guard runs it first and decides on its
+    gradients: the NaN of step 3 is skipped, no parameter is touched by it, and the other
+    steps train (judged before the closure, step 3 would go through on step 2's gradients)."""
+    model = make_model()
+    opt = make_opt(model.parameters())
+    x = torch.randn(8, 16)
+    calls = []
+    for step in range(1, 7):
+        def closure(step: int = step) -> torch.Tensor:
+            calls.append(step)
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            if step == 3:
+                loss = loss * float("nan")
+            loss.backward()
+            return loss
+        before = _snapshot(model, opt)
+        opt.step(closure)
+        if step == 3:
+            assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    stats = patches.stats()["nan_guard"]
+    assert stats["skipped"] == 1 and stats["steps"] == 6
+    assert calls.count(3) == 1  # the bad closure ran once: the skipped step evaluates nothing more
+    assert sorted(set(calls)) == [1, 2, 3, 4, 5, 6]
+    if not isinstance(opt, torch.optim.LBFGS):
+        assert calls == [1, 2, 3, 4, 5, 6]  # run once per step, as without the guard
