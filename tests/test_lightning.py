@@ -1,0 +1,79 @@
+"""Lightning (2.6) automatic optimization: ``optimizer.step(closure)``, with forward,
+backward and clipping inside the closure. One NaN loss at step 3: the guard skips that
+step on its own gradients, in fp32 and bf16-mixed, and every parameter stays finite
+(unpatched, every parameter ends NaN)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import patches
+from patches import nan_guard
+
+lightning = pytest.importorskip("lightning")
+
+pytestmark = pytest.mark.slow  # a real Trainer: a few seconds each
+
+BAD_STEP = 3  # the guard's 1-based count; Lightning's global_step is 2 there
+
+
+class Tiny(lightning.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.global_step == BAD_STEP - 1:
+            loss = loss * float("nan")
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                              torch.randn(64, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _fit(tmp_path: Path, precision: str) -> Tiny:
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    model = Tiny()
+    trainer = lightning.Trainer(max_steps=8, accelerator="cpu", devices=1, precision=precision,
+                                logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False,
+                                gradient_clip_val=1.0, default_root_dir=str(tmp_path))
+    trainer.fit(model)
+    return model
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightning_nan_step_is_skipped_on_its_own_gradients(clean_patches, tmp_path,
+                                                             precision: str) -> None:
+    nan_guard.reset()
+    patches.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
+    model = _fit(tmp_path, precision)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    stats = patches.stats()["nan_guard"]
+    assert stats["steps"] == 8 and stats["skipped"] == 1, stats
+    events = [json.loads(line) for line in
+              (tmp_path / "evidence" / "nonfinite_events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["kind"], e["loss"]) for e in events] == \
+        [(BAD_STEP, "nonfinite_loss", "NaN")], events
+    assert events[0]["nonfinite_grads"] == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+
+
+def test_lightning_unpatched_nan_step_ruins_every_parameter(clean_patches, tmp_path) -> None:
+    """The control: the same run without the guard."""
+    model = _fit(tmp_path, "32-true")
+    assert not any(bool(torch.isfinite(p).all()) for p in model.parameters())
