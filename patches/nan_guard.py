@@ -13,6 +13,7 @@ Design: docs/design/nan_guard.md
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import math
@@ -477,6 +478,22 @@ def _log_stats() -> None:
          "non-finite gradients %d, loss spikes %d%s)", _state.host_steps, counts["skipped"],
          counts["steps"], counts["nonfinite_losses"], counts["nonfinite_grads"], counts["spikes"],
          f", skipped for another rank {counts['peer_skips']}" if _dist.world_size() > 1 else "")
+
+
+def _settle_at_exit() -> None:
+    """Fused steps whose flags were never read (the last few of a run, below the settle
+    interval): read and recorded at exit, so no skip goes unrecorded. Never raises."""
+    try:
+        _settle_deferred()
+    except Exception as exc:  # noqa: BLE001 - at exit: say it, never fail the process
+        logger.warning("training-patches nan_guard: could not read the last fused steps' "
+                       "flags at exit (%s); up to %d skip(s) may be unrecorded",
+                       exc, len(_state.deferred))
+
+
+# Registered after patches._run's own handler (imported above), so it runs before it: the
+# records it writes are retried by _run at exit if their file cannot be written.
+atexit.register(_settle_at_exit)
 
 
 def stats() -> dict[str, int]:

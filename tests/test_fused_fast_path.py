@@ -180,3 +180,36 @@ def test_fused_scheduler_hold_reads_the_flag(guard: str) -> None:
         sched.step()
         lrs.append(opt.param_groups[0]["lr"])
     assert lrs == [0.5, 0.5, 0.25, 0.125]
+
+
+@pytest.mark.slow
+def test_fused_skip_near_the_end_is_recorded_at_exit(tmp_path) -> None:
+    """A fused step's flag is read in batches (no host read per step): a skip in the last
+    steps of a run, below the settle interval, is read and recorded when the process exits,
+    with nothing in the script asking for it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent(f"""
+        import patches.auto
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for step in range(1, 7):
+            opt.zero_grad()
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            (loss * float("nan") if step == 5 else loss).backward()
+            opt.step()
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    """))
+    env = {**os.environ, "TRAINING_PATCHES_OUTPUT_DIR": str(tmp_path / "out"),
+           "TRAINING_PATCHES_QUIET": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in
+              (tmp_path / "out" / nan_guard.EVENTS_FILE).read_text().splitlines()]
+    assert [(e["step"], e["kind"]) for e in events] == [(5, "nonfinite_loss")], events
