@@ -41,10 +41,15 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors")
 batch_ids: list[str] = []  # sample identifiers of the batch being trained on
 trainer_step: int | None = None  # the trainer's own step counter, when an integration knows it
 
-# Names of the files the patches write into a run's folder (kept by the coqui integration
-# when coqui would remove a run folder that holds no checkpoint).
-OWN_FILES = ("nonfinite_events.jsonl", "dropped_samples.jsonl", "oom_events.jsonl",
-             "loss_scale.jsonl", "training_patches.log")
+# The files the patches write into a run's folder, named here only (the patches that write
+# them and `report`, which reads them, take these names).
+EVENTS_FILE = "nonfinite_events.jsonl"  # nan_guard: bad steps and micro-batches
+DROPPED_FILE = "dropped_samples.jsonl"  # dataset_guard: samples left out
+OOM_FILE = "oom_events.jsonl"  # oom_guard: out-of-memory batches
+SCALE_FILE = "loss_scale.jsonl"  # grad_scaler: loss-scale changes
+LOG_FILE = "training_patches.log"
+# (kept by the coqui integration when coqui would remove a run folder with no checkpoint)
+OWN_FILES = (EVENTS_FILE, DROPPED_FILE, OOM_FILE, SCALE_FILE, LOG_FILE)
 
 
 def own_files_in(folder: str) -> list[str]:

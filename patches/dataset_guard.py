@@ -23,7 +23,7 @@ from ._log import info, logger
 from ._options import Option, share
 from ._registry import PatchSpec, register
 
-REPORT_NAME = "dropped_samples.jsonl"
+REPORT_NAME = _run.DROPPED_FILE
 
 
 class DatasetUnusableError(RuntimeError):

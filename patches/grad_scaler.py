@@ -71,7 +71,7 @@ STATE_KEY = "training_patches"
 # One JSON line per overflow and per scale change, in the run's report folder: what
 # ``training-patches report`` plots. Written from the host copy of the scale (no sync),
 # so only as often as the scale changes or a step overflows.
-SCALE_FILE = "loss_scale.jsonl"
+SCALE_FILE = _run.SCALE_FILE
 
 # The scaler whose scale() ran last and whose update() has not yet: grad_clip asks
 # it whether the gradients it is clipping are still scaled.

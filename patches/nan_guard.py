@@ -33,7 +33,7 @@ from ._options import (INT64_MAX, ConfigError, Option, flag, nonnegative_float, 
                        window)
 from ._registry import PatchSpec, Site, register
 
-EVENTS_FILE = "nonfinite_events.jsonl"
+EVENTS_FILE = _run.EVENTS_FILE
 
 
 class NonFiniteTrainingError(FloatingPointError):

@@ -126,7 +126,7 @@ def on_oom(exc: BaseException, batch: Any, optimizers: Iterable[torch.optim.Opti
     streak = _state.counts["consecutive_ooms"]
     first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
     event = {"kind": "out_of_memory", "trainer_step": step, **described, "error": first_line}
-    path = _run.append_jsonl("oom_events.jsonl", event)
+    path = _run.append_jsonl(_run.OOM_FILE, event)
     logger.warning(
         "oom_guard: %s ran out of GPU memory (%s); the batch is skipped and its gradients "
         "dropped (%d in a row, the limit is %d); shapes: %s; samples: %s; %s",

@@ -377,3 +377,17 @@ def test_the_lazy_rule_can_fail(tmp_path: Path) -> None:
                       "            y)  # lazy: cycle\n", encoding="utf-8")
     assert unexplained_local_imports({"patches.m": module}) == [
         "patches.m:11 from . import (x,  # lazy:", "patches.m:4 import json"]
+
+
+def test_run_file_names_are_declared_once() -> None:
+    """The files the patches write into a run's folder are named in patches/_run.py only:
+    the patches that write them and the report that reads them take the names from there
+    (a name spelled twice drifts apart, and the report then misses a file)."""
+    from patches import _run
+
+    spelled: dict[str, list[str]] = {name: [] for name in _run.OWN_FILES}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in spelled:
+                spelled[node.value].append(str(path.relative_to(PACKAGE)))
+    assert spelled == {name: ["_run.py"] for name in _run.OWN_FILES}

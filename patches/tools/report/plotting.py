@@ -13,6 +13,7 @@ import textwrap
 from typing import Any
 
 from ..._output import write_file
+from .reading import DROPPED
 from .verdict import Facts, Finding, headline
 
 PANELS = ("Loss", "Loss scale", "Gradient norm", "Learning rate", "Dropped samples by reason")
@@ -147,7 +148,7 @@ def _grad_norm(ax: Any, f: Facts) -> None:
 def _dropped(ax: Any, f: Facts) -> None:
     ax.set_title("Dropped samples by reason")
     if not f.dropped:
-        _empty(ax, "no sample dropped" if f.run.files.get("dropped_samples.jsonl") is not None
+        _empty(ax, "no sample dropped" if f.run.files.get(DROPPED) is not None
                or f.patch_stats else "no dropped_samples.jsonl: no sample dropped, or the "
                                      "dataset guard was off")
         return

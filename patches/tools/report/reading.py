@@ -27,12 +27,12 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import _run
 from ..._log import logger
 
-EVENTS = "nonfinite_events.jsonl"
-DROPPED = "dropped_samples.jsonl"
-OOM = "oom_events.jsonl"
-SCALE = "loss_scale.jsonl"  # patches.grad_scaler.SCALE_FILE
+# the run's own files, named where the patches write them (patches._run)
+EVENTS, DROPPED, OOM, SCALE = (_run.EVENTS_FILE, _run.DROPPED_FILE, _run.OOM_FILE,
+                               _run.SCALE_FILE)
 HEADLESS = "headless_runs.jsonl"  # headlessXttsTrain.RUNS_NAME
 JSONL_FILES = (EVENTS, DROPPED, OOM, SCALE, HEADLESS)
 TB_PREFIX = "events.out.tfevents."
