@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import patches
-from patches import ConfigError, _options, _registry
+from patches import ConfigError, _options, _registry, _upstream
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = {name for name, spec in _registry.specs().items() if spec.default}
@@ -158,12 +158,12 @@ TTS_022_INIT = ("import os\n"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_registry._distribution_version("coqui-tts") is None,
+@pytest.mark.skipif(_upstream.distribution_version("coqui-tts") is None,
                     reason="the point is a vendored TTS beside an installed coqui-tts")
 @pytest.mark.parametrize("order", ["vendored-tts-imported-first", "patches-first"])
 def test_banner_reads_the_version_of_the_tts_actually_imported(tmp_path, order: str) -> None:
     vendor = _vendored_tts(tmp_path, TTS_022_INIT, "0.22.0")
-    installed = _registry._distribution_version("coqui-tts")
+    installed = _upstream.distribution_version("coqui-tts")
     lines = [f"import sys; sys.path.insert(0, {vendor!r})"]
     lines += (["import TTS", "import patches.auto"] if order.startswith("vendored")
               else ["import patches.auto", "import TTS"])
@@ -185,7 +185,7 @@ def test_banner_reads_the_version_of_the_tts_actually_imported(tmp_path, order: 
     assert "coqui-tts 0.22.0" in strict.stderr
 
 
-@pytest.mark.skipif(_registry._distribution_version("coqui-tts") is None,
+@pytest.mark.skipif(_upstream.distribution_version("coqui-tts") is None,
                     reason="the point is a vendored TTS beside an installed coqui-tts")
 def test_a_version_unreadable_before_import_is_checked_at_import(tmp_path) -> None:
     """A vendored TTS whose __version__ is computed: the banner says the version is not
@@ -207,13 +207,13 @@ def test_banner_names_where_each_version_was_read() -> None:
     result = _run("import torch, patches.auto")
     assert result.returncode == 0, result.stderr
     for integ in _registry.integrations().values():
-        version = _registry._distribution_version(integ.distribution)
+        version = _upstream.distribution_version(integ.distribution)
         if version is not None:
             assert (f"{integ.distribution} {version} [package metadata; {integ.module} not "
                     f"imported yet]") in result.stderr
-    if _registry._distribution_version("coqui-tts") is not None:
+    if _upstream.distribution_version("coqui-tts") is not None:
         imported = _run("import TTS, patches.auto")
-        assert f"coqui-tts {_registry._distribution_version('coqui-tts')} [TTS.__version__]" \
+        assert f"coqui-tts {_upstream.distribution_version('coqui-tts')} [TTS.__version__]" \
             in imported.stderr
 
 

@@ -16,7 +16,7 @@ import torch
 
 import patches
 
-from .. import _registry
+from .. import _registry, _upstream
 from .._api import check_settings
 from .._options import OPTIONS, ConfigError, owner_text
 from .._output import STDOUT, OutputRefused, WriteFailed, check_output, tool_json, write_json
@@ -40,7 +40,7 @@ def _upstream_check(dist: str, why: str) -> tuple[str, str, str] | None:
     for integ in _registry.integrations().values():
         if integ.distribution != dist or not integ.module:
             continue
-        found = _registry.upstream_version(integ)
+        found = _upstream.upstream_version(integ)
         if found.version is None and not found.vendored:
             return None  # not installed: the plain check says so
         problem = _registry.version_problem(integ, found)

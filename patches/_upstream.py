@@ -1,0 +1,149 @@
+"""Which version of an upstream package this process runs, or will import: the imported
+module's ``__version__``, else the copy ``import`` would find (the installed distribution's
+metadata, or a vendored package's ``__version__``/``VERSION`` read from its files without
+importing it). Read by the registry (an integration's supported range, the banner) and
+``training-patches doctor``; stdlib only.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+
+@functools.lru_cache(maxsize=None)
+def distribution_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class UpstreamVersion:
+    """The version of an integration's upstream that this process runs (or will import),
+    and where it was read: ``source`` is short (for the banner), ``detail`` names the path.
+
+    ``vendored``: the package that is (or will be) imported is not the installed
+    distribution's copy (a trainer that ships its own ``TTS/``).
+    """
+
+    version: str | None
+    source: str
+    detail: str
+    vendored: bool = False
+
+
+def _package_dir(origin: str | None) -> str:
+    if not origin:
+        return "?"
+    return os.path.dirname(origin) if os.path.basename(origin) == "__init__.py" else origin
+
+
+@functools.lru_cache(maxsize=None)
+def _is_distributions_copy(distribution: str, module: str, origin: str | None) -> bool:
+    """True when ``origin`` (a module's file) is the one ``distribution`` installed."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    if not origin:
+        return True  # a namespace package: nothing to tell apart
+    target = os.path.realpath(origin)
+    if any(os.path.realpath(str(dist.locate_file(candidate))) == target
+           for candidate in (f"{module}/__init__.py", f"{module}.py")):
+        return True
+    source = _editable_source(dist)
+    return source is not None and target.startswith(source + os.sep)
+
+
+def _editable_source(dist: importlib.metadata.Distribution) -> str | None:
+    """The source folder of an editable install (``pip install -e``), from PEP 610's
+    ``direct_url.json``; None for any other install."""
+
+    try:
+        info = json.loads(dist.read_text("direct_url.json") or "{}")
+    except (ValueError, OSError):
+        return None
+    url = urlparse(str(info.get("url", "")))
+    if not (info.get("dir_info") or {}).get("editable") or url.scheme != "file":
+        return None
+    return os.path.realpath(unquote(url.path))
+
+
+def _static_version(package_dir: str) -> str | None:
+    """``__version__ = "x.y"`` in a package's ``__init__.py``, else its ``VERSION`` file
+    (coqui TTS 0.22 reads that one): read without importing the package."""
+    try:
+        tree = ast.parse(open(os.path.join(package_dir, "__init__.py"), encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError):
+        tree = None
+    for node in getattr(tree, "body", []):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets) and \
+                isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return node.value.value
+    try:
+        text = open(os.path.join(package_dir, "VERSION"), encoding="utf-8").read().strip()
+    except OSError:
+        return None
+    return text.splitlines()[0].strip() if text else None
+
+
+def upstream_version(integ: Any) -> UpstreamVersion:
+    """The version of ``integ``'s upstream this process runs: the imported module's
+    ``__version__``; before the import, the copy ``import`` would find (the installed
+    distribution's metadata, or a vendored package's ``__version__``/``VERSION`` read
+    without importing it); package metadata only when the module states no version."""
+    meta = distribution_version(integ.distribution)
+    name = integ.module
+    if not name:
+        return UpstreamVersion(meta, "package metadata", "package metadata")
+    module = sys.modules.get(name)
+    if module is not None:
+        where = _package_dir(getattr(module, "__file__", None))
+        version = getattr(module, "__version__", None)
+        vendored = not _is_distributions_copy(integ.distribution, name,
+                                              getattr(module, "__file__", None))
+        if isinstance(version, str) and version:
+            return UpstreamVersion(version, f"{name}.__version__",
+                                   f"{name}.__version__ of the imported {name} at {where}",
+                                   vendored)
+        return UpstreamVersion(
+            None if vendored else meta,
+            f"{name} has no __version__" + ("" if vendored else "; package metadata"),
+            f"the imported {name} at {where} has no __version__"
+            + (f" and is not {integ.distribution}'s installed copy, so its version is unknown"
+               if vendored else f"; read from {integ.distribution}'s package metadata"),
+            vendored)
+    try:
+        spec = importlib.util.find_spec(name)  # a top-level name: finds, imports nothing
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return UpstreamVersion(None, f"{name} not importable",
+                               f"no {name} package can be imported")
+    origin = spec.origin if spec.origin not in (None, "namespace") else None
+    if _is_distributions_copy(integ.distribution, name, origin):
+        return UpstreamVersion(meta, f"package metadata; {name} not imported yet",
+                               f"{integ.distribution}'s package metadata ({name} not "
+                               f"imported yet)")
+    where = _package_dir(origin)
+    version = _static_version(where)
+    return UpstreamVersion(
+        version, f"{name} at {where}, not imported yet",
+        f"the {name} that will be imported is {where}, not {integ.distribution}'s installed "
+        f"copy" + (f" ({meta})" if meta else "")
+        + (f"; its version {version} read from its files" if version else
+           "; its version could not be read before it is imported"), True)
+
+
+__all__ = ["UpstreamVersion", "distribution_version", "upstream_version"]
