@@ -23,6 +23,7 @@ from torch import nn
 
 import patches
 from patches import checkpoint as ck
+from tiny_models import TinyGPT
 from patches import vocab_freeze  # noqa: F401  (a growth's freeze: if it cannot import, fail)
 from patches.checkpoint import (CheckpointError, CheckpointManager, CheckpointMismatchError,
                                 UnsafeCheckpointError, load_checkpoint)
@@ -30,19 +31,6 @@ from patches.checkpoint import (CheckpointError, CheckpointManager, CheckpointMi
 torch.set_num_threads(1)
 
 HIDDEN = 16
-
-
-class TinyGPT(nn.Module):
-    """IndexTTS-style names: ``text_embedding`` and ``text_head`` at the top level."""
-
-    def __init__(self, vocab: int, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.text_embedding = nn.Embedding(vocab, hidden)
-        self.body = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout))
-        self.text_head = nn.Linear(hidden, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.text_head(self.body(self.text_embedding(tokens)))
 
 
 class XttsLikeGPT(nn.Module):

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from patches.checkpoint import CheckpointManager, check_file, load_checkpoint, manifest_path
+from tiny_models import TinyGPT
 
 torch.set_num_threads(1)
 
@@ -45,19 +46,13 @@ from torch import nn
 torch.set_num_threads(1)
 from patches import SafeGradScaler
 from patches.checkpoint import CheckpointManager, load_checkpoint
+from tiny_models import TinyGPT
 
 VOCAB, HIDDEN = 1500, 192
 
 
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.text_embedding = nn.Embedding(VOCAB, HIDDEN)
-        self.body = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Dropout(0.1))
-        self.text_head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, x):
-        return self.text_head(self.body(self.text_embedding(x)))
+def Model() -> nn.Module:
+    return TinyGPT(VOCAB, HIDDEN, dropout=0.1)
 
 
 def block(log, why):
@@ -206,8 +201,8 @@ class Zygote:
     """A process that imported torch once and forks one training process per run."""
 
     def __init__(self, script: Path) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-                   TRAINING_PATCHES_QUIET="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", TRAINING_PATCHES_QUIET="1",
+                   PYTHONPATH=os.pathsep.join((str(REPO), str(REPO / "tests"))))
         self.running: int | None = None  # a forked run not yet waited for
         self.proc = subprocess.Popen([sys.executable, "-W", "ignore", str(script)], env=env,
                                      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -338,11 +333,7 @@ def _trials(zygote, rng, out, log, user_files, tmp_path) -> None:
         chosen = CheckpointManager(out, keep=KEEP).resume("auto")
         if newest is not None:
             assert chosen is not None and chosen.name == f"ckpt_{newest:09d}.pt"
-            fresh = torch.nn.Module()
-            fresh.text_embedding = torch.nn.Embedding(1500, 192)
-            fresh.body = torch.nn.Sequential(torch.nn.Linear(192, 192), torch.nn.GELU(),
-                                             torch.nn.Dropout(0.1))
-            fresh.text_head = torch.nn.Linear(192, 1500)
+            fresh = TinyGPT(1500, 192, dropout=0.1)  # the worker's model
             report = load_checkpoint(chosen, fresh, freeze=False, restore_rng=False)
             assert report.step == newest
 

@@ -15,23 +15,16 @@ import sys
 
 import pytest
 import torch
+from tiny_models import TinyTextModel
 
 from patches.checkpoint import (CheckpointError, LoadReport, load_checkpoint, warn_weights_only)
 
 LOGGER = "training_patches"
 
 
-class Tiny(torch.nn.Module):
+def Tiny(vocab: int = 20, width: int = 8) -> torch.nn.Module:
     """A text embedding and head (the vocabulary) around one hidden layer."""
-
-    def __init__(self, vocab: int = 20, width: int = 8) -> None:
-        super().__init__()
-        self.text_embedding = torch.nn.Embedding(vocab, width)
-        self.body = torch.nn.Linear(width, width)
-        self.text_head = torch.nn.Linear(width, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.text_head(torch.tanh(self.body(self.text_embedding(ids))))
+    return TinyTextModel(vocab, width, "tanh")
 
 
 def _trained(vocab: int = 20, seed: int = 0):

@@ -2,9 +2,9 @@
 checkpoint loader care about (``text_embedding`` and ``text_head`` of ``vocab`` rows)
 around at most one hidden layer. Importable as ``tiny_models`` (tests/ is on pythonpath).
 
-The many-process tests have their own (tests/distributed/tiny_gpt.py, a residual block
-that its rank scripts import), and test_checkpoint.py keeps its ``TinyGPT`` whose body is an
-``nn.Sequential`` with dropout, addressed by index.
+:class:`TinyGPT` is the same layout with an ``nn.Sequential`` body (Linear, GELU, Dropout:
+optimizer state addressed by index, dropout for the RNG tests). The many-process tests have
+their own (tests/distributed/tiny_gpt.py, a residual block that its rank scripts import).
 """
 
 from __future__ import annotations
@@ -39,3 +39,17 @@ class TinyTextModel(nn.Module):
         if hasattr(self, "body"):
             hidden = self._activation(self.body(hidden))
         return self.text_head(hidden)
+
+
+class TinyGPT(nn.Module):
+    """IndexTTS-style names at the top level: ``text_head(body(text_embedding(tokens)))``
+    with ``body = Sequential(Linear, GELU, Dropout(dropout))``."""
+
+    def __init__(self, vocab: int, hidden: int = 16, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.text_embedding = nn.Embedding(vocab, hidden)
+        self.body = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout))
+        self.text_head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.text_head(self.body(self.text_embedding(tokens)))
