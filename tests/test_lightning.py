@@ -77,3 +77,25 @@ def test_lightning_unpatched_nan_step_ruins_every_parameter(clean_patches, tmp_p
     """The control: the same run without the guard."""
     model = _fit(tmp_path, "32-true")
     assert not any(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_lightning_records_go_to_the_trainers_folder_with_its_step(clean_patches, tmp_path,
+                                                                    monkeypatch) -> None:
+    """With no output folder set, the records go where the Trainer writes (its log_dir:
+    default_root_dir without a logger), and each carries the Trainer's global_step."""
+    from patches import _run
+
+    monkeypatch.delenv("TRAINING_PATCHES_OUTPUT_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)  # ./training_patches would land here: it must stay absent
+    _run.reset()
+    nan_guard.reset()
+    patches.apply(["nan_guard", "grad_clip"])
+    assert patches.status("lightning")["state"] in ("applied", "waiting")
+    try:
+        _fit(tmp_path / "root", "32-true")
+    finally:
+        _run.reset()
+    events = [json.loads(line) for line in
+              (tmp_path / "root" / "nonfinite_events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["trainer_step"]) for e in events] == [(BAD_STEP, BAD_STEP - 1)]
+    assert not (tmp_path / "training_patches").exists()
