@@ -248,14 +248,17 @@ def run_child(command: list[str], console: Path, *, echo: bool = True) -> tuple[
     The child ends with the demo: Ctrl-C, SIGTERM or SIGHUP to the demo goes to the child
     (which finishes its step, writes a checkpoint and exits), then :class:`Interrupted` is
     raised; a demo killed outright takes the child with it (see :func:`_die_with_parent`)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8")
     env.setdefault("OMP_NUM_THREADS", str(min(os.cpu_count() or 1, 2)))
     started = time.monotonic()
     got: list[int] = []
+    # The child writes into the console file itself, not into a pipe to the demo: a demo
+    # killed outright then leaves it a file to write its last lines to (through a pipe
+    # whose reader is gone, its next print would raise BrokenPipeError mid-step, before it
+    # could write its checkpoint). The demo follows the file for the lines it shows.
     with console.open("w", encoding="utf-8") as log:
         # Its own session: a terminal's Ctrl-C reaches the demo only, which passes it on once.
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, encoding="utf-8", errors="replace", env=env,
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, preexec_fn=_die_with_parent)
 
         def forward(signum: int, _frame: object) -> None:
@@ -270,11 +273,23 @@ def run_child(command: list[str], console: Path, *, echo: bool = True) -> tuple[
             previous = {s: signal.signal(s, forward) for s in
                         (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.write(line)
-                if echo and _ECHO.search(line):
-                    print("   | " + line.rstrip()[:200], flush=True)
+            with console.open("r", encoding="utf-8", errors="replace") as reader:
+                partial = ""
+                while True:
+                    ended = proc.poll() is not None  # read once more after it ended
+                    chunk = reader.readline()
+                    while chunk:
+                        partial += chunk
+                        if partial.endswith("\n"):
+                            if echo and _ECHO.search(partial):
+                                print("   | " + partial.rstrip()[:200], flush=True)
+                            partial = ""
+                        chunk = reader.readline()
+                    if ended:
+                        break
+                    time.sleep(0.1)
+                if echo and partial and _ECHO.search(partial):
+                    print("   | " + partial.rstrip()[:200], flush=True)
             rc = proc.wait()
         finally:
             for signum, handler in previous.items():

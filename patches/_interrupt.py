@@ -8,7 +8,8 @@ Ctrl-C does, and the step under way is finished first.
 an ignored signal, as under ``nohup``, are left alone) makes the main thread raise
 :class:`TrainingInterrupted`, a ``KeyboardInterrupt``. Inside :meth:`Interruption.step`
 the first signal waits for the step to end (an optimizer step stopped half-way would leave
-half-updated weights for the checkpoint); a second one raises at once. The process then
+half-updated weights for the checkpoint); a second one raises at once, unless it is the same
+signal within :data:`REPEAT_WINDOW` seconds (one request delivered twice). The process then
 exits with ``128 + the signal number`` (130, 143, 129), as a shell reports a signal.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from typing import Any, Iterator
 
 # SIGHUP does not exist on Windows.
@@ -43,6 +45,12 @@ def _is_default(signum: int, handler: Any) -> bool:
     return handler == signal.SIG_DFL
 
 
+# The same signal again within this many seconds is the same request, delivered twice by
+# machinery, not a user insisting: the kernel's parent-death signal can come once per thread
+# of a dying parent, and a launcher may forward a signal that also reached the process group.
+REPEAT_WINDOW = 2.0
+
+
 class Interruption:
     """One run's interruption: which signal came (``signum``, None while none did), and
     whether a step is under way."""
@@ -51,11 +59,16 @@ class Interruption:
         self.signum: int | None = None
         self.in_step = False
         self.pending = False  # a signal came during a step: raised when it ends
+        self.pending_since = 0.0
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self.in_step and not self.pending:  # the first signal: let the step finish
             self.signum, self.pending = signum, True
+            self.pending_since = time.monotonic()
             return
+        if (self.in_step and self.pending and signum == self.signum
+                and time.monotonic() - self.pending_since < REPEAT_WINDOW):
+            return  # the same request again: the step still finishes
         self.signum = self.signum or signum
         self.pending = False
         raise TrainingInterrupted(self.signum, mid_step=self.in_step)

@@ -5,6 +5,7 @@ line a run writes, and whether a process or a process group still runs."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,12 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "headlessXttsTrain.py"
 
 
+def default_signals() -> None:
+    """In a child, before it runs: SIGINT, SIGTERM and SIGHUP at their default disposition,
+    whatever the test run inherited (under ``nohup`` SIGHUP is ignored, and an ignored
+    signal is one the patches leave alone, rightly)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def start_headless(*args: str, cwd: Path) -> subprocess.Popen[str]:
     """``headlessXttsTrain.py args...`` in a new session; stdout and stderr together."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_signals)
 
 
 def wait_for_text(path: Path, text: str, proc: subprocess.Popen[str],

@@ -134,12 +134,14 @@ def test_the_fine_tune_child_ends_with_the_demo(tmp_path: Path, signame: str) ->
     import time
 
     from processes import alive as _alive
+    from processes import default_signals
 
     out = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--demo", "--output-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=ROOT, start_new_session=True)
+                            env=env, cwd=ROOT, start_new_session=True,
+                            preexec_fn=default_signals)
     runs = out / "finetune" / "headless_runs.jsonl"
     log = out / "finetune" / "train.log"
     child = None
@@ -164,8 +166,25 @@ def test_the_fine_tune_child_ends_with_the_demo(tmp_path: Path, signame: str) ->
         if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
     records = [json.loads(line) for line in runs.read_text(encoding="utf-8").splitlines()]
-    assert records[-1]["event"] == "interrupted" and records[-1]["signal"] == "SIGTERM"
-    assert Path(records[-1]["checkpoint"]).is_file()
+    last = records[-1]
+    text = log.read_text(encoding="utf-8")
+    said = [line for line in text.splitlines() if "interrupted by" in line]
+    assert last["event"] == "interrupted", (records, said)
+    if "--interrupt-after-step" in text and "sending SIGINT" in text:
+        # On a slow machine the demo's own interruption after step 8 came with ours: two
+        # signals in one step. The child then says so and stops at once (a second signal
+        # never waits), writing no checkpoint of a half-done step.
+        assert any("a second signal stopped a step half-way" in line for line in said) \
+            or last["checkpoint"] is not None, (last, said)
+    else:
+        assert last["signal"] == "SIGTERM", (last, said)
+        # A checkpoint written at the interruption; or, when the signal came right after a
+        # periodic save (no step finished since: none is written twice), that save.
+        if last["checkpoint"] is not None:
+            assert Path(last["checkpoint"]).is_file(), (last, said)
+        else:
+            assert "no step finished since the last checkpoint" in said[-1], (last, said)
+            assert list(Path(last["run_folder"]).glob("checkpoint_*.pth")), last
     if signame == "SIGTERM":
         assert proc.returncode == 143, output[-3000:]
         assert "== demo: interrupted by SIGTERM: the fine-tune run was stopped the same way " \
