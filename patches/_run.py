@@ -401,3 +401,9 @@ def live_modules() -> Iterator[Any]:
         # type(), not isinstance(): the latter asks __class__ of lazy deprecated proxies
         if issubclass(type(obj), torch.nn.Module):
             yield obj
+
+
+def outermost(modules: list[Any]) -> list[Any]:
+    """Those of ``modules`` that are not a submodule of another one of them (in order)."""
+    inner = {id(sub) for module in modules for sub in module.modules() if sub is not module}
+    return [module for module in modules if id(module) not in inner]

@@ -342,8 +342,7 @@ def _learn_names(params: list[torch.Tensor]) -> None:
             best, tied = held, [module]
         elif held and held == best:
             tied.append(module)
-    inner = {id(sub) for module in tied for sub in module.modules() if sub is not module}
-    roots = [module for module in tied if id(module) not in inner]
+    roots = _run.outermost(tied)
     if roots:
         watch(_unwrapped(roots[0]))
 

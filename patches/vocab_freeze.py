@@ -674,9 +674,8 @@ def _embeddings_of(params: set[int]) -> list[str]:
     holders = {id(m) for m in modules
                if any(id(p) in params for p in m.parameters(recurse=False))}
     roots = [m for m in modules if any(id(sub) in holders for sub in m.modules())]
-    inner = {id(sub) for model in roots for sub in model.modules() if sub is not model}
     found: list[str] = []
-    for root in (m for m in roots if id(m) not in inner):
+    for root in _run.outermost(roots):
         embeddings = {m.num_embeddings for m in root.modules() if isinstance(m, nn.Embedding)}
         for name, module in root.named_modules():
             if isinstance(module, nn.Embedding):
@@ -720,8 +719,7 @@ def _roots_of(params: set[int]) -> list[nn.Module]:
         if hit is not None and any(id(p) in params for p in hit[0][0][1].parameters()):
             found.append(module)
     # keep the outermost: a module whose own owner is inside another found one is inner
-    inner = {id(sub) for model in found for sub in model.modules() if sub is not model}
-    return [model for model in found if id(model) not in inner]
+    return _run.outermost(found)
 
 
 _seen_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()

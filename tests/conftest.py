@@ -44,6 +44,19 @@ def tiny_xtts_mixed_manifest(tiny_xtts, tiny_xtts_extended_vocab) -> Path:
     return tiny_xtts.write_manifest(texts, "metadata_mixed.csv")
 
 
+@pytest.fixture
+def no_live_freezes():
+    """No freeze left by another test on a model still alive (it would show in
+    ``patches.status("vocab_freeze")``), before and after the test."""
+    from patches.vocab_freeze import live_freezes
+
+    for handle in live_freezes():
+        handle.remove()
+    yield
+    for handle in live_freezes():
+        handle.remove()
+
+
 def write_amharic_base(root: Path):
     """A tiny Amharic XTTS setup for headlessXttsTrain.py: ``root/data`` (6 Amharic clips,
     metadata.csv, a vocab.json with [am]) and ``root/base`` (model.pth and config.json of a

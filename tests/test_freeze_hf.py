@@ -14,6 +14,8 @@ from patches.vocab_freeze import live_freezes
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("no_live_freezes")
+
 BASE, GROWN = 64, 80
 
 
@@ -27,15 +29,6 @@ def _gpt2() -> torch.nn.Module:
     return model
 
 
-
-@pytest.fixture(autouse=True)
-def no_live_freezes():
-    """Freezes other tests left on models still alive would show in status(): none here."""
-    for handle in live_freezes():
-        handle.remove()
-    yield
-    for handle in live_freezes():
-        handle.remove()
 
 def _train(model: torch.nn.Module, steps: int = 3) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -15,18 +15,11 @@ from torch import nn
 import patches
 from patches.vocab_freeze import VocabFreezeError, live_freezes
 
+pytestmark = pytest.mark.usefixtures("no_live_freezes")
+
 BASE, VOCAB, DIM = 8, 12, 4
 
 
-
-@pytest.fixture(autouse=True)
-def no_live_freezes():
-    """Freezes other tests left on models still alive would show in status(): none here."""
-    for handle in live_freezes():
-        handle.remove()
-    yield
-    for handle in live_freezes():
-        handle.remove()
 
 class Gpt2Like(nn.Module):
     """The HF layout: ``wte`` and ``lm_head``, no ``text_embedding``/``text_head``."""
