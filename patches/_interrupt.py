@@ -9,8 +9,10 @@ an ignored signal, as under ``nohup``, are left alone) makes the main thread rai
 :class:`TrainingInterrupted`, a ``KeyboardInterrupt``. Inside :meth:`Interruption.step`
 the first signal waits for the step to end (an optimizer step stopped half-way would leave
 half-updated weights for the checkpoint); a second one raises at once, unless it is the same
-signal within :data:`REPEAT_WINDOW` seconds (one request delivered twice). The process then
-exits with ``128 + the signal number`` (130, 143, 129), as a shell reports a signal.
+signal within :data:`REPEAT_WINDOW` seconds (one request delivered twice). While the
+interruption is handled (:meth:`Interruption.handling`: the checkpoint, the callbacks, the
+``interrupted`` record) no signal cuts it short. The process then exits with
+``128 + the signal number`` (130, 143, 129), as a shell reports a signal.
 """
 
 from __future__ import annotations
@@ -59,19 +61,34 @@ class Interruption:
         self.signum: int | None = None
         self.in_step = False
         self.pending = False  # a signal came during a step: raised when it ends
-        self.pending_since = 0.0
+        self.since = 0.0  # when the first signal came
+        self.in_handling = False  # the interruption is being handled: nothing cuts it short
+        self.absorbed = 0  # signals that came while it was handled, or repeated the first
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        if self.in_step and not self.pending:  # the first signal: let the step finish
-            self.signum, self.pending = signum, True
-            self.pending_since = time.monotonic()
+        now = time.monotonic()
+        if self.in_handling or (signum == self.signum and now - self.since < REPEAT_WINDOW):
+            # the checkpoint and the record of an interruption already under way finish; the
+            # same request delivered twice is one request
+            self.absorbed += 1
             return
-        if (self.in_step and self.pending and signum == self.signum
-                and time.monotonic() - self.pending_since < REPEAT_WINDOW):
-            return  # the same request again: the step still finishes
-        self.signum = self.signum or signum
+        if self.signum is None:
+            self.signum, self.since = signum, now
+        if self.in_step and not self.pending:  # the first signal: let the step finish
+            self.pending = True
+            return
         self.pending = False
         raise TrainingInterrupted(self.signum, mid_step=self.in_step)
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """While the interruption is handled (its checkpoint, the trainer's callbacks, its
+        record), a further signal is absorbed: the process exits when it is done anyway,
+        and a save or a record cut short would lose what the interruption is for."""
+        # Not let go afterwards: once handled, the run is ending, and until the handlers are
+        # put back a late signal would only cut its last steps short.
+        self.in_handling = True
+        yield
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["Interruption"]:

@@ -48,8 +48,10 @@ DROPPED_FILE = "dropped_samples.jsonl"  # dataset_guard: samples left out
 OOM_FILE = "oom_events.jsonl"  # oom_guard: out-of-memory batches
 SCALE_FILE = "loss_scale.jsonl"  # grad_scaler: loss-scale changes
 LOG_FILE = "training_patches.log"
+# a trainer integration: each fit's start, its interruption by a signal, its end
+TRAINER_RUNS_FILE = "trainer_runs.jsonl"
 # (kept by the coqui integration when coqui would remove a run folder with no checkpoint)
-OWN_FILES = (EVENTS_FILE, DROPPED_FILE, OOM_FILE, SCALE_FILE, LOG_FILE)
+OWN_FILES = (EVENTS_FILE, DROPPED_FILE, OOM_FILE, SCALE_FILE, LOG_FILE, TRAINER_RUNS_FILE)
 
 
 def own_files_in(folder: str) -> list[str]:
@@ -217,6 +219,16 @@ def with_rank(record: dict[str, Any]) -> dict[str, Any]:
     (the record's own keys win)."""
     return {"run_id": run_id(), "rank": _dist.rank(), "world_size": _dist.world_size(),
             **record}
+
+
+def record_in(folder: str | os.PathLike[str], name: str, event: str, **fields: Any) -> str:
+    """Append one ``event`` record (with the time, this process, its working directory, rank
+    and run) to this rank's ``name`` in ``folder``, best effort; return the file's path."""
+    record = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(),
+              "cwd": os.getcwd(), **fields}
+    path = os.path.join(os.fspath(folder), rank_file_name(name))
+    append_line(path, json_line(with_rank(record)))
+    return path
 
 
 def append_jsonl(name: str, record: dict[str, Any]) -> str:

@@ -61,11 +61,13 @@ def _holder(lock: Path) -> str:
             f"{found.get('started', '?')})")
 
 
-def lock_folder(folder: str | os.PathLike[str], *, what: str = "run folder") -> Path:
+def lock_folder(folder: str | os.PathLike[str], *, what: str = "run folder",
+                overwritten: str = "checkpoints and config.json") -> Path:
     """Lock ``folder`` for this process (again: nothing to do); returns the lock file.
 
     Raises :class:`RunFolderInUse` when another process holds it. Where the system has no
-    ``flock`` (Windows), nothing is locked."""
+    ``flock`` (Windows, some network mounts) or the lock file cannot be made (a read-only
+    folder), nothing is locked."""
     if fcntl is None:
         return Path(folder) / LOCK_NAME
     folder = Path(folder)
@@ -73,22 +75,28 @@ def lock_folder(folder: str | os.PathLike[str], *, what: str = "run folder") -> 
     lock = folder / LOCK_NAME
     if key in _held:
         return lock
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only or full folder: nothing to lock; the run's own writes say so
+        return lock
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise RunFolderInUse(
             f"training-patches: the {what} {folder} is in use by {_holder(lock)}: two runs "
-            f"in one run folder would overwrite each other's checkpoints and config.json. "
-            f"Nothing was written there. Wait for that run to end (or stop it), or start a "
-            f"new run instead of continuing this one.") from None
+            f"in one folder would overwrite each other's {overwritten}. Nothing was written "
+            f"there. Wait for that run to end (or stop it), or give this run a folder of its "
+            f"own.") from None
     except OSError:  # a file system without flock (some network mounts): not locked
         os.close(fd)
         return lock
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+    try:  # who holds it, for the next one's message; a full disk leaves it unsaid
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+    except OSError:
+        pass
     _held[key] = fd
     return lock
 

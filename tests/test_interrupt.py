@@ -37,3 +37,102 @@ def test_the_same_signal_again_later_is_a_user_insisting(monkeypatch) -> None:
     stop = _step_with([signal.SIGINT, signal.SIGINT], monkeypatch,
                       gap=_interrupt.REPEAT_WINDOW + 0.5)
     assert stop.name == "SIGINT" and stop.mid_step
+
+
+def test_no_signal_cuts_the_handling_of_an_interruption_short(monkeypatch) -> None:
+    """The checkpoint, the callbacks and the record of an interruption are written whatever
+    comes next: the same signal again (even after the window) or another one."""
+    clock = iter(range(100))
+    monkeypatch.setattr(_interrupt.time, "monotonic",
+                        lambda: next(clock) * (_interrupt.REPEAT_WINDOW + 1))
+    interruption = Interruption()
+    with pytest.raises(TrainingInterrupted):
+        interruption._on_signal(signal.SIGTERM, None)
+    done = []
+    with interruption.handling():
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+            interruption._on_signal(signum, None)  # would raise outside handling()
+        done.append("record written")
+    assert done == ["record written"] and interruption.absorbed == 3
+    assert interruption.signum == signal.SIGTERM  # the exit code stays the first signal's
+
+
+def test_the_same_signal_again_at_once_outside_a_step_is_one_request(monkeypatch) -> None:
+    """Between the first signal's exception and its handling (the trainer unwinding), the
+    same request delivered again does not raise a second time."""
+    clock = iter(range(100))
+    monkeypatch.setattr(_interrupt.time, "monotonic", lambda: next(clock) * 0.1)
+    interruption = Interruption()
+    with pytest.raises(TrainingInterrupted):
+        interruption._on_signal(signal.SIGHUP, None)
+    interruption._on_signal(signal.SIGHUP, None)
+    assert interruption.absorbed == 1
+
+
+def _trainer_runs(folder) -> list[dict]:
+    import json
+
+    path = folder / "trainer_runs.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.mark.xtts
+@pytest.mark.slow
+def test_a_coqui_trainer_stopped_by_a_signal_is_recorded_and_reported_interrupted(
+        tiny_xtts, tmp_path) -> None:
+    """Any coqui Trainer, not only headlessXttsTrain.py: SIGTERM after step 2 ends the run
+    with 143 and a checkpoint; the signals that come while that is written (the same one
+    again, Ctrl-C) do not cut it short; the run folder's trainer_runs.jsonl says start,
+    interrupted; ``report`` calls the run interrupted. A run that ends says finished."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainer import Trainer, TrainerArgs
+
+    import patches
+
+    patches.apply()
+
+    def trainer_for(config, **callbacks):
+        return Trainer(TrainerArgs(), config, config.output_path,
+                       model=tiny_xtts.make_model(config),
+                       train_samples=tiny_xtts.samples(config), eval_samples=None,
+                       parse_command_line_args=False, callbacks=callbacks)
+
+    whole = trainer_for(tiny_xtts.make_config(tmp_path / "whole", epochs=1))
+    whole.fit()
+    assert [r["event"] for r in _trainer_runs(Path(whole.output_path))] == ["start", "finished"]
+
+    done: list[str] = []
+
+    def step_end(trainer) -> None:
+        if trainer.total_steps_done == 2 and not done:
+            done.append("SIGTERM sent")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_interrupt(trainer) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the machine says it again
+        os.kill(os.getpid(), signal.SIGINT)  # and someone presses Ctrl-C
+        done.append("callbacks ended")
+
+    config = tiny_xtts.make_config(tmp_path / "runs", epochs=20)
+    stopped = trainer_for(config, on_train_step_end=step_end,
+                          on_keyboard_interrupt=on_interrupt)
+    with pytest.raises(SystemExit) as stop:
+        stopped.fit()
+    assert stop.value.code == 143
+    assert done == ["SIGTERM sent", "callbacks ended"]
+    folder = Path(stopped.output_path)
+    records = _trainer_runs(folder)
+    assert [r["event"] for r in records] == ["start", "interrupted"]
+    last = records[-1]
+    assert last["signal"] == "SIGTERM" and last["step"] == stopped.total_steps_done
+    assert Path(last["checkpoint"]).is_file()
+    report = subprocess.run([sys.executable, "-m", "patches", "report", str(tmp_path / "runs"),
+                             "--no-picture"], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    assert "verdict: interrupted" in report.stdout, report.stdout + report.stderr
+    assert f"stopped by SIGTERM at trainer step {last['step']}" in report.stdout
+    assert "(trainer_runs.jsonl)" in report.stdout

@@ -147,3 +147,40 @@ def test_two_headless_runs_into_one_output_folder_never_share_a_run_folder(
     verdicts = {Path(r["folder"]): r["verdict"] for r in runs}
     assert verdicts[folder] == "interrupted" and "interrupted" not in [
         v for f, v in verdicts.items() if f != folder]
+
+
+def test_two_plain_loops_never_save_into_one_checkpoint_folder(tmp_path: Path) -> None:
+    """Issue 26 item 3 for a plain loop: a second process whose CheckpointManager saves into
+    a folder another live run saves into gets one paragraph before it writes anything (it
+    would prune, replace and resume the first run's checkpoints); the first run's files are
+    as they were; reading the folder (resume) needs no lock; the holder gone, it is free."""
+    import torch
+
+    from patches import CheckpointError, CheckpointManager
+
+    folder = tmp_path / "ckpts"
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the first run: saves step 5, then trains on
+        try:
+            CheckpointManager(folder).save(5, torch.nn.Linear(2, 2))
+            os.write(ready_w, b"1")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        before = {p.name: p.read_bytes() for p in folder.iterdir()}
+        second = CheckpointManager(folder)
+        assert second.resume("auto") == folder / "ckpt_000000005.pt"  # reading is free
+        with pytest.raises(CheckpointError) as info:
+            second.save(1, torch.nn.Linear(2, 2))
+        message = str(info.value)
+        assert f"checkpoint folder {folder} is in use by process {pid} on " in message
+        assert "Nothing was written there" in message and len(message.splitlines()) == 1
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    finally:
+        os.write(go_w, b"1")
+        os.waitpid(pid, 0)
+    assert second.save(6, torch.nn.Linear(2, 2)).is_file()  # its holder ended: free

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import _dist, _run
+from .._runlock import RunFolderInUse, lock_folder
 from .._version import __version__
 from .._log import info
 from . import _collective
@@ -108,6 +109,7 @@ class CheckpointManager:
         self.pattern = re.compile(rf"^{re.escape(prefix)}_(\d+)\.pt$")
         self.folder_pattern = re.compile(rf"^{re.escape(prefix)}_(\d+){re.escape(DCP_SUFFIX)}$")
         self._shared_checked = False  # whether every rank was shown to see this folder
+        self._claimed = False  # whether this process (the writer) holds the folder's lock
         # A plain loop names no run folder: its reports (nonfinite_events.jsonl, ...) go
         # beside its checkpoints unless set_output_dir / TRAINING_PATCHES_OUTPUT_DIR says
         # otherwise (a torch.save path does the same, see patches._run.saw_checkpoint).
@@ -146,6 +148,9 @@ class CheckpointManager:
         _run.saw_checkpoint_folder(self.output_dir)  # the folder of the newest save wins
         if self._collective():
             self._check_shared()
+            _collective.on_writer(self._claim)
+        else:
+            self._claim()
         if is_sharded_model(model):
             return save_sharded(self, step, model, optimizer, scheduler, scaler, extra)
         if not self._collective():
@@ -357,6 +362,24 @@ class CheckpointManager:
                 lambda: self._resume(which, verify_hash=verify_hash,
                                      allow_nonfinite=allow_nonfinite))
         return self._resume(which, verify_hash=verify_hash, allow_nonfinite=allow_nonfinite)
+
+    def _claim(self) -> None:
+        """The writer's lock on the folder, taken at its first save and held until the
+        process ends (:func:`patches._runlock.lock_folder`): two runs saving into one folder
+        would prune, replace and resume each other's checkpoints. A second process saving
+        there gets :class:`CheckpointError`, one paragraph, before it writes anything.
+        Reading (``resume``, an evaluation script watching the folder) takes no lock."""
+        if self._claimed:
+            return
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return  # the save itself says why the folder cannot be written
+        try:
+            lock_folder(self.output_dir, what="checkpoint folder", overwritten="checkpoints")
+        except RunFolderInUse as exc:
+            raise CheckpointError(str(exc)) from None
+        self._claimed = True
 
     def _check_shared(self) -> None:
         """Under a process group, once per manager: ``output_dir`` must be one folder that

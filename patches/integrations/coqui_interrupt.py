@@ -15,17 +15,23 @@ process outright: no checkpoint, no callback, no message. Here, for the three si
   epoch's best-model save) waits for it to end (a second one does not wait).
 - ``Trainer._fit``: the interruption is handled here, inside upstream's ``fit``: a checkpoint
   when a step finished since the last one (and ``save_on_interrupt`` is on), the
-  ``on_keyboard_interrupt`` callbacks, one WARNING line.
+  ``on_keyboard_interrupt`` callbacks, one WARNING line, an ``interrupted`` record; no
+  further signal cuts this short.
+- Each ``fit`` records its ``start`` and its end (``finished`` or ``interrupted``) in the
+  run folder's ``trainer_runs.jsonl``: ``report`` names a run stopped by a signal and not
+  continued since as interrupted.
 - ``Trainer.save_checkpoint``: remembers the step of the last checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import _run
 from .._interrupt import Interruption, TrainingInterrupted
 from .._log import logger
 
@@ -49,10 +55,12 @@ def make_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
         interruption = Interruption()
         _interruptions[self] = interruption
         _started_at[self] = _steps(self)
+        _record(self, "start")
         with interruption.installed():
             original(self)
         if interruption.signum is not None:
             raise SystemExit(128 + interruption.signum)
+        _record(self, "finished")
 
     fit._training_patch = PATCH  # type: ignore[attr-defined]
     return fit
@@ -96,9 +104,11 @@ def make_inner_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
         try:
             original(self)
         except TrainingInterrupted as stop:
-            if _interruptions.get(self) is None:
+            interruption = _interruptions.get(self)
+            if interruption is None:
                 raise
-            on_interrupt(self, stop)
+            with interruption.handling():
+                on_interrupt(self, stop)
 
     _fit._training_patch = PATCH  # type: ignore[attr-defined]
     return _fit
@@ -127,11 +137,22 @@ def on_interrupt(trainer: Any, stop: TrainingInterrupted) -> None:
         trainer.save_checkpoint()
         saved = (f"checkpoint_{steps}.pth written; continue from that run folder "
                  f"(continue_path)")
+    checkpoint = folder / f"checkpoint_{steps}.pth"
+    _record(trainer, "interrupted", signal=stop.name,
+            checkpoint=str(checkpoint) if checkpoint.is_file() else None)
     logger.warning("training-patches: interrupted by %s after trainer step %d in %s: %s",
                    stop.name, steps, folder, saved)
     callbacks = getattr(trainer, "callbacks", None)
     if callbacks is not None:
         callbacks.on_keyboard_interrupt(trainer)
+
+
+def _record(trainer: Any, event: str, **fields: Any) -> None:
+    """One line in the run folder's ``trainer_runs.jsonl`` (best effort, as every record)."""
+    folder = getattr(trainer, "output_path", None)
+    if folder and os.path.isdir(folder):
+        _run.record_in(folder, _run.TRAINER_RUNS_FILE, event, run_folder=str(folder),
+                       step=_steps(trainer), **fields)
 
 
 def interrupted_by(trainer: Any) -> str | None:

@@ -34,7 +34,8 @@ from ..._log import logger
 EVENTS, DROPPED, OOM, SCALE = (_run.EVENTS_FILE, _run.DROPPED_FILE, _run.OOM_FILE,
                                _run.SCALE_FILE)
 HEADLESS = "headless_runs.jsonl"  # headlessXttsTrain.RUNS_NAME
-JSONL_FILES = (EVENTS, DROPPED, OOM, SCALE, HEADLESS)
+TRAINER_RUNS = _run.TRAINER_RUNS_FILE  # a trainer integration's starts, ends, interruptions
+JSONL_FILES = (EVENTS, DROPPED, OOM, SCALE, HEADLESS, TRAINER_RUNS)
 TB_PREFIX = "events.out.tfevents."
 # Files that make a folder a trainer's own run folder, not only an output folder above one.
 _RUN_FILES = (EVENTS, OOM, SCALE)

@@ -221,14 +221,19 @@ def _names_folder(recorded: Any, folder: str) -> bool:
 
 
 def _interruption(run: Run) -> dict[str, Any] | None:
-    """The run's last start/stop record (headless_runs.jsonl) when it is ``interrupted``: a
-    run stopped by a signal and not (yet) continued to its end."""
-    last = None
-    for record in run.get(reading.HEADLESS):
-        if (record.get("event") in ("start", "interrupted", "finished", "failed")
-                and _names_folder(record.get("run_folder"), run.folder)):
-            last = record
-    return last if last is not None and last.get("event") == "interrupted" else None
+    """The run's interruption, when its last start/stop record says it was stopped by a
+    signal and not (yet) continued to its end: headless_runs.jsonl (headlessXttsTrain.py)
+    or, for any coqui Trainer, the run folder's trainer_runs.jsonl. Either file's last
+    record of this folder counts (the headless one, with more to say, first)."""
+    for name in (reading.HEADLESS, reading.TRAINER_RUNS):
+        last = None
+        for record in run.get(name):
+            if (record.get("event") in ("start", "interrupted", "finished", "failed")
+                    and _names_folder(record.get("run_folder"), run.folder)):
+                last = record
+        if last is not None and last.get("event") == "interrupted":
+            return {**last, "recorded_in": name}
+    return None
 
 
 def _cause_rank(kind: str) -> int:
@@ -409,7 +414,7 @@ def verdict(f: Facts) -> list[Finding]:
             f"{stop.get('step', '?')} and not continued since; "
             + (f"{os.path.basename(str(checkpoint))} was written: continue it with "
                f"--resume auto" if checkpoint else "no checkpoint was written then")
-            + " (headless_runs.jsonl)")))
+            + f" ({stop.get('recorded_in', reading.HEADLESS)})")))
     not_checked = list(f.not_checked)
     if f.freeze is not None and f.freeze.get("checked") is False:
         not_checked.append(f"the frozen rows: {f.freeze['detail']}")
