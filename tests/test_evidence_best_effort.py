@@ -264,17 +264,23 @@ def _coqui_run(tiny_xtts, run: Path, output_dir: Path) -> tuple[list[torch.Tenso
 
 @pytest.mark.xtts
 @pytest.mark.slow
+@pytest.mark.parametrize("fault,errno_text", [("full_disk", "[Errno 28]"),
+                                              ("read_only_disk", "[Errno 30]")])
 def test_the_coqui_trainer_on_a_full_disk_trains_as_with_a_writable_folder(
-        tiny_xtts, full_disk: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tiny_xtts, fault: str, errno_text: str, tmp_path: Path,
+        request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> None:
+    """The coqui Trainer whose report folder is full, or read-only: the same parameters as
+    with a writable one, the bad step skipped, one WARNING naming the file and the error."""
     patches.apply()
     expected, batches = _coqui_run(tiny_xtts, tmp_path / "run_a", tmp_path / "fine")
     assert batches == 8  # 7 batches, the bad one replayed once to find its source
+    folder = request.getfixturevalue(fault)
     caplog.set_level(logging.WARNING, logger="training_patches")
     caplog.clear()
-    params, batches = _coqui_run(tiny_xtts, tmp_path / "run_b", full_disk)
+    params, batches = _coqui_run(tiny_xtts, tmp_path / "run_b", folder)
     assert batches == 8  # the whole epoch ran after the bad batch
     assert all(torch.equal(a, b) for a, b in zip(params, expected))
     assert patches.stats()["nan_guard"]["skipped"] == 1
     (warning,) = _warnings(caplog, "could not write")
-    assert f"could not write to {full_disk / EVENTS} (OSError: [Errno 28]" in warning
+    assert f"could not write to {folder / EVENTS} (OSError: {errno_text}" in warning
     assert patches.stats()["evidence"]["waiting"] == 1
