@@ -171,14 +171,9 @@ def test_the_fine_tune_child_ends_with_the_demo(tmp_path: Path, signame: str) ->
     last = records[-1]
     text = log.read_text(encoding="utf-8")
     said = [line for line in text.splitlines() if "interrupted by" in line]
-    if signame == "SIGKILL" and last["event"] == "start" and not said:
-        # What the issue asks of a demo killed outright: its child never trains on alone
-        # (checked above: it ended). About 1 run in 8 on a loaded machine, the orphaned
-        # child ended during a checkpoint write without its record (under investigation,
-        # see the stop's note); the SIGTERM case below must always save and record.
-        assert proc.returncode == -signal.SIGKILL
-        shutil.rmtree(out)
-        return
+    # The orphaned child's death signal can come more than once (per thread of the dying
+    # demo), also while its checkpoint is written: no signal cuts that short any more, so
+    # its record is there in every case (it used to be lost about 1 run in 8).
     assert last["event"] == "interrupted", (records, said)
     if "--interrupt-after-step" in text and "sending SIGINT" in text:
         # On a slow machine the demo's own interruption after step 8 came with ours: two
