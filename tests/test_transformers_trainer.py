@@ -1,7 +1,8 @@
 """The Hugging Face ``transformers.Trainer`` (5.x) with its default fused AdamW
 (``adamw_torch_fused``): one NaN loss at HF global step 3 is skipped exactly (the run ends
 bit-identical to one whose data never had that batch), the record is in ``output_dir``
-with that global step when ``train()`` returns."""
+with that global step when ``train()`` returns, and ``TRAINING_PATCHES_BASE_VOCAB`` keeps
+a grown, tied GPT-2's base rows bit-identical through ``Trainer.train``."""
 
 from __future__ import annotations
 
@@ -165,3 +166,20 @@ def test_integration_off_records_go_elsewhere_with_no_trainer_step(run_state, tm
     events = _events(tmp_path / "training_patches" / _run.EVENTS_FILE)
     assert [(e["step"], e["trainer_step"]) for e in events] == [(BAD + 1, None)]
 
+
+def test_base_vocab_rows_stay_bit_identical_through_trainer_train(
+        run_state, no_live_freezes, tmp_path) -> None:
+    """TRAINING_PATCHES_BASE_VOCAB on a grown, tied GPT-2 trained by Trainer.train (fused
+    AdamW): the base rows of wte (which is lm_head) bit-identical, the new rows learn."""
+    grown = VOCAB + 8
+    patches.apply(["nan_guard", "grad_clip", "vocab_freeze"], base_vocab=VOCAB)
+    model = _model()
+    model.resize_token_embeddings(grown)
+    wte = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is wte  # tied
+    before = wte.detach().clone()
+    _train(tmp_path / "out", _rows(high=grown), model)
+    assert torch.equal(wte[:VOCAB], before[:VOCAB])
+    assert (wte[VOCAB:] - before[VOCAB:]).abs().min().item() > 0  # every new row learned
+    assert patches.status("vocab_freeze")["detail"] == \
+        f"frozen {VOCAB} rows of {grown} in transformer.wte.weight"
