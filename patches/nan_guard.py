@@ -5,8 +5,8 @@ a bad step leaves parameters, moments and step counts as they were, is recorded 
 ``nonfinite_events.jsonl`` (:data:`EVENTS_FILE`) and, after ``max_bad_steps`` in a row,
 stops the run with :class:`NonFiniteTrainingError`. Steps a GradScaler protects are left
 to it. Public: :func:`observe_loss`, :func:`expect_accumulation`, :func:`watch`,
-:func:`set_replay`, :func:`find_nonfinite_source`, :func:`stats`, :func:`load_stats`,
-:func:`reset`, ``SPEC``.
+:func:`set_replay`, :func:`find_nonfinite_source`, :func:`settle`, :func:`stats`,
+:func:`load_stats`, :func:`reset`, ``SPEC``.
 
 Design: docs/design/nan_guard.md
 """
@@ -477,6 +477,13 @@ def _log_stats() -> None:
          "non-finite gradients %d, loss spikes %d%s)", _state.host_steps, counts["skipped"],
          counts["steps"], counts["nonfinite_losses"], counts["nonfinite_grads"], counts["spikes"],
          f", skipped for another rank {counts['peer_skips']}" if _dist.world_size() > 1 else "")
+
+
+def settle() -> None:
+    """Read the fused steps' waiting skip flags now and record their skips: a trainer calls
+    it where its records must be complete (a save, the end of training), not only at exit.
+    May raise :class:`NonFiniteTrainingError`, as the step that read them would."""
+    _settle_deferred()
 
 
 def _settle_at_exit() -> None:

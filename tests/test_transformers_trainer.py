@@ -1,0 +1,185 @@
+"""The Hugging Face ``transformers.Trainer`` (5.x) with its default fused AdamW
+(``adamw_torch_fused``): one NaN loss at HF global step 3 is skipped exactly (the run ends
+bit-identical to one whose data never had that batch), the record is in ``output_dir``
+with that global step when ``train()`` returns, and ``TRAINING_PATCHES_BASE_VOCAB`` keeps
+a grown, tied GPT-2's base rows bit-identical through ``Trainer.train``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import patches
+from patches import _run, nan_guard
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow  # real Trainer runs: a few seconds each
+
+BAD = 3  # the poisoned batch: HF's global_step when it starts (the guard's step 4)
+BATCHES, BATCH, LENGTH, VOCAB = 8, 2, 16, 64
+
+
+class PoisonableGPT2(transformers.GPT2LMHeadModel):
+    """GPT-2 whose loss is NaN on a batch marked ``poison``: the NaN reaches every
+    gradient through backward, as a real overflow would."""
+
+    def forward(self, input_ids: Any = None, labels: Any = None, poison: Any = None,
+                **kwargs: Any) -> Any:
+        out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        if poison is not None and bool(poison.any()):
+            out.loss = out.loss * float("nan")
+        return out
+
+
+def _model(vocab: int = VOCAB) -> PoisonableGPT2:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    # no dropout: the skipped step's forward must draw no RNG the other run does not draw
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=vocab,
+                                     n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    return PoisonableGPT2(config)
+
+
+def _rows(leave_out: int | None = None, poison: int | None = None,
+          high: int = VOCAB) -> list[dict[str, torch.Tensor]]:
+    """``BATCHES`` batches of samples in order (sequential sampler); batch ``poison``
+    marked, batch ``leave_out`` left out."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, high, (BATCHES * BATCH, LENGTH), generator=g)
+    return [{"input_ids": ids[i], "labels": ids[i],
+             "poison": torch.tensor(float(i // BATCH == poison))}
+            for i in range(BATCHES * BATCH) if i // BATCH != leave_out]
+
+
+def _train(output_dir: Path, rows: list[dict[str, torch.Tensor]],
+           model: torch.nn.Module | None = None) -> Any:
+    model = model if model is not None else _model()
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=len(rows) // BATCH,
+        per_device_train_batch_size=BATCH, report_to=[], save_strategy="no", use_cpu=True,
+        logging_steps=1000, seed=0, learning_rate=1e-2, lr_scheduler_type="constant",
+        train_sampling_strategy="sequential", disable_tqdm=True)
+    assert args.optim == "adamw_torch_fused"  # transformers' default with torch >= 2.8
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    return trainer
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def run_state(clean_patches, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """No output folder set, the working directory in tmp_path (./training_patches would
+    land there), the guard's and the run's state fresh before and after."""
+    monkeypatch.delenv("TRAINING_PATCHES_OUTPUT_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    _run.reset()
+    nan_guard.reset()
+    yield
+    nan_guard.reset()
+    _run.reset()
+
+
+def test_nan_step_is_skipped_exactly_and_recorded_in_output_dir(run_state, tmp_path) -> None:
+    """The run with the poisoned batch ends bit-identical to the run that never had it:
+    the fused kernel skipped that step whole (parameters, moments, Adam's step count).
+    The scheduler did step on the skipped step (HF gates it only on accelerate's fp16
+    scaler; the guard's default lr_step_on_skip=1 lets it): with a constant LR it changes
+    nothing, with a decaying one the two runs could not be compared."""
+    patches.apply(["nan_guard", "grad_clip"])
+    assert patches.status("transformers_trainer")["state"] in ("applied", "waiting")
+    poisoned = _train(tmp_path / "out", _rows(poison=BAD))
+    # (b) on disk when train() returns (the fused flags are read at on_train_end, not at exit)
+    events = _events(tmp_path / "out" / _run.EVENTS_FILE)
+    assert [(e["step"], e["trainer_step"], e["kind"], e["loss"]) for e in events] == \
+        [(BAD + 1, BAD, "nonfinite_loss", "NaN")], events
+    # the fused fast path: the flag waited on the device until on_train_end read it
+    assert poisoned.optimizer.optimizer.defaults["fused"] is True
+    assert events[0]["read_at_step"] == BATCHES
+    assert not (tmp_path / "training_patches").exists()
+    assert patches.stats()["nan_guard"]["skipped"] == 1
+    assert poisoned.lr_scheduler.last_epoch == BATCHES  # the scheduler stepped on the skip
+
+    nan_guard.reset()
+    clean = _train(tmp_path / "clean", _rows(leave_out=BAD))
+    assert not (tmp_path / "clean" / _run.EVENTS_FILE).exists()
+    # (a) exact: every parameter, and Adam's state, as if the batch had never been there
+    got, want = poisoned.model.state_dict(), clean.model.state_dict()
+    assert got.keys() == want.keys()
+    assert [k for k in got if not torch.equal(got[k], want[k])] == []
+    start = _model().state_dict()
+    assert all(not torch.equal(got[k], start[k]) for k in got if "weight" in k)  # it trained
+    steps = {float(s["step"]) for s in poisoned.optimizer.state_dict()["state"].values()}
+    assert steps == {BATCHES - 1.0}  # the skipped step did not advance the step count
+
+
+class _EventsAt(transformers.TrainerCallback):
+    """Notes, at each step's start, whether the events file is in output_dir."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, bool] = {}
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.seen[state.global_step] = (Path(args.output_dir) / _run.EVENTS_FILE).exists()
+
+
+def test_a_skip_before_a_save_is_recorded_by_the_save(run_state, tmp_path) -> None:
+    """A save right after the bad step (global step BAD + 1) reads the fused flags: the
+    record is on disk before the next step, not only every 25 steps or at the end."""
+    patches.apply(["nan_guard", "grad_clip"])
+    model, probe = _model(), _EventsAt()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=BATCHES, per_device_train_batch_size=BATCH,
+        report_to=[], save_strategy="steps", save_steps=BAD + 1, use_cpu=True,
+        logging_steps=1000, seed=0, lr_scheduler_type="constant",
+        train_sampling_strategy="sequential", disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=_rows(poison=BAD),
+                         callbacks=[probe]).train()
+    assert probe.seen == {step: step >= BAD + 1 for step in range(BATCHES)}
+    assert (tmp_path / "out" / f"checkpoint-{BAD + 1}").is_dir()
+
+
+def test_unpatched_nan_step_ruins_the_model(run_state, tmp_path) -> None:
+    """The control: upstream steps the fused AdamW on the NaN gradients (it filters the NaN
+    out of the logged loss only)."""
+    trainer = _train(tmp_path / "out", _rows(poison=BAD))
+    assert all(not bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+
+
+def test_integration_off_records_go_elsewhere_with_no_trainer_step(run_state, tmp_path) -> None:
+    """With the integration left off, the generic guard still skips the step, but nothing
+    is in output_dir when train() returns; the record, written at the next read of the
+    flags, lands in ./training_patches with no trainer step."""
+    patches.apply(["nan_guard", "grad_clip"], disable=["transformers_trainer"])
+    _train(tmp_path / "out", _rows(poison=BAD))
+    assert not (tmp_path / "out" / _run.EVENTS_FILE).exists()
+    assert patches.stats()["nan_guard"]["skipped"] == 1  # reads the flags: the record is written
+    events = _events(tmp_path / "training_patches" / _run.EVENTS_FILE)
+    assert [(e["step"], e["trainer_step"]) for e in events] == [(BAD + 1, None)]
+
+
+def test_base_vocab_rows_stay_bit_identical_through_trainer_train(
+        run_state, no_live_freezes, tmp_path) -> None:
+    """TRAINING_PATCHES_BASE_VOCAB on a grown, tied GPT-2 trained by Trainer.train (fused
+    AdamW): the base rows of wte (which is lm_head) bit-identical, the new rows learn."""
+    grown = VOCAB + 8
+    patches.apply(["nan_guard", "grad_clip", "vocab_freeze"], base_vocab=VOCAB)
+    model = _model()
+    model.resize_token_embeddings(grown)
+    wte = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is wte  # tied
+    before = wte.detach().clone()
+    _train(tmp_path / "out", _rows(high=grown), model)
+    assert torch.equal(wte[:VOCAB], before[:VOCAB])
+    assert (wte[VOCAB:] - before[VOCAB:]).abs().min().item() > 0  # every new row learned
+    assert patches.status("vocab_freeze")["detail"] == \
+        f"frozen {VOCAB} rows of {grown} in transformer.wte.weight"
