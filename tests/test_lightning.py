@@ -99,3 +99,29 @@ def test_lightning_records_go_to_the_trainers_folder_with_its_step(clean_patches
               (tmp_path / "root" / "nonfinite_events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["trainer_step"]) for e in events] == [(BAD_STEP, BAD_STEP - 1)]
     assert not (tmp_path / "training_patches").exists()
+
+
+class TinyFused(Tiny):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+def test_lightning_fused_skip_is_on_disk_at_the_next_checkpoint(clean_patches, tmp_path) -> None:
+    """Fused AdamW: the guard reads its skip flags in batches, not per step. Lightning's
+    save_checkpoint reads them first, so the skip of step 3 is on disk when the checkpoint of
+    step 4 is written, not only at the end of the run (step 8)."""
+    nan_guard.reset()
+    patches.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    every4 = lightning.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"),
+                                                         every_n_train_steps=4, save_top_k=-1)
+    trainer = lightning.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False,
+                                callbacks=[every4], enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path))
+    model = TinyFused()
+    trainer.fit(model)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    (event,) = [json.loads(line) for line in
+                (tmp_path / "evidence" / "nonfinite_events.jsonl").read_text().splitlines()]
+    assert (event["step"], event["kind"]) == (BAD_STEP, "nonfinite_loss")
+    assert event["read_at_step"] == 4, event

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +79,31 @@ def test_without_the_guard_the_same_nan_corrupts_the_model(tiny_xtts, tmp_path,
     poison_batch(model, 3)
     tiny_xtts.train(config, model)
     assert sum(not bool(torch.isfinite(p).all()) for p in model.parameters()) > 0
+
+
+@pytest.mark.slow
+def test_a_fused_skip_is_on_disk_when_the_next_checkpoint_is_written(
+        tiny_xtts, tmp_path, clean_patches) -> None:
+    """Fused AdamW (headlessXttsTrain.py's default): the guard reads its skip flags in
+    batches, not per step. The Trainer's save reads them first, so a run killed after a
+    checkpoint has every skip before it on disk: the skip of batch 3 is read at the save
+    of step 4, not at the end of the run."""
+    import json
+
+    nan_guard.reset()
+    patches.apply()
+    config = tiny_xtts.make_config(tmp_path / "run", epochs=1, save_step=4,
+                                   optimizer_params={"betas": [0.9, 0.96], "eps": 1e-8,
+                                                     "weight_decay": 1e-2, "fused": True})
+    model = tiny_xtts.make_model(config)
+    poison_batch(model, 3)
+    trainer = tiny_xtts.train(config, model)
+    (optimizer,) = trainer.optimizer  # GPTTrainer's list of one
+    assert optimizer.defaults["fused"]
+    (event,) = [json.loads(line) for line in
+                (Path(trainer.output_path) / nan_guard.EVENTS_FILE).read_text().splitlines()]
+    assert event["kind"] == "nonfinite_loss" and event["trainer_step"] == 2
+    # optimizer steps 1, 2, 3 (skipped), 4, 5 make trainer step 4, whose save reads the
+    # flag; without it the flag waits for the end of the epoch (optimizer step 7)
+    assert event["read_at_step"] == 5, event
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -20,7 +20,8 @@ process outright: no checkpoint, no callback, no message. Here, for the three si
 - Each ``fit`` records its ``start`` and its end (``finished`` or ``interrupted``) in the
   run folder's ``trainer_runs.jsonl``: ``report`` names a run stopped by a signal and not
   continued since as interrupted.
-- ``Trainer.save_checkpoint``: remembers the step of the last checkpoint.
+- ``Trainer.save_checkpoint``: records the fused steps' waiting skips first (as ``fit`` does
+  at its end), and remembers the step of the last checkpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import _run
+from .. import _run, nan_guard
 from .._interrupt import Interruption, TrainingInterrupted
 from .._log import logger
 
@@ -60,6 +61,7 @@ def make_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
             original(self)
         if interruption.signum is not None:
             raise SystemExit(128 + interruption.signum)
+        nan_guard.settle()  # the last fused steps' skips, recorded before the run says it ended
         _record(self, "finished")
 
     fit._training_patch = PATCH  # type: ignore[attr-defined]
@@ -83,10 +85,13 @@ def make_uninterrupted(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Trainer.save_checkpoint`` that remembers the step it saved."""
+    """``Trainer.save_checkpoint`` that remembers the step it saved, and first records the
+    skips of fused steps whose flags still wait on the device (they are read in batches):
+    a run killed after a save has every skip up to it on disk."""
 
     @functools.wraps(original)
     def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nan_guard.settle()
         result = original(self, *args, **kwargs)
         _saved_at[self] = _steps(self)
         return result

@@ -9,7 +9,8 @@ What this adds: the run's records (``nonfinite_events.jsonl``, ...) go to the Tr
 folder (``Trainer.log_dir``: the logger's version folder, else ``default_root_dir``) instead
 of ``./training_patches``, and each record carries the Trainer's ``global_step`` as its
 ``trainer_step``. A folder the user set (``TRAINING_PATCHES_OUTPUT_DIR``,
-``patches.set_output_dir``) still wins.
+``patches.set_output_dir``) still wins. The skips of fused steps, whose flags are read in
+batches, are recorded at each ``save_checkpoint`` and at the end of training.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .. import _run
+from .. import _run, nan_guard
 from .._registry import Integration, Site, register_integration
 
 NAME = "lightning"
@@ -27,12 +28,20 @@ MODULE = "lightning.pytorch.trainer.trainer"
 
 
 def _step_callback() -> Any:
-    """A Callback that hands the Trainer's step to the records before each batch."""
+    """A Callback that hands the Trainer's step to the records before each batch, and
+    records the fused steps' waiting skips (read in batches) at each checkpoint and at the
+    end of training."""
     from lightning.pytorch.callbacks import Callback  # lazy: lightning is imported by now
 
     class TrainerStep(Callback):
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
             _run.trainer_step = int(trainer.global_step)
+
+        def on_save_checkpoint(self, *args: Any) -> None:
+            nan_guard.settle()
+
+        def on_train_end(self, *args: Any) -> None:
+            nan_guard.settle()
 
     return TrainerStep()
 
