@@ -72,14 +72,31 @@ def test_evidence_report_merges_the_ranks(job_dir: Path, capsys) -> None:
     assert "ranks: 2 (0, 1)" in out and f"out-of-memory batches skipped: {2 * N_OOM}" in out
 
 
-def test_evidence_that_cannot_be_written_never_stops_a_job(job_dir: Path,
-                                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["under_a_file", "full_disk", "read_only"])
+def test_evidence_that_cannot_be_written_never_stops_a_job(job_dir: Path, tmp_path: Path,
+                                                           fault: str) -> None:
     """The same job with its report folder under a file (NotADirectoryError on every
-    write): both ranks train to the same parameters as the job above, each rank warns once
-    per file it could not write, and counts every record that waits."""
-    (tmp_path / "afile").write_text("a file, not a folder")
-    result = jobs.torchrun(RANKS / "evidence_writer.py", str(tmp_path), str(N_OOM),
-                           str(N_DROPPED), str(tmp_path / "afile" / "reports"), timeout=180)
+    write), on a full tmpfs or on a read-only one: both ranks train to the same parameters as
+    the job above, each rank warns once per file it could not write, and counts every
+    record that waits."""
+    import contextlib
+
+    from io_faults import full_disk, read_only
+
+    if fault == "under_a_file":
+        (tmp_path / "afile").write_text("a file, not a folder")
+        place = contextlib.nullcontext(tmp_path / "afile")
+        folder, error = "afile/reports", "(NotADirectoryError: [Errno 20] Not a directory)"
+    elif fault == "full_disk":
+        place = full_disk(tmp_path / "full", free=0)
+        folder, error = "full", "(OSError: [Errno 28] No space left on device)"
+    else:
+        place = read_only(tmp_path / "ro")
+        folder, error = "ro", "(OSError: [Errno 30] Read-only file system)"
+    with place:
+        reports = tmp_path / folder
+        result = jobs.torchrun(RANKS / "evidence_writer.py", str(tmp_path), str(N_OOM),
+                               str(N_DROPPED), str(reports), timeout=180)
     for rank in (0, 1):
         stats = json.loads((tmp_path / f"job.rank{rank}.json").read_text())
         expected = json.loads((job_dir / f"job.rank{rank}.json").read_text())
@@ -88,5 +105,5 @@ def test_evidence_that_cannot_be_written_never_stops_a_job(job_dir: Path,
         assert stats["evidence"]["waiting"] == 1 + N_OOM + N_DROPPED + 1
         for name in ("nonfinite_events", "oom_events", "dropped_samples"):
             assert result.stdout.count(
-                f"could not write to {tmp_path}/afile/reports/{name}.rank{rank}.jsonl "
-                f"(NotADirectoryError: [Errno 20] Not a directory)") == 1
+                f"could not write to {reports}/{name}.rank{rank}.jsonl {error}") == 1, \
+                result.stdout[-3000:]
