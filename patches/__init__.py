@@ -29,7 +29,7 @@ from .languages import register_language  # noqa: E402
 from .anomaly import enable_anomaly_detection  # noqa: E402
 from .checkpoint import (  # noqa: E402
     CheckpointError, CheckpointManager, CheckpointMismatchError, CheckpointWriteError,
-    DiskFullError, LoadReport, UnsafeCheckpointError, load_checkpoint)
+    DiskFullError, LoadOptions, LoadReport, UnsafeCheckpointError, load_checkpoint)
 from .grad_clip import safe_clip_grad_norm_  # noqa: E402
 from .grad_scaler import LossScaleFloorError, SafeGradScaler  # noqa: E402
 from .vocab_freeze import freeze_base_vocab  # noqa: E402
@@ -42,7 +42,7 @@ __all__ = [
     "apply", "revert", "applied", "is_applied", "status", "get_original", "stats", "activate",
     "reset_runtime_state", "enable_anomaly_detection", "SafeGradScaler", "LossScaleFloorError",
     "safe_clip_grad_norm_", "ConfigError", "PatchSiteError", "__version__",
-    "register_language", "load_checkpoint", "CheckpointManager", "LoadReport",
+    "register_language", "load_checkpoint", "LoadOptions", "CheckpointManager", "LoadReport",
     "CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError", "DiskFullError",
     "CheckpointWriteError",
     "NonFiniteTrainingError", "find_nonfinite_source", "observe_loss", "set_output_dir",

@@ -279,3 +279,47 @@ def test_sharded_folder_without_optimizer_state_warns_and_reports_parts(tmp_path
     (warning,) = _lines(caplog, logging.WARNING)
     assert "has no optimizer state" in warning and "(the folder's step: 4)" in warning
     assert "step reset (saved 4, resuming at 0: the folder has no optimizer state)" in caplog.text
+
+
+def test_load_options_as_an_object_or_keywords_and_unknown_names_refused(tmp_path):
+    """Issue 27: ``LoadOptions`` is public; ``options=`` and keywords give the same load (a
+    keyword wins over the object); a misspelled option is a TypeError naming the closest."""
+    import dataclasses
+
+    from patches import LoadOptions
+
+    model, opt, sched = _trained()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "step": 7}, path)
+    by_object = load_checkpoint(path, _fresh()[0], options=LoadOptions(resume_step=False))
+    by_keyword = load_checkpoint(path, _fresh()[0], resume_step=False)
+    assert by_object.step == by_keyword.step == 0 and by_object.saved_step == 7
+    wins = load_checkpoint(path, _fresh()[0], options=LoadOptions(resume_step=False),
+                           resume_step=True)
+    assert wins.step == 7
+    with pytest.raises(TypeError) as info:
+        load_checkpoint(path, _fresh()[0], resume_stpe=False)
+    assert "'resume_stpe' (did you mean 'resume_step'?)" in str(info.value)
+    assert dataclasses.replace(LoadOptions(), seed=3).seed == 3
+
+
+@pytest.mark.parametrize("option", [dict(freeze=False), dict(resume_step=False),
+                                    dict(key_filter=lambda key: True), dict(truncate=True),
+                                    dict(row_init="mean")])
+def test_a_sharded_folder_refuses_what_it_cannot_honour(tmp_path, option):
+    """Issue 27: a DCP folder used to drop 12 of load_checkpoint's options silently
+    (``resume_step`` among them). Each is now refused, one paragraph, nothing loaded."""
+    from patches.checkpoint import CheckpointManager
+    from patches.checkpoint.sharded import save_sharded
+
+    model, _, _ = _trained()
+    folder = save_sharded(CheckpointManager(tmp_path / "run"), 4, model, None, None, None, {})
+    fresh, fresh_opt, fresh_sched = _fresh()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(folder, fresh, fresh_opt, fresh_sched, **option)
+    (name,) = option
+    message = str(info.value)
+    assert f"the option(s) {name}=" in message and "Nothing was loaded" in message
+    assert "sharded checkpoint folder" in message and len(message.splitlines()) == 1
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in before.items())

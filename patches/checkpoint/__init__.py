@@ -21,6 +21,7 @@ from .reading import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, ch
 from .atomic import atomic_torch_save, atomic_write
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointWriteError, DiskFullError,
                      UnsafeCheckpointError)
+from .decide import LoadOptions
 from .load import POLICIES, LoadReport, load_checkpoint, warn_weights_only
 from .report import PARTS, STATUSES, Part
 from .manager import LATEST, CheckpointManager
@@ -68,7 +69,7 @@ SPEC = register(PatchSpec(
 ))
 
 __all__ = [
-    "load_checkpoint", "LoadReport", "CheckpointManager", "CheckpointError",
+    "load_checkpoint", "LoadOptions", "LoadReport", "CheckpointManager", "CheckpointError",
     "UnsafeCheckpointError", "CheckpointMismatchError", "read_checkpoint", "check_file",
     "newest_valid_beside", "atomic_write", "atomic_torch_save", "capture_rng_state",
     "restore_rng_state", "DiskFullError", "CheckpointWriteError", "manifest_path", "read_manifest", "Manifest",

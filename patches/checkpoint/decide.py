@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import _dist
-from ..row_init import DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT
+from .. import _dist, _options
+from ..row_init import check_rule
+
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import _as_list, _check_plain_state, _remap_optimizer_state, check_kinds
 from .plan import MODEL_KEYS, ModelPlan, check_finite, plan_model
@@ -34,8 +35,11 @@ RNG_KEYS = ("rng", "rng_state")
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """The keyword arguments of :func:`~patches.checkpoint.load_checkpoint` that shape a
-    single-file load (see its docstring for each)."""
+    """How :func:`~patches.checkpoint.load_checkpoint` loads (its docstring says what each
+    field does). Pass one as ``options=``, or any field as a keyword (a keyword wins over
+    ``options``); ``dataclasses.replace(options, seed=1)`` makes a changed copy.
+    ``row_init``/``head_row_init`` None: ``TRAINING_PATCHES_ROW_INIT`` /
+    ``TRAINING_PATCHES_HEAD_ROW_INIT`` at the time of the load."""
 
     policy: str = "remap"
     freeze: bool = True
@@ -51,9 +55,22 @@ class LoadOptions:
     trusted: bool = False
     truncate: bool = False
     resume_step: bool = True
-    row_init: str = DEFAULT_ROW_INIT
-    head_row_init: str = DEFAULT_ROW_INIT
+    row_init: str | None = None
+    head_row_init: str | None = None
     tokenizer: Any = None
+    collective: bool | None = None
+
+    # What a sharded (DCP) folder can honour: it loads tensors of the saved shapes into the
+    # same sharded model, so the single file's vocabulary, key and pickle options do not apply.
+    FOLDER_FIELDS = ("policy", "restore_rng", "verify_hash", "allow_nonfinite", "collective")
+
+    def resolved(self) -> "LoadOptions":
+        """A copy whose row rules are named and checked (None: the current settings)."""
+        current = _options.current()
+        return replace(self, row_init=check_rule(
+            current.row_init if self.row_init is None else self.row_init),
+            head_row_init=check_rule(current.head_row_init if self.head_row_init is None
+                                     else self.head_row_init, "head_row_init"))
 
 
 @dataclass
@@ -101,6 +118,7 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     plan the rows, plan the optimizer state (in that order: the first problem found is the
     one raised). Raises :class:`CheckpointError` or :class:`CheckpointMismatchError`;
     nothing passed in is changed."""
+    options = options.resolved()
     ckpt = read_checkpoint(path, mmap=options.mmap, verify_hash=options.verify_hash,
                            trusted=options.trusted)
     plan = plan_model(path, ckpt, model, strict=options.strict,

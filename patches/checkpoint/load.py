@@ -4,6 +4,8 @@ applied with undo (:mod:`.apply`), then reported (:class:`LoadReport`, the log l
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
 import os
 from pathlib import Path
@@ -13,7 +15,6 @@ import torch
 
 from .. import _dist, _options
 from .._log import info
-from ..row_init import check_rule
 from ..vocab_rows import row_layout
 from . import _collective
 from .apply import apply
@@ -34,25 +35,8 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     scheduler: Any = None,
     scaler: Any = None,
-    *,
-    policy: str = "remap",
-    freeze: bool = True,
-    strict: bool = True,
-    restore_rng: bool | None = None,
-    vocab_modules: Sequence[str] = (),
-    start_token_row: str | bool = "auto",
-    mmap: bool = True,
-    seed: int = 0,
-    key_filter: Callable[[str], bool] | None = None,
-    verify_hash: bool = True,
-    allow_nonfinite: bool = False,
-    trusted: bool = False,
-    truncate: bool = False,
-    collective: bool | None = None,
-    resume_step: bool = True,
-    row_init: str | None = None,
-    head_row_init: str | None = None,
-    tokenizer: Any = None,
+    options: LoadOptions | None = None,
+    **overrides: Any,
 ) -> LoadReport:
     """Load ``path`` into ``model`` (and the optimizer, scheduler, scaler) safely, all or
     nothing: every tensor is validated before anything is touched, and a refused load leaves
@@ -104,6 +88,12 @@ def load_checkpoint(
             SentencePiece ``.model``, or such an object), which ``romanized`` needs to spell
             the new tokens; without it their rows start by ``spread`` (the report says so).
 
+    Every option above is a field of :class:`LoadOptions`: pass ``options=LoadOptions(...)``,
+    keywords, or both (a keyword wins). An unknown keyword is a TypeError naming the
+    closest option. A sharded checkpoint folder honours only ``policy``, ``restore_rng``,
+    ``verify_hash``, ``allow_nonfinite`` and ``collective``: any other option set for one is
+    refused (ValueError, nothing loaded), never dropped.
+
     Returns:
         A :class:`LoadReport`: ``parts`` says what happened to each part (model, optimizer,
         scheduler, scaler, step, rng: restored / remapped / reset / dropped / absent); the
@@ -114,13 +104,16 @@ def load_checkpoint(
         was changed (CheckpointError too for a single file into an FSDP2 model: load it
         before sharding).
     """
-    if policy not in POLICIES:
-        raise ValueError(f"load_checkpoint: policy must be one of {POLICIES}, got {policy!r}")
+    options = _options_of(options, overrides)
+    if options.policy not in POLICIES:
+        raise ValueError(f"load_checkpoint: policy must be one of {POLICIES}, got "
+                         f"{options.policy!r}")
     path = Path(path)
     if path.is_dir():
-        return load_sharded(path, model, optimizer, scheduler, scaler, policy=policy,
-                            restore_rng=restore_rng, verify_hash=verify_hash,
-                            allow_nonfinite=allow_nonfinite)
+        _refuse_for_folder(path, options)
+        return load_sharded(path, model, optimizer, scheduler, scaler, policy=options.policy,
+                            restore_rng=options.restore_rng, verify_hash=options.verify_hash,
+                            allow_nonfinite=options.allow_nonfinite)
     if is_sharded_model(model):
         raise CheckpointError(
             f"training-patches: cannot load the single-file checkpoint {path} into this model: "
@@ -132,20 +125,45 @@ def load_checkpoint(
             f"the optimizer), or resume from a sharded checkpoint folder that "
             f"CheckpointManager.save wrote for this FSDP2 model (CheckpointManager.resume('auto') "
             f"finds it).")
-    current = _options.current()
-    options = LoadOptions(
-        policy=policy, freeze=freeze, strict=strict, restore_rng=restore_rng,
-        vocab_modules=vocab_modules, start_token_row=start_token_row, mmap=mmap, seed=seed,
-        key_filter=key_filter, verify_hash=verify_hash, allow_nonfinite=allow_nonfinite,
-        trusted=trusted, truncate=truncate, resume_step=resume_step,
-        row_init=check_rule(current.row_init if row_init is None else row_init),
-        head_row_init=check_rule(current.head_row_init if head_row_init is None
-                                 else head_row_init, "head_row_init"),
-        tokenizer=tokenizer)
+    options = options.resolved()  # a bad row rule is refused before any rank reads the file
+    collective = options.collective
     if collective is False or not _collective.active():
         return _load_file(path, model, optimizer, scheduler, scaler, options, gate=None)
     return _collective.on_every_rank(
         lambda gate: _load_file(path, model, optimizer, scheduler, scaler, options, gate=gate))
+
+
+def _options_of(options: LoadOptions | None, overrides: dict[str, Any]) -> LoadOptions:
+    """``options`` (default: :class:`LoadOptions`'s defaults) with ``overrides`` applied; an
+    unknown keyword is one paragraph naming the closest field."""
+    if options is not None and not isinstance(options, LoadOptions):
+        raise TypeError(f"load_checkpoint: options is a {type(options).__name__}; expected a "
+                        f"patches.LoadOptions (or leave it out and pass keywords).")
+    fields = [f.name for f in dataclasses.fields(LoadOptions)]
+    unknown = [name for name in overrides if name not in fields]
+    if unknown:
+        near = [difflib.get_close_matches(name, fields, n=1) for name in unknown]
+        said = ", ".join(f"{name!r}" + (f" (did you mean {m[0]!r}?)" if m else "")
+                         for name, m in zip(unknown, near))
+        raise TypeError(f"load_checkpoint got the unknown option(s) {said}. Expected the "
+                        f"fields of patches.LoadOptions: {', '.join(fields)}.")
+    return dataclasses.replace(options or LoadOptions(), **overrides)
+
+
+def _refuse_for_folder(path: Path, options: LoadOptions) -> None:
+    """A sharded folder loads the saved shapes into the same sharded model: the options of
+    a single file (vocabulary growth, key filters, pickles, step dropping) cannot apply."""
+    defaults = LoadOptions()
+    unusable = [f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options)
+                if f.name not in LoadOptions.FOLDER_FIELDS
+                and getattr(options, f.name) != getattr(defaults, f.name)]
+    if unusable:
+        raise ValueError(
+            f"load_checkpoint: {path} is a sharded checkpoint folder (torch.distributed."
+            f"checkpoint), which loads the tensors as saved into the same sharded model; the "
+            f"option(s) {', '.join(unusable)} apply to a single checkpoint file and cannot be "
+            f"honoured here. Nothing was loaded. Leave them out for a folder (it honours "
+            f"{', '.join(LoadOptions.FOLDER_FIELDS)}), or load a single-file checkpoint.")
 
 
 def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
