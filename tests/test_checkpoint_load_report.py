@@ -323,3 +323,41 @@ def test_a_sharded_folder_refuses_what_it_cannot_honour(tmp_path, option):
     assert f"the option(s) {name}=" in message and "Nothing was loaded" in message
     assert "sharded checkpoint folder" in message and len(message.splitlines()) == 1
     assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in before.items())
+
+
+def test_one_answer_to_whether_a_scaler_is_enabled():
+    """Issue 27: "is the scaler enabled?" was asked in 8 places with opposite defaults for a
+    scaler-like object (assumed on in decide, off in apply). One function answers."""
+    from patches.checkpoint.optimizer import scaler_enabled
+
+    class OwnScaler:  # a trainer's own scaler: a state, no enabled flag
+        def state_dict(self):
+            return {"scale": 8.0}
+
+    assert scaler_enabled(torch.amp.GradScaler("cpu", enabled=True))
+    assert not scaler_enabled(torch.amp.GradScaler("cpu", enabled=False))
+    assert scaler_enabled(OwnScaler()) and not scaler_enabled(None)
+    assert not scaler_enabled(object())
+
+
+def test_an_own_scaler_is_saved_and_restored_as_a_scaler(tmp_path):
+    """A scaler-like object without torch's flag (a trainer's own) is saved and restored as
+    a scaler, through the same answer."""
+    from patches.checkpoint import CheckpointManager
+
+    class OwnScaler:
+        def __init__(self, scale):
+            self.scale = scale
+
+        def state_dict(self):
+            return {"scale": self.scale}
+
+        def load_state_dict(self, state):
+            self.scale = state["scale"]
+
+    model, opt, sched = _trained()
+    path = CheckpointManager(tmp_path / "run").save(3, model, opt, sched, OwnScaler(64.0))
+    target = OwnScaler(1.0)
+    fresh, fresh_opt, fresh_sched = _fresh()
+    report = load_checkpoint(path, fresh, fresh_opt, fresh_sched, target)
+    assert target.scale == 64.0 and report.parts["scaler"].status == "restored"

@@ -14,7 +14,7 @@ import torch
 from .decide import LoadPlan
 from .errors import CheckpointError
 from .optimizer import (_detach_from_file, _restart_scaler, _restart_scheduler,
-                        restore_optimizer, snapshot_optimizer)
+                        restore_optimizer, scaler_enabled, snapshot_optimizer)
 from .reading import _what_to_do
 from .report import LoadReport, restarted
 from .rng import capture_rng_state, restore_rng_state
@@ -109,7 +109,7 @@ def _apply_reset(plan: LoadPlan, report: LoadReport, undo: list[Callable[[], Non
         _restart_scheduler(sched)
     scaler = plan.scaler
     if scaler is not None:
-        snap_scaler = scaler.state_dict() if getattr(scaler, "_enabled", False) else None
+        snap_scaler = scaler.state_dict() if scaler_enabled(scaler) else None
         if snap_scaler:
             undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
         _restart_scaler(scaler)

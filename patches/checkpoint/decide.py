@@ -18,7 +18,8 @@ from .. import _dist, _options
 from ..row_init import check_rule
 
 from .errors import CheckpointError, CheckpointMismatchError
-from .optimizer import _as_list, _check_plain_state, _remap_optimizer_state, check_kinds
+from .optimizer import (_as_list, _check_plain_state, _remap_optimizer_state, check_kinds,
+                        scaler_enabled)
 from .plan import MODEL_KEYS, ModelPlan, check_finite, plan_model
 from .reading import _what_to_do, read_checkpoint
 from .report import _runtime_state
@@ -152,7 +153,7 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
                 f"{len(schedulers)} schedulers were given. Nothing was loaded. Use policy='reset'.")
         for state, sched in zip(saved_scheds, schedulers):
             _check_plain_state(path, "scheduler", state, sched)
-    scaler_on = scaler is not None and getattr(scaler, "_enabled", True)
+    scaler_on = scaler_enabled(scaler)
     if effective == "remap" and scaler_on and saved_scaler:
         _check_plain_state(path, "scaler", saved_scaler, scaler)
     rng, rng_in_file = _plan_rng(path, meta, options.restore_rng, effective)

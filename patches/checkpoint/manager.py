@@ -34,7 +34,7 @@ from .atomic import TMP_OWNER, host_name
 from .atomic import atomic_text as _atomic_text
 from .atomic import disk_free, disk_full_error, ensure_free_space, estimate_bytes, write_atomically
 from .errors import CheckpointError, DiskFullError
-from .optimizer import _as_list, class_names
+from .optimizer import _as_list, class_names, scaler_enabled
 from .rng import capture_rng_state
 from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
                       is_sharded_model, remove_folder, save_sharded, sweep_incomplete)
@@ -210,7 +210,7 @@ class CheckpointManager:
                 "nonfinite": nonfinite,
                 "vocab_size": _vocab_size(model_state),
                 "param_shapes": {k: list(v.shape) for k, v in model_state.items()},
-                "amp": bool(scaler is not None and getattr(scaler, "_enabled", False)),
+                "amp": scaler_enabled(scaler),
                 "world_size": len(rng_ranks) if rng_ranks else 1,
                 "writer": {"rank": _dist.rank(), "host": host_name(), "pid": os.getpid()},
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

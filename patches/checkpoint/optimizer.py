@@ -250,7 +250,7 @@ def _check_plain_state(path: Path, what: str, saved: Any, obj: Any) -> None:
             f"state_dict. Nothing was loaded. Use policy='reset' to start the optimizer, "
             f"scheduler and scaler fresh.")
     own = dict(getattr(obj, "__dict__", {}))
-    if what == "scaler" and hasattr(obj, "state_dict") and getattr(obj, "_enabled", True):
+    if what == "scaler" and hasattr(obj, "state_dict") and scaler_enabled(obj):
         own = {**own, **dict(obj.state_dict())}
     for key, value in saved.items():
         current = own.get(key)
@@ -316,8 +316,20 @@ def _restart_scheduler(scheduler: Any) -> None:
         scheduler.step()
 
 
+def scaler_enabled(scaler: Any) -> bool:
+    """Whether ``scaler`` scales (and so has a state to save, restore and compare): the one
+    answer every checkpoint module asks for. None: no. A torch GradScaler (any of the
+    patches' too): its ``is_enabled()``. Any other object with a ``state_dict``: yes."""
+    if scaler is None:
+        return False
+    is_enabled = getattr(scaler, "is_enabled", None)
+    if callable(is_enabled):
+        return bool(is_enabled())
+    return bool(getattr(scaler, "_enabled", hasattr(scaler, "state_dict")))
+
+
 def _restart_scaler(scaler: Any) -> None:
-    if not getattr(scaler, "_enabled", False):
+    if not scaler_enabled(scaler) or not hasattr(scaler, "_init_scale"):
         return
     scaler.load_state_dict({
         "scale": float(scaler._init_scale), "growth_factor": scaler._growth_factor,

@@ -44,7 +44,7 @@ from . import _collective
 from .reading import iter_tensors, nonfinite_flags
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
 from .errors import CheckpointError, CheckpointMismatchError
-from .optimizer import _as_list, _restart_scaler, _restart_scheduler
+from .optimizer import _as_list, _restart_scaler, _restart_scheduler, scaler_enabled
 from .report import LoadReport, _runtime_state, restarted, set_rng_part
 from .rng import capture_rng_state, restore_rng_state, state_for_rank
 
@@ -327,7 +327,7 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
             "param_shapes": shapes,
             "has_optimizer": reports[0]["has_optimizer"],
             "nonfinite": nonfinite,
-            "amp": bool(scaler is not None and getattr(scaler, "_enabled", False)),
+            "amp": scaler_enabled(scaler),
             "files": files,
             "writer": {"rank": _dist.rank(), "host": host_name(), "pid": os.getpid()},
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -436,7 +436,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
                 for saved, sched in zip(meta["scheduler"], schedulers):
                     sched.load_state_dict(dict(saved))
                 report.restored.append("scheduler")
-            if scaler is not None and getattr(scaler, "_enabled", True) and meta.get("scaler"):
+            if scaler_enabled(scaler) and meta.get("scaler"):
                 scaler.load_state_dict(dict(meta["scaler"]))
                 report.restored.append("scaler")
             runtime = _runtime_state(meta.get("training_patches"))
@@ -489,7 +489,7 @@ def _sharded_parts(report: LoadReport, *, policy: str, effective: str, optimizer
         else:
             report.set_part(name, "absent", "left as passed" if given else "")
 
-    scaler_on = scaler is not None and getattr(scaler, "_enabled", True)
+    scaler_on = scaler_enabled(scaler)
     report.set_part("model", "restored", f"{tensors} tensor(s)", in_file=True)
     other("optimizer", bool(optimizers), has_optimizer, "optimizer" in report.restored)
     other("scheduler", bool(schedulers), bool(meta.get("scheduler")),
