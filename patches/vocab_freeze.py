@@ -12,6 +12,7 @@ Design: docs/design/vocab_freeze.md
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import weakref
@@ -525,7 +526,8 @@ class VocabFreeze:
 def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
                       modules: Sequence[nn.Module | str] | None = None,
                       until_step: int | None = None,
-                      start_row_last: bool | None = None) -> VocabFreeze:
+                      start_row_last: bool | None = None,
+                      leading_rows: int = 0) -> VocabFreeze:
     """Keep rows of the base vocabulary bit-identical while the new rows train.
 
     Args:
@@ -542,6 +544,8 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
         start_row_last: whether the base vocabulary's start-text row sits in the last
             row (XTTS); ``None`` decides with the owner's registered layout
             (:func:`patches.vocab_rows.row_layout`).
+        leading_rows: rows before token 0 that are no token, frozen with the base (F5-TTS's
+            ``text_embed`` has a filler row 0 and token ``i`` at row ``i + 1``: ``1``).
 
     Returns the :class:`VocabFreeze` handle; ``handle.remove()`` ends the freeze.
     Freezing rows already frozen replaces the earlier freeze.
@@ -557,9 +561,15 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
     model = _unwrap(model)
     entries, owner = _entries(model, modules)
     vocab_size = entries[0].param.shape[0]
+    if isinstance(leading_rows, bool) or not isinstance(leading_rows, int) or leading_rows < 0:
+        raise VocabFreezeError(
+            f"training-patches vocab_freeze: leading_rows is {leading_rows!r}; expected the "
+            f"whole number of rows before token 0 that are no token (0, or 1 for F5-TTS).")
     layout = row_layout(owner, vocab_size) if modules is None else PLAIN
     if start_row_last is not None:
         layout = RowLayout("explicit", last_row_kept=bool(start_row_last))
+    if leading_rows:
+        layout = dataclasses.replace(layout, name="explicit", leading_rows=leading_rows)
     start_last = layout.last_row_kept
     base_vocab_size = layout.base_rows(base_vocab_size)
     with _lock:
@@ -602,6 +612,10 @@ def _log_start(handle: VocabFreeze, model: nn.Module,
     else:
         info("%s Detected extended vocabulary: %d tokens", TAG, vocab)
     base_rows = describe_rows(handle.rows)
+    lead = handle.layout.leading_rows
+    if lead:
+        base_rows += (f" (row 0 is the model's filler row, no token)" if lead == 1 else
+                      f" (rows 0-{lead - 1} are no token)")
     if handle.layout.extra_rows:
         base_rows += f" (row {vocab - 1} is the model's extra slot, no token; kept last)"
     elif handle.start_row_last and base < vocab:

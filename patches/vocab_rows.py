@@ -77,7 +77,8 @@ class RowLayout:
     ``last_row_kept``: the last row belongs to the base model and stays last when the
     vocabulary grows (a start token kept at the last id; an extra slot row).
     ``extra_rows``: rows that are no token of the tokenizer, so a base of N tokens is
-    N + extra_rows rows. ``checkpoint_last_row_kept``: for a layout with
+    N + extra_rows rows. ``leading_rows``: rows before token 0 that are no token (F5-TTS's
+    filler row 0, its token ids shifted by one), frozen with the base. ``checkpoint_last_row_kept``: for a layout with
     ``last_row_kept``, reads from a checkpoint (the dict as saved) whether the OLD
     vocabulary had that row last too; None where the checkpoint does not record it.
     """
@@ -85,11 +86,12 @@ class RowLayout:
     name: str
     last_row_kept: bool = False
     extra_rows: int = 0
+    leading_rows: int = 0
     checkpoint_last_row_kept: Callable[[Mapping[str, Any]], bool | None] | None = field(
         default=None, compare=False, repr=False)
 
     def base_rows(self, base_tokens: int) -> int:
-        return base_tokens + self.extra_rows
+        return base_tokens + self.extra_rows + self.leading_rows
 
 
 PLAIN = RowLayout("plain")

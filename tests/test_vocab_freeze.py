@@ -535,3 +535,39 @@ def test_xtts_fp16_cpu_with_safe_grad_scaler(tiny_xtts, tiny_xtts_extended_vocab
     assert scaler.stats()["skipped"] >= 1 and handle.steps <= 4
     frozen, trained = _xtts_rows(gpt)
     assert_base_frozen_new_trained(before, gpt, frozen, trained)
+
+
+def test_leading_filler_row_is_frozen_with_the_base(no_live_freezes, caplog) -> None:
+    """F5-TTS's text embedding keeps a filler row 0 and token i at row i + 1: 26 base tokens
+    are rows 0..26. ``leading_rows=1`` freezes exactly those; the first new token's row (27)
+    trains. Without it, row 26 (the last base token) would train."""
+    import logging
+
+    class TextEmbed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.text_embed = torch.nn.Embedding(26 + 1 + 6, 8)  # filler + 26 base + 6 new
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.text_embed(ids + 1)  # F5: ids shifted by one, 0 is the filler
+
+    torch.manual_seed(0)
+    model = TextEmbed()
+    before = model.text_embed.weight.detach().clone()
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        handle = freeze_base_vocab(model, 26, modules=["text_embed"], leading_rows=1)
+    try:
+        assert [(r.start, r.stop) for r in handle.rows] == [(0, 27)]
+        assert "row 0 is the model's filler row, no token" in caplog.text
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.arange(32)).pow(2).sum().backward()
+            opt.step()
+        after = model.text_embed.weight.detach()
+        assert torch.equal(after[:27], before[:27])
+        assert not torch.equal(after[27], before[27])
+    finally:
+        handle.remove()
+    with pytest.raises(VocabFreezeError, match="leading_rows is -1"):
+        freeze_base_vocab(model, 26, modules=["text_embed"], leading_rows=-1)
