@@ -9,12 +9,14 @@ showed a single healthy run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -22,6 +24,28 @@ from patches import RunFolderInUse
 from patches._runlock import LOCK_NAME, claim_new_folder, lock_folder
 
 from processes import ROOT, SCRIPT
+
+
+@contextlib.contextmanager
+def another_process(take: Callable[[], object]) -> Iterator[int]:
+    """A forked process that calls ``take()`` (takes a lock, saves a checkpoint), then waits;
+    yields its pid while it waits, and lets it end (its locks go with it) afterwards."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            take()
+            os.write(ready_w, b"1")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        yield pid
+    finally:
+        os.write(go_w, b"1")
+        os.waitpid(pid, 0)
 
 
 def test_a_new_run_folder_is_never_one_that_exists(tmp_path: Path) -> None:
@@ -40,26 +64,12 @@ def test_a_folder_locked_by_another_process_is_refused_until_it_ends(tmp_path: P
     naming that process; the process gone, however it ended, it is free."""
     folder = tmp_path / "run"
     folder.mkdir()
-    ready_r, ready_w = os.pipe()
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # another run: takes the lock, says so, waits to be told to end
-        try:
-            lock_folder(folder)
-            os.write(ready_w, b"1")
-            os.read(go_r, 1)
-        finally:
-            os._exit(0)
-    try:
-        assert os.read(ready_r, 1) == b"1"
+    with another_process(lambda: lock_folder(folder)) as pid:
         with pytest.raises(RunFolderInUse) as info:
             lock_folder(folder)
         message = str(info.value)
         assert f"is in use by process {pid} on " in message and str(folder) in message
         assert "Nothing was written there" in message and len(message.splitlines()) == 1
-    finally:
-        os.write(go_w, b"1")
-        os.waitpid(pid, 0)
     assert lock_folder(folder) == folder / LOCK_NAME  # its holder ended: free
     assert json.loads((folder / LOCK_NAME).read_text())["pid"] == os.getpid()
 
@@ -159,18 +169,8 @@ def test_two_plain_loops_never_save_into_one_checkpoint_folder(tmp_path: Path) -
     from patches import CheckpointError, CheckpointManager
 
     folder = tmp_path / "ckpts"
-    ready_r, ready_w = os.pipe()
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the first run: saves step 5, then trains on
-        try:
-            CheckpointManager(folder).save(5, torch.nn.Linear(2, 2))
-            os.write(ready_w, b"1")
-            os.read(go_r, 1)
-        finally:
-            os._exit(0)
-    try:
-        assert os.read(ready_r, 1) == b"1"
+    with another_process(lambda: CheckpointManager(folder).save(5, torch.nn.Linear(2, 2))) \
+            as pid:
         before = {p.name: p.read_bytes() for p in folder.iterdir()}
         second = CheckpointManager(folder)
         assert second.resume("auto") == folder / "ckpt_000000005.pt"  # reading is free
@@ -180,7 +180,4 @@ def test_two_plain_loops_never_save_into_one_checkpoint_folder(tmp_path: Path) -
         assert f"checkpoint folder {folder} is in use by process {pid} on " in message
         assert "Nothing was written there" in message and len(message.splitlines()) == 1
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
-    finally:
-        os.write(go_w, b"1")
-        os.waitpid(pid, 0)
     assert second.save(6, torch.nn.Linear(2, 2)).is_file()  # its holder ended: free
