@@ -90,11 +90,11 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
         return torch.tensor(0.0)
     with torch.no_grad():
         scaler = grad_scaler.pending_scaler()
-        still_scaled = ([] if scaler is None
-                        else [p for p in with_grad if id(p) not in scaler._tp_unscaled])
+        done = scaler.unscaled_param_ids() if scaler is not None else frozenset()
+        still_scaled = [] if scaler is None else [p for p in with_grad if id(p) not in done]
         if still_scaled and unscale_first():
-            unscaled = [p.grad for p in with_grad if id(p) in scaler._tp_unscaled]
-            total = _true_norm(unscaled, [p.grad for p in still_scaled], scaler._scale,
+            unscaled = [p.grad for p in with_grad if id(p) in done]
+            total = _true_norm(unscaled, [p.grad for p in still_scaled], scaler.scale_tensor(),
                                norm_type, foreach)
             _host["unscaled_first"] += 1
         else:

@@ -37,6 +37,7 @@ import threading
 import warnings
 import weakref
 from collections import defaultdict
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -226,6 +227,15 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         if self._enabled:
             self._tp_unscaled.update(
                 id(p) for group in optimizer.param_groups for p in group["params"])
+
+    def unscaled_param_ids(self) -> Set[int]:
+        """ids of the parameters whose gradients ``unscale_`` divided by the scale since the
+        last ``update()`` (read-only: the scaler's own set)."""
+        return self._tp_unscaled
+
+    def scale_tensor(self) -> torch.Tensor:
+        """The loss scale as the device tensor the gradients were multiplied by (no sync)."""
+        return self._check_scale_growth_tracker("scale_tensor")[0]
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool

@@ -5,8 +5,8 @@ a bad step leaves parameters, moments and step counts as they were, is recorded 
 ``nonfinite_events.jsonl`` (:data:`EVENTS_FILE`) and, after ``max_bad_steps`` in a row,
 stops the run with :class:`NonFiniteTrainingError`. Steps a GradScaler protects are left
 to it. Public: :func:`observe_loss`, :func:`expect_accumulation`, :func:`watch`,
-:func:`set_replay`, :func:`find_nonfinite_source`, :func:`settle`, :func:`stats`,
-:func:`load_stats`, :func:`reset`, ``SPEC``.
+:func:`set_replay`, :func:`find_nonfinite_source`, :func:`replaying`, :func:`settle`,
+:func:`stats`, :func:`load_stats`, :func:`reset`, ``SPEC``.
 
 Design: docs/design/nan_guard.md
 """
@@ -109,6 +109,12 @@ def watch(model: torch.nn.Module, prefix: str = "") -> None:
 def set_replay(replay: Callable[[], dict[str, Any]] | None) -> None:
     """Register how to re-run the current batch (see :func:`find_nonfinite_source`)."""
     _state.replay = replay
+
+
+def replaying() -> bool:
+    """True while :func:`find_nonfinite_source` re-runs a batch on this rank alone (an
+    integration must then start no collective the other ranks would not join)."""
+    return _state.replaying
 
 
 # -- the decision ----------------------------------------------------------------

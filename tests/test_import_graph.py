@@ -193,6 +193,65 @@ def test_no_private_name_is_imported_across_packages() -> None:
     assert sorted(PRIVATE_ALLOWED - set(private_imports())) == []
 
 
+# The module whose class owns the ``_tp_*`` attributes it defines: SafeGradScaler's state.
+SCALER_MODULE = "patches.grad_scaler"
+
+
+def private_reads(sources: dict[str, str]) -> list[str]:
+    """``module: what`` for each private attribute a module reads from another patch
+    module (``nan_guard._state``: ``x._name`` where ``x`` is an imported ``patches``
+    module that is not a core ``patches._*`` one), and for each ``_tp_*`` attribute of
+    SafeGradScaler (those :data:`SCALER_MODULE` defines) named anywhere else. What the
+    patches tell each other within a step goes through ``patches._step`` and public
+    methods (docs/design/step.md)."""
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    scaler_own = {node.attr for node in ast.walk(trees.get(SCALER_MODULE, ast.Module([], [])))
+                  if isinstance(node, ast.Attribute) and node.attr.startswith("_tp_")}
+    found: set[str] = set()
+    for name, tree in trees.items():
+        bound: dict[str, str] = {}  # local name -> the patch module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                package = any(other.startswith(name + ".") for other in sources)
+                base = _resolve(name, package, node)[0]
+                bound.update({alias.asname or alias.name: f"{base}.{alias.name}"
+                              for alias in node.names})
+            elif isinstance(node, ast.Import):
+                bound.update({alias.asname: alias.name for alias in node.names if alias.asname})
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") \
+                    or node.attr.startswith("__"):
+                continue
+            if name != SCALER_MODULE and node.attr in scaler_own:
+                found.add(f"{name}: .{node.attr}")
+            owner = bound.get(node.value.id) if isinstance(node.value, ast.Name) else None
+            if (owner is not None and owner != name and owner in sources
+                    and not owner.rsplit(".", 1)[-1].startswith("_")):
+                found.add(f"{name}: {node.value.id}.{node.attr}")
+    return sorted(found)
+
+
+def test_no_module_reads_another_patch_modules_privates() -> None:
+    """grad_clip asks the scaler through ``unscaled_param_ids()`` / ``scale_tensor()``, the
+    coqui integration asks the guard through ``nan_guard.replaying()``."""
+    sources = {name: path.read_text(encoding="utf-8") for name, path in _modules().items()}
+    assert private_reads(sources) == []
+
+
+def test_the_private_read_rule_can_fail() -> None:
+    sources = {
+        SCALER_MODULE: "class S:\n    def f(self):\n        self._tp_unscaled = set()\n",
+        "patches.grad_clip": "def f(scaler):\n    return scaler._tp_unscaled\n",
+        "patches.nan_guard": "_state = None\n",
+        "patches._run": "batch_ids = []\n",
+        "patches.integrations.coqui_trainer": (
+            "from .. import _run, nan_guard\n"
+            "def f():\n    return nan_guard._state.replaying, _run._x, nan_guard.replaying()\n"),
+    }
+    assert private_reads(sources) == ["patches.grad_clip: ._tp_unscaled",
+                                      "patches.integrations.coqui_trainer: nan_guard._state"]
+
+
 def test_import_patches_auto_loads_no_tool() -> None:
     """``import patches.auto`` (and so ``import patches``) reaches no tool module: the
     module-level imports from it, with the parent packages each one runs first."""

@@ -214,6 +214,20 @@ def test_find_nonfinite_source_names_module_and_operation() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_replaying_is_true_only_while_a_batch_is_replayed() -> None:
+    """What an integration asks before starting a collective (coqui's DDP train step):
+    public, so it never reads the guard's private state."""
+    model = torch.nn.Linear(4, 1)
+    seen: list[bool] = []
+
+    def rerun() -> torch.Tensor:
+        seen.append(nan_guard.replaying())
+        return model(torch.ones(2, 4)).sum()
+    assert not nan_guard.replaying()
+    nan_guard.find_nonfinite_source(model, rerun)
+    assert seen == [True] and not nan_guard.replaying()
+
+
 def test_a_replay_that_finds_nothing_says_why_in_the_event(guard: str) -> None:
     """The bad value came from outside the batch's forward/backward (here: the loss is
     multiplied by NaN only on the real step), so the replay names no module: the event's

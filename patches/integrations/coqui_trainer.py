@@ -98,7 +98,7 @@ def make_model_train_step(original: Any) -> Any:
         wrapper = _ddp_of.get(model)
         # Not while the guard replays a bad batch on this rank alone: a DDP backward there
         # would start an all-reduce the other ranks never join.
-        if wrapper is None or not torch.is_grad_enabled() or nan_guard._state.replaying:
+        if wrapper is None or not torch.is_grad_enabled() or nan_guard.replaying():
             return original(self, batch, criterion, optimizer_idx)
         args = [batch, criterion] + ([] if optimizer_idx is None else [optimizer_idx])
 
