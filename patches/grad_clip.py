@@ -4,8 +4,9 @@
 leaves the gradients untouched, is counted and returned (the step can be skipped); a
 finite one clips exactly as torch does. Under a SafeGradScaler the clip is torch's unless
 :func:`unscale_first` (``TRAINING_PATCHES_CLIP_UNSCALE_FIRST=1``) says ``max_norm`` limits
-the true gradients. Also public: :func:`nonfinite_for` (the clip's non-finite flag, for the
-NaN guard), :func:`stats`, :func:`load_stats`, :func:`reset`, ``SPEC``.
+the true gradients. Each clip leaves its non-finite flag in the step context for the NaN
+guard (docs/design/step.md). Also public: :func:`stats`, :func:`load_stats`, :func:`reset`,
+``SPEC``.
 
 Design: docs/design/grad_clip.md
 """
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from . import _dist, _options, grad_scaler
+from . import _dist, _options, _step
 from ._counters import DeviceCounters
 from ._log import logger
 from ._options import Option, flag
@@ -27,9 +28,6 @@ from ._registry import PatchSpec, Site, register
 # Only the non-finite flag lives on the device; the other counts are known on the host.
 _counts = DeviceCounters("nonfinite_norms")
 _host = {"calls": 0, "unscaled_first": 0, "scaled_clips": 0}
-# The norm of the latest clip and the gradients it covered: the NaN guard reuses it, so
-# one reduction serves both the clip and the finite check.
-_last: tuple[frozenset[int], torch.Tensor] | None = None  # (gradient ids, non-finite flag)
 _warned_scaled = False  # the one-per-process warning about clipping scaled gradients
 
 
@@ -89,7 +87,7 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
     if not with_grad:
         return torch.tensor(0.0)
     with torch.no_grad():
-        scaler = grad_scaler.pending_scaler()
+        scaler = _step.CONTEXT.pending_scaler()
         done = scaler.unscaled_param_ids() if scaler is not None else frozenset()
         still_scaled = [] if scaler is None else [p for p in with_grad if id(p) not in done]
         if still_scaled and unscale_first():
@@ -108,18 +106,10 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
         clip_grads_with_norm_(with_grad, max_norm, total.masked_fill(nonfinite, 0.0), foreach)
         _counts.add("nonfinite_norms", _plain(nonfinite))
     _host["calls"] += 1
-    global _last
-    _last = (frozenset(id(p.grad) for p in with_grad), nonfinite)
+    # The NaN guard takes this flag instead of reducing the same gradients again.
+    _step.CONTEXT.put_clip([p.grad for p in with_grad], nonfinite)
+    _step.CONTEXT.mark("clip")
     return total
-
-
-def nonfinite_for(grads: list[torch.Tensor]) -> torch.Tensor | None:
-    """The latest clip's non-finite flag if it covered all of ``grads`` (then forgotten)."""
-    global _last
-    last, _last = _last, None
-    if last is None or not all(id(g) in last[0] for g in grads):
-        return None
-    return last[1]
 
 
 def _make(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -146,9 +136,9 @@ def load_stats(counts: dict[str, int]) -> None:
 
 def reset() -> None:
     """Forget the counts, the latest clip's flag and whether the warning was logged."""
-    global _last, _warned_scaled
+    global _warned_scaled
     load_stats({})
-    _last = None
+    _step.CONTEXT.forget_clip()
     _warned_scaled = False
 
 

@@ -33,19 +33,18 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
 import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Set
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 
-from . import _dist, _options, _run
+from . import _dist, _options, _run, _step
 from ._counters import DeviceCounters
 from ._log import info, logger
 from ._options import (FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, INT64_MAX, ConfigError, Option,
@@ -74,24 +73,16 @@ STATE_KEY = "training_patches"
 # so only as often as the scale changes or a step overflows.
 SCALE_FILE = _run.SCALE_FILE
 
-# The scaler whose scale() ran last and whose update() has not yet: grad_clip asks
-# it whether the gradients it is clipping are still scaled.
-_pending: weakref.ref[SafeGradScaler] | None = None
+# What the scaler tells grad_clip and nan_guard within a step (the pending scaler, whether
+# it is stepping the optimizer itself, the iteration-end listeners) lives in _step.CONTEXT.
+# The scaler that scaled a loss last: only this module's stats() reads it.
 _latest: weakref.ref[SafeGradScaler] | None = None
-# Set while a SafeGradScaler runs optimizer.step() after its own finite check, so the
-# NaN guard knows the step is protected and adds no second check.
-_stepping = threading.local()
 
 
-# Called at the end of every scaler iteration (update()), stepped or skipped: a skipped
-# step runs no optimizer hook, and the NaN guard counts backward calls between steps.
-_boundary_listeners: list[Any] = []
-
-
-def on_iteration_end(callback: Any) -> None:
-    """Call ``callback()`` after every SafeGradScaler ``update()`` (once per registration)."""
-    if callback not in _boundary_listeners:
-        _boundary_listeners.append(callback)
+def on_iteration_end(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` after every SafeGradScaler ``update()`` (once per registration);
+    a skipped step runs no optimizer hook, so this is where every iteration ends."""
+    _step.CONTEXT.on_iteration_end(callback)
 
 
 class LossScaleFloorError(FloatingPointError):
@@ -215,9 +206,10 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
     # -- the training step -------------------------------------------------
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
-        global _pending, _latest
+        global _latest
         if self._enabled:
-            _pending = _latest = weakref.ref(self)
+            _step.CONTEXT.scaler_scaled(self)
+            _latest = weakref.ref(self)
             if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
                 self._tp_last_loss = outputs.detach()
         return super().scale(outputs)
@@ -227,6 +219,13 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         if self._enabled:
             self._tp_unscaled.update(
                 id(p) for group in optimizer.param_groups for p in group["params"])
+            _step.CONTEXT.mark("unscale")
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # A fused optimizer's path: the flags only (its kernel unscales and decides).
+        found = super()._check_inf_per_device(optimizer)
+        _step.CONTEXT.mark("unscale")
+        return found
 
     def unscaled_param_ids(self) -> Set[int]:
         """ids of the parameters whose gradients ``unscale_`` divided by the scale since the
@@ -262,35 +261,43 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
                     _agree_found_inf(state["found_inf_per_device"], scale)
                 state["stage"] = _torch_grad_scaler.OptState.STEPPED
                 self._tp_found_host.append(True)
+                _step.CONTEXT.mark("decide")
+                _step.CONTEXT.mark("skip")
                 return None
-        return super().step(optimizer, *args, **kwargs)
+        result = super().step(optimizer, *args, **kwargs)
+        if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # A fused optimizer's kernel read found_inf and stepped or skipped on the device:
+            # no host decision to mark, only that the step ran.
+            _step.CONTEXT.mark("step")
+        return result
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
                         *args: Any, **kwargs: Any) -> Any:
         # The same single sync torch makes; its answer also feeds the host mirror.
         found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
         self._tp_found_host.append(found)
+        context = _step.CONTEXT
+        context.mark("decide")
         if found:
+            context.mark("skip")
             return None
-        _stepping.active = True
+        context.mark("step")
+        context.scaler_stepping = True  # the NaN guard leaves this checked step alone
         try:
             return optimizer.step(*args, **kwargs)
         finally:
-            _stepping.active = False
+            context.scaler_stepping = False
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        global _pending
         if not self._enabled:
             return
-        if _pending is not None and _pending() is self:
-            _pending = None
         self._tp_unscaled.clear()
-        for listener in _boundary_listeners:
-            listener()
+        _step.CONTEXT.scaler_updated(self)  # no longer pending; the iteration's listeners
         if new_scale is not None:
             super().update(new_scale)
             self._tp_mirror = None
             self._tp_found_host.clear()
+            _step.CONTEXT.mark("record")
             return
         scale, tracker = self._check_scale_growth_tracker("update")
         found_infs = [
@@ -315,6 +322,7 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         self._tp_counts.record_step(found > 0)
         self._tp_iteration += 1
         self._after_update(host_found)
+        _step.CONTEXT.mark("record")
 
     def _update_scale(self, scale: torch.Tensor, tracker: torch.Tensor,
                       found: torch.Tensor) -> None:
@@ -539,13 +547,13 @@ def sharded_scaler_class(original: type) -> type:
 
 def stepping() -> bool:
     """True inside an optimizer step a SafeGradScaler has already checked."""
-    return getattr(_stepping, "active", False)
+    return _step.CONTEXT.scaler_stepping
 
 
 def pending_scaler() -> SafeGradScaler | None:
-    """The SafeGradScaler that scaled a loss this iteration and has not updated yet."""
-    scaler = _pending() if _pending is not None else None
-    return scaler if scaler is not None and scaler._enabled else None
+    """The SafeGradScaler that scaled a loss this iteration and has not updated yet (a
+    disabled one never becomes pending)."""
+    return _step.CONTEXT.pending_scaler()
 
 
 def latest_scaler() -> SafeGradScaler | None:
@@ -554,9 +562,9 @@ def latest_scaler() -> SafeGradScaler | None:
 
 def reset() -> None:
     """Forget which scaler is pending and which ran last."""
-    global _pending, _latest
-    _pending = _latest = None
-    _stepping.active = False
+    global _latest
+    _latest = None
+    _step.CONTEXT.forget_scaler()
 
 
 def stats() -> dict[str, float]:

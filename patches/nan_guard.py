@@ -4,9 +4,10 @@ Torch's global optimizer step hooks decide each step (one reduction, agreed acro
 a bad step leaves parameters, moments and step counts as they were, is recorded in
 ``nonfinite_events.jsonl`` (:data:`EVENTS_FILE`) and, after ``max_bad_steps`` in a row,
 stops the run with :class:`NonFiniteTrainingError`. Steps a GradScaler protects are left
-to it. Public: :func:`observe_loss`, :func:`expect_accumulation`, :func:`watch`,
-:func:`set_replay`, :func:`find_nonfinite_source`, :func:`replaying`, :func:`settle`,
-:func:`stats`, :func:`load_stats`, :func:`reset`, ``SPEC``.
+to it; what the scaler and the clip tell it comes through the step context
+(docs/design/step.md). Public: :func:`observe_loss`, :func:`expect_accumulation`,
+:func:`watch`, :func:`set_replay`, :func:`find_nonfinite_source`, :func:`replaying`,
+:func:`settle`, :func:`stats`, :func:`load_stats`, :func:`reset`, ``SPEC``.
 
 Design: docs/design/nan_guard.md
 """
@@ -27,7 +28,7 @@ from torch.nn.utils import get_total_norm
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
-from . import _dist, _options, _run, grad_clip, grad_scaler
+from . import _dist, _options, _run, _step
 from ._log import info, logger
 from ._options import (INT64_MAX, ConfigError, Option, flag, nonnegative_float, positive_int,
                        window)
@@ -126,7 +127,7 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _protected(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> bool:
     """A GradScaler already decided this step (its own sync, or the fused protocol)."""
-    return (grad_scaler.stepping() or "grad_scaler" in kwargs
+    return (_step.CONTEXT.scaler_stepping or "grad_scaler" in kwargs
             or (hasattr(optimizer, "found_inf") and id(optimizer) not in _state.set_found_inf))
 
 
@@ -221,7 +222,8 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
 
 
 def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
-    if not grad_scaler.stepping():  # a scaler's step: its update() marks the boundary
+    context = _step.CONTEXT
+    if not context.scaler_stepping:  # a scaler's step: its update() marks the boundary
         _step_boundary()
     if _protected(optimizer, kwargs):
         _state.pending_loss = None
@@ -238,9 +240,10 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
         # would not say which rank's shards are bad), the ranks agree below.
         grads = [_dist.local(g) for g in grads]
     device = grads[0].device if grads else loss.device  # type: ignore[union-attr]
-    bad_grad = grad_clip.nonfinite_for(grads) if grads and not sharded else None
+    # The clip's flag for these very gradients, if it covered them: no second reduction.
+    bad_grad = context.take_clip(grads) if grads and not sharded else None
     if sharded:
-        grad_clip.nonfinite_for([])  # forget the clip's flag: it belongs to this step
+        context.forget_clip()  # the clip's flag belongs to this step, judged by shards here
     if bad_grad is None:
         bad_grad = (~torch.isfinite(get_total_norm(grads, 2.0, False, None)) if grads
                     else torch.zeros((), dtype=torch.bool, device=device))
@@ -264,6 +267,7 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
     _state.counts["steps"] += 1
     if loss is not None:
         _remember_loss(loss, bad, opts)
+    context.mark("decide")
 
     if optimizer.defaults.get("fused") and not hasattr(optimizer, "found_inf"):
         # The fused kernel skips on found_inf by itself: no sync at all.
@@ -278,6 +282,7 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
             _log_stats()  # settles the flags
         elif len(_state.deferred) >= min(opts.log_interval, opts.max_bad_steps):
             _settle_deferred()  # often enough for the consecutive-skips stop
+        context.mark("step")  # the kernel applies it or skips it on the device
         return
 
     skipped = bool(bad.item())  # the one host sync of a guarded step
@@ -286,19 +291,24 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
         _state.streak = 0
         if loss is not None:
             _state.last_good_loss = loss
+        context.mark("step")
     else:
+        # Recorded first: the event names the non-finite gradients, gone after the skip.
         _on_bad_step(optimizer, _state.host_steps, bad_grad, loss, spike,
                      any_bad_loss=any_bad_loss)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None  # the optimizer now skips every parameter: an exact no-op
+        context.mark("skip")
     if _state.host_steps % opts.log_interval == 0:
         _log_stats()
 
 
 def _post_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> None:
-    if not grad_scaler.stepping():
+    if _step.CONTEXT.phases is not None and not _protected(optimizer, kwargs):
+        _step.CONTEXT.mark("record")  # the guard's step ends (a scaler's ends at update())
+    if not _step.CONTEXT.scaler_stepping:
         # Backwards inside the step (LBFGS evaluating its closure again) belong to it, not
         # to the next step: they are no accumulation. A scaler's update() ends its steps.
         _state.backwards = _state.left_out = 0
@@ -413,7 +423,7 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
         "loss": loss_value,
     }
     if not peer:  # a follower has no gradient list of its own (and no bogus one)
-        scaler = grad_scaler.pending_scaler()
+        scaler = _step.CONTEXT.pending_scaler()
         event["nonfinite_grads"] = _bad_grad_names(optimizer) if grad_seen else []
         event["scale"] = scaler.get_scale() if scaler is not None else None
     event["samples"] = list(known["samples"] if known is not None else _run.batch_ids)
@@ -612,6 +622,7 @@ def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
                 _state.left_out += 1
                 if not _dist.collectives():
                     _on_bad_micro_batch(self)
+                    _step.CONTEXT.mark("backward")  # left out: this micro-batch is done
                     return None
                 # Several ranks: the peers' backward of this micro-batch may all-reduce
                 # (DDP's synced micro-batch, every micro-batch without no_sync) or
@@ -625,7 +636,11 @@ def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
                 # while DDP still expects this micro-batch's gradients would start a
                 # reduction of its own.
                 _on_bad_micro_batch(self)
+                _step.CONTEXT.mark("backward")
                 return result
+            result = original(self, gradient, retain_graph, create_graph, inputs)
+            _step.CONTEXT.mark("backward")
+            return result
         return original(self, gradient, retain_graph, create_graph, inputs)
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__
@@ -773,7 +788,7 @@ def _nothing_found_reason(model: torch.nn.Module) -> str:
 # -- the patch -----------------------------------------------------------------------
 
 def _enable(options: Any) -> None:
-    grad_scaler.on_iteration_end(_step_boundary)
+    _step.CONTEXT.on_iteration_end(_step_boundary)
     _hooks.append(register_optimizer_step_pre_hook(_pre_hook))
     _hooks.append(register_optimizer_step_post_hook(_post_hook))
 

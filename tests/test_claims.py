@@ -14,7 +14,7 @@ from tiny_models import TinyTextModel
 from torch import nn
 
 import patches
-from patches import grad_clip, nan_guard
+from patches import _step, grad_clip, nan_guard
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 
@@ -59,7 +59,7 @@ def test_without_the_reuse_the_guard_reduces_again(monkeypatch: pytest.MonkeyPat
     """The control: the same loop with the guard's reuse switched off makes two per step."""
     patches.apply(["grad_clip", "nan_guard"])
     counter = _count_norms(monkeypatch)
-    monkeypatch.setattr(grad_clip, "nonfinite_for", lambda grads: None)
+    monkeypatch.setattr(_step.CONTEXT, "take_clip", lambda grads: None)
     _clipped_steps(5)
     assert counter[0] == 10
 

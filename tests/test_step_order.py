@@ -1,0 +1,206 @@
+"""The order within one optimizer step (docs/design/step.md), walked with real steps.
+
+``patches._step.CONTEXT.recording()`` lists the phases as the scaler, the clip and the
+guard mark them; each test runs one real step (CPU, a tiny model) and asserts the exact
+list, and what the shared context holds between the phases.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+import patches
+from patches import SafeGradScaler, _step, nan_guard
+
+CONTEXT = _step.CONTEXT
+
+
+@pytest.fixture
+def patched(clean_patches: None, tmp_path) -> None:
+    """The scaler, the clip and the guard on; events into ``tmp_path``."""
+    nan_guard.reset()
+    patches.apply(["grad_scaler", "grad_clip", "nan_guard"], output_dir=str(tmp_path))
+    yield
+    nan_guard.reset()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _loss(model: torch.nn.Module, poison: float = 1.0) -> torch.Tensor:
+    torch.manual_seed(1)
+    return model(torch.randn(16, 8)).pow(2).mean() * poison
+
+
+def _walk(step: Callable[[], object]) -> list[str]:
+    with CONTEXT.recording() as phases:
+        step()
+    return phases
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same(before: list[torch.Tensor], model: torch.nn.Module) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, *, clip: bool = True,
+                poison: float = 1.0) -> None:
+    opt.zero_grad(set_to_none=True)
+    _loss(model, poison).backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def test_fp32_loop_with_clip(patched: None) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert _walk(lambda: _plain_step(model, opt)) == [
+        "backward", "clip", "decide", "step", "record"]
+
+
+def test_fp32_loop_without_clip(patched: None) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert _walk(lambda: _plain_step(model, opt, clip=False)) == [
+        "backward", "decide", "step", "record"]
+
+
+def test_a_nan_loss_is_decided_skipped_then_recorded(patched: None) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _params(model)
+    assert _walk(lambda: _plain_step(model, opt, poison=float("nan"))) == [
+        "backward", "clip", "decide", "skip", "record"]
+    assert _same(before, model)
+    assert patches.stats()["nan_guard"]["skipped"] == 1
+
+
+def _scaled_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: SafeGradScaler,
+                 *, unscale: bool, poison: float = 1.0) -> None:
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = _loss(model).float()
+    scaler.scale(loss * poison).backward()
+    if unscale:
+        scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0 if unscale else scaler.get_scale())
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_scaler_unscales_then_clip_then_decides(patched: None) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = SafeGradScaler("cpu", init_scale=1024.0)
+    assert _walk(lambda: _scaled_step(model, opt, scaler, unscale=True)) == [
+        "backward", "unscale", "clip", "decide", "step", "record"]
+    before = _params(model)
+    assert _walk(lambda: _scaled_step(model, opt, scaler, unscale=True,
+                                      poison=float("inf"))) == [
+        "backward", "unscale", "clip", "decide", "skip", "record"]
+    assert _same(before, model)
+
+
+def test_scaler_not_asked_to_unscale_does_so_in_its_step_after_the_clip(patched: None) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = SafeGradScaler("cpu", init_scale=1024.0)
+    assert _walk(lambda: _scaled_step(model, opt, scaler, unscale=False)) == [
+        "backward", "clip", "unscale", "decide", "step", "record"]
+
+
+def test_fused_optimizer_decides_on_the_device(patched: None) -> None:
+    """Guard only: the flag goes to the kernel, the host marks "step" either way; under a
+    scaler the kernel reads the scaler's flag: no host decision at all."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    assert _walk(lambda: _plain_step(model, opt)) == [
+        "backward", "clip", "decide", "step", "record"]
+    before = _params(model)
+    assert _walk(lambda: _plain_step(model, opt, poison=float("nan"))) == [
+        "backward", "clip", "decide", "step", "record"]
+    assert _same(before, model)  # the kernel skipped it
+
+    scaler = SafeGradScaler("cpu", init_scale=1024.0)
+
+    def scaled() -> None:
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(_loss(model)).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert _walk(scaled) == ["backward", "unscale", "step", "record"]
+
+
+def _closure_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                  poison: float = 1.0) -> Callable[[], object]:
+    def closure() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model, poison)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return loss
+    return lambda: opt.step(closure)
+
+
+def test_step_closure_backward_and_clip_come_before_the_decision(patched: None) -> None:
+    model = _model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=1)
+    assert _walk(_closure_step(model, opt)) == ["backward", "clip", "decide", "step", "record"]
+    before = _params(model)
+    # a NaN made inside the closure is judged: the decision comes after it
+    assert _walk(_closure_step(model, opt, float("nan"))) == [
+        "backward", "clip", "decide", "skip", "record"]
+    assert _same(before, model)
+
+
+def test_further_closure_evaluations_belong_to_the_step(patched: None) -> None:
+    """LBFGS evaluates the closure again inside its step: between "step" and "record"."""
+    model = _model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+    assert _walk(_closure_step(model, opt)) == [
+        "backward", "clip", "decide", "step", "backward", "clip", "record"]
+
+
+def test_the_context_holds_each_part_for_its_phases_only(patched: None) -> None:
+    """The pending scaler from scale() to update(); "stepping" only inside the optimizer
+    step the scaler runs; the clip's flag from the clip until the guard takes it."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = SafeGradScaler("cpu", init_scale=1024.0)
+    seen: list[bool] = []
+    handle = opt.register_step_pre_hook(lambda *_: seen.append(CONTEXT.scaler_stepping))
+    try:
+        assert CONTEXT.pending_scaler() is None
+        scaled = scaler.scale(_loss(model))
+        assert CONTEXT.pending_scaler() is scaler
+        scaled.backward()
+        scaler.unscale_(opt)
+        assert set(scaler.unscaled_param_ids()) == {id(p) for p in model.parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grads = [p.grad for p in model.parameters()]
+        assert CONTEXT.take_clip(grads) is not None and CONTEXT.take_clip(grads) is None
+        scaler.step(opt)
+        assert seen == [True] and not CONTEXT.scaler_stepping
+        scaler.update()
+        assert CONTEXT.pending_scaler() is None and not scaler.unscaled_param_ids()
+    finally:
+        handle.remove()
+
+
+def test_the_recorder_is_off_by_default() -> None:
+    assert CONTEXT.phases is None
+    CONTEXT.mark("no such phase")  # off: not even checked
+    with CONTEXT.recording() as phases:
+        CONTEXT.mark("clip")
+        with pytest.raises(ValueError, match="unknown step phase"):
+            CONTEXT.mark("no such phase")
+    assert phases == ["clip"] and CONTEXT.phases is None
