@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from patches import _interrupt
+from patches import _interrupt, _run
 from patches._interrupt import Interruption, TrainingInterrupted
 
 
@@ -79,7 +79,7 @@ def _trainer_runs(folder) -> list[dict]:
 @pytest.mark.xtts
 @pytest.mark.slow
 def test_a_coqui_trainer_stopped_by_a_signal_is_recorded_and_reported_interrupted(
-        tiny_xtts, tmp_path) -> None:
+        tiny_xtts, tmp_path, clean_patches) -> None:
     """Any coqui Trainer, not only headlessXttsTrain.py: SIGTERM after step 2 ends the run
     with 143 and a checkpoint; the signals that come while that is written (the same one
     again, Ctrl-C) do not cut it short; the run folder's trainer_runs.jsonl says start,
@@ -136,3 +136,4 @@ def test_a_coqui_trainer_stopped_by_a_signal_is_recorded_and_reported_interrupte
     assert "verdict: interrupted" in report.stdout, report.stdout + report.stderr
     assert f"stopped by SIGTERM at trainer step {last['step']}" in report.stdout
     assert "(trainer_runs.jsonl)" in report.stdout
+    _run.reset()  # the Trainer's folder stays this test's

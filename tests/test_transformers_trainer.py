@@ -82,6 +82,9 @@ def run_state(clean_patches, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     land there), the guard's and the run's state fresh before and after."""
     monkeypatch.delenv("TRAINING_PATCHES_OUTPUT_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
+    # a coqui Trainer built by an earlier test leaves its log handler, which the coqui
+    # integration's folder provider would read: this process trains no coqui model here
+    monkeypatch.setattr(_run, "_dir_providers", [])
     _run.reset()
     nan_guard.reset()
     yield
