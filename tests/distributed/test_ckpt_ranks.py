@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import jobs
+from patches._runlock import LOCK_NAME
 from patches.checkpoint import CheckpointManager, check_file
 from patches.checkpoint.reading import read_manifest
 from patches.checkpoint.atomic import host_name
@@ -65,10 +66,12 @@ def test_ckpt_ddp_save_from_every_rank_20_times(tmp_path: Path) -> None:
     assert set(paths) == {0, 1}
     assert paths[0] == paths[1], "every rank must get the same paths back"
     assert [Path(p).name for p in paths[0][0]] == [f"ckpt_{s:09d}.pt" for s in range(20)]
-    # No torn pair, no orphan: exactly 20 files, their 20 manifests and `latest`.
+    # No torn pair, no orphan: exactly 20 files, their 20 manifests and `latest` (and the
+    # writer's folder lock, which ended with it).
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted([f"ckpt_{s:09d}.pt" for s in range(20)]
-                           + [f"ckpt_{s:09d}.pt.manifest.json" for s in range(20)] + ["latest"])
+                           + [f"ckpt_{s:09d}.pt.manifest.json" for s in range(20)]
+                           + ["latest", LOCK_NAME])
     manifests = []
     for step in range(20):
         path = out / f"ckpt_{step:09d}.pt"
@@ -101,8 +104,8 @@ def test_ckpt_writer_error_reaches_every_rank(tmp_path: Path) -> None:
     assert message.startswith("DiskFullError: training-patches: the disk filled up while writing "
                                "ckpt_000000001.pt"), message
     assert "SAVED" not in said(result.stdout)
-    # The failed save left none of its files behind.
-    assert sorted(p.name for p in out.iterdir()) == []
+    # The failed save left none of its files behind (the lock is the writer's, not the save's).
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
 
 
 def _run_until(command: list[str], marker: str, timeout: float, log: Path) -> subprocess.Popen:
@@ -248,8 +251,8 @@ def test_ckpt_save_on_rank0_only_is_a_clear_error_not_a_hang(tmp_path: Path) -> 
                               "ranks"), message
     assert "collective=False" in message and "EVERY rank" in message
     # Nothing of the collective save was written; the one-process save works.
-    assert lines["SAVED_LOCAL"][0][0] == ["ckpt_000000002.pt", "ckpt_000000002.pt.manifest.json",
-                                          "latest"]
+    assert lines["SAVED_LOCAL"][0][0] == [LOCK_NAME, "ckpt_000000002.pt",
+                                          "ckpt_000000002.pt.manifest.json", "latest"]
 
 
 def test_ckpt_fsdp2_error_on_one_rank_reaches_every_rank(tmp_path: Path) -> None:
