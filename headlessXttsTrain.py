@@ -541,13 +541,11 @@ def _record(output_dir: Path, event: str, **fields: Any) -> None:
     """One JSON line in ``<output_dir>/headless_runs.jsonl`` (what the demo summary reads)."""
     from patches import _run
 
-    # cwd: the report resolves the run's relative paths (--output-dir runs/am) as the run did
-    fields = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(),
-              "cwd": os.getcwd(), **fields}
-    # One file per rank under a launcher of several (the report merges them), strict JSON;
-    # best effort, as every record of the patches: a full disk never ends the run here.
-    _run.append_line(str(output_dir / _run.rank_file_name(RUNS_NAME)),
-                     _run.json_line(_run.with_rank(fields)))
+    # One file per rank under a launcher of several (the report merges them), strict JSON,
+    # with the working directory (the report resolves the run's relative paths, --output-dir
+    # runs/am, as the run did); best effort, as every record of the patches: a full disk
+    # never ends the run here.
+    _run.record_in(output_dir, RUNS_NAME, event, **fields)
 
 
 def _load_report_record(report: Any) -> dict[str, Any] | None:

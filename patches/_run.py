@@ -224,8 +224,12 @@ def with_rank(record: dict[str, Any]) -> dict[str, Any]:
 def record_in(folder: str | os.PathLike[str], name: str, event: str, **fields: Any) -> str:
     """Append one ``event`` record (with the time, this process, its working directory, rank
     and run) to this rank's ``name`` in ``folder``, best effort; return the file's path."""
+    try:
+        cwd: str | None = os.getcwd()
+    except OSError:  # the working directory was removed: the record still goes out
+        cwd = None
     record = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid(),
-              "cwd": os.getcwd(), **fields}
+              "cwd": cwd, **fields}
     path = os.path.join(os.fspath(folder), rank_file_name(name))
     append_line(path, json_line(with_rank(record)))
     return path
