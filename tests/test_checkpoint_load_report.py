@@ -305,7 +305,7 @@ def test_load_options_as_an_object_or_keywords_and_unknown_names_refused(tmp_pat
 
 @pytest.mark.parametrize("option", [dict(freeze=False), dict(resume_step=False),
                                     dict(key_filter=lambda key: True), dict(truncate=True),
-                                    dict(row_init="mean")])
+                                    dict(row_init="mean"), dict(collective=False)])
 def test_a_sharded_folder_refuses_what_it_cannot_honour(tmp_path, option):
     """Issue 27: a DCP folder used to drop 12 of load_checkpoint's options silently
     (``resume_step`` among them). Each is now refused, one paragraph, nothing loaded."""

@@ -63,7 +63,9 @@ class LoadOptions:
 
     # What a sharded (DCP) folder can honour: it loads tensors of the saved shapes into the
     # same sharded model, so the single file's vocabulary, key and pickle options do not apply.
-    FOLDER_FIELDS = ("policy", "restore_rng", "verify_hash", "allow_nonfinite", "collective")
+    # (It is collective by nature: every rank loads its shards together, so of ``collective``
+    # only False, one process alone, cannot be honoured.)
+    FOLDER_FIELDS = ("policy", "restore_rng", "verify_hash", "allow_nonfinite")
 
     def resolved(self) -> "LoadOptions":
         """A copy whose row rules are named and checked (None: the current settings)."""

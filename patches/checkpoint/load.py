@@ -91,8 +91,9 @@ def load_checkpoint(
     Every option above is a field of :class:`LoadOptions`: pass ``options=LoadOptions(...)``,
     keywords, or both (a keyword wins). An unknown keyword is a TypeError naming the
     closest option. A sharded checkpoint folder honours only ``policy``, ``restore_rng``,
-    ``verify_hash``, ``allow_nonfinite`` and ``collective``: any other option set for one is
-    refused (ValueError, nothing loaded), never dropped.
+    ``verify_hash`` and ``allow_nonfinite``, and loads on every rank together (so
+    ``collective=False`` cannot apply): any other option set for one is refused (ValueError,
+    nothing loaded), never dropped.
 
     Returns:
         A :class:`LoadReport`: ``parts`` says what happened to each part (model, optimizer,
@@ -156,14 +157,16 @@ def _refuse_for_folder(path: Path, options: LoadOptions) -> None:
     defaults = LoadOptions()
     unusable = [f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options)
                 if f.name not in LoadOptions.FOLDER_FIELDS
-                and getattr(options, f.name) != getattr(defaults, f.name)]
+                and getattr(options, f.name) != getattr(defaults, f.name)
+                and not (f.name == "collective" and options.collective)]
     if unusable:
         raise ValueError(
             f"load_checkpoint: {path} is a sharded checkpoint folder (torch.distributed."
             f"checkpoint), which loads the tensors as saved into the same sharded model; the "
             f"option(s) {', '.join(unusable)} apply to a single checkpoint file and cannot be "
             f"honoured here. Nothing was loaded. Leave them out for a folder (it honours "
-            f"{', '.join(LoadOptions.FOLDER_FIELDS)}), or load a single-file checkpoint.")
+            f"{', '.join(LoadOptions.FOLDER_FIELDS)}, and loads on every rank together), or "
+            f"load a single-file checkpoint.")
 
 
 def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
