@@ -2,7 +2,8 @@
 then apply with undo) and :class:`CheckpointManager` (atomic saves, manifests, resume).
 
 By concern: :mod:`.reading` (file checks, manifests, ``read_checkpoint``), :mod:`.plan`
-and :mod:`.optimizer` (what goes where), :mod:`.decide` and :mod:`.apply` (the two phases
+and :mod:`.optimizer` (what goes where), :mod:`.parts` (the state beside the tensors, one
+plan/apply/report for a file and a folder), :mod:`.decide` and :mod:`.apply` (the two phases
 of a load), :mod:`.load` (the door and the report), :mod:`.report`, :mod:`.rng`,
 :mod:`.atomic`, :mod:`.manager`, :mod:`.sharded`, :mod:`.errors`. It imports torch, the
 standard library and generic sibling modules only, never an integration. The design:

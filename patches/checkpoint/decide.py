@@ -7,7 +7,6 @@ the plan out."""
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -17,21 +16,16 @@ import torch
 from .. import _dist, _options
 from ..row_init import check_rule
 
-from .errors import CheckpointError, CheckpointMismatchError
-from .optimizer import (_as_list, _check_plain_state, _remap_optimizer_state, check_kinds,
-                        scaler_enabled)
+from .errors import CheckpointMismatchError
+from .optimizer import _as_list, _remap_optimizer_state
+from .parts import RNG_KEYS, STEP_KEYS, Source, StatePlan, plan_state
 from .plan import MODEL_KEYS, ModelPlan, check_finite, plan_model
-from .reading import _what_to_do, read_checkpoint
-from .report import _runtime_state
+from .reading import read_checkpoint
 from .rng import state_for_rank
 
 logger = logging.getLogger("training_patches")
 
-# Where checkpoints keep their step: ours and coqui's "step"; plain loops often
-# "global_step" (IndexTTS, transformers-style loops) or "iteration".
-STEP_KEYS = ("step", "global_step", "iteration")
-# Where they keep RNG states: ours "rng"; trainers' own files often "rng_state".
-RNG_KEYS = ("rng", "rng_state")
+__all__ = ["LoadOptions", "LoadPlan", "decide", "STEP_KEYS", "RNG_KEYS"]
 
 
 @dataclass(frozen=True)
@@ -78,49 +72,43 @@ class LoadOptions:
 
 @dataclass
 class LoadPlan:
-    """Everything a load of one file will do, decided and validated before any change.
-
-    ``effective`` is the policy carried out: ``remap`` falls back to ``reset`` when the
-    file has no optimizer state (the optimizer, scheduler and scaler then start fresh
-    together). ``optimizer_states`` holds, under ``remap``, each optimizer's saved state
-    with its moments grown; ``rng`` the RNG state to restore on this rank (None: keep
-    the current one); ``runtime`` the runtime counters to restore (None: keep them).
-    """
+    """Everything a load of one file will do, decided and validated before any change: the
+    model's tensors (:class:`ModelPlan`) and the parts beside them (:class:`StatePlan`,
+    the plan a sharded folder's load makes too)."""
 
     path: Path
     checkpoint: dict[str, Any]
     model: ModelPlan
-    policy: str
-    effective: str
-    optimizers: list[Any]
-    schedulers: list[Any]
-    scaler: Any
-    scaler_on: bool  # a scaler was passed and is enabled
-    saved_opts: list[Any]
-    saved_scheds: list[Any]
-    saved_scaler: Any
-    optimizer_states: list[dict[str, Any]]
-    moments_resized: list[str]
-    saved_step: int | None
-    epoch: int | None
-    extra: dict[str, Any]
-    rng: Mapping[str, Any] | None
-    rng_in_file: bool
-    asked_rng: bool | None
-    runtime: dict[str, dict[str, float]] | None
+    state: StatePlan
+
+    @property
+    def policy(self) -> str:
+        return self.state.policy
+
+    @property
+    def effective(self) -> str:
+        """The policy carried out (``remap`` falls back to ``reset`` without optimizer state)."""
+        return self.state.effective
 
     @property
     def fell_back(self) -> bool:
-        """``remap`` was asked and the file has no optimizer state: all three start fresh."""
-        return self.effective != self.policy
+        return self.state.fell_back
+
+    @property
+    def saved_step(self) -> int | None:
+        return self.state.saved_step
+
+    @property
+    def rng(self) -> Mapping[str, Any] | None:
+        return self.state.rng
 
 
 def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any,
            options: LoadOptions) -> LoadPlan:
     """The :class:`LoadPlan` of loading the file ``path`` into these objects: read, validate,
-    plan the rows, plan the optimizer state (in that order: the first problem found is the
-    one raised). Raises :class:`CheckpointError` or :class:`CheckpointMismatchError`;
-    nothing passed in is changed."""
+    plan the rows, plan the optimizer state and the other parts (in that order: the first
+    problem found is the one raised). Raises :class:`CheckpointError` or
+    :class:`CheckpointMismatchError`; nothing passed in is changed."""
     options = options.resolved()
     ckpt = read_checkpoint(path, mmap=options.mmap, verify_hash=options.verify_hash,
                            trusted=options.trusted)
@@ -136,109 +124,49 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     bare = not any(isinstance(ckpt.get(k), Mapping) for k in MODEL_KEYS)
     meta: Mapping[str, Any] = {} if bare else ckpt
     optimizers = _as_list(optimizer)
-    schedulers = [s for s in _as_list(scheduler) if s is not None]
     saved_opts = _as_list(meta.get("optimizer"))
-    saved_scheds = _as_list(meta.get("scheduler"))
-    saved_scaler = meta.get("scaler")
-    extra = _extra_of(path, meta)
-    saved_step = (_step_of(path, meta) if any(meta.get(k) is not None for k in STEP_KEYS)
-                  else None)
-    epoch = meta.get("epoch")
-    if options.policy == "remap":  # a state of another class is refused, never "restored"
-        check_kinds(path, meta, optimizers, saved_opts, schedulers, saved_scheds)
-    effective, states, resized = _plan_optimizers(path, model, plan, options, optimizers,
-                                                  saved_opts)
-    if effective == "remap" and schedulers and saved_scheds:
-        if len(saved_scheds) < len(schedulers):
-            raise CheckpointMismatchError(
-                f"training-patches: {path} holds {len(saved_scheds)} scheduler state(s), "
-                f"{len(schedulers)} schedulers were given. Nothing was loaded. Use policy='reset'.")
-        for state, sched in zip(saved_scheds, schedulers):
-            _check_plain_state(path, "scheduler", state, sched)
-    scaler_on = scaler_enabled(scaler)
-    if effective == "remap" and scaler_on and saved_scaler:
-        _check_plain_state(path, "scaler", saved_scaler, scaler)
-    rng, rng_in_file = _plan_rng(path, meta, options.restore_rng, effective)
-    runtime = _runtime_state(meta.get("training_patches")) if effective == "remap" else None
-    if effective == "remap" and isinstance(meta.get("training_patches"), Mapping) and runtime is None:
-        logger.warning("training-patches: the runtime counters saved in %s are not in the shape "
-                       "this version writes; they were not restored", path)
-    return LoadPlan(
-        path=path, checkpoint=ckpt, model=plan, policy=options.policy, effective=effective,
-        optimizers=optimizers, schedulers=schedulers, scaler=scaler, scaler_on=scaler_on,
-        saved_opts=saved_opts, saved_scheds=saved_scheds, saved_scaler=saved_scaler,
-        optimizer_states=states, moments_resized=resized, saved_step=saved_step,
-        epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
-        extra=dict(extra or {}), rng=rng, rng_in_file=rng_in_file,
-        asked_rng=options.restore_rng, runtime=runtime)
+    source = Source(path=path, kind="file", meta=meta, has_optimizer=bool(saved_opts),
+                    read_rng=lambda: _saved_rng(path, meta), rng_in_file=_holds_rng(meta),
+                    saved_optimizers=saved_opts)
+    state = plan_state(
+        source, policy=options.policy, restore_rng=options.restore_rng, optimizers=optimizers,
+        schedulers=[s for s in _as_list(scheduler) if s is not None], scaler=scaler,
+        remap_optimizers=lambda: _remap_optimizers(path, model, plan, options, optimizers,
+                                                   saved_opts))
+    return LoadPlan(path=path, checkpoint=ckpt, model=plan, state=state)
 
 
-def _extra_of(path: Path, meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The caller's ``extra`` dict saved with the checkpoint (None: there is none)."""
-    extra = meta.get("extra")
-    if extra is not None and not isinstance(extra, Mapping):
-        raise CheckpointError(
-            f"training-patches: cannot load {path}: its 'extra' is a {type(extra).__name__}, "
-            f"expected a dict (what CheckpointManager.save(**extra) writes). Nothing was loaded. "
-            f"{_what_to_do(path)}")
-    return extra
-
-
-def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
-    key = next((k for k in STEP_KEYS if meta.get(k) is not None), None)
-    if key is None:
-        return 0
-    value = meta[key]
-    try:
-        if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
-                value.numel() != 1 or value.is_floating_point() or value.is_meta)):
-            raise TypeError
-        step = operator.index(value.item() if isinstance(value, torch.Tensor) else value)
-    except (TypeError, ValueError, RuntimeError):
-        step = -1
-    if step < 0:
-        raise CheckpointError(
-            f"training-patches: cannot load {path}: its {key!r} is {str(value)[:40]!r}, expected a "
-            f"whole number >= 0. The file is not a checkpoint this library or the coqui Trainer "
-            f"wrote, or it was changed. Nothing was loaded. {_what_to_do(path)}")
-    return step
-
-
-def _plan_optimizers(path: Path, model: torch.nn.Module, plan: ModelPlan, options: LoadOptions,
-                     optimizers: list[Any], saved_opts: list[Any],
-                     ) -> tuple[str, list[dict[str, Any]], list[str]]:
-    """(the policy carried out, each optimizer's state to load under ``remap`` with its
-    moments grown, the names of the parameters whose moments were resized)."""
-    effective = options.policy
-    states: list[dict[str, Any]] = []
-    resized: list[str] = []
-    if options.policy != "remap" or not optimizers:
-        return effective, states, resized
-    if not saved_opts:
-        return "reset", states, resized  # nothing to keep: the matched set starts fresh together
+def _remap_optimizers(path: Path, model: torch.nn.Module, plan: ModelPlan, options: LoadOptions,
+                      optimizers: list[Any], saved_opts: list[Any],
+                      ) -> tuple[list[dict[str, Any]], list[str]]:
+    """(each optimizer's saved state with its moments grown onto the model's rows, the
+    names of the parameters whose moments were resized)."""
     if len(saved_opts) != len(optimizers):
         raise CheckpointMismatchError(
             f"training-patches: {path} holds the state of {len(saved_opts)} optimizer(s), "
             f"{len(optimizers)} were given. Nothing was loaded. Pass the same optimizers, or "
             f"use policy='reset' to start the optimizer, scheduler and scaler fresh.")
+    states: list[dict[str, Any]] = []
+    resized: list[str] = []
     names = {id(p): n for n, p in model.named_parameters()}
     for saved, opt in zip(saved_opts, optimizers):
         state, grown = _remap_optimizer_state(path, saved, opt, names, plan,
                                               allow_nonfinite=options.allow_nonfinite)
         states.append(state)
         resized += [r for r in grown if r not in resized]
-    return effective, states, resized
+    return states, resized
 
 
-def _plan_rng(path: Path, meta: Mapping[str, Any], asked: bool | None,
-              effective: str) -> tuple[Mapping[str, Any] | None, bool]:
-    """(the RNG state this rank restores or None, whether the file holds RNG states).
-    ``asked`` None: restore under ``remap`` only."""
-    restore = (effective == "remap") if asked is None else asked
-    rng = next((meta[k] for k in RNG_KEYS if isinstance(meta.get(k), Mapping)), None)
+def _saved_rng(path: Path, meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """This rank's saved RNG state (None: none saved for it)."""
     rng_ranks = meta.get("rng_ranks")
-    if restore and isinstance(rng_ranks, list) and rng_ranks:
+    if isinstance(rng_ranks, list) and rng_ranks:
         # Every rank's state was saved: each rank takes its own.
-        rng = state_for_rank(rng_ranks, _dist.rank(), max(_dist.world_size(), 1), str(path))
-    in_file = rng is not None or (isinstance(rng_ranks, list) and bool(rng_ranks))
-    return (rng if restore else None), in_file
+        return state_for_rank(rng_ranks, _dist.rank(), max(_dist.world_size(), 1), str(path))
+    return next((meta[k] for k in RNG_KEYS if isinstance(meta.get(k), Mapping)), None)
+
+
+def _holds_rng(meta: Mapping[str, Any]) -> bool:
+    rng_ranks = meta.get("rng_ranks")
+    return (any(isinstance(meta.get(k), Mapping) for k in RNG_KEYS)
+            or (isinstance(rng_ranks, list) and bool(rng_ranks)))

@@ -13,15 +13,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import _dist, _options
+from .. import _options
 from .._log import info
 from ..vocab_rows import row_layout
 from . import _collective
 from .apply import apply
 from .decide import LoadOptions, LoadPlan, decide
 from .errors import CheckpointError
+from .parts import and_list, new_report, report_parts, say_fallback
 from .plan import ModelPlan
-from .report import LoadReport, set_rng_part
+from .report import LoadReport
 from .sharded import is_sharded_model, load_sharded
 
 logger = logging.getLogger("training_patches")
@@ -178,17 +179,16 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
     plan = decide(path, model, optimizer, scheduler, scaler, options)
     if gate is not None:
         gate()
-    report = LoadReport(path=str(path), policy=plan.policy, step=plan.saved_step or 0,
-                        saved_step=plan.saved_step, epoch=plan.epoch, extra=plan.extra,
-                        checkpoint=plan.checkpoint,
-                        optimizer_moments_resized=list(plan.moments_resized))
+    report = new_report(plan.state, checkpoint=plan.checkpoint)
     missing = apply(plan, model, report)
     _report_model(report, plan, missing, resume_step=options.resume_step)
     rows = plan.model.rows
     if rows is not None and rows.added > 0 and options.freeze:
         report.freeze = _enable_freeze(model, plan.model, options.vocab_modules)
-    _set_parts(report, plan, resume_step=options.resume_step)
-    _say(path, report, plan.model, fell_back=plan.fell_back)
+    _model_part(report, plan.model)
+    report_parts(report, plan.state, resume_step=options.resume_step)
+    _say(path, report, plan.model)
+    say_fallback(report, plan.state)
     return report
 
 
@@ -206,7 +206,6 @@ def _report_model(report: LoadReport, plan: LoadPlan, missing: list[str], *,
         report.base_vocab_size, report.vocab_size = model.rows.old_rows, model.rows.new_rows
         report.start_row_moved = model.rows.start_row_last
         report.new_rows = model.new_rows
-    report.policy = plan.effective if plan.policy == "remap" else plan.policy
     if not resume_step:
         report.step = 0
     if model.prefix_stripped or model.prefix_added:
@@ -215,13 +214,8 @@ def _report_model(report: LoadReport, plan: LoadPlan, missing: list[str], *,
     report.dtype_casts = dict(model.casts)
 
 
-def _set_parts(report: LoadReport, load: LoadPlan, *, resume_step: bool) -> None:
-    """Fill ``report.parts`` from what :func:`_load_file` did (read from the plan and the
-    decisions it acted on, not from what was asked)."""
-    plan, effective, fell_back = load.model, load.effective, load.fell_back
-    optimizers, schedulers, scaler = load.optimizers, load.schedulers, load.scaler
-    # why a part was started fresh: the policy asked for it, or the file has no optimizer state
-    why = "policy reset" if not fell_back else "the file has no optimizer state"
+def _model_part(report: LoadReport, plan: ModelPlan) -> None:
+    """``report.parts["model"]`` of a single file (the other parts: :func:`.parts.report_parts`)."""
     if plan.rows is not None:
         rows = plan.rows
         how = f" ({plan.new_rows.describe()})" if plan.new_rows is not None else ""
@@ -233,55 +227,8 @@ def _set_parts(report: LoadReport, load: LoadPlan, *, resume_step: bool) -> None
     else:
         report.set_part("model", "restored", f"{len(plan.state)} tensor(s)", in_file=True)
 
-    def fresh_or_dropped(name: str, given: bool, in_file: bool, restarted: bool) -> None:
-        if restarted:
-            detail = "absent in file" if not in_file else (
-                f"{why}; the file's state not loaded")
-            report.set_part(name, "reset", detail, in_file=in_file)
-        elif in_file:
-            report.set_part(name, "dropped", f"no {name} passed" if not given
-                            else f"the {name} passed is disabled", in_file=True)
-        else:
-            report.set_part(name, "absent", "left as passed" if given else "")
 
-    if optimizers and effective == "remap":
-        n = len(optimizers)
-        own = f"{n} optimizers" if n > 1 else ""
-        if report.optimizer_moments_resized:
-            moments = (f"moments of {len(report.optimizer_moments_resized)} grown parameter(s) "
-                       "resized: new rows' first moment 0, second moment the old rows' mean")
-            report.set_part("optimizer", "remapped", "; ".join(p for p in (own, moments) if p),
-                            in_file=True)
-        else:
-            report.set_part("optimizer", "restored", own, in_file=True)
-    else:
-        fresh_or_dropped("optimizer", bool(optimizers), bool(load.saved_opts), bool(optimizers))
-    if schedulers and effective == "remap" and load.saved_scheds:
-        report.set_part("scheduler", "restored", in_file=True)
-    else:
-        fresh_or_dropped("scheduler", bool(schedulers), bool(load.saved_scheds),
-                         bool(schedulers) and effective == "reset")
-    if load.scaler_on and effective == "remap" and load.saved_scaler:
-        report.set_part("scaler", "restored", in_file=True)
-    else:
-        fresh_or_dropped("scaler", scaler is not None, bool(load.saved_scaler),
-                         load.scaler_on and effective == "reset")
-    saved = report.saved_step
-    if saved is None:
-        report.set_part("step", "absent", "resuming at 0")
-    elif effective == "reset":
-        report.set_part("step", "reset", f"saved {saved}, resuming at 0: {why}", in_file=True)
-    elif not resume_step:
-        report.set_part("step", "dropped", f"saved {saved}; a weights-only start counts from 0",
-                        in_file=True)
-    else:
-        report.set_part("step", "restored", in_file=True)
-    asked_rng = load.asked_rng
-    set_rng_part(report, in_file=load.rng_in_file, asked=asked_rng, why=why, rank=_dist.rank(),
-                 restore=asked_rng is True or (asked_rng is None and effective == "remap"))
-
-
-def _say(path: Path, report: LoadReport, plan: ModelPlan, *, fell_back: bool) -> None:
+def _say(path: Path, report: LoadReport, plan: ModelPlan) -> None:
     """The log lines of a load, every one read from ``report`` (and the plan it acted on)."""
     if report.renamed_keys:
         how = " and ".join(
@@ -298,17 +245,6 @@ def _say(path: Path, report: LoadReport, plan: ModelPlan, *, fell_back: bool) ->
              "values loaded are the cast ones", path, len(report.dtype_casts),
              ", ".join(f"{n} {a} -> {b}" for (a, b), n in sorted(pairs.items())))
     info("training-patches: %s", report.summary())
-    lost = report.not_restored()
-    others = [n for n in ("scheduler", "scaler") if n in lost]
-    if fell_back and (report.saved_step or others):
-        logger.warning(
-            "training-patches: %s has no optimizer state, so the optimizer, scheduler and "
-            "scaler start fresh together (policy 'remap' falls back to 'reset': never a mix) "
-            "and the run resumes at step 0 (the file's step: %s)%s. To resume where it "
-            "stopped, save the optimizer state with the weights (CheckpointManager.save(step, "
-            "model, optimizer, ...)); to start fresh on purpose, pass policy='reset'.", path,
-            report.saved_step, f"; its {_and(others)} state was not loaded"
-            if others else "")
 
 
 def warn_weights_only(report: LoadReport, why: str, hint: str) -> bool:
@@ -324,12 +260,8 @@ def warn_weights_only(report: LoadReport, why: str, hint: str) -> bool:
         return False
     logger.warning("training-patches: %s holds %s that this load did not restore: %s. The "
                    "optimizer starts with no saved moments and the step counts from 0. %s",
-                   report.path, _and(held), why, hint)
+                   report.path, and_list(held), why, hint)
     return True
-
-
-def _and(items: Sequence[str]) -> str:
-    return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
 
 
 def _enable_freeze(model: torch.nn.Module, plan: ModelPlan, vocab_modules: Sequence[str]) -> Any:

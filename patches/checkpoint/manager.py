@@ -34,7 +34,8 @@ from .atomic import TMP_OWNER, host_name
 from .atomic import atomic_text as _atomic_text
 from .atomic import disk_free, disk_full_error, ensure_free_space, estimate_bytes, write_atomically
 from .errors import CheckpointError, DiskFullError
-from .optimizer import _as_list, class_names, scaler_enabled
+from .optimizer import _as_list, scaler_enabled
+from .parts import saved_state
 from .rng import capture_rng_state
 from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
                       is_sharded_model, remove_folder, save_sharded, sweep_incomplete)
@@ -162,30 +163,21 @@ class CheckpointManager:
     def _write(self, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                scaler: Any, extra: dict[str, Any], rng_ranks: list[Any] | None) -> Path:
         """One process writes the file, its manifest, ``latest``; then prunes."""
-        from .. import _api  # lazy: import order of the patches (see checkpoint.apply)
-
         model_state = model.state_dict()
         optimizer_states = [o.state_dict() for o in _as_list(optimizer)]
         schedulers = [s for s in _as_list(scheduler) if s is not None]
         payload = {
             "format": FORMAT,
-            "step": step,
             "model": model_state,
             "optimizer": optimizer_states or None,
-            "scheduler": [s.state_dict() for s in schedulers] or None,
-            "scaler": scaler.state_dict() if scaler is not None else None,
             # "rng" is the writer's (what older readers restore); "rng_ranks" every rank's.
             "rng": rng_ranks[0] if rng_ranks else capture_rng_state(),
-            # "classes" is compared at load: a state of another class is refused.
-            "training_patches": {"version": __version__, "runtime": _api.runtime_state(),
-                                 "classes": {"optimizer": class_names(_as_list(optimizer)),
-                                             "scheduler": class_names(schedulers)}},
-            "extra": extra,
+            # step, scheduler, scaler, runtime counters, classes, extra: what a sharded
+            # folder's meta.pt holds too (one set of keys, one load path: .parts)
+            **saved_state(step, _as_list(optimizer), schedulers, scaler, extra),
         }
         if rng_ranks:
             payload["rng_ranks"] = rng_ranks
-        if isinstance(extra.get("epoch"), int):
-            payload["epoch"] = extra["epoch"]
         path = self.path_for(step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._sweep_temp()

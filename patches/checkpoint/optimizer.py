@@ -109,10 +109,13 @@ def check_kinds(path: Path, meta: Mapping[str, Any], optimizers: list[Any], save
     Raises :class:`CheckpointMismatchError` (under ``remap``: never ``restored``): an SGD
     state loaded into AdamW, or a StepLR state into a LambdaLR, is accepted by torch and
     steps with the wrong settings, or fails at ``step()``."""
-    for index, (saved, opt) in enumerate(zip(saved_opts, optimizers)):
+    for index, opt in enumerate(optimizers):
+        # the recorded class is checked even where the states travel apart (a DCP folder's
+        # moments are in its shards, its classes in meta.pt)
         recorded = _recorded_class(meta, "optimizer", index)
         if recorded is not None and recorded != class_names([opt])[0]:
             raise _other_kind(path, "optimizer", opt, f"it was recorded as a {recorded}")
+        saved = saved_opts[index] if index < len(saved_opts) else None
         groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
         for number, (group, current) in enumerate(zip(groups if isinstance(groups, list)
                                                       else [], opt.param_groups)):

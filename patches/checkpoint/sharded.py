@@ -31,9 +31,8 @@ import os
 import re
 import shutil
 import time
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
@@ -44,9 +43,9 @@ from . import _collective
 from .reading import iter_tensors, nonfinite_flags
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
 from .errors import CheckpointError, CheckpointMismatchError
-from .optimizer import _as_list, _restart_scaler, _restart_scheduler, scaler_enabled
-from .report import LoadReport, _runtime_state, restarted, set_rng_part
-from .rng import capture_rng_state, restore_rng_state, state_for_rank
+from .optimizer import _as_list, scaler_enabled
+from .parts import Source, apply_state, saved_state, new_report, plan_state, report_parts, say_fallback
+from .rng import capture_rng_state, state_for_rank
 
 logger = logging.getLogger("training_patches")
 
@@ -259,8 +258,6 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
     writes the manifest and then the commit marker; every rank returns the folder."""
     import torch.distributed.checkpoint as dcp  # lazy: heavy, only for sharded saves
 
-    from .. import _api  # lazy: import order of the patches (see checkpoint.apply)
-
     folder = manager.folder_for(step)
     optimizers = _as_list(optimizer)
 
@@ -290,14 +287,8 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
         _dcp_call("save", folder, lambda: dcp.save(state, checkpoint_id=str(folder)))
         atomic_torch_save(capture_rng_state(), folder / _rng_name(rank), check_space=False)
         if rank == 0:
-            meta = {
-                "step": step,
-                "scheduler": [s.state_dict() for s in _as_list(scheduler) if s is not None] or None,
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "training_patches": {"version": __version__, "runtime": _api.runtime_state()},
-                "extra": extra,
-                "epoch": extra.get("epoch") if isinstance(extra.get("epoch"), int) else None,
-            }
+            meta = saved_state(step, optimizers, [s for s in _as_list(scheduler)
+                                                  if s is not None], scaler, extra)
             atomic_torch_save(meta, folder / META_NAME, check_space=False)
         files = {name: {"bytes": (folder / name).stat().st_size,
                         "sha256": _sha256(folder / name)} for name in _own_files(folder, rank)}
@@ -361,7 +352,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
     """Load a sharded checkpoint folder into ``model`` (FSDP2 or plain; any world size)."""
     import torch.distributed.checkpoint as dcp  # lazy: heavy, only for sharded loads
     from torch.distributed.checkpoint.state_dict import (  # lazy: heavy, only for sharded loads
-        set_model_state_dict, set_state_dict)
+        get_model_state_dict, set_model_state_dict, set_state_dict)
 
     problem = _on_writer(lambda: check_folder(path, verify_hash=verify_hash))
     if problem is not None:
@@ -377,26 +368,23 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
             f"earlier checkpoint, or pass allow_nonfinite=True to load it anyway.")
     optimizers = _as_list(optimizer)
     schedulers = [s for s in _as_list(scheduler) if s is not None]
-    effective = policy
-    if policy == "remap" and optimizers and not manifest.get("has_optimizer"):
-        effective = "reset"
-        if manifest.get("step"):
-            logger.warning(
-                "training-patches: %s has no optimizer state, so the optimizer, scheduler and "
-                "scaler start fresh together (policy 'remap' falls back to 'reset': never a "
-                "mix) and the run resumes at step 0 (the folder's step: %s). To resume where it "
-                "stopped, save the optimizer state with the weights; to start fresh on purpose, "
-                "pass policy='reset'.", path, manifest["step"])
-        else:
-            info("training-patches: %s has no optimizer state; optimizer, scheduler and scaler "
-                 "start fresh together", path)
-    asked_rng = restore_rng
-    if restore_rng is None:
-        restore_rng = effective == "remap"
     rank, world = _dist.rank(), max(_dist.world_size(), 1)
 
+    def read_rng() -> Any:
+        states: list[Any] = [None] * manifest["world_size"]
+        if rank < manifest["world_size"]:
+            states[rank] = torch.load(path / _rng_name(rank), weights_only=True)
+        return state_for_rank(states, rank, world, str(path))
+
     def load_rank(gate: Callable[..., None]) -> Any:
-        msd, osd = _state_dicts(model, optimizers)
+        meta = torch.load(path / META_NAME, weights_only=True)
+        # The parts beside the tensors: the same plan, apply and report as a single file's.
+        source = Source(path=path, kind="folder", meta=meta,
+                        has_optimizer=bool(manifest.get("has_optimizer")), read_rng=read_rng,
+                        rng_in_file=True)
+        plan = plan_state(source, policy=policy, restore_rng=restore_rng, optimizers=optimizers,
+                          schedulers=schedulers, scaler=scaler, remap_optimizers=None)
+        msd = get_model_state_dict(model)  # (the optimizer's state dict would create moments)
         shapes = {k: list(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
         if shapes != manifest["param_shapes"]:
             differ = sorted(k for k in set(shapes) | set(manifest["param_shapes"])
@@ -409,100 +397,28 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
                 f"loads only into the same architecture; to grow the vocabulary, load the model "
                 f"unsharded first (a single-file checkpoint through load_checkpoint before "
                 f"fully_shard), then shard it.")
-        meta = torch.load(path / META_NAME, weights_only=True)
-        rng = None
-        if restore_rng:
-            states: list[Any] = [None] * manifest["world_size"]
-            if rank < manifest["world_size"]:
-                states[rank] = torch.load(path / _rng_name(rank), weights_only=True)
-            rng = state_for_rank(states, rank, world, str(path))
-        gate()  # every rank read its parts: only now change anything
+        gate()  # every rank read and checked its parts: only now change anything
         state = {"model": msd}
-        if effective == "remap" and osd is not None:
-            state["optimizer"] = osd
+        if plan.effective == "remap" and optimizers:
+            state["model"], state["optimizer"] = _state_dicts(model, optimizers)
         _dcp_call("load", path, lambda: dcp.load(state, checkpoint_id=str(path)))
         if "optimizer" in state:
             set_state_dict(model, optimizers, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
         else:
             set_model_state_dict(model, state["model"])
-        report = LoadReport(path=str(path), policy=effective, step=int(meta["step"]),
-                            epoch=meta.get("epoch"), extra=dict(meta.get("extra") or {}))
+        report = new_report(plan)
         report.loaded.append("model")
-        if effective == "remap":
-            if optimizers:
-                report.restored.append("optimizer")
-            if schedulers and meta.get("scheduler"):
-                for saved, sched in zip(meta["scheduler"], schedulers):
-                    sched.load_state_dict(dict(saved))
-                report.restored.append("scheduler")
-            if scaler_enabled(scaler) and meta.get("scaler"):
-                scaler.load_state_dict(dict(meta["scaler"]))
-                report.restored.append("scaler")
-            runtime = _runtime_state(meta.get("training_patches"))
-            if runtime is not None:
-                from .. import _api  # lazy: import order of the patches (see checkpoint.apply)
-
-                _api.load_runtime_state(runtime)
-                report.runtime_state_restored = True
-        else:
-            for opt in optimizers:
-                opt.state = defaultdict(dict)
-                for group in opt.param_groups:
-                    if "initial_lr" in group:
-                        group["lr"] = group["initial_lr"]
-            for sched in schedulers:
-                _restart_scheduler(sched)
-            if scaler is not None:
-                _restart_scaler(scaler)
-            report.reset += restarted(optimizers, schedulers, scaler)
-            report.step = 0
-        if rng is not None:
-            restore_rng_state(rng)
-            report.rng_restored = True
-        _sharded_parts(report, policy=policy, effective=effective, optimizers=optimizers,
-                       schedulers=schedulers, scaler=scaler, has_optimizer=bool(
-                           manifest.get("has_optimizer")), meta=meta,
-                       tensors=len(msd), asked_rng=asked_rng)
+        apply_state(plan, report, [])  # DCP's load cannot be undone: the gate came first
+        report.set_part("model", "restored", f"{len(msd)} tensor(s)", in_file=True)
+        report_parts(report, plan)
+        say_fallback(report, plan)
         return report
 
     report = _on_every_rank(load_rank, gather=False)
     info("training-patches: %s (sharded, saved by %d rank(s), loaded on %d)",
          report.summary(), manifest["world_size"], world)
     return report
-
-
-def _sharded_parts(report: LoadReport, *, policy: str, effective: str, optimizers: list[Any],
-                   schedulers: list[Any], scaler: Any, has_optimizer: bool,
-                   meta: Mapping[str, Any], tensors: int, asked_rng: bool | None) -> None:
-    """``report.parts`` of a sharded load (see :func:`patches.checkpoint.load._set_parts`)."""
-    why = "policy reset" if effective == policy else "the folder has no optimizer state"
-
-    def other(name: str, given: bool, in_file: bool, restored: bool) -> None:
-        if restored:
-            report.set_part(name, "restored", in_file=True)
-        elif given and effective == "reset":
-            report.set_part(name, "reset", f"{why}; the file's state not loaded" if in_file
-                            else "absent in file", in_file=in_file)
-        elif in_file:
-            report.set_part(name, "dropped", f"no {name} passed", in_file=True)
-        else:
-            report.set_part(name, "absent", "left as passed" if given else "")
-
-    scaler_on = scaler_enabled(scaler)
-    report.set_part("model", "restored", f"{tensors} tensor(s)", in_file=True)
-    other("optimizer", bool(optimizers), has_optimizer, "optimizer" in report.restored)
-    other("scheduler", bool(schedulers), bool(meta.get("scheduler")),
-          "scheduler" in report.restored)
-    other("scaler", scaler_on, bool(meta.get("scaler")), "scaler" in report.restored)
-    report.saved_step = int(meta["step"])
-    if effective == "reset":
-        report.set_part("step", "reset", f"saved {report.saved_step}, resuming at 0: {why}",
-                        in_file=True)
-    else:
-        report.set_part("step", "restored", in_file=True)
-    set_rng_part(report, in_file=True, asked=asked_rng, why=why, rank=_dist.rank(),
-                 restore=asked_rng is True or (asked_rng is None and effective == "remap"))
 
 
 __all__ = ["DCP_SUFFIX", "DCP_FORMAT", "is_sharded_model", "save_sharded", "load_sharded",

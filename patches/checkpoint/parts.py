@@ -1,0 +1,371 @@
+"""The training state beside the model's tensors, as parts: optimizer, scheduler, scaler,
+step (with epoch and ``extra``), RNG and the patches' runtime counters.
+
+A single checkpoint file and a sharded (DCP) folder are two *sources* of the same parts.
+Each source reads what it holds into a :class:`Source`; then one code path serves both:
+
+- :func:`saved_state`: what both writers store beside the tensors (one set of keys);
+- :func:`plan_state` (decide: checks, changes nothing): the policy carried out, the states
+  each part will take, this rank's RNG, the runtime counters;
+- :func:`apply_state`: carries the plan out, each change with its undo;
+- :func:`report_parts` and :func:`say_fallback`: the load report's parts and the one
+  warning of a ``remap`` that had to fall back to ``reset``.
+
+Only the model (and, for a folder, the optimizer moments DCP loads with it) stays with its
+source: rows are planned from a file's whole tensors, shards are loaded by DCP.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .. import _dist
+from .._version import __version__
+from .errors import CheckpointError, CheckpointMismatchError
+from .optimizer import (_as_list, _check_plain_state, _detach_from_file, _restart_scaler,
+                        _restart_scheduler, check_kinds, class_names, restore_optimizer,
+                        scaler_enabled, snapshot_optimizer)
+from .reading import _what_to_do
+from .report import LoadReport, _runtime_state, restarted, set_rng_part
+from .rng import capture_rng_state, restore_rng_state
+
+logger = logging.getLogger("training_patches")
+
+# Where checkpoints keep their step: ours and coqui's "step"; plain loops often
+# "global_step" (IndexTTS, transformers-style loops) or "iteration".
+STEP_KEYS = ("step", "global_step", "iteration")
+# Where they keep RNG states: ours "rng"; trainers' own files often "rng_state".
+RNG_KEYS = ("rng", "rng_state")
+
+
+def saved_state(step: int, optimizers: list[Any], schedulers: list[Any], scaler: Any,
+                extra: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint stores beside the model's tensors, the same keys in a file and in
+    a folder's ``meta.pt``: step, scheduler and scaler states, the patches' runtime
+    counters with the optimizer's and scheduler's classes (compared at load), ``extra`` and
+    its ``epoch``."""
+    from .. import _api  # lazy: import order of the patches (see checkpoint.apply)
+
+    state: dict[str, Any] = {
+        "step": step,
+        "scheduler": [s.state_dict() for s in schedulers] or None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        # "classes" is compared at load: a state of another class is refused.
+        "training_patches": {"version": __version__, "runtime": _api.runtime_state(),
+                             "classes": {"optimizer": class_names(optimizers),
+                                         "scheduler": class_names(schedulers)}},
+        "extra": extra,
+    }
+    if isinstance(extra.get("epoch"), int):
+        state["epoch"] = extra["epoch"]
+    return state
+
+
+@dataclass(frozen=True)
+class Source:
+    """What one checkpoint holds beside the model's tensors, read before anything changes.
+
+    ``kind`` is "file" or "folder" (the word of the messages). ``meta``: the file's dict
+    (empty for a bare state dict) or the folder's ``meta.pt``. ``saved_optimizers``: the
+    optimizer states a file holds (a folder's come with its shards: empty, with
+    ``has_optimizer``). ``read_rng()``: this rank's saved RNG state, None when none was
+    saved for it (read only when the load restores it); ``rng_in_file``: whether the
+    source holds RNG states at all."""
+
+    path: Path
+    kind: str
+    meta: Mapping[str, Any]
+    has_optimizer: bool
+    read_rng: Callable[[], Mapping[str, Any] | None]
+    rng_in_file: bool
+    saved_optimizers: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class StatePlan:
+    """What a load will do to the parts beside the model, decided before any change.
+
+    ``effective`` is the policy carried out: ``remap`` falls back to ``reset`` when the
+    source has no optimizer state (the optimizer, scheduler and scaler then start fresh
+    together). ``optimizer_states``: each optimizer's state to load under ``remap`` (None:
+    the source loads the moments itself, as DCP does with the shards). ``rng``: the state
+    this rank restores (None: keep the current one); ``runtime``: the counters to restore."""
+
+    source: Source
+    policy: str
+    effective: str
+    optimizers: list[Any]
+    schedulers: list[Any]
+    scaler: Any
+    scaler_on: bool  # a scaler was passed and is enabled
+    saved_scheds: list[Any]
+    saved_scaler: Any
+    optimizer_states: list[dict[str, Any]] | None
+    moments_resized: list[str]
+    saved_step: int | None
+    epoch: int | None
+    extra: dict[str, Any]
+    rng: Mapping[str, Any] | None
+    asked_rng: bool | None
+    runtime: dict[str, dict[str, float]] | None
+
+    @property
+    def fell_back(self) -> bool:
+        """``remap`` was asked and the source has no optimizer state: all three start fresh."""
+        return self.effective != self.policy
+
+
+OptimizerRemap = Callable[[], "tuple[list[dict[str, Any]], list[str]]"]
+
+
+def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimizers: list[Any],
+               schedulers: list[Any], scaler: Any,
+               remap_optimizers: OptimizerRemap | None) -> StatePlan:
+    """Decide every part beside the model (raises :class:`CheckpointError` or
+    :class:`CheckpointMismatchError`; nothing is changed). ``remap_optimizers`` gives the
+    file's optimizer states with their moments grown; None for a source that loads the
+    moments itself."""
+    path, meta = source.path, source.meta
+    saved_scheds = _as_list(meta.get("scheduler"))
+    saved_scaler = meta.get("scaler")
+    extra = _extra_of(path, meta)
+    saved_step = _step_of(path, meta) if any(meta.get(k) is not None for k in STEP_KEYS) else None
+    epoch = meta.get("epoch")
+    if policy == "remap":  # a state of another class is refused, never "restored"
+        check_kinds(path, meta, optimizers, source.saved_optimizers, schedulers, saved_scheds)
+    effective = policy
+    if policy == "remap" and optimizers and not source.has_optimizer:
+        effective = "reset"  # nothing to keep: the matched set starts fresh together
+    states: list[dict[str, Any]] | None = None
+    resized: list[str] = []
+    if remap_optimizers is not None:
+        states = []
+        if effective == "remap" and optimizers:
+            states, resized = remap_optimizers()
+    if effective == "remap" and schedulers and saved_scheds:
+        if len(saved_scheds) < len(schedulers):
+            raise CheckpointMismatchError(
+                f"training-patches: {path} holds {len(saved_scheds)} scheduler state(s), "
+                f"{len(schedulers)} schedulers were given. Nothing was loaded. Use policy='reset'.")
+        for state, sched in zip(saved_scheds, schedulers):
+            _check_plain_state(path, "scheduler", state, sched)
+    scaler_on = scaler_enabled(scaler)
+    if effective == "remap" and scaler_on and saved_scaler:
+        _check_plain_state(path, "scaler", saved_scaler, scaler)
+    restore = (effective == "remap") if restore_rng is None else restore_rng
+    runtime = _runtime_state(meta.get("training_patches")) if effective == "remap" else None
+    if effective == "remap" and isinstance(meta.get("training_patches"), Mapping) and runtime is None:
+        logger.warning("training-patches: the runtime counters saved in %s are not in the shape "
+                       "this version writes; they were not restored", path)
+    return StatePlan(
+        source=source, policy=policy, effective=effective, optimizers=optimizers,
+        schedulers=schedulers, scaler=scaler, scaler_on=scaler_on, saved_scheds=saved_scheds,
+        saved_scaler=saved_scaler, optimizer_states=states, moments_resized=resized,
+        saved_step=saved_step,
+        epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+        extra=dict(extra or {}), rng=source.read_rng() if restore else None, asked_rng=restore_rng,
+        runtime=runtime)
+
+
+def _extra_of(path: Path, meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The caller's ``extra`` dict saved with the checkpoint (None: there is none)."""
+    extra = meta.get("extra")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise CheckpointError(
+            f"training-patches: cannot load {path}: its 'extra' is a {type(extra).__name__}, "
+            f"expected a dict (what CheckpointManager.save(**extra) writes). Nothing was loaded. "
+            f"{_what_to_do(path)}")
+    return extra
+
+
+def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
+    key = next((k for k in STEP_KEYS if meta.get(k) is not None), None)
+    if key is None:
+        return 0
+    value = meta[key]
+    try:
+        if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
+                value.numel() != 1 or value.is_floating_point() or value.is_meta)):
+            raise TypeError
+        step = operator.index(value.item() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError, RuntimeError):
+        step = -1
+    if step < 0:
+        raise CheckpointError(
+            f"training-patches: cannot load {path}: its {key!r} is {str(value)[:40]!r}, expected a "
+            f"whole number >= 0. The file is not a checkpoint this library or the coqui Trainer "
+            f"wrote, or it was changed. Nothing was loaded. {_what_to_do(path)}")
+    return step
+
+
+def new_report(plan: StatePlan, **fields: Any) -> LoadReport:
+    """The :class:`LoadReport` of a load, its step fields read from ``plan``."""
+    return LoadReport(path=str(plan.source.path), policy=plan.effective,
+                      step=plan.saved_step or 0, saved_step=plan.saved_step, epoch=plan.epoch,
+                      extra=plan.extra, optimizer_moments_resized=list(plan.moments_resized),
+                      **fields)
+
+
+def apply_state(plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+    """Change the optimizer, scheduler, scaler, RNG and runtime counters as ``plan`` says,
+    appending to ``undo`` what puts each change back; ``report`` gets what was restored or
+    started fresh."""
+    if plan.effective == "remap":
+        _apply_remap(plan, report, undo)
+    else:
+        _apply_reset(plan, report, undo)
+    if plan.rng is not None:
+        undo.append(lambda s=capture_rng_state(): restore_rng_state(s))
+        restore_rng_state(plan.rng)
+        report.rng_restored = True
+    if plan.runtime is not None:
+        # _api imports every runtime patch; imported from this package it would load (and
+        # register) oom_guard before checkpoint, reordering specs() and status()
+        from .. import _api  # lazy: import order of the patches (see above)
+
+        undo.append(lambda s=_api.runtime_state(): _api.load_runtime_state(s))
+        _api.load_runtime_state(plan.runtime)
+        report.runtime_state_restored = True
+
+
+def _apply_remap(plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+    """Load the saved optimizer (moments grown), scheduler and scaler states."""
+    for state, opt in zip(plan.optimizer_states or (), plan.optimizers):
+        snap = snapshot_optimizer(opt)
+        undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
+        opt.load_state_dict(state)
+        _detach_from_file(opt.state)
+    if plan.optimizers:
+        report.restored.append("optimizer")
+    if plan.schedulers and plan.saved_scheds:
+        for state, sched in zip(plan.saved_scheds, plan.schedulers):
+            undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
+            sched.load_state_dict(dict(state))
+        report.restored.append("scheduler")
+    elif plan.schedulers:
+        report.reset.append("scheduler (not in the checkpoint)")
+    scaler = plan.scaler
+    if plan.scaler_on:
+        if plan.saved_scaler:
+            snap_scaler = scaler.state_dict()
+            if snap_scaler:
+                undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
+            scaler.load_state_dict(dict(plan.saved_scaler))
+            report.restored.append("scaler")
+        else:
+            report.reset.append("scaler (not in the checkpoint)")
+
+
+def _apply_reset(plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+    """Start the optimizer, scheduler and scaler fresh together; the run resumes at 0."""
+    for opt in plan.optimizers:
+        snap = snapshot_optimizer(opt)
+        undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
+        opt.state = defaultdict(dict)
+        for group in opt.param_groups:
+            if "initial_lr" in group:
+                group["lr"] = group["initial_lr"]
+    for sched in plan.schedulers:
+        undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
+        _restart_scheduler(sched)
+    scaler = plan.scaler
+    if scaler is not None:
+        snap_scaler = scaler.state_dict() if scaler_enabled(scaler) else None
+        if snap_scaler:
+            undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
+        _restart_scaler(scaler)
+    report.reset += restarted(plan.optimizers, plan.schedulers, scaler)
+    report.step = 0
+
+
+def _restore_dict(obj: Any, saved: dict[str, Any]) -> None:
+    obj.__dict__.clear()
+    obj.__dict__.update(saved)
+
+
+def report_parts(report: LoadReport, plan: StatePlan, *, resume_step: bool = True) -> None:
+    """Fill ``report.parts`` for every part but the model (its source reports it), read
+    from the plan and what :func:`apply_state` did, not from what was asked."""
+    source, effective = plan.source, plan.effective
+    optimizers, schedulers = plan.optimizers, plan.schedulers
+    # why a part was started fresh: the policy asked for it, or the source has no optimizer state
+    why = "policy reset" if not plan.fell_back else f"the {source.kind} has no optimizer state"
+
+    def fresh_or_dropped(name: str, given: bool, in_file: bool, restarted: bool) -> None:
+        if restarted:
+            detail = "absent in file" if not in_file else (
+                f"{why}; the file's state not loaded")
+            report.set_part(name, "reset", detail, in_file=in_file)
+        elif in_file:
+            report.set_part(name, "dropped", f"no {name} passed" if not given
+                            else f"the {name} passed is disabled", in_file=True)
+        else:
+            report.set_part(name, "absent", "left as passed" if given else "")
+
+    if optimizers and effective == "remap":
+        n = len(optimizers)
+        own = f"{n} optimizers" if n > 1 else ""
+        if report.optimizer_moments_resized:
+            moments = (f"moments of {len(report.optimizer_moments_resized)} grown parameter(s) "
+                       "resized: new rows' first moment 0, second moment the old rows' mean")
+            report.set_part("optimizer", "remapped", "; ".join(p for p in (own, moments) if p),
+                            in_file=True)
+        else:
+            report.set_part("optimizer", "restored", own, in_file=True)
+    else:
+        fresh_or_dropped("optimizer", bool(optimizers), source.has_optimizer, bool(optimizers))
+    if schedulers and effective == "remap" and plan.saved_scheds:
+        report.set_part("scheduler", "restored", in_file=True)
+    else:
+        fresh_or_dropped("scheduler", bool(schedulers), bool(plan.saved_scheds),
+                         bool(schedulers) and effective == "reset")
+    if plan.scaler_on and effective == "remap" and plan.saved_scaler:
+        report.set_part("scaler", "restored", in_file=True)
+    else:
+        fresh_or_dropped("scaler", plan.scaler is not None, bool(plan.saved_scaler),
+                         plan.scaler_on and effective == "reset")
+    saved = report.saved_step
+    if saved is None:
+        report.set_part("step", "absent", "resuming at 0")
+    elif effective == "reset":
+        report.set_part("step", "reset", f"saved {saved}, resuming at 0: {why}", in_file=True)
+    elif not resume_step:
+        report.set_part("step", "dropped", f"saved {saved}; a weights-only start counts from 0",
+                        in_file=True)
+    else:
+        report.set_part("step", "restored", in_file=True)
+    asked = plan.asked_rng
+    set_rng_part(report, in_file=source.rng_in_file, asked=asked, why=why, rank=_dist.rank(),
+                 restore=asked is True or (asked is None and effective == "remap"))
+
+
+def say_fallback(report: LoadReport, plan: StatePlan) -> None:
+    """The WARNING of a ``remap`` that fell back to ``reset`` because the source has no
+    optimizer state, when that lost something (a step, a scheduler or scaler state)."""
+    lost = report.not_restored()
+    others = [n for n in ("scheduler", "scaler") if n in lost]
+    if plan.fell_back and (report.saved_step or others):
+        logger.warning(
+            "training-patches: %s has no optimizer state, so the optimizer, scheduler and "
+            "scaler start fresh together (policy 'remap' falls back to 'reset': never a mix) "
+            "and the run resumes at step 0 (the %s's step: %s)%s. To resume where it "
+            "stopped, save the optimizer state with the weights (CheckpointManager.save(step, "
+            "model, optimizer, ...)); to start fresh on purpose, pass policy='reset'.",
+            plan.source.path, plan.source.kind, report.saved_step,
+            f"; its {and_list(others)} state was not loaded" if others else "")
+
+
+def and_list(items: Sequence[str]) -> str:
+    """``a, b and c``."""
+    return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
+
+
+__all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "saved_state", "plan_state",
+           "apply_state", "report_parts", "say_fallback", "new_report", "and_list"]
