@@ -12,7 +12,7 @@ PKG = "patches.checkpoint"
 # Top to bottom: a module may import only the ones after it in this list.
 DOWN = ["load", "apply", "decide", "parts", "optimizer", "plan", "reading"]
 # Leaves the phases use: they import none of the modules above.
-LEAVES = ["report", "rng", "errors", "atomic"]
+LEAVES = ["report", "rng", "errors", "atomic", "data_position"]
 
 
 def _upward_edges(graph: dict[str, set[str]]) -> list[str]:

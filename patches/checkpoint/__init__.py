@@ -5,7 +5,8 @@ By concern: :mod:`.reading` (file checks, manifests, ``read_checkpoint``), :mod:
 and :mod:`.optimizer` (what goes where), :mod:`.parts` (the state beside the tensors, one
 plan/apply/report for a file and a folder), :mod:`.decide` and :mod:`.apply` (the two phases
 of a load), :mod:`.load` (the door and the report), :mod:`.report`, :mod:`.rng`,
-:mod:`.atomic`, :mod:`.manager`, :mod:`.sharded`, :mod:`.errors`. It imports torch, the
+:mod:`.atomic`, :mod:`.manager`, :mod:`.sharded`, :mod:`.data_position` (where each rank's
+DataLoader stood), :mod:`.errors`. It imports torch, the
 standard library and generic sibling modules only, never an integration. The design:
 docs/design/checkpoint.md.
 """
@@ -15,10 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from .._options import Option
-from .._registry import PatchSpec, register
+from .._registry import PatchSpec, Site, register
 from ..row_init import DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, ROW_INITS, check_rule
 from .reading import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, check_file,
                       manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
+from . import data_position
 from .atomic import atomic_torch_save, atomic_write
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointWriteError, DiskFullError,
                      UnsafeCheckpointError)
@@ -52,6 +54,8 @@ def _row_rule(what: str):
 
 SPEC = register(PatchSpec(
     name="checkpoint",
+    # every iter() of a DataLoader is watched, so a checkpoint can hold where it stood
+    sites=(Site("torch.utils.data.dataloader", "DataLoader.__iter__", data_position.make_iter),),
     describe=lambda o: (f"vocabulary-aware restore (policy {o.resume_policy}), atomic saves, "
                         f"continue from the newest valid checkpoint"),
     options=(Option("resume_policy", _resume_policy, "remap",

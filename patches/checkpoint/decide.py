@@ -54,12 +54,13 @@ class LoadOptions:
     head_row_init: str | None = None
     tokenizer: Any = None
     collective: bool | None = None
+    loader: Any = None
 
     # What a sharded (DCP) folder can honour: it loads tensors of the saved shapes into the
     # same sharded model, so the single file's vocabulary, key and pickle options do not apply.
     # (It is collective by nature: every rank loads its shards together, so of ``collective``
     # only False, one process alone, cannot be honoured.)
-    FOLDER_FIELDS = ("policy", "restore_rng", "verify_hash", "allow_nonfinite")
+    FOLDER_FIELDS = ("policy", "restore_rng", "verify_hash", "allow_nonfinite", "loader")
 
     def resolved(self) -> "LoadOptions":
         """A copy whose row rules are named and checked (None: the current settings)."""
@@ -127,12 +128,14 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     saved_opts = _as_list(meta.get("optimizer"))
     source = Source(path=path, kind="file", meta=meta, has_optimizer=bool(saved_opts),
                     read_rng=lambda: _saved_rng(path, meta), rng_in_file=_holds_rng(meta),
-                    saved_optimizers=saved_opts)
+                    saved_optimizers=saved_opts, read_data=lambda: list(meta["data_ranks"]),
+                    data_in_file=isinstance(meta.get("data_ranks"), list))
     state = plan_state(
         source, policy=options.policy, restore_rng=options.restore_rng, optimizers=optimizers,
         schedulers=[s for s in _as_list(scheduler) if s is not None], scaler=scaler,
         remap_optimizers=lambda: _remap_optimizers(path, model, plan, options, optimizers,
-                                                   saved_opts))
+                                                   saved_opts),
+        loader=options.loader, resume_step=options.resume_step)
     return LoadPlan(path=path, checkpoint=ckpt, model=plan, state=state)
 
 

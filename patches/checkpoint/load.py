@@ -88,11 +88,17 @@ def load_checkpoint(
         tokenizer: the grown tokenizer the model was built with (a ``vocab.json``, a
             SentencePiece ``.model``, or such an object), which ``romanized`` needs to spell
             the new tokens; without it their rows start by ``spread`` (the report says so).
+        loader: the DataLoader the training loop iterates (or a loader with its own
+            ``state_dict``, such as torchdata's ``StatefulDataLoader``): its next ``iter()``
+            continues the saved epoch at the saved batch, with the same order, so the
+            resumed run sees the batches the stopped one would have seen next
+            (:mod:`patches.checkpoint.data_position`; saved by ``CheckpointManager.save(...,
+            loader=)``). The report's ``data`` part says what was done.
 
     Every option above is a field of :class:`LoadOptions`: pass ``options=LoadOptions(...)``,
     keywords, or both (a keyword wins). An unknown keyword is a TypeError naming the
     closest option. A sharded checkpoint folder honours only ``policy``, ``restore_rng``,
-    ``verify_hash`` and ``allow_nonfinite``, and loads on every rank together (so
+    ``verify_hash``, ``allow_nonfinite`` and ``loader``, and loads on every rank together (so
     ``collective=False`` cannot apply): any other option set for one is refused (ValueError,
     nothing loaded), never dropped.
 
@@ -115,7 +121,7 @@ def load_checkpoint(
         _refuse_for_folder(path, options)
         return load_sharded(path, model, optimizer, scheduler, scaler, policy=options.policy,
                             restore_rng=options.restore_rng, verify_hash=options.verify_hash,
-                            allow_nonfinite=options.allow_nonfinite)
+                            allow_nonfinite=options.allow_nonfinite, loader=options.loader)
     if is_sharded_model(model):
         raise CheckpointError(
             f"training-patches: cannot load the single-file checkpoint {path} into this model: "

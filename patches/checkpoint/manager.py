@@ -35,6 +35,7 @@ from .atomic import atomic_text as _atomic_text
 from .atomic import disk_free, disk_full_error, ensure_free_space, estimate_bytes, write_atomically
 from .errors import CheckpointError, DiskFullError
 from .optimizer import _as_list, scaler_enabled
+from .data_position import position_of
 from .parts import saved_state
 from .rng import capture_rng_state
 from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
@@ -130,11 +131,15 @@ class CheckpointManager:
         return _collective.active()
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
-             scheduler: Any = None, scaler: Any = None, **extra: Any) -> Path:
+             scheduler: Any = None, scaler: Any = None, *, loader: Any = None,
+             **extra: Any) -> Path:
         """Write the checkpoint of ``step``; returns its path once it is complete.
 
-        ``extra`` (e.g. ``epoch=``, ``batch_in_epoch=``, the data position) must be
-        tensors or plain values; it comes back as ``LoadReport.extra``.
+        ``loader``: the DataLoader the loop iterates (each rank its own): its position
+        (epoch, batches handed out, the RNG its epoch began with) is saved, and
+        ``load_checkpoint(..., loader=)`` continues there (:mod:`.data_position`).
+        ``extra`` (e.g. ``epoch=``) must be tensors or plain values; it comes back as
+        ``LoadReport.extra``.
 
         The folder's free space is checked first: :class:`DiskFullError` (nothing
         written) when the estimated size does not fit, and the same error, with the
@@ -153,15 +158,23 @@ class CheckpointManager:
         else:
             self._claim()
         if is_sharded_model(model):
-            return save_sharded(self, step, model, optimizer, scheduler, scaler, extra)
+            return save_sharded(self, step, model, optimizer, scheduler, scaler, extra,
+                                loader=loader)
         if not self._collective():
-            return self._write(step, model, optimizer, scheduler, scaler, extra, None)
-        rng_ranks = _collective.gather_checked(capture_rng_state)
+            data = [position_of(loader)] if loader is not None else None
+            return self._write(step, model, optimizer, scheduler, scaler, extra, None, data)
+        # one gather for both: each rank's RNG and its loader's position
+        ranks = _collective.gather_checked(
+            lambda: (capture_rng_state(), position_of(loader) if loader is not None else None))
+        rng_ranks = [rng for rng, _ in ranks]
+        data_ranks = [data for _, data in ranks]
+        data = data_ranks if any(d is not None for d in data_ranks) else None
         return _collective.on_writer(
-            lambda: self._write(step, model, optimizer, scheduler, scaler, extra, rng_ranks))
+            lambda: self._write(step, model, optimizer, scheduler, scaler, extra, rng_ranks, data))
 
     def _write(self, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-               scaler: Any, extra: dict[str, Any], rng_ranks: list[Any] | None) -> Path:
+               scaler: Any, extra: dict[str, Any], rng_ranks: list[Any] | None,
+               data_ranks: list[Any] | None = None) -> Path:
         """One process writes the file, its manifest, ``latest``; then prunes."""
         model_state = model.state_dict()
         optimizer_states = [o.state_dict() for o in _as_list(optimizer)]
@@ -174,7 +187,7 @@ class CheckpointManager:
             "rng": rng_ranks[0] if rng_ranks else capture_rng_state(),
             # step, scheduler, scaler, runtime counters, classes, extra: what a sharded
             # folder's meta.pt holds too (one set of keys, one load path: .parts)
-            **saved_state(step, _as_list(optimizer), schedulers, scaler, extra),
+            **saved_state(step, _as_list(optimizer), schedulers, scaler, extra, data_ranks),
         }
         if rng_ranks:
             payload["rng_ranks"] = rng_ranks

@@ -1,5 +1,6 @@
 """The training state beside the model's tensors, as parts: optimizer, scheduler, scaler,
-step (with epoch and ``extra``), RNG and the patches' runtime counters.
+step (with epoch and ``extra``), RNG, the patches' runtime counters and the data position
+(:mod:`.data_position`).
 
 A single checkpoint file and a sharded (DCP) folder are two *sources* of the same parts.
 Each source reads what it holds into a :class:`Source`; then one code path serves both:
@@ -28,6 +29,7 @@ import torch
 
 from .. import _dist
 from .._version import __version__
+from . import data_position
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import (_as_list, _check_plain_state, _detach_from_file, _restart_scaler,
                         _restart_scheduler, check_kinds, class_names, restore_optimizer,
@@ -46,11 +48,12 @@ RNG_KEYS = ("rng", "rng_state")
 
 
 def saved_state(step: int, optimizers: list[Any], schedulers: list[Any], scaler: Any,
-                extra: dict[str, Any]) -> dict[str, Any]:
+                extra: dict[str, Any], data_ranks: list[Any] | None = None) -> dict[str, Any]:
     """What a checkpoint stores beside the model's tensors, the same keys in a file and in
     a folder's ``meta.pt``: step, scheduler and scaler states, the patches' runtime
     counters with the optimizer's and scheduler's classes (compared at load), ``extra`` and
-    its ``epoch``."""
+    its ``epoch``, and each rank's data position (``data_ranks``, when a loader was given;
+    a folder keeps them in per-rank files instead)."""
     from .. import _api  # lazy: import order of the patches (see checkpoint.apply)
 
     state: dict[str, Any] = {
@@ -65,6 +68,8 @@ def saved_state(step: int, optimizers: list[Any], schedulers: list[Any], scaler:
     }
     if isinstance(extra.get("epoch"), int):
         state["epoch"] = extra["epoch"]
+    if data_ranks is not None:
+        state["data_ranks"] = data_ranks
     return state
 
 
@@ -86,6 +91,9 @@ class Source:
     read_rng: Callable[[], Mapping[str, Any] | None]
     rng_in_file: bool
     saved_optimizers: list[Any] = field(default_factory=list)
+    # every rank's saved data position (None: the source holds none), read on demand
+    read_data: Callable[[], list[Any] | None] = lambda: None
+    data_in_file: bool = False
 
 
 @dataclass
@@ -115,6 +123,9 @@ class StatePlan:
     rng: Mapping[str, Any] | None
     asked_rng: bool | None
     runtime: dict[str, dict[str, float]] | None
+    loader: Any = None
+    data: Mapping[str, Any] | None = None  # the position to arm the loader with
+    data_part: tuple[str, str] | None = None  # (status, detail) of the report's data part
 
     @property
     def fell_back(self) -> bool:
@@ -127,7 +138,8 @@ OptimizerRemap = Callable[[], "tuple[list[dict[str, Any]], list[str]]"]
 
 def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimizers: list[Any],
                schedulers: list[Any], scaler: Any,
-               remap_optimizers: OptimizerRemap | None) -> StatePlan:
+               remap_optimizers: OptimizerRemap | None, loader: Any = None,
+               resume_step: bool = True) -> StatePlan:
     """Decide every part beside the model (raises :class:`CheckpointError` or
     :class:`CheckpointMismatchError`; nothing is changed). ``remap_optimizers`` gives the
     file's optimizer states with their moments grown; None for a source that loads the
@@ -164,7 +176,9 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
     if effective == "remap" and isinstance(meta.get("training_patches"), Mapping) and runtime is None:
         logger.warning("training-patches: the runtime counters saved in %s are not in the shape "
                        "this version writes; they were not restored", path)
+    data, data_part = _plan_data(source, loader, effective, resume_step)
     return StatePlan(
+        loader=loader, data=data, data_part=data_part,
         source=source, policy=policy, effective=effective, optimizers=optimizers,
         schedulers=schedulers, scaler=scaler, scaler_on=scaler_on, saved_scheds=saved_scheds,
         saved_scaler=saved_scaler, optimizer_states=states, moments_resized=resized,
@@ -172,6 +186,35 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
         epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
         extra=dict(extra or {}), rng=source.read_rng() if restore else None, asked_rng=restore_rng,
         runtime=runtime)
+
+
+def _plan_data(source: Source, loader: Any, effective: str, resume_step: bool,
+               ) -> tuple[Mapping[str, Any] | None, tuple[str, str] | None]:
+    """(the position to arm ``loader`` with, the data part's (status, detail)); None for the
+    part when there is neither a saved position nor a loader."""
+    if not source.data_in_file:
+        return None, (None if loader is None else (
+            "absent", f"the {source.kind} holds no data position; the loader starts as it is"))
+    if loader is None:
+        return None, ("dropped", "no loader passed")
+    if effective == "reset" or not resume_step:
+        why = "policy reset" if effective == "reset" else "a weights-only start counts from 0"
+        return None, ("dropped", f"{why}: the loader starts as it is")
+    ranks = source.read_data() or []
+    rank, world = _dist.rank(), max(_dist.world_size(), 1)
+    if len(ranks) != world:
+        logger.warning("training-patches: %s holds the data positions of %d rank(s) and this job "
+                       "has %d: the data position is not restored, each loader starts its epoch "
+                       "from the beginning (the sampler shards the data by the number of ranks)",
+                       source.path, len(ranks), world)
+        return None, ("dropped", f"saved by {len(ranks)} rank(s), this job has {world}")
+    if ranks[rank] is None:
+        return None, ("absent", f"none saved for rank {rank}; its loader starts as it is")
+    try:
+        data, status, detail = data_position.plan(loader, ranks[rank], str(source.path))
+    except ValueError as exc:
+        raise CheckpointMismatchError(str(exc)) from None
+    return data, (status, detail)
 
 
 def _extra_of(path: Path, meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -233,6 +276,8 @@ def apply_state(plan: StatePlan, report: LoadReport, undo: list[Callable[[], Non
         undo.append(lambda s=_api.runtime_state(): _api.load_runtime_state(s))
         _api.load_runtime_state(plan.runtime)
         report.runtime_state_restored = True
+    if plan.data is not None:
+        undo.append(data_position.arm(plan.loader, plan.data))
 
 
 def _apply_remap(plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
@@ -344,6 +389,8 @@ def report_parts(report: LoadReport, plan: StatePlan, *, resume_step: bool = Tru
     asked = plan.asked_rng
     set_rng_part(report, in_file=source.rng_in_file, asked=asked, why=why, rank=_dist.rank(),
                  restore=asked is True or (asked is None and effective == "remap"))
+    if plan.data_part is not None:
+        report.set_part("data", *plan.data_part, in_file=source.data_in_file)
 
 
 def say_fallback(report: LoadReport, plan: StatePlan) -> None:

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # The parts of a checkpoint a load reports on, in the order of the log line.
-PARTS = ("model", "optimizer", "scheduler", "scaler", "step", "rng")
+PARTS = ("model", "optimizer", "scheduler", "scaler", "step", "rng", "data")
 # restored: the file's state is in the object as saved. remapped: it is, adapted to the
 # grown (or truncated) vocabulary. reset: the loader started the object (or the step) fresh.
 # dropped: the file holds it, and it was not used (nothing received it, or the caller asked
 # not to). absent: the file does not hold it (an object passed is left as it was).
 STATUSES = ("restored", "remapped", "reset", "dropped", "absent")
-_SHOWN = {"rng": "RNG"}
+_SHOWN = {"rng": "RNG", "data": "data position"}
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import torch
 from .. import _dist
 from .._version import __version__
 from .._log import info
-from . import _collective
+from . import _collective, data_position
 from .reading import iter_tensors, nonfinite_flags
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
 from .errors import CheckpointError, CheckpointMismatchError
@@ -59,6 +59,10 @@ WRITER_NAME = "writer.json"
 
 def _rng_name(rank: int) -> str:
     return f"rng.rank{rank}.pt"
+
+
+def _data_name(rank: int) -> str:
+    return f"data.rank{rank}.pt"
 
 
 def is_sharded_model(model: torch.nn.Module) -> bool:
@@ -238,6 +242,8 @@ def _dcp_call(what: str, folder: Path, call: Callable[[], Any]) -> Any:
 def _own_files(folder: Path, rank: int) -> list[str]:
     names = [p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_")]
     names.append(_rng_name(rank))
+    if (folder / _data_name(rank)).exists():
+        names.append(_data_name(rank))
     if rank == 0:
         names += [".metadata", META_NAME]
     return sorted(names)
@@ -253,7 +259,7 @@ def _state_dicts(model: torch.nn.Module, optimizers: list[Any]) -> tuple[dict, d
 
 
 def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any,
-                 scheduler: Any, scaler: Any, extra: dict[str, Any]) -> Path:
+                 scheduler: Any, scaler: Any, extra: dict[str, Any], loader: Any = None) -> Path:
     """Every rank writes its shards of ``step`` into ``manager.folder_for(step)``; rank 0
     writes the manifest and then the commit marker; every rank returns the folder."""
     import torch.distributed.checkpoint as dcp  # lazy: heavy, only for sharded saves
@@ -286,9 +292,13 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
         state = {"model": msd} if osd is None else {"model": msd, "optimizer": osd}
         _dcp_call("save", folder, lambda: dcp.save(state, checkpoint_id=str(folder)))
         atomic_torch_save(capture_rng_state(), folder / _rng_name(rank), check_space=False)
+        if loader is not None:
+            atomic_torch_save(data_position.position_of(loader), folder / _data_name(rank),
+                              check_space=False)
         if rank == 0:
             meta = saved_state(step, optimizers, [s for s in _as_list(scheduler)
                                                   if s is not None], scaler, extra)
+            meta["data_world"] = _dist.world_size() if loader is not None else None
             atomic_torch_save(meta, folder / META_NAME, check_space=False)
         files = {name: {"bytes": (folder / name).stat().st_size,
                         "sha256": _sha256(folder / name)} for name in _own_files(folder, rank)}
@@ -348,7 +358,7 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                  scaler: Any, *, policy: str, restore_rng: bool | None, verify_hash: bool,
-                 allow_nonfinite: bool) -> Any:
+                 allow_nonfinite: bool, loader: Any = None) -> Any:
     """Load a sharded checkpoint folder into ``model`` (FSDP2 or plain; any world size)."""
     import torch.distributed.checkpoint as dcp  # lazy: heavy, only for sharded loads
     from torch.distributed.checkpoint.state_dict import (  # lazy: heavy, only for sharded loads
@@ -379,11 +389,15 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
     def load_rank(gate: Callable[..., None]) -> Any:
         meta = torch.load(path / META_NAME, weights_only=True)
         # The parts beside the tensors: the same plan, apply and report as a single file's.
+        saved_world = meta.get("data_world")
         source = Source(path=path, kind="folder", meta=meta,
                         has_optimizer=bool(manifest.get("has_optimizer")), read_rng=read_rng,
-                        rng_in_file=True)
+                        rng_in_file=True, data_in_file=isinstance(saved_world, int),
+                        read_data=lambda: [torch.load(path / _data_name(r), weights_only=True)
+                                           if r == rank else None for r in range(saved_world)])
         plan = plan_state(source, policy=policy, restore_rng=restore_rng, optimizers=optimizers,
-                          schedulers=schedulers, scaler=scaler, remap_optimizers=None)
+                          schedulers=schedulers, scaler=scaler, remap_optimizers=None,
+                          loader=loader)
         msd = get_model_state_dict(model)  # (the optimizer's state dict would create moments)
         shapes = {k: list(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
         if shapes != manifest["param_shapes"]:
