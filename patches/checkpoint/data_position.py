@@ -8,8 +8,9 @@ seed draw from) and the iterator, whose count of batches handed out is the posit
 ``CheckpointManager.save(..., loader=)`` stores ``{"epoch", "batches", "length", "rng"}``
 for each rank; ``load_checkpoint(..., loader=)`` arms the loader, and its next ``iter()``
 replays the start of that epoch from the saved RNG states, skips the batches already seen
-at the sampler (no sample of them is loaded; with workers, at most the few batches they
-had prefetched), then puts the RNG back as the checkpoint left it. A loader with its own
+(at the sampler in one process, none of them loaded; with workers by loading and dropping
+them, so that the workers' RNG ends where it was), then puts the RNG back as the
+checkpoint left it. A loader with its own
 ``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``) is saved and
 restored through them instead.
 
@@ -96,8 +97,9 @@ def make_iter(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         watch.start_rng, watch.skipped, watch.base = dict(armed["rng"]), int(armed["batches"]), base
         watch.iterator = weakref.ref(iterator)
         logger.info("training-patches: the data loader resumes epoch %d at batch %d of %s (the "
-                    "batches before it skipped at the sampler)", armed["epoch"], armed["batches"],
-                    armed.get("length"))
+                    "batches before it %s)", armed["epoch"], armed["batches"], armed.get("length"),
+                    "loaded and dropped by its workers" if getattr(self, "num_workers", 0)
+                    else "skipped at the sampler, none loaded")
         return iterator
 
     __iter__.__wrapped__ = original  # type: ignore[attr-defined]
@@ -106,14 +108,20 @@ def make_iter(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _skip(iterator: Any, batches: int) -> int:
-    """Advance a fresh DataLoader iterator by ``batches`` without loading them where it can;
-    returns its count of batches handed out afterwards."""
-    sent = getattr(iterator, "_send_idx", 0)  # with workers: index batches already prefetched
-    ahead = max(0, batches - sent)
-    for _ in range(ahead):  # the sampler's own order, nothing loaded (draws its seed now)
+    """Advance a fresh DataLoader iterator by ``batches``; returns its count of batches
+    handed out afterwards.
+
+    In one process the batches are skipped at the sampler, none of them loaded: what their
+    loading drew from the RNG is in the RNG state the checkpoint restores. With workers
+    each batch is loaded and dropped: a worker's RNG (seeded from the epoch's base seed)
+    advances with every sample it reads, and only reading them again puts it where the
+    stopped run had it (XTTS's dataset draws its samples from ``random`` in the workers)."""
+    if getattr(iterator, "_num_workers", 0) > 0:
+        for _ in range(batches):
+            next(iterator)
+        return int(iterator._num_yielded)
+    for _ in range(batches):  # the sampler's own order, nothing loaded (draws its seed now)
         next(iterator._sampler_iter)
-    for _ in range(min(batches, sent)):  # prefetched ones: taken and dropped, refilled in order
-        next(iterator)
     return int(iterator._num_yielded)
 
 

@@ -15,7 +15,10 @@ Sites (coqui-tts-trainer 0.4), all reversible through the registry:
   weights only, as upstream does.
 - ``trainer.io.save_fsspec``: every coqui checkpoint (``checkpoint_N.pth``,
   ``best_model_N.pth``) is written atomically (temporary file in the same folder,
-  fsync, ``os.replace``). Remote (fsspec URL) paths go to the original.
+  fsync, ``os.replace``). Remote (fsspec URL) paths go to the original. A checkpoint
+  written by ``Trainer.save_checkpoint`` also holds the train loader's data position
+  (:mod:`patches.checkpoint.data_position`), and ``continue_path`` continues the epoch
+  at the batch where it stopped instead of starting it again.
 - ``trainer.trainer.get_last_checkpoint``: ``continue_path`` resumes from the newest
   checkpoint that validates; upstream trusts the newest name, torn or not.
 
@@ -25,6 +28,7 @@ XTTS's own checkpoint sites (``gpt_checkpoint``, ``xtts_checkpoint``) are in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -34,8 +38,8 @@ import torch
 
 from .. import _dist, _options, _runlock
 from .._log import info, logger
-from ..checkpoint import (CheckpointError, atomic_torch_save, check_file, load_checkpoint,
-                          warn_weights_only)
+from ..checkpoint import (CheckpointError, atomic_torch_save, capture_rng_state, check_file,
+                          data_position, load_checkpoint, warn_weights_only)
 
 IO = "trainer.io"
 PATCH = "checkpoint"
@@ -77,8 +81,14 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
             scaler = self.scaler if self.use_amp_scaler else None
             report = load_checkpoint(local_path(path), self.model, self.optimizer, self.scheduler,
                                      scaler, policy=_options.current().resume_policy,
-                                     restore_rng=False,
+                                     loader=_train_loader(self),
                                      tokenizer=model_tokenizer(getattr(self, "config", None)))
+            if "data_ranks" in report.checkpoint and getattr(self, "use_accelerate", False):
+                logger.warning(
+                    "training-patches: %s holds the train loader's data position, and under "
+                    "accelerate the coqui Trainer wraps its loader after the restore: the epoch "
+                    "starts again from its beginning (batches already trained on come again)",
+                    path)
             if report.policy == "remap":
                 # as upstream: +1 so that a restored model is not checkpointed at once
                 self.total_steps_done = report.step + 1
@@ -105,14 +115,66 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
     return restore_model
 
 
+def _train_loader(trainer: Any) -> Any:
+    """The loader a continued run will train on, made now (``train_epoch`` would make the
+    same one later) so that the load can set its position; None where that cannot be."""
+    if getattr(trainer, "use_accelerate", False):
+        return None  # accelerate prepares (wraps) the loader after the restore
+    if getattr(trainer, "train_loader", None) is None:
+        try:
+            trainer.train_loader = trainer.get_train_dataloader(trainer.train_samples,
+                                                                verbose=False)
+        except Exception as exc:  # noqa: BLE001 - train_epoch makes it as upstream does
+            info("training-patches: the train loader could not be made at the restore (%s: "
+                 "%s); the data position is not restored", type(exc).__name__, str(exc)[:200])
+            return None
+    return trainer.train_loader
+
+
+_saving: list[Any] = []  # the Trainer whose save_checkpoint is running
+
+
+@contextlib.contextmanager
+def saving_from(trainer: Any):
+    """While ``trainer`` saves a checkpoint: :func:`make_save_fsspec` adds its train
+    loader's data position to what it writes."""
+    _saving.append(trainer)
+    try:
+        yield
+    finally:
+        _saving.pop()
+
+
+def _with_data_position(state: Any) -> Any:
+    """``state`` with this process's train loader position (``data_ranks``), when a Trainer
+    is saving a checkpoint and its loader's position is known."""
+    loader = getattr(_saving[-1], "train_loader", None) if _saving else None
+    if loader is None or not isinstance(state, dict) or "step" not in state:
+        return state
+    try:
+        position = data_position.position_of(loader)
+    except ValueError as exc:
+        info("training-patches: the coqui checkpoint is saved without the data position: %s",
+             str(exc)[:300])
+        return state
+    extra: dict[str, Any] = {"data_ranks": [position]}
+    if "rng" not in state and _dist.world_size() <= 1:
+        # One process: its RNG too, which continue_path restores, so that what the samples
+        # draw when they are read (XTTS's dataset picks them with ``random``) continues as
+        # in the stopped run. (Under DDP only rank 0 saves: its RNG is not every rank's.)
+        extra["rng"] = capture_rng_state()
+    return {**state, **extra}
+
+
 def make_save_fsspec(original: Callable[..., None]) -> Callable[..., None]:
-    """``trainer.io.save_fsspec`` that writes local files atomically."""
+    """``trainer.io.save_fsspec`` that writes local files atomically (with the data
+    position during ``Trainer.save_checkpoint``)."""
 
     @functools.wraps(original)
     def save_fsspec(state: Any, path: Any, **kwargs: Any) -> None:
         if not is_local(path):
             return original(state, path, **kwargs)
-        atomic_torch_save(state, local_path(path), **kwargs)
+        atomic_torch_save(_with_data_position(state), local_path(path), **kwargs)
 
     save_fsspec._training_patch = PATCH  # type: ignore[attr-defined]
     return save_fsspec

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import _run, nan_guard
+from . import coqui_checkpoint
 from .._interrupt import Interruption, TrainingInterrupted
 from .._log import logger
 
@@ -92,7 +93,8 @@ def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         nan_guard.settle()
-        result = original(self, *args, **kwargs)
+        with coqui_checkpoint.saving_from(self):  # the file gets the data position
+            result = original(self, *args, **kwargs)
         _saved_at[self] = _steps(self)
         return result
 
