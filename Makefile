@@ -25,8 +25,10 @@ espeak:
 demo: setup
 	$(PY) headlessXttsTrain.py --demo
 
+# Every tier, one pytest worker per core (pytest-xdist): the distributed and client tiers
+# start their own processes, which share those cores.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 # The unit tier, under a minute on 2 cores: no coqui (xtts), nothing slow (subprocess
 # matrices, real trainings), no torchrun (distributed). --check-markers (tests/conftest.py)
