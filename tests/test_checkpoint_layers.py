@@ -10,7 +10,7 @@ from test_import_graph import _resolve, import_graph
 
 PKG = "patches.checkpoint"
 # Top to bottom: a module may import only the ones after it in this list.
-DOWN = ["load", "apply", "decide", "parts", "optimizer", "plan", "reading"]
+DOWN = ["load", "apply", "decide", "parts", "optimizer", "ema", "plan", "reading"]
 # Leaves the phases use: they import none of the modules above.
 LEAVES = ["report", "rng", "errors", "atomic", "data_position"]
 

@@ -16,6 +16,7 @@ import torch
 from .. import _dist, _options
 from ..row_init import check_rule
 
+from . import ema as ema_part
 from .errors import CheckpointMismatchError
 from .optimizer import _as_list, _remap_optimizer_state
 from .parts import RNG_KEYS, STEP_KEYS, Source, StatePlan, plan_state
@@ -55,6 +56,7 @@ class LoadOptions:
     tokenizer: Any = None
     collective: bool | None = None
     loader: Any = None
+    ema: Any = None
 
     # What a sharded (DCP) folder can honour: it loads tensors of the saved shapes into the
     # same sharded model, so the single file's vocabulary, key and pickle options do not apply.
@@ -81,6 +83,9 @@ class LoadPlan:
     checkpoint: dict[str, Any]
     model: ModelPlan
     state: StatePlan
+    ema: ModelPlan | None = None  # the EMA weights to load (None: none passed or none saved)
+    ema_in_file: bool = False
+    ema_module: Any = None
 
     @property
     def policy(self) -> str:
@@ -124,6 +129,7 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     # A bare state dict has no step, optimizer, ... (its keys are tensor names).
     bare = not any(isinstance(ckpt.get(k), Mapping) for k in MODEL_KEYS)
     meta: Mapping[str, Any] = {} if bare else ckpt
+    ema_plan = _plan_ema(path, meta, plan, options)
     optimizers = _as_list(optimizer)
     saved_opts = _as_list(meta.get("optimizer"))
     source = Source(path=path, kind="file", meta=meta, has_optimizer=bool(saved_opts),
@@ -136,7 +142,30 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
         remap_optimizers=lambda: _remap_optimizers(path, model, plan, options, optimizers,
                                                    saved_opts),
         loader=options.loader, resume_step=options.resume_step)
-    return LoadPlan(path=path, checkpoint=ckpt, model=plan, state=state)
+    return LoadPlan(path=path, checkpoint=ckpt, model=plan, state=state, ema=ema_plan,
+                    ema_in_file=ema_part.saved_ema(meta) is not None, ema_module=options.ema)
+
+
+def _plan_ema(path: Path, meta: Mapping[str, Any], model_plan: ModelPlan,
+              options: LoadOptions) -> ModelPlan | None:
+    """The EMA weights' plan: matched, checked and grown like the model's, new rows as the
+    model's (:mod:`.ema`); None when no EMA was passed or the file holds none."""
+    saved = ema_part.saved_ema(meta)
+    if options.ema is None or saved is None:
+        return None
+    try:
+        module = ema_part.module_of(options.ema, path)
+    except ValueError as exc:
+        raise CheckpointMismatchError(str(exc)) from None
+    ema_plan = plan_model(path, {"model": saved}, module, strict=options.strict,
+                          vocab_modules=options.vocab_modules,
+                          start_token_row=options.start_token_row, seed=options.seed,
+                          truncate=options.truncate, row_init=options.row_init,
+                          head_row_init=options.head_row_init, tokenizer=options.tokenizer)
+    if not options.allow_nonfinite:
+        check_finite(path, ema_plan, module)
+    ema_part.start_new_rows_as_the_model(ema_plan, model_plan)
+    return ema_plan
 
 
 def _remap_optimizers(path: Path, model: torch.nn.Module, plan: ModelPlan, options: LoadOptions,

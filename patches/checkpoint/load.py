@@ -17,6 +17,7 @@ from .. import _options
 from .._log import info
 from ..vocab_rows import row_layout
 from . import _collective
+from . import ema as ema_part
 from .apply import apply
 from .decide import LoadOptions, LoadPlan, decide
 from .errors import CheckpointError
@@ -88,6 +89,12 @@ def load_checkpoint(
         tokenizer: the grown tokenizer the model was built with (a ``vocab.json``, a
             SentencePiece ``.model``, or such an object), which ``romanized`` needs to spell
             the new tokens; without it their rows start by ``spread`` (the report says so).
+        ema: the EMA of the model (ema_pytorch's ``EMA``, torch's ``AveragedModel``, or the
+            averaged copy): the file's EMA weights (``CheckpointManager.save(..., ema=)``) are
+            loaded into it, vocabulary-aware: its trained rows kept, its new rows started as
+            the model's, and with the freeze its base rows kept bit-identical through its
+            updates (:mod:`patches.checkpoint.ema`). The report's ``ema`` part says what
+            was done.
         loader: the DataLoader the training loop iterates (or a loader with its own
             ``state_dict``, such as torchdata's ``StatefulDataLoader``): its next ``iter()``
             continues the saved epoch at the saved batch, with the same order, so the
@@ -191,7 +198,15 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
     rows = plan.model.rows
     if rows is not None and rows.added > 0 and options.freeze:
         report.freeze = _enable_freeze(model, plan.model, options.vocab_modules)
+        if plan.ema is not None and plan.ema.rows is not None and report.freeze is not None:
+            modules = sorted({key.rsplit(".", 1)[0] for key in plan.model.resized})
+            report.ema_freeze = ema_part.KeptRows(plan.ema_module, plan.ema,
+                                                  _base_rows(model, plan.model, modules))
+            info("training-patches: EMA weights: %s", report.ema_freeze.describe())
     _model_part(report, plan.model)
+    ema_said = ema_part.part(plan.ema, options.ema is not None, plan.ema_in_file)
+    if ema_said is not None:
+        report.set_part("ema", *ema_said, in_file=plan.ema_in_file)
     report_parts(report, plan.state, resume_step=options.resume_step)
     _say(path, report, plan.model)
     say_fallback(report, plan.state)

@@ -36,6 +36,7 @@ from .atomic import disk_free, disk_full_error, ensure_free_space, estimate_byte
 from .errors import CheckpointError, DiskFullError
 from .optimizer import _as_list, scaler_enabled
 from .data_position import position_of
+from .ema import saved as ema_weights
 from .parts import saved_state
 from .rng import capture_rng_state
 from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
@@ -132,12 +133,14 @@ class CheckpointManager:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
              scheduler: Any = None, scaler: Any = None, *, loader: Any = None,
-             **extra: Any) -> Path:
+             ema: Any = None, **extra: Any) -> Path:
         """Write the checkpoint of ``step``; returns its path once it is complete.
 
         ``loader``: the DataLoader the loop iterates (each rank its own): its position
         (epoch, batches handed out, the RNG its epoch began with) is saved, and
         ``load_checkpoint(..., loader=)`` continues there (:mod:`.data_position`).
+        ``ema``: the model's EMA (ema_pytorch's ``EMA``, torch's ``AveragedModel``): its
+        weights are saved, and ``load_checkpoint(..., ema=)`` loads them (:mod:`.ema`).
         ``extra`` (e.g. ``epoch=``) must be tensors or plain values; it comes back as
         ``LoadReport.extra``.
 
@@ -158,11 +161,17 @@ class CheckpointManager:
         else:
             self._claim()
         if is_sharded_model(model):
+            if ema is not None:
+                raise ValueError(
+                    "training-patches: CheckpointManager.save(ema=) of an FSDP2 (sharded) model "
+                    "is not supported: its EMA copy would be saved whole on every rank. Nothing "
+                    "was written. Save the EMA weights yourself (torch.distributed.checkpoint), "
+                    "or leave ema= out.")
             return save_sharded(self, step, model, optimizer, scheduler, scaler, extra,
                                 loader=loader)
         if not self._collective():
             data = [position_of(loader)] if loader is not None else None
-            return self._write(step, model, optimizer, scheduler, scaler, extra, None, data)
+            return self._write(step, model, optimizer, scheduler, scaler, extra, None, data, ema)
         # one gather for both: each rank's RNG and its loader's position
         ranks = _collective.gather_checked(
             lambda: (capture_rng_state(), position_of(loader) if loader is not None else None))
@@ -170,11 +179,12 @@ class CheckpointManager:
         data_ranks = [data for _, data in ranks]
         data = data_ranks if any(d is not None for d in data_ranks) else None
         return _collective.on_writer(
-            lambda: self._write(step, model, optimizer, scheduler, scaler, extra, rng_ranks, data))
+            lambda: self._write(step, model, optimizer, scheduler, scaler, extra, rng_ranks, data,
+                                ema))
 
     def _write(self, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                scaler: Any, extra: dict[str, Any], rng_ranks: list[Any] | None,
-               data_ranks: list[Any] | None = None) -> Path:
+               data_ranks: list[Any] | None = None, ema: Any = None) -> Path:
         """One process writes the file, its manifest, ``latest``; then prunes."""
         model_state = model.state_dict()
         optimizer_states = [o.state_dict() for o in _as_list(optimizer)]
@@ -191,6 +201,8 @@ class CheckpointManager:
         }
         if rng_ranks:
             payload["rng_ranks"] = rng_ranks
+        if ema is not None:
+            payload["ema"] = ema_weights(ema)
         path = self.path_for(step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._sweep_temp()

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # The parts of a checkpoint a load reports on, in the order of the log line.
-PARTS = ("model", "optimizer", "scheduler", "scaler", "step", "rng", "data")
+PARTS = ("model", "ema", "optimizer", "scheduler", "scaler", "step", "rng", "data")
 # restored: the file's state is in the object as saved. remapped: it is, adapted to the
 # grown (or truncated) vocabulary. reset: the loader started the object (or the step) fresh.
 # dropped: the file holds it, and it was not used (nothing received it, or the caller asked
 # not to). absent: the file does not hold it (an object passed is left as it was).
 STATUSES = ("restored", "remapped", "reset", "dropped", "absent")
-_SHOWN = {"rng": "RNG", "data": "data position"}
+_SHOWN = {"rng": "RNG", "data": "data position", "ema": "EMA"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class LoadReport:
     rng_restored: bool = False
     runtime_state_restored: bool = False
     freeze: Any = None
+    ema_freeze: Any = None  # the EMA's base rows kept (checkpoint.ema.KeptRows)
     extra: dict[str, Any] = field(default_factory=dict)
     checkpoint: dict[str, Any] = field(default_factory=dict, repr=False)
     parts: dict[str, Part] = field(default_factory=dict)
