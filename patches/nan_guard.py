@@ -495,6 +495,21 @@ def _log_stats() -> None:
          f", skipped for another rank {counts['peer_skips']}" if _dist.world_size() > 1 else "")
 
 
+def record_trainer_skip(trainer: str, step: int | None, why: str) -> str:
+    """Record a step that a trainer skipped by itself (DeepSpeed's fp16 loss scaler on an
+    overflow): the guard never saw it, so without this it would be in no record. Returns
+    where it was recorded."""
+    counts = _state.counts
+    counts["skipped"] += 1
+    event = {"step": step, "trainer_step": _run.trainer_step, "kind": "trainer_skip",
+             "trainer": trainer, "action": why, "samples": list(_run.batch_ids)}
+    path = _run.append_jsonl(EVENTS_FILE, event)
+    _state.events_path = path
+    logger.warning("nan_guard: %s skipped optimizer step %s by itself (%s); %s", trainer, step,
+                   why, _run.where_recorded(path))
+    return path
+
+
 def settle() -> None:
     """Read the fused steps' waiting skip flags now and record their skips: a trainer calls
     it where its records must be complete (a save, the end of training), not only at exit.

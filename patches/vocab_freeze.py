@@ -345,6 +345,22 @@ class VocabFreeze:
         """The stored base rows of each tensor (the values they are kept at)."""
         return {entry.path: entry.stored for entry in self._entries if entry.stored is not None}
 
+    def kept_rows(self) -> list[tuple[nn.Parameter, list[tuple[range, torch.Tensor]]]]:
+        """Each frozen tensor with the rows it is kept at: ``(param, [(rows, values)])``,
+        this rank's rows of it (for a trainer that keeps its own copies of the weights,
+        such as DeepSpeed's fp32 master partitions, to put back as well)."""
+        out = []
+        for entry in self._entries:
+            if entry.stored is None:
+                continue
+            pieces, start = [], 0
+            for r in entry.local_rows:
+                n = r.stop - r.start
+                pieces.append((r, entry.stored[start:start + n]))
+                start += n
+            out.append((entry.param, pieces))
+        return out
+
     def covers_same(self, other: VocabFreeze) -> bool:
         """True when ``other`` freezes the same tensors (by memory) at the same rows."""
         mine = {_storage(entry.param) for entry in self._entries}
@@ -761,6 +777,29 @@ def _discover(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                     handle._zero_grad_rows(entry.param)
     if not live_freezes() and _not_applied is None:
         _warn_not_applied(optimizer, base)
+
+
+def discover_in(model: nn.Module) -> VocabFreeze | None:
+    """``TRAINING_PATCHES_BASE_VOCAB`` on ``model`` now (for a trainer whose optimizer
+    holds copies of the weights, not the model's parameters, so the discovery at the
+    optimizer's first step cannot see the model): its freeze, an existing one, or None
+    when BASE_VOCAB is not set or the model has no known layout."""
+    base = _options.current().base_vocab
+    hit = _vocab_targets(model) if base else None
+    if hit is None:
+        return None
+    return freeze_of(hit[0][0][1].weight) or freeze_base_vocab(model, base)
+
+
+def not_applied(why: str) -> None:
+    """A freeze asked for cannot be carried out where it is (said by an integration): a
+    WARNING (an error under STRICT), and ``status("vocab_freeze")`` says ``not applied``."""
+    global _not_applied
+    _not_applied = why
+    message = f"{TAG} {why}"
+    if _options.current().strict:
+        raise VocabFreezeError(message + " (TRAINING_PATCHES_STRICT=1 makes this an error)")
+    logger.warning(message)
 
 
 def _enable(options: Any) -> None:

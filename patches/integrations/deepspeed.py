@@ -1,0 +1,132 @@
+"""Integration ``deepspeed``: DeepSpeed's engine (``deepspeed.initialize``), 0.16-0.19.
+
+What it adds to the generic patches:
+
+- **The freeze through the engine.** Under ZeRO-1/2, and under bf16/fp16 at any stage, the
+  optimizer steps fp32 master copies of the weights (flattened partitions), not the
+  module's parameters, and DeepSpeed copies them back into the module after each step: the
+  freeze's restore of the module's rows never reaches the masters, so the base rows drift
+  (measured on the CPU, ZeRO-1 bf16: 0.09). After every optimizer step of the engine the
+  frozen rows are put back in the fp32 masters (``deepspeed.utils.safe_set_full_fp32_param``)
+  and in the module. ``TRAINING_PATCHES_BASE_VOCAB`` is applied to the engine's module when
+  the engine is built (the discovery at the optimizer's first step cannot see the model
+  behind the partitions). ZeRO-3 partitions the module's parameters themselves: the freeze
+  is refused there, loudly (``status`` says ``not applied``; an error under STRICT).
+- **The engine's own skips.** DeepSpeed's fp16 loss scaler skips a step on overflow by
+  itself (``engine.skipped_steps``); each such skip is recorded as an event
+  (``kind: trainer_skip``), as the guard's own skips are. (In bf16 and fp32 DeepSpeed does
+  not check: the guard sees the inner optimizer's step and skips a NaN step itself.)
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from .. import _options, nan_guard, vocab_freeze
+from .._log import info
+from .._registry import Integration, Site, register_integration
+
+NAME = "deepspeed"
+DISTRIBUTION = "deepspeed"
+SUPPORTED = ">=0.16,<0.20"
+MODULE = "deepspeed.runtime.engine"
+
+_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _masters(engine: Any) -> bool:
+    """Whether the engine's optimizer steps copies of the weights, not the module's own."""
+    return (engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled()
+            or engine.fp16_enabled())
+
+
+def _freezes_of(engine: Any) -> list[Any]:
+    ids = {id(p) for p in engine.module.parameters()}
+    return [h for h in vocab_freeze.live_freezes()
+            if any(id(param) in ids for param, _ in h.kept_rows())]
+
+
+def _check(engine: Any) -> None:
+    """Once per engine: BASE_VOCAB applied to its module; a freeze under ZeRO-3 refused."""
+    if engine in _checked:
+        return
+    _checked.add(engine)
+    if _masters(engine) and engine.zero_optimization_stage() < 3:
+        handle = vocab_freeze.discover_in(engine.module)
+        if handle is not None:
+            info("training-patches: DeepSpeed (ZeRO-%d%s): the frozen base rows are put back "
+                 "in the fp32 master weights and the module after every optimizer step",
+                 engine.zero_optimization_stage(),
+                 ", bf16" if engine.bfloat16_enabled() else
+                 ", fp16" if engine.fp16_enabled() else "")
+    if engine.zero_optimization_stage() >= 3:
+        # (the layout cannot be read here: the parameters are partitions of 0 rows)
+        asked = bool(_freezes_of(engine)) or bool(_options.current().base_vocab)
+        for handle in _freezes_of(engine):
+            handle.remove()
+        if asked:
+            vocab_freeze.not_applied(
+                "DeepSpeed ZeRO-3 partitions the model's own parameters across the ranks, so "
+                "the base vocabulary rows cannot be kept exactly: NOTHING IS FROZEN, every "
+                "base row trains. Use ZeRO-1 or ZeRO-2 (the freeze is exact there: the rows "
+                "are put back in the fp32 masters), or freeze nothing on purpose "
+                "(TRAINING_PATCHES_BASE_VOCAB unset).")
+
+
+@torch.no_grad()
+def _keep_rows(engine: Any) -> None:
+    """Put the frozen rows back in the fp32 masters and in the module (ZeRO-1/2, bf16/fp16)."""
+    from deepspeed.utils import (  # lazy: deepspeed is imported by the trainer, never here
+        safe_get_full_fp32_param, safe_set_full_fp32_param)
+
+    for handle in _freezes_of(engine):
+        for param, pieces in handle.kept_rows():
+            full = safe_get_full_fp32_param(param)
+            if full is not None:
+                for rows, values in pieces:
+                    full[rows.start:rows.stop] = values.to(full.device, full.dtype)
+                safe_set_full_fp32_param(param, full)
+            for rows, values in pieces:
+                param.data[rows.start:rows.stop] = values.to(param.device, param.dtype)
+
+
+def make_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``DeepSpeedEngine.step``: the frozen rows kept through the masters, and the engine's
+    own overflow skips recorded."""
+
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _check(self)
+        skipped, steps = self.skipped_steps, self.global_steps
+        result = original(self, *args, **kwargs)
+        if self.global_steps != steps and _masters(self) and self.zero_optimization_stage() < 3:
+            _keep_rows(self)
+        if self.skipped_steps > skipped:
+            nan_guard.record_trainer_skip(
+                "DeepSpeed", self.global_steps,
+                "its fp16 loss scaler found an overflow; the loss scale is now "
+                f"{getattr(self.optimizer, 'cur_scale', 'unknown')}")
+        return result
+
+    step._training_patch = "vocab_freeze"  # type: ignore[attr-defined]
+    return step
+
+
+INTEGRATION = register_integration(Integration(
+    name=NAME,
+    distribution=DISTRIBUTION,
+    supported=SUPPORTED,
+    module="deepspeed",
+    describe="the base-vocabulary freeze through DeepSpeed's fp32 master weights (ZeRO-1/2, "
+             "bf16/fp16); the engine's own overflow skips recorded",
+    sites=(
+        Site(MODULE, "DeepSpeedEngine.step", make_step, patch="vocab_freeze",
+             lost="under DeepSpeed ZeRO-1/2 or bf16/fp16 the frozen base rows train (the "
+                  "optimizer steps the fp32 masters), and the engine's own overflow skips go "
+                  "unrecorded"),
+    ),
+))

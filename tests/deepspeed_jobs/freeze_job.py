@@ -1,0 +1,51 @@
+"""One DeepSpeed process on the CPU (gloo): a tiny text model whose vocabulary grew from 20 to
+24 tokens, TRAINING_PATCHES_BASE_VOCAB=20, 4 steps of the engine.
+
+    freeze_job.py STAGE fp32|bf16 PORT OUT [off]
+
+``off``: the deepspeed integration reverted (the control). Writes OUT (torch.save): the
+module's and the fp32 masters' text embedding after step 1 and after step 4, and
+patches.status("vocab_freeze")."""
+
+import patches.auto  # noqa: F401  (first, as users write it)
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[3])
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+
+import patches  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import TinyTextModel  # noqa: E402
+
+stage, precision, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[4])
+if len(sys.argv) > 5 and sys.argv[5] == "off":
+    patches.revert(["deepspeed"])
+torch.manual_seed(0)
+model = TinyTextModel(24, 8, "tanh")
+deepspeed.init_distributed(dist_backend="gloo")
+config = {"train_batch_size": 2,
+          "optimizer": {"type": "AdamW",
+                        "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.1}},
+          "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                       config=config)
+seen = {}
+for step in range(4):
+    loss = engine(torch.arange(24)).float().logsumexp(-1).mean()
+    engine.backward(loss)
+    engine.step()
+    if step in (0, 3):
+        weight = engine.module.text_embedding.weight
+        master = safe_get_full_fp32_param(weight) if stage > 0 or precision != "fp32" else None
+        seen[step] = {"module": weight.detach().float().clone(),
+                      "master": None if master is None else master.detach().clone()}
+torch.save({"seen": seen, "status": patches.status("vocab_freeze")}, out)

@@ -1,0 +1,68 @@
+"""Issue 28: DeepSpeed (0.19, CPU, one process, gloo) with the same guarantees. Under ZeRO-1/2
+and bf16 the optimizer steps fp32 master copies, so the freeze's restore of the module never
+reached them and the base rows trained, silently; the deepspeed integration puts the frozen
+rows back in the masters and the module after every engine step: bit-identical. ZeRO-3
+cannot be frozen exactly: refused loudly (status ``not applied``; an error under STRICT).
+Each case runs the real engine in its own process (tests/deepspeed_jobs/freeze_job.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not installed (pip install -e '.[test]')")]
+
+JOB = Path(__file__).resolve().parent / "deepspeed_jobs" / "freeze_job.py"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path: Path, stage: int, precision: str, *extra: str, **env: str):
+    out = tmp_path / f"z{stage}_{precision}_{'_'.join(extra) or 'on'}.pt"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
+    environ.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                   TRAINING_PATCHES_BASE_VOCAB="20", **env)
+    proc = subprocess.run([sys.executable, str(JOB), str(stage), precision, str(_port()),
+                           str(out), *extra], env=environ, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    return proc, (torch.load(out, weights_only=False) if out.exists() else None)
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "fp32")])
+def test_the_base_rows_stay_bit_identical_through_the_fp32_masters(tmp_path, stage, precision):
+    proc, result = _run(tmp_path, stage, precision)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, last = result["seen"][0], result["seen"][3]
+    assert torch.equal(last["module"][:20], first["module"][:20])
+    assert torch.equal(last["master"][:20], first["master"][:20])
+    assert not torch.equal(last["module"][20:], first["module"][20:])  # the new rows train
+    assert result["status"]["state"] == "applied"
+    assert "put back in the fp32 master weights" in proc.stderr + proc.stdout
+    # the control: the same run without the integration trains the base rows
+    proc, result = _run(tmp_path, stage, precision, "off")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, last = result["seen"][0], result["seen"][3]
+    assert (last["master"][:20] - first["master"][:20]).abs().max() > 1e-4
+
+
+def test_zero3_refuses_the_freeze_loudly(tmp_path):
+    proc, result = _run(tmp_path, 3, "fp32")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert result["status"]["state"] == "degraded"
+    assert any("ZeRO-3" in p and "NOTHING IS FROZEN" in p for p in result["status"]["problems"])
+    proc, _ = _run(tmp_path, 3, "fp32", TRAINING_PATCHES_STRICT="1")
+    assert proc.returncode != 0 and "VocabFreezeError" in proc.stderr
