@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="deepspeed is not installed (pip install -e '.[test]')")]
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed is not installed (pip install -e '.[test]')")
 
 JOB = Path(__file__).resolve().parent / "deepspeed_jobs" / "freeze_job.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +41,8 @@ def _run(tmp_path: Path, stage: int, precision: str, *extra: str, **env: str):
     return proc, (torch.load(out, weights_only=False) if out.exists() else None)
 
 
+@pytest.mark.slow
+@needs_deepspeed
 @pytest.mark.parametrize("stage,precision", [(1, "bf16"), (2, "fp32")])
 def test_the_base_rows_stay_bit_identical_through_the_fp32_masters(tmp_path, stage, precision):
     proc, result = _run(tmp_path, stage, precision)
@@ -59,6 +60,8 @@ def test_the_base_rows_stay_bit_identical_through_the_fp32_masters(tmp_path, sta
     assert (last["master"][:20] - first["master"][:20]).abs().max() > 1e-4
 
 
+@pytest.mark.slow
+@needs_deepspeed
 def test_zero3_refuses_the_freeze_loudly(tmp_path):
     proc, result = _run(tmp_path, 3, "fp32")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -66,3 +69,38 @@ def test_zero3_refuses_the_freeze_loudly(tmp_path):
     assert any("ZeRO-3" in p and "NOTHING IS FROZEN" in p for p in result["status"]["problems"])
     proc, _ = _run(tmp_path, 3, "fp32", TRAINING_PATCHES_STRICT="1")
     assert proc.returncode != 0 and "VocabFreezeError" in proc.stderr
+
+
+def test_the_engines_own_overflow_skip_is_recorded(tmp_path, monkeypatch):
+    """DeepSpeed's fp16 loss scaler skips a step by itself (``skipped_steps`` grows); fp16
+    does not run on the CPU, so the engine here is a stand-in with the attributes the
+    integration reads (the one thing mocked: a GPU's fp16 path)."""
+    from patches import _run, nan_guard
+    from patches.integrations.deepspeed import make_step
+
+    monkeypatch.chdir(tmp_path)
+    _run.reset()
+    nan_guard.reset()
+
+    class Engine:
+        module = torch.nn.Linear(2, 2)
+        skipped_steps, global_steps = 0, 0
+        optimizer = type("Scaler", (), {"cur_scale": 512.0})()
+
+        def zero_optimization_stage(self) -> int:
+            return 0
+
+        def bfloat16_enabled(self) -> bool:
+            return False
+
+        def fp16_enabled(self) -> bool:
+            return True
+
+        def step(self) -> None:  # the overflowing step: skipped, counted by the engine
+            self.skipped_steps += 1
+
+    engine = Engine()
+    make_step(Engine.step)(engine)
+    events = (tmp_path / "training_patches" / "nonfinite_events.jsonl").read_text().splitlines()
+    assert len(events) == 1 and '"trainer_skip"' in events[0] and '"DeepSpeed"' in events[0]
+    assert nan_guard.stats()["skipped"] == 1
