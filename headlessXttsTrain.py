@@ -664,16 +664,28 @@ def train(s: Settings) -> dict[str, Any]:
     if s.inject_nan_step is not None:
         inject_nan_hook(model, trainer, s.inject_nan_step)
     start_step = int(trainer.total_steps_done)
+    # what the Trainer will run: continuing, coqui reads the run folder's config.json
+    # instead of the one built from this command line
+    epochs, batch_size = int(trainer.config.epochs), int(trainer.config.batch_size)
+    lr = float(trainer.config.lr)
+    ignored = [f"--{name.replace('_', '-')} {asked} (the run uses {used})"
+               for name, asked, used in (("epochs", s.epochs, epochs),
+                                         ("batch_size", s.batch_size, batch_size),
+                                         ("lr", s.lr, lr)) if asked != used]
+    if continue_path and ignored:
+        logger.warning("training-patches: continuing %s with its own config.json, as coqui does: "
+                       "%s not applied. To change them, start a new run from its weights "
+                       "(--base-dir) instead of --resume.", trainer.output_path, ", ".join(ignored))
     _record(s.output_dir, "start", run_folder=str(trainer.output_path),
             resumed_from=trainer.args.restore_path if continue_path else None,
-            start_step=start_step, epochs=s.epochs, language=s.language,
+            start_step=start_step, epochs=epochs, language=s.language,
             vocab=str(s.files["vocab"]), train_samples=len(train_samples),
             base_weights=_load_report_record(report), resume_freeze=resume_freeze,
             inject_nan_step=s.inject_nan_step, interrupt_after_step=s.interrupt_after_step)
     started = time.monotonic()
     logger.info("training-patches: training %d epochs, %d training samples, precision %s, "
-                "batch %d x %d accumulation, lr %g, run folder %s", s.epochs, len(train_samples),
-                s.precision, s.batch_size, s.grad_accum, s.lr, trainer.output_path)
+                "batch %d x %d accumulation, lr %g, run folder %s", epochs, len(train_samples),
+                s.precision, batch_size, s.grad_accum, lr, trainer.output_path)
     fit_trainer(trainer, s)
     final = Path(trainer.output_path) / f"checkpoint_{trainer.total_steps_done}.pth"
     if trainer.total_steps_done > start_step and not final.exists():

@@ -93,6 +93,20 @@ def write_amharic_base(root: Path):
 DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n auto``) each worker starts with SIGINT
+    ignored, so that Ctrl-C reaches only the controller. A child process inherits an ignored
+    signal, and the patches rightly leave an ignored signal alone (that is ``nohup``): the
+    tests that stop a child with SIGINT (the demo's ``--interrupt-after-step``) need it back
+    at its default in the worker."""
+    import os
+    import signal
+
+    if os.environ.get("PYTEST_XDIST_WORKER") and \
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The many-process tier: every test in tests/distributed is marked ``distributed``
     (``-m distributed`` runs only them) and skips where torch has no gloo. (No conftest of
