@@ -29,7 +29,7 @@ from ._log import info, logger
 from ._options import INT64_MAX, Option, positive_int
 from ._registry import PatchSpec, register
 from .vocab_rows import (PLAIN, RowLayout, VocabFreezeError, describe_rows, frozen_rows, new_rows,
-                         owner_models, owner_paths, row_layout)
+                         hf_vocab_modules, owner_models, owner_paths, row_layout)
 
 TAG = "[Extended Vocab Fix]"
 
@@ -110,26 +110,6 @@ def _join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
 
-def _hf_targets(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """A Hugging Face ``PreTrainedModel``'s vocabulary: ``get_input_embeddings()`` and, when
-    it is a Linear with one output per token, ``get_output_embeddings()`` (the LLM-based TTS
-    models that grow it with ``resize_token_embeddings``). Rows are tokens (PLAIN)."""
-    if not any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__):
-        return None
-    try:
-        embedding = model.get_input_embeddings()
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    except (AttributeError, NotImplementedError):  # e.g. XTTS's GPT2 core, whose wte is gone
-        return None
-    if not isinstance(embedding, nn.Embedding):
-        return None
-    names = {id(module): name for name, module in model.named_modules()}
-    targets = [(names.get(id(embedding), "input_embeddings"), embedding)]
-    if isinstance(head, nn.Linear) and head.out_features == embedding.num_embeddings:
-        targets.append((names.get(id(head), "output_embeddings"), head))
-    return targets
-
-
 def _vocab_targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], nn.Module] | None:
     """(the vocabulary modules with their paths, the module owning them) by the known
     layouts: ``text_embedding``/``text_head`` at the registered owner paths (XTTS, IndexTTS),
@@ -139,7 +119,7 @@ def _vocab_targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], nn.Mo
         path, owner = hit
         return [(_join(path, "text_embedding"), owner.text_embedding),
                 (_join(path, "text_head"), owner.text_head)], owner
-    targets = _hf_targets(model)
+    targets = hf_vocab_modules(model)
     return (targets, model) if targets else None
 
 

@@ -124,6 +124,29 @@ def row_layout(owner: nn.Module | None, rows: int) -> RowLayout:
     return PLAIN
 
 
+def hf_vocab_modules(model: Any) -> list[tuple[str, Any]] | None:
+    """A Hugging Face ``PreTrainedModel``'s vocabulary modules with their paths:
+    ``get_input_embeddings()`` and, when it is a Linear with one output per token,
+    ``get_output_embeddings()`` (the LLM-based TTS models that grow it with
+    ``resize_token_embeddings``; a tied head is the same tensor). Rows are tokens (PLAIN).
+    None for any other model. The freeze and the vocabulary-aware loader both ask here."""
+    if not any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__):
+        return None
+    try:
+        embedding = model.get_input_embeddings()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except (AttributeError, NotImplementedError):  # e.g. XTTS's GPT2 core, whose wte is gone
+        return None
+    rows = getattr(embedding, "num_embeddings", None)
+    if type(embedding).__name__ != "Embedding" or rows is None:
+        return None
+    names = {id(module): name for name, module in model.named_modules()}
+    found = [(names.get(id(embedding), "input_embeddings"), embedding)]
+    if type(head).__name__ == "Linear" and getattr(head, "out_features", None) == rows:
+        found.append((names.get(id(head), "output_embeddings"), head))
+    return found
+
+
 def register_owner_paths(*paths: str, models: Sequence[str] = (),
                          before: str | None = None) -> None:
     """Add submodule paths (``"gpt"``, ``"a.b"``) at which a model keeps the module owning
@@ -147,5 +170,6 @@ def owner_models() -> tuple[str, ...]:
 
 
 __all__ = ["PLAIN", "RowLayout", "VocabFreezeError", "describe_rows", "frozen_rows", "new_rows",
+           "hf_vocab_modules",
            "owner_models", "owner_paths", "register_layout", "register_owner_paths",
            "row_layout"]

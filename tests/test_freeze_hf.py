@@ -73,3 +73,43 @@ def test_explicit_tied_modules_are_one_tensor(clean_patches) -> None:
         assert handle.frozen_numel() == BASE * 16
     finally:
         handle.remove()
+
+
+def test_load_checkpoint_grows_a_hf_models_vocabulary_through_its_embeddings(
+        tmp_path, clean_patches) -> None:
+    """Issue 28: the vocabulary-aware loader finds a Hugging Face model's rows where the
+    freeze does (get_input/output_embeddings()): a checkpoint of the 64-token model loads
+    into the model grown to 80 (``resize_token_embeddings``), every trained row kept, the
+    tied head given the embedding's rows (one tensor), the new rows by the rule, the base
+    rows frozen. Before, the grown wte was refused as a shape mismatch."""
+    from patches.checkpoint import CheckpointManager, load_checkpoint
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=BASE,
+                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+    small = transformers.GPT2LMHeadModel(config)
+    ids = torch.arange(BASE).reshape(4, 16)
+    opt = torch.optim.AdamW(small.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        small(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    path = CheckpointManager(tmp_path / "run").save(3, small, opt)
+    trained = small.get_input_embeddings().weight.detach().clone()
+    grown = _gpt2()  # 80 tokens, tied
+    grown_opt = torch.optim.AdamW(grown.parameters(), lr=1e-2)
+    # the embedding's rule (mean) and the head's (spread) differ: the tied tensor must get
+    # the embedding's
+    report = load_checkpoint(path, grown, grown_opt, row_init="mean", head_row_init="spread")
+    wte = grown.get_input_embeddings().weight
+    assert wte.shape[0] == GROWN and grown.get_output_embeddings().weight is wte
+    assert torch.equal(wte[:BASE], trained)
+    assert torch.isfinite(wte[BASE:]).all()
+    spread = trained.std(0, unbiased=False)
+    assert ((wte[BASE:] - trained.mean(0)).abs() / spread).max() < 1e-3  # the mean rule
+    assert report.parts["model"].status == "remapped"
+    assert report.parts["optimizer"].status == "remapped"
+    assert report.freeze is not None and report.freeze.base_vocab_size == BASE
+    _train(grown)
+    assert torch.equal(wte[:BASE], trained)  # frozen through training

@@ -14,7 +14,7 @@ import torch
 from ..row_init import (DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, RowSources, check_rule,
                         romanized_sources)
 from ..vocab_resize import RowPlan, grow_bias, grow_rows
-from ..vocab_rows import row_layout
+from ..vocab_rows import hf_vocab_modules, row_layout
 from .reading import _what_to_do, nonfinite_flags
 from .errors import CheckpointError, CheckpointMismatchError
 
@@ -256,6 +256,8 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
     if key_filter is not None:
         source = {k: v for k, v in source.items() if key_filter(k)}
     target = model.state_dict()
+    # a Hugging Face model's vocabulary is wherever get_input/output_embeddings() are
+    vocab_modules = [*vocab_modules, *(name for name, _ in hf_vocab_modules(model) or ())]
     aligned, stripped, added = _align_keys_how(source, target)
     missing = sorted(set(target) - set(aligned))
     unexpected = sorted(set(source) - set(aligned.values()))
@@ -317,8 +319,22 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
             grown = (grow_bias(old, rows, generator, rule, sources) if old.dim() == 1
                      else grow_rows(old, rows, generator, rule, sources))
             state[key] = grown.to(dtype=target[key].dtype)
+        _one_value_for_tied(state, target, vocab, new_rows)
     return ModelPlan(aligned, state, vocab, rows, missing, unexpected, stripped, added, casts,
                      new_rows if vocab else None)
+
+
+def _one_value_for_tied(state: dict[str, torch.Tensor], target: Mapping[str, torch.Tensor],
+                        vocab: Mapping[str, Any], new_rows: NewRows | None) -> None:
+    """A head tied to the embedding (GPT-2's ``lm_head`` is ``wte``) is one tensor under two
+    keys: it gets the embedding's grown value, or loading both would leave whichever came
+    last (the head's rule) in the embedding."""
+    embeddings = {target[k].data_ptr(): k for k in vocab
+                  if new_rows is None or new_rows.parts.get(k) == "embedding"}
+    for key in vocab:
+        twin = embeddings.get(target[key].data_ptr())
+        if twin is not None and twin != key:
+            state[key] = state[twin]
 
 
 def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: RowPlan,
