@@ -71,16 +71,16 @@ def test_zero3_refuses_the_freeze_loudly(tmp_path):
     assert proc.returncode != 0 and "VocabFreezeError" in proc.stderr
 
 
-def test_the_engines_own_overflow_skip_is_recorded(tmp_path, monkeypatch):
+def test_the_engines_own_overflow_skip_is_recorded(tmp_path):
     """DeepSpeed's fp16 loss scaler skips a step by itself (``skipped_steps`` grows); fp16
     does not run on the CPU, so the engine here is a stand-in with the attributes the
     integration reads (the one thing mocked: a GPU's fp16 path)."""
     from patches import _run, nan_guard
     from patches.integrations.deepspeed import make_step
 
-    monkeypatch.chdir(tmp_path)
     _run.reset()
     nan_guard.reset()
+    _run.set_output_dir(tmp_path)  # (another test's trainer folder may still be registered)
 
     class Engine:
         module = torch.nn.Linear(2, 2)
@@ -100,7 +100,10 @@ def test_the_engines_own_overflow_skip_is_recorded(tmp_path, monkeypatch):
             self.skipped_steps += 1
 
     engine = Engine()
-    make_step(Engine.step)(engine)
-    events = (tmp_path / "training_patches" / "nonfinite_events.jsonl").read_text().splitlines()
+    try:
+        make_step(Engine.step)(engine)
+    finally:
+        _run.set_output_dir(None)
+    events = (tmp_path / "nonfinite_events.jsonl").read_text().splitlines()
     assert len(events) == 1 and '"trainer_skip"' in events[0] and '"DeepSpeed"' in events[0]
     assert nan_guard.stats()["skipped"] == 1
