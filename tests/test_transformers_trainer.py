@@ -186,3 +186,44 @@ def test_base_vocab_rows_stay_bit_identical_through_trainer_train(
     assert (wte[VOCAB:] - before[VOCAB:]).abs().min().item() > 0  # every new row learned
     assert patches.status("vocab_freeze")["detail"] == \
         f"frozen {VOCAB} rows of {grown} in transformer.wte.weight"
+
+
+def _saving_args(output_dir: Path, max_steps: int) -> Any:
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=BATCH,
+        report_to=[], save_strategy="steps", save_steps=2, use_cpu=True, logging_steps=1000,
+        seed=0, learning_rate=1e-2, lr_scheduler_type="constant",
+        train_sampling_strategy="sequential", disable_tqdm=True)
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
+def test_a_torn_checkpoint_folder_is_never_resumed(run_state, tmp_path, caplog,
+                                                   applied) -> None:
+    """A run killed while writing checkpoint-6 (its model file cut short, no completion
+    marker): ``resume_from_checkpoint=True`` resumes from checkpoint-4, the newest complete
+    one, with a WARNING naming the torn folder. Upstream takes the highest number and fails
+    reading it (the control)."""
+    if applied:
+        patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    out = tmp_path / "out"
+    transformers.Trainer(model=_model(), args=_saving_args(out, 4), train_dataset=_rows()).train()
+    assert (out / "checkpoint-4" / "training_patches_complete.json").is_file() == applied
+    torn = out / "checkpoint-6"
+    torn.mkdir()
+    for name in ("config.json", "trainer_state.json"):
+        (torn / name).write_bytes((out / "checkpoint-4" / name).read_bytes())
+    weights = (out / "checkpoint-4" / "model.safetensors").read_bytes()
+    (torn / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    trainer = transformers.Trainer(model=_model(), args=_saving_args(out, 8),
+                                   train_dataset=_rows())
+    if not applied:
+        with pytest.raises(Exception):
+            trainer.train(resume_from_checkpoint=True)
+        return
+    with caplog.at_level(logging.WARNING, logger="training_patches"):
+        trainer.train(resume_from_checkpoint=True)
+    assert f"{torn} has no completion marker" in caplog.text
+    assert trainer.state.global_step == 8
+    assert torn.exists()  # left as it is
+    log = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
+    assert log["global_step"] == 8

@@ -15,17 +15,31 @@ the default from torch 2.8), which the guard reads only every few steps, are rea
 ``train()`` returns. A folder the user set (``TRAINING_PATCHES_OUTPUT_DIR``,
 ``patches.set_output_dir``) still wins.
 
-Not done: ``_save_checkpoint`` is not made atomic (no manifest), and
-``resume_from_checkpoint`` into a grown vocabulary is not remapped.
+Checkpoints: the Trainer writes ``checkpoint-N/`` file by file, and
+``resume_from_checkpoint=True`` takes the highest N, so a run killed during a save resumed
+from a torn folder (or crashed reading it). Here each ``_save_checkpoint`` ends by writing
+``checkpoint-N/training_patches_complete.json`` (every file's size; written atomically,
+last), and ``get_last_checkpoint`` passes over a folder without a valid one, with a WARNING,
+wherever the output folder holds such markers (a folder saved without the patches is
+judged as upstream judges it).
+
+Not done: ``resume_from_checkpoint`` into a grown vocabulary is not remapped (load the
+weights with ``patches.load_checkpoint``, which grows a Hugging Face model's rows).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 from .. import _run, nan_guard
+from .._log import logger
 from .._registry import Integration, Site, register_integration
+from ..checkpoint.atomic import atomic_text
 
 NAME = "transformers_trainer"
 DISTRIBUTION = "transformers"
@@ -66,17 +80,91 @@ def make_train(original: Any) -> Any:
     return train
 
 
+COMPLETE = "training_patches_complete.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _files_of(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != COMPLETE}
+
+
+def make_save_checkpoint(original: Any) -> Any:
+    """``Trainer._save_checkpoint`` that ends by marking the folder complete (last, atomic)."""
+    @functools.wraps(original)
+    def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        try:
+            run_dir = Path(self._get_output_dir(trial=kwargs.get("trial")))
+            folder = run_dir / f"checkpoint-{self.state.global_step}"
+            if folder.is_dir() and self.args.should_save:
+                atomic_text(folder / COMPLETE, json.dumps(
+                    {"step": int(self.state.global_step), "files": _files_of(folder)}, indent=1))
+        except OSError as exc:  # the checkpoint is written; only its marker is missing
+            logger.warning("training-patches: %s could not be marked complete (%s); "
+                           "resume_from_checkpoint=True will pass over it", folder, exc)
+        return result
+    return _save_checkpoint
+
+
+def _complete(folder: Path) -> str | None:
+    """None when ``folder``'s marker vouches for every file it lists; else why not."""
+    marker = folder / COMPLETE
+    try:
+        saved = json.loads(marker.read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return "has no completion marker (its save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"has a completion marker that cannot be read ({exc})"
+    for name, size in saved.items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            return f"has {name} of another size than its save wrote (torn or changed)"
+    return None
+
+
+def make_get_last_checkpoint(original: Any) -> Any:
+    """``get_last_checkpoint(folder)``: the newest checkpoint folder whose save completed,
+    where the folder holds completion markers; upstream's answer otherwise."""
+    @functools.wraps(original)
+    def get_last_checkpoint(folder: Any) -> Any:
+        try:
+            found = [(int(m.group(1)), Path(folder) / name) for name in os.listdir(folder)
+                     if (m := _CHECKPOINT.match(name)) and (Path(folder) / name).is_dir()]
+        except OSError:
+            return original(folder)
+        if not any((path / COMPLETE).exists() for _, path in found):
+            return original(folder)  # saved without the patches: judged as upstream does
+        for step, path in sorted(found, reverse=True):
+            why = _complete(path)
+            if why is None:
+                return str(path)
+            logger.warning("training-patches: %s %s; resume_from_checkpoint passes over it to "
+                           "an earlier complete checkpoint (the folder is left as it is)",
+                           path, why)
+        return None
+    return get_last_checkpoint
+
+
 INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
     module="transformers",
     describe="records in the Trainer's output_dir with its global_step, the fused "
-             "optimizer's skips recorded by each save and the end of train()",
+             "optimizer's skips recorded by each save and the end of train(), checkpoint "
+             "folders marked complete and torn ones never resumed",
     sites=(
         Site(MODULE, "Trainer.train", make_train, patch="nan_guard",
              lost="a Hugging Face Trainer's records go to ./training_patches, not its "
                   "output_dir, carry no trainer step, and a fused step's skip near a save "
                   "or the end is written only at exit"),
+        Site(MODULE, "Trainer._save_checkpoint", make_save_checkpoint, patch="checkpoint",
+             lost="a Hugging Face checkpoint folder cut short by a kill looks complete"),
+        Site(MODULE, "get_last_checkpoint", make_get_last_checkpoint, patch="checkpoint",
+             lost="resume_from_checkpoint=True resumes from a torn checkpoint folder"),
+        Site("transformers.trainer_utils", "get_last_checkpoint", make_get_last_checkpoint,
+             patch="checkpoint",
+             lost="a script's get_last_checkpoint(output_dir) picks a torn checkpoint folder"),
     ),
 ))
