@@ -125,3 +125,35 @@ def test_lightning_fused_skip_is_on_disk_at_the_next_checkpoint(clean_patches, t
                 (tmp_path / "evidence" / "nonfinite_events.jsonl").read_text().splitlines()]
     assert (event["step"], event["kind"]) == (BAD_STEP, "nonfinite_loss")
     assert event["read_at_step"] == 4, event
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
+def test_a_checkpoint_that_does_not_fit_leaves_the_last_one_whole(tmp_path, clean_patches,
+                                                                  applied) -> None:
+    """The checkpoint folder on its own small disk (a tmpfs: not the system temp folder's
+    disk). Lightning's TorchCheckpointIO saves last.ckpt, then a second save does not fit.
+    Upstream moves its temporary file from /tmp by copying it over last.ckpt: the copy stops
+    at the full disk and the good checkpoint is torn (the control). Patched, the free space
+    is checked first and the old file is left whole."""
+    from io_faults import full_disk
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    if applied:
+        patches.apply(["checkpoint"])
+    # 4 MB, then 8 MB, on a disk with 6 MB free: the second does not fit even in the place
+    # of the first
+    first = {"state_dict": {"w": torch.arange(1 << 20, dtype=torch.float32)}, "step": 1}
+    second = {"state_dict": {"w": torch.ones(2 << 20)}, "step": 2}
+    with full_disk(tmp_path / "ckpts", size="16m", free=6_000_000) as folder:
+        io = TorchCheckpointIO()
+        io.save_checkpoint(first, folder / "last.ckpt")
+        with pytest.raises(Exception):
+            io.save_checkpoint(second, folder / "last.ckpt")
+        if applied:
+            kept = torch.load(folder / "last.ckpt", weights_only=True)
+            assert kept["step"] == 1 and torch.equal(kept["state_dict"]["w"],
+                                                     first["state_dict"]["w"])
+            assert sorted(p.name for p in folder.iterdir()) == ["filler", "last.ckpt"]
+        else:
+            with pytest.raises(Exception):
+                torch.load(folder / "last.ckpt", weights_only=True)

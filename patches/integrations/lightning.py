@@ -11,6 +11,14 @@ of ``./training_patches``, and each record carries the Trainer's ``global_step``
 ``trainer_step``. A folder the user set (``TRAINING_PATCHES_OUTPUT_DIR``,
 ``patches.set_output_dir``) still wins. The skips of fused steps, whose flags are read in
 batches, are recorded at each ``save_checkpoint`` and at the end of training.
+
+Checkpoints: Lightning's ``_atomic_save`` writes the bytes to a temporary file in the system
+temp folder and moves it over the checkpoint, without fsync. When the checkpoint folder is
+on another disk (a mounted volume), that move is a copy into the old file: a full disk or a
+kill during it leaves a torn ``last.ckpt``, the good one gone. Here a local checkpoint is
+written like every checkpoint of the library (:func:`patches.checkpoint.atomic_torch_save`:
+free space checked first, a temporary file in the same folder, fsync, ``os.replace``), so
+the previous file stays whole until the new one is.
 """
 
 from __future__ import annotations
@@ -18,8 +26,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from pathlib import Path
+
 from .. import _run, nan_guard
 from .._registry import Integration, Site, register_integration
+from ..checkpoint import atomic_torch_save
 
 NAME = "lightning"
 DISTRIBUTION = "lightning"
@@ -61,16 +72,33 @@ def make_fit(original: Any) -> Any:
     return fit
 
 
+def make_atomic_save(original: Any) -> Any:
+    """``_atomic_save(checkpoint, filepath)`` of Lightning's TorchCheckpointIO: a local path
+    through the library's atomic writer, a remote one (fsspec URL) to the original."""
+    @functools.wraps(original)
+    def _atomic_save(checkpoint: Any, filepath: Any) -> None:
+        text = str(filepath)
+        if "://" in text and not text.startswith("file://"):
+            return original(checkpoint, filepath)
+        atomic_torch_save(checkpoint, Path(text.removeprefix("file://")))
+    return _atomic_save
+
+
 INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
     module="lightning",
     describe="records in the Trainer's log_dir with its global_step (the step(closure) "
-             "decision is the generic guard's)",
+             "decision is the generic guard's); checkpoints written atomically beside "
+             "themselves",
     sites=(
         Site(MODULE, "Trainer.fit", make_fit, patch="nan_guard",
              lost="a Lightning run's records go to ./training_patches, not the Trainer's "
                   "log_dir, and carry no trainer step"),
+        Site("lightning.fabric.plugins.io.torch_io", "_atomic_save", make_atomic_save,
+             patch="checkpoint",
+             lost="a Lightning checkpoint on another disk than the temp folder is copied over "
+                  "the old one: a full disk or a kill during the copy leaves it torn"),
     ),
 ))
