@@ -47,3 +47,6 @@ def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int],
                    os.path.join(out_dir, f"result{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    from processes import exit_after_atexit
+
+    exit_after_atexit()  # done and written: no interpreter teardown (gloo's abort at exit)

@@ -15,6 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "headlessXttsTrain.py"
 
 
+def exit_after_atexit(code: int = 0) -> None:
+    """The end of a rank process whose work is done and written: run the exit handlers
+    (the library's own records at exit among them), flush, and leave without the
+    interpreter's teardown. There torch 2.14.1's gloo threads abort the process now and then
+    ("terminate called without an active exception", SIGABRT) after every check passed,
+    more often on a loaded machine (``make test`` runs a worker per core)."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def default_signals() -> None:
     """In a child, before it runs: SIGINT, SIGTERM and SIGHUP at their default disposition,
     whatever the test run inherited (under ``nohup`` SIGHUP is ignored, and an ignored

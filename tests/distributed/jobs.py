@@ -30,7 +30,8 @@ def rank_env(**extra: str) -> dict[str, str]:
     """The environment of a job: this repository first on PYTHONPATH, one thread a rank,
     no TRAINING_PATCHES_* setting inherited from the caller."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]), OMP_NUM_THREADS="1",
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)]),
+               OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     env.update(extra)
     return env

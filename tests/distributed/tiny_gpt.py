@@ -68,7 +68,7 @@ def read_events(folder: str) -> list[dict]:
     return events
 
 
-def end_job(scope: dict) -> None:
+def end_job(scope: dict, code: int = 0) -> None:
     """The end of a rank script: drop its models, optimizers and tensors, then wait for
     every rank and destroy the process group. An FSDP2 model (DTensor parameters, a device
     mesh holding the group) still alive when the interpreter exits after
@@ -85,3 +85,6 @@ def end_job(scope: dict) -> None:
     gc.collect()
     dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
+    from processes import exit_after_atexit
+
+    exit_after_atexit(code)  # the process ends here, with ``code``

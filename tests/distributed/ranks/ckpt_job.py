@@ -134,8 +134,7 @@ elif MODE == "ddp_diskfull":
     except Exception as exc:  # noqa: BLE001 - the test reads it
         say("ERROR", f"{type(exc).__name__}: {exc}")
         code = 3
-    end_job(globals())
-    sys.exit(code)
+    end_job(globals(), code)
 
 elif MODE == "ddp_hang":
     say("PID", os.getpid())
@@ -289,8 +288,7 @@ elif MODE == "fsdp_diskfull":
     except Exception as exc:  # noqa: BLE001 - the test reads it
         say("ERROR", f"{type(exc).__name__}: {str(exc)[:300]}")
         code = 3
-    end_job(globals())
-    sys.exit(code)
+    end_job(globals(), code)
 
 elif MODE in ("node_local_resume", "node_local_fsdp_save"):
     folder = os.path.join(OUT, f"node{os.environ['GROUP_RANK']}")  # torchrun's node rank
@@ -317,8 +315,7 @@ elif MODE in ("node_local_resume", "node_local_fsdp_save"):
     except Exception as exc:  # noqa: BLE001 - the test reads it
         say("ERROR", f"{type(exc).__name__}: {exc}")
         code = 3
-    end_job(globals())
-    sys.exit(code)
+    end_job(globals(), code)
 
 elif MODE == "fsdp_single":
     model, opt = fsdp_model()

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import patches
 from patches import _run, dataset_guard, nan_guard, oom_guard
+from processes import exit_after_atexit
 from tiny_gpt import TinyGPT, batch, loss_of
 
 NAN_STEP = 3
@@ -76,3 +77,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_after_atexit()
