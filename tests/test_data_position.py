@@ -167,3 +167,21 @@ def test_a_stateful_loader_is_saved_and_restored_through_its_own_state_dict(tmp_
     loading = Stateful()
     report = load_checkpoint(path, torch.nn.Linear(1, 1), loader=loading)
     assert loading.position == 7 and report.parts["data"].status == "restored"
+
+
+def test_a_position_that_cannot_be_replayed_never_raises_into_the_loop(checkpoint_patch,
+                                                                       caplog):
+    """A loader armed with a position whose RNG state cannot be set (a damaged value): its
+    next iter() says so in a WARNING and starts the epoch from its beginning, as if it had
+    not been armed; nothing is raised into the training loop."""
+    from patches.checkpoint import data_position
+
+    loader = torch.utils.data.DataLoader(NoisyData(8), batch_size=4, shuffle=False)
+    data_position.arm(loader, {"kind": data_position.KIND_PLAIN, "epoch": 0, "batches": 1,
+                               "length": 2, "rng": {"torch": torch.zeros(3, dtype=torch.uint8),
+                                                    "generator": None}})
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        batches = [batch[0].tolist() for batch in loader]
+    assert batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert "could not continue epoch 0 at batch 1" in caplog.text
+    assert "starts from its beginning" in caplog.text

@@ -87,12 +87,21 @@ def make_iter(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 watch.iterator = lambda: iterator
             return iterator
         now = _rng_of(self)
-        _set_rng(self, armed["rng"])
+        failed: Exception | None = None
         try:
+            _set_rng(self, armed["rng"])
             iterator = original(self)
             base = _skip(iterator, int(armed["batches"]))
+        except Exception as exc:  # noqa: BLE001 - never into the training loop (below)
+            failed = exc
         finally:
             _set_rng(self, now)  # the RNG as the checkpoint left it
+        if failed is not None:
+            logger.warning("training-patches: the data loader could not continue epoch %s at "
+                           "batch %s (%s: %s); the epoch starts from its beginning (batches "
+                           "already trained on come again)", armed.get("epoch"),
+                           armed.get("batches"), type(failed).__name__, str(failed)[:200])
+            return __iter__(self)  # disarmed now: a plain, watched start of the epoch
         watch.epochs = int(armed["epoch"]) + 1
         watch.start_rng, watch.skipped, watch.base = dict(armed["rng"]), int(armed["batches"]), base
         watch.iterator = weakref.ref(iterator)
@@ -145,7 +154,13 @@ def position_of(loader: Any) -> dict[str, Any]:
             "unknown. Nothing was written. Apply the patches before the loader's first iter() "
             "(import patches.auto at the top of the script), or leave loader= out.")
     iterator = watch.iterator()
-    done = 0 if iterator is None else int(iterator._num_yielded) - watch.base
+    yielded = getattr(iterator, "_num_yielded", None) if iterator is not None else 0
+    if yielded is None:  # torch's DataLoader iterator no longer counts what it handed out
+        raise ValueError(
+            f"training-patches: cannot save the data position of this DataLoader: its "
+            f"iterator ({type(iterator).__name__}) has no count of the batches it handed out "
+            f"in this torch version. Nothing was written. Leave loader= out.")
+    done = int(yielded) - watch.base
     return {"kind": KIND_PLAIN, "epoch": watch.epochs - 1, "batches": watch.skipped + done,
             "length": _length(loader), "rng": dict(watch.start_rng)}
 

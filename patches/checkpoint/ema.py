@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -72,13 +72,10 @@ def start_new_rows_as_the_model(ema_plan: ModelPlan, model_plan: ModelPlan) -> i
 class KeptRows:
     """The EMA's base rows held bit-identical: restored after each update call."""
 
-    def __init__(self, ema: torch.nn.Module, plan: ModelPlan, base_rows: int) -> None:
+    def __init__(self, ema: torch.nn.Module, plan: ModelPlan, rows: Sequence[range]) -> None:
+        """``rows``: the rows the model's freeze keeps (``VocabFreeze.rows``)."""
         self.ema = ema
-        rows = plan.rows
-        index = list(range(min(base_rows, rows.base_rows)))
-        if rows.start_row_last:
-            index.append(rows.new_rows - 1)  # the start-token row is a base token's row
-        self.index = torch.tensor(index, dtype=torch.long)
+        self.index = torch.tensor([i for r in rows for i in r], dtype=torch.long)
         tensors = dict(ema.named_parameters())
         tensors.update(dict(ema.named_buffers()))
         self.kept = {key: (tensors[key], tensors[key].detach()[self.index].clone())
@@ -94,7 +91,13 @@ class KeptRows:
         @functools.wraps(method)
         def update(*args: Any, **kwargs: Any) -> Any:
             result = method(*args, **kwargs)
-            self.restore()
+            try:
+                self.restore()
+            except Exception as exc:  # noqa: BLE001 - never into the training step: said
+                logger.warning("training-patches: the EMA's base rows could not be put back "
+                               "(%s: %s); they are kept no more, training goes on",
+                               type(exc).__name__, str(exc)[:200])
+                self.remove()
             return result
         return update
 

@@ -199,9 +199,9 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
     if rows is not None and rows.added > 0 and options.freeze:
         report.freeze = _enable_freeze(model, plan.model, options.vocab_modules)
         if plan.ema is not None and plan.ema.rows is not None and report.freeze is not None:
-            modules = sorted({key.rsplit(".", 1)[0] for key in plan.model.resized})
+            # the rows the model's freeze keeps, kept in the EMA too
             report.ema_freeze = ema_part.KeptRows(plan.ema_module, plan.ema,
-                                                  _base_rows(model, plan.model, modules))
+                                                  report.freeze.rows)
             info("training-patches: EMA weights: %s", report.ema_freeze.describe())
     _model_part(report, plan.model)
     ema_said = ema_part.part(plan.ema, options.ema is not None, plan.ema_in_file)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _options, nan_guard, vocab_freeze
-from .._log import info
+from .._log import info, logger
 from .._registry import Integration, Site, register_integration
 
 NAME = "deepspeed"
@@ -94,6 +94,19 @@ def _keep_rows(engine: Any) -> None:
                 param.data[rows.start:rows.stop] = values.to(param.device, param.dtype)
 
 
+_said: list[str] = []
+
+
+def _cannot_keep(exc: Exception) -> None:
+    """The rows could not be put back (a DeepSpeed that moved its fp32 masters): the step
+    stands, the freeze is said to hold no more, once."""
+    if not _said:
+        _said.append(type(exc).__name__)
+        logger.warning("training-patches: DeepSpeed: the frozen base rows could not be put back "
+                       "in the fp32 master weights (%s: %s): from this step on the base rows "
+                       "TRAIN; training goes on", type(exc).__name__, str(exc)[:200])
+
+
 def make_step(original: Callable[..., Any]) -> Callable[..., Any]:
     """``DeepSpeedEngine.step``: the frozen rows kept through the masters, and the engine's
     own overflow skips recorded."""
@@ -104,7 +117,10 @@ def make_step(original: Callable[..., Any]) -> Callable[..., Any]:
         skipped, steps = self.skipped_steps, self.global_steps
         result = original(self, *args, **kwargs)
         if self.global_steps != steps and _masters(self) and self.zero_optimization_stage() < 3:
-            _keep_rows(self)
+            try:
+                _keep_rows(self)
+            except Exception as exc:  # noqa: BLE001 - never into the step: said, loudly
+                _cannot_keep(exc)
         if self.skipped_steps > skipped:
             nan_guard.record_trainer_skip(
                 "DeepSpeed", self.global_steps,

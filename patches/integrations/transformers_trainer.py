@@ -94,15 +94,16 @@ def make_save_checkpoint(original: Any) -> Any:
     @functools.wraps(original)
     def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
+        step = getattr(getattr(self, "state", None), "global_step", None)
         try:
-            run_dir = Path(self._get_output_dir(trial=kwargs.get("trial")))
-            folder = run_dir / f"checkpoint-{self.state.global_step}"
+            folder = Path(self._get_output_dir(trial=kwargs.get("trial"))) / f"checkpoint-{step}"
             if folder.is_dir() and self.args.should_save:
                 atomic_text(folder / COMPLETE, json.dumps(
-                    {"step": int(self.state.global_step), "files": _files_of(folder)}, indent=1))
-        except OSError as exc:  # the checkpoint is written; only its marker is missing
-            logger.warning("training-patches: %s could not be marked complete (%s); "
-                           "resume_from_checkpoint=True will pass over it", folder, exc)
+                    {"step": int(step), "files": _files_of(folder)}, indent=1))
+        except Exception as exc:  # noqa: BLE001 - the checkpoint is written: never raise here
+            logger.warning("training-patches: checkpoint-%s could not be marked complete (%s: "
+                           "%s); resume_from_checkpoint=True will pass over it, training goes "
+                           "on", step, type(exc).__name__, str(exc)[:200])
         return result
     return _save_checkpoint
 
