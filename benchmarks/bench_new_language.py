@@ -416,7 +416,7 @@ def prepare(cfg: dict[str, Any], work: Path, log: list[str]) -> dict[str, Any]:
     a_train, a_eval = fitting(a_train, v1, "am"), fitting(a_eval, v1, "am")
     b_train, b_eval = fitting(b_train, v2, "am"), fitting(b_eval, v2, "am")
     data: dict[str, Any] = {"rows": {"base": _rows(base_vocab), "v1": _rows(v1), "v2": _rows(v2)},
-                            "vocab_files": {"v1": str(v1), "v2": str(v2)}}
+                            "vocab_files": {"base": str(base_vocab), "v1": str(v1), "v2": str(v2)}}
     data["en_train"] = _encode(base_vocab, en_train, "en")
     en_eval_ids = _encode(base_vocab, en_eval, "en")
     if _encode(v2, en_eval, "en") != en_eval_ids:  # extend-tokenizer promises this
@@ -502,6 +502,42 @@ def _plain_resize(old: dict[str, Any], rows: int, gen, std: float = 1.0) -> dict
     return state
 
 
+# -- two experiments on the library's new rows (issue 25) -------------------------------------
+
+TAG_SOURCES = ("start", "en")
+
+
+def adjust_new_rows(model, base_state: dict[str, Any], base_vocab: Path, grown_vocab: Path,
+                    scale: float | None = None, tag: str | None = None) -> None:
+    """Experiments on the rows the library just made, applied after ``load_checkpoint``:
+
+    - ``scale``: every new text-embedding row times ``scale`` (shrunk toward zero; the
+      head is left as made);
+    - ``tag``: the new language tag's rows (``[am]``: embedding, head, bias) copied from the
+      base model's ``[START]`` (``"start"``, what GPTTrainer's resize gives the token that
+      takes [START]'s old place) or its ``[en]`` (``"en"``).
+    """
+    import torch
+    from tokenizers import Tokenizer
+
+    from patches.vocab_rows import new_rows
+
+    rows, base_rows = _rows(grown_vocab), _rows(base_vocab)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        if scale is not None:
+            new = new_rows(rows, base_rows, start_row_last=True)
+            params["text_embedding.weight"][new.start:new.stop] *= scale
+        if tag is not None:
+            if tag not in TAG_SOURCES:
+                raise ValueError(f"tag {tag!r}: expected one of {TAG_SOURCES}")
+            am = Tokenizer.from_file(str(grown_vocab)).token_to_id("[am]")
+            src = (base_rows - 1 if tag == "start"
+                   else Tokenizer.from_file(str(base_vocab)).token_to_id("[en]"))
+            for key in ("text_embedding.weight", "text_head.weight", "text_head.bias"):
+                params[key][am] = base_state[key][src]
+
+
 def _base_row_index(rows: int, base_rows: int):
     """Rows of the base vocabulary in a grown tensor: 0..base-2 and the last ([START])."""
     import torch
@@ -556,6 +592,10 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], data: dict[str, Any], work
             report = patches.load_checkpoint(path, model, opt, sched, seed=seed,
                                              freeze=arm != "library_unfrozen",
                                              tokenizer=data["vocab_files"][vocab])
+            if Path(path) == base_path and (cfg.get("new_row_scale") or cfg.get("tag_row")):
+                adjust_new_rows(model, torch.load(path, weights_only=True)["model"],
+                                data["vocab_files"]["base"], data["vocab_files"][vocab],
+                                cfg.get("new_row_scale"), cfg.get("tag_row"))
         else:
             model.load_state_dict(state)
             if arm not in ("upstream", "plain_std002"):
@@ -775,6 +815,16 @@ def summarize(cfg: dict[str, Any], base: dict[str, Any], runs: list[dict[str, An
     return {"target": target, "best_final_a": best, "arms": arms}
 
 
+def _experiment_text(cfg: dict[str, Any]) -> str:
+    """The experiments on the library arms' new rows, as the table's header says them."""
+    said = []
+    if cfg.get("new_row_scale") is not None:
+        said.append(f"new embedding rows x {cfg['new_row_scale']:g}")
+    if cfg.get("tag_row"):
+        said.append(f"[am] starts as the base's [{cfg['tag_row'].replace('start', 'START')}]")
+    return f" Experiment on the library arms: {'; '.join(said)}." if said else ""
+
+
 def table(cfg: dict[str, Any], base: dict[str, Any], summary: dict[str, Any],
           data: dict[str, Any]) -> str:
     k, n, rows = cfg["steps"], cfg["seeds"], data["rows"]
@@ -786,7 +836,8 @@ def table(cfg: dict[str, Any], base: dict[str, Any], summary: dict[str, Any],
         f"nats per character of held-out text; A = first corpus, B = second corpus (trained "
         f"from step {k // 2}). English before fine-tuning {base['en_loss']:.3f} (base model "
         f"{base['steps']} steps, {'plateaued' if base['plateaued'] else 'step cap reached'}). "
-        f"Target: A <= {summary['target']:.3f} (best arm's final median + {TARGET_MARGIN:.0%}).",
+        f"Target: A <= {summary['target']:.3f} (best arm's final median + {TARGET_MARGIN:.0%})."
+        + _experiment_text(cfg),
         "",
         f"| arm | A+B at {k} | A at {k // 2} | A at {k} | B at {k} | steps to target | "
         f"English at 0 -> {k} | base-row drift | one NaN at step {cfg['nan_at']} |",
@@ -885,6 +936,12 @@ def main() -> None:
                     help="keep OUT/work (tokenizers, base model, checkpoints, arm logs)")
     ap.add_argument("--render", metavar="RESULTS_JSON",
                     help="only remake table.md and the plot beside a results.json")
+    ap.add_argument("--arms", help="only these arms (comma-separated names: " + ", ".join(ARMS)
+                    + ")")
+    ap.add_argument("--new-row-scale", type=float, help="experiment: the library arms' new "
+                    "text-embedding rows times this after the load (toward zero)")
+    ap.add_argument("--tag-row", choices=TAG_SOURCES, help="experiment: the library arms' new "
+                    "language tag [am] starts as the base model's [START] or [en] rows")
     ap.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -905,6 +962,14 @@ def main() -> None:
     cfg["eval_every"] = min(cfg["eval_every"], max(1, cfg["steps"] // 4))
     cfg["base_eval_every"] = min(cfg["base_eval_every"], max(1, cfg["base_max_steps"] // 4))
     cfg["nan_at"] = max(1, cfg["steps"] // 4)
+    cfg["new_row_scale"], cfg["tag_row"] = args.new_row_scale, args.tag_row
+    arms = ARMS
+    if args.arms:
+        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+        unknown = sorted(set(arms) - set(ARMS))
+        if unknown:
+            ap.error(f"--arms: unknown arm(s) {', '.join(unknown)}; expected names from "
+                     f"{', '.join(ARMS)}")
     out = Path(args.out).resolve() if args.out else ROOT / "benchmarks" / "results" / (
         "new_language" + ("_quick" if args.quick else ""))
     work = out / "work"
@@ -942,7 +1007,7 @@ def main() -> None:
         return json.loads((arm_dir / "result.json").read_text())
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        runs = [r for rs in pool.map(one, ARMS) for r in rs]
+        runs = [r for rs in pool.map(one, arms) for r in rs]
     summary = summarize(cfg, base, runs)
     text = table(cfg, base, summary, data)
     print("\n" + text)

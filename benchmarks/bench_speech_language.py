@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -84,10 +83,16 @@ def low_lr(cfg: dict[str, Any]) -> float:
 
 
 def arm(emb: str, head: str | None = None, freeze: str = "on", mix: float = MIX,
-        lr: str = "high") -> dict[str, Any]:
+        lr: str = "high", scale: float | None = None, tag: str | None = None) -> dict[str, Any]:
+    """One arm. ``scale`` and ``tag`` are experiments on the new rows after the load
+    (``bench_new_language.adjust_new_rows``): the new embedding rows times ``scale``, the
+    ``[am]`` tag's rows copied from the base's ``[START]`` or ``[en]``."""
     head = head or emb
     name = f"{emb}/{head} freeze={freeze} mix={mix:g} lr={lr}"
-    return dict(name=name, emb=emb, head=head, freeze=freeze, mix=mix, lr=lr)
+    name += f" emb x{scale:g}" if scale is not None else ""
+    name += f" tag={tag}" if tag else ""
+    return dict(name=name, emb=emb, head=head, freeze=freeze, mix=mix, lr=lr, scale=scale,
+                tag=tag)
 
 
 def arms_for(which: str) -> list[dict[str, Any]]:
@@ -110,7 +115,11 @@ def arms_for(which: str) -> list[dict[str, Any]]:
     # the new rows first (only they train for a quarter of the steps, then everything)
     stage2 += [arm("romanized", "spread", mix=0.2), arm("std0.02", mix=0.2),
                arm("romanized", "spread", freeze="rows_first"), arm("std0.02", freeze="rows_first")]
-    return stage1 + stage2
+    # stage 3 (2026-11-26): the default's embedding rows shrunk toward zero, and the [am]
+    # tag started as the base's [START] (GPTTrainer's accident) or [en]
+    stage3 = [arm("romanized", "spread", scale=0.25), arm("romanized", "spread", scale=0.1),
+              arm("romanized", "spread", tag="start"), arm("romanized", "spread", tag="en")]
+    return stage1 + stage2 + stage3
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -367,6 +376,12 @@ def run_arm(spec: dict[str, Any], seed: int, cfg: dict[str, Any], work: Path) ->
     report = patches.load_checkpoint(base_path, model, freeze=False, seed=seed,
                                      row_init=spec["emb"], head_row_init=spec["head"],
                                      tokenizer=data["vocab"]["grown"])
+    if spec.get("scale") is not None or spec.get("tag"):
+        from bench_new_language import adjust_new_rows
+
+        adjust_new_rows(model, torch.load(base_path, map_location="cpu")["model"],
+                        data["vocab"]["base"], data["vocab"]["grown"], spec.get("scale"),
+                        spec.get("tag"))
     steps = cfg["steps"]
     lr = HIGH_LR if spec["lr"] == "high" else low_lr(cfg)
     opt = make_optimizer(model, lr)
