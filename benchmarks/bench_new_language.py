@@ -592,7 +592,8 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], data: dict[str, Any], work
             report = patches.load_checkpoint(path, model, opt, sched, seed=seed,
                                              freeze=arm != "library_unfrozen",
                                              tokenizer=data["vocab_files"][vocab])
-            if Path(path) == base_path and (cfg.get("new_row_scale") or cfg.get("tag_row")):
+            if Path(path) == base_path and (cfg.get("new_row_scale") is not None
+                                            or cfg.get("tag_row")):
                 adjust_new_rows(model, torch.load(path, weights_only=True)["model"],
                                 data["vocab_files"]["base"], data["vocab_files"][vocab],
                                 cfg.get("new_row_scale"), cfg.get("tag_row"))
