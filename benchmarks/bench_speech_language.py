@@ -569,6 +569,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="fine-tune steps per arm (overrides the preset)")
     ap.add_argument("--base-steps", type=int, help="at most this many base-model steps")
     ap.add_argument("--seeds", type=int, help="seeds (overrides the preset)")
+    ap.add_argument("--utterances", type=int, help="training utterances per language "
+                    "(overrides the preset; a smaller corpus for a smoke run)")
     ap.add_argument("--arms", help="only the arms whose name contains one of these "
                     "comma-separated texts")
     ap.add_argument("--jobs", type=int, default=2, help="fine-tunes run at once (default 2)")
@@ -577,13 +579,19 @@ def main() -> None:
 
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
+    # the preparation (mels, k-means) may use every core, unless OMP_NUM_THREADS says how
+    # many are free: threads beyond the free cores spin against each other
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 2)))
     preset = "quick" if args.quick else "full"
     cfg = dict(PRESETS[preset])
     for key, value in (("steps", args.steps), ("base_max_steps", args.base_steps),
-                       ("seeds", args.seeds)):
+                       ("seeds", args.seeds), ("n_en", args.utterances),
+                       ("n_am", args.utterances)):
         if value is not None:
             cfg[key] = value
+    if args.utterances is not None:  # a held-out quarter at most, and a pool the corpus fills
+        cfg["eval_lines"] = min(cfg["eval_lines"], max(8, args.utterances // 4))
+        cfg["cond_pool"] = min(cfg["cond_pool"], max(4, args.utterances // 4))
     cfg["eval_every"] = min(cfg["eval_every"], max(1, cfg["steps"] // 4))
     cfg["base_eval_every"] = min(cfg["base_eval_every"], max(1, cfg["base_max_steps"] // 4))
     out = Path(args.out).resolve() if args.out else HERE / "results" / (

@@ -6,6 +6,12 @@ patch's target: the upstream module it patches late (coqui's ``trainer.trainer``
 and user modules that copied the patched names with ``from x import name`` (copies
 under another name, ``import x as y``, are not rebound: the activation line comes first).
 Exits 0 when every check holds, 1 with the failures listed.
+
+``python tests/order_probe.py --serve`` is the same probe as a fork server: it imports what
+every case imports first (torch, patches) and the heavy libraries that hold no patch site
+(scipy, sympy, transformers' lazy root, torch's compiler stack), checks that no site module
+came with them, then forks one child per case read from stdin. Each child starts from that
+state, as a fresh interpreter would after its first imports, and costs a second instead of six.
 """
 
 from __future__ import annotations
@@ -188,8 +194,8 @@ def check_behaviour(patch: str, patched: bool) -> None:
               f"anomaly mode is {torch.is_anomaly_enabled()}")
 
 
-def main() -> int:
-    patch, *steps, expect = sys.argv[1:]
+def main(argv: list[str]) -> int:
+    patch, *steps, expect = argv
     for step in steps:
         if step == "import":
             do_import(patch)
@@ -211,5 +217,65 @@ def main() -> int:
     return 0
 
 
+# Imported by the server before any case: none holds a patch site nor imports one (serve()
+# checks), so every order still imports each site where the case says.
+PRELOAD = ("numpy", "scipy.signal", "scipy.optimize", "scipy.stats", "sympy", "matplotlib.axes",
+           "torchmetrics", "transformers", "tokenizers", "safetensors", "huggingface_hub",
+           "einops", "librosa", "coqpit", "TTS.utils.import_utils", "torch.distributed.tensor",
+           "torch._dynamo", "torch._inductor.compile_fx", "torch._functorch.aot_autograd",
+           "torch.export")
+
+
+def serve() -> int:
+    """Fork one child per request line ``{"argv": [...], "out": FILE, "cwd": DIR}``; answer
+    ``{"rc": N}`` when it ends. A child past 300 s is killed (rc -9)."""
+    import json
+    import time
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # an optional library this machine lacks: its site cases import it later
+    before = sorted(site.module for name in _registry.specs() for site in _registry.sites_of(name)
+                    if site.module in sys.modules and not site.module.startswith("torch"))
+    if before or "trainer.trainer" in sys.modules:
+        print(json.dumps({"error": f"preloading imported patch sites {before}"}), flush=True)
+        return 1
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the case
+            code = 1
+            try:
+                os.chdir(request["cwd"])
+                fd = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                code = main(request["argv"])
+            except BaseException:  # noqa: BLE001 - the case's own failure, written out
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + 300
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                rc = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                rc = -9
+                break
+            time.sleep(0.02)
+        print(json.dumps({"rc": rc}), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv[1:]))

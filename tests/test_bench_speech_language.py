@@ -30,7 +30,8 @@ def test_quick_run_writes_table_json_and_plot_with_every_rule(tmp_path: Path) ->
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_speech_language.py"), "--quick",
-         "--steps", "4", "--base-steps", "4", "--out", str(out), "--clean"],
+         "--steps", "4", "--base-steps", "4", "--utterances", "160", "--out", str(out),
+         "--clean"],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,6 +1,7 @@
 """Every patch lands, or stays out, whatever the order of import, apply and revert.
 
-Each case runs in a fresh interpreter (tests/order_probe.py), as dd-trace-py does:
+Each case runs in a fresh process (tests/order_probe.py, forked by its server from a state in
+which only torch, patches and libraries without a patch site are imported), as dd-trace-py does:
 import-then-apply, apply-then-import, apply-apply-import (no double wrap),
 import-apply-revert-apply, revert-before-import, import-apply-revert, apply-import-apply,
 import-apply-apply and import-apply-revert-revert.
@@ -19,8 +20,24 @@ PROBE = os.path.join(os.path.dirname(__file__), "order_probe.py")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from patches import _registry  # noqa: E402
 
-# A fresh interpreter (torch imported) per case, patches x orders of them: the slow tier.
+# A fresh process (torch imported) per case, patches x orders of them: the slow tier.
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def probe_server():
+    """One fork server per test process (xdist worker): each case is a child forked from it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRAINING_PATCHES_DISABLE", None)
+    server = subprocess.Popen([sys.executable, PROBE, "--serve"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    ready = json.loads(server.stdout.readline() or '{"error": "the server died"}')
+    if not ready.get("ready"):
+        server.kill()
+        pytest.fail(f"order probe server: {ready.get('error')}")
+    yield server
+    server.stdin.close()
+    server.wait(timeout=60)
 
 PATCHES = list(_registry.specs())  # every patch the library has
 ORDERS = {
@@ -38,14 +55,16 @@ ORDERS = {
 
 @pytest.mark.parametrize("order", list(ORDERS))
 @pytest.mark.parametrize("patch", PATCHES)
-def test_order(patch: str, order: str) -> None:
+def test_order(patch: str, order: str, probe_server, tmp_path) -> None:
     steps, expect = ORDERS[order]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRAINING_PATCHES_DISABLE", None)
-    result = subprocess.run([sys.executable, PROBE, patch, *steps, expect],
-                            capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, (
-        f"{patch} / {order}:\n{result.stdout}\n{result.stderr[-3000:]}")
+    out = tmp_path / "probe.out"
+    probe_server.stdin.write(json.dumps({"argv": [patch, *steps, expect], "out": str(out),
+                                         "cwd": str(tmp_path)}) + "\n")
+    probe_server.stdin.flush()
+    answer = json.loads(probe_server.stdout.readline() or '{"rc": "the server died"}')
+    text = out.read_text() if out.is_file() else ""
+    assert answer["rc"] == 0 and text.rstrip().endswith("ok"), (
+        f"{patch} / {order} (rc {answer['rc']}):\n{text[-3000:]}")
 
 
 # -- under ``training-patches run``: the program's own first import ---------------------------

@@ -9,6 +9,7 @@ patches.status("vocab_freeze")."""
 
 import patches.auto  # noqa: F401  (first, as users write it)
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,11 @@ if len(sys.argv) > 5 and sys.argv[5] == "off":
     patches.revert(["deepspeed"])
 torch.manual_seed(0)
 model = TinyTextModel(24, 8, "tanh")
+# DeepSpeed's shared-memory all-reduce for CPU ranks is a C++ op it compiles on first use
+# (about 30 s on a fresh machine, and a compiler needed); one process never all-reduces
+# through it, and nothing here depends on it.
+# (deepspeed.comm.torch is shadowed by the torch library on the package: read sys.modules)
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 deepspeed.init_distributed(dist_backend="gloo")
 config = {"train_batch_size": 2,
           "optimizer": {"type": "AdamW",
