@@ -227,3 +227,61 @@ def test_a_torn_checkpoint_folder_is_never_resumed(run_state, tmp_path, caplog,
     assert torn.exists()  # left as it is
     log = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert log["global_step"] == 8
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
+def test_resume_from_checkpoint_into_a_grown_vocabulary(run_state, no_live_freezes, tmp_path,
+                                                        applied) -> None:
+    """The tokenizer grew after checkpoint-4 was written (64 -> 72 tokens, the model resized
+    with ``resize_token_embeddings``): ``resume_from_checkpoint=True`` continues to step 8
+    with the 64 trained rows and their saved Adam moments as saved, the new rows' moments
+    grown (first 0, second the old rows' mean), the schedule and step count where they
+    were, and the trained rows frozen through the rest of training. Upstream stops at a
+    size mismatch (the control)."""
+    from safetensors.torch import load_file
+
+    if applied:
+        patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    out = tmp_path / "out"
+    transformers.Trainer(model=_model(), args=_saving_args(out, 4), train_dataset=_rows()).train()
+    saved = out / "checkpoint-4"
+    trained = load_file(str(saved / "model.safetensors"))["transformer.wte.weight"]
+    moments = torch.load(saved / "optimizer.pt", weights_only=True)
+    grown = VOCAB + 8
+    model = _model()
+    model.resize_token_embeddings(grown)
+    seen: dict[str, Any] = {}
+
+    class Look(transformers.TrainerCallback):
+        """What the resumed run starts from, once the Trainer loaded the checkpoint."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                           optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            wte = model.get_input_embeddings().weight
+            order = [p for g in inner.param_groups for p in g["params"]]
+            seen.update(weight=wte.detach().clone(), index=order.index(wte),
+                        state={k: v.clone() for k, v in inner.state[wte].items()},
+                        step=state.global_step, lr_step=lr_scheduler.last_epoch)
+
+    trainer = transformers.Trainer(model=model, args=_saving_args(out, 8),
+                                   train_dataset=_rows(high=grown), callbacks=[Look()])
+    if not applied:
+        with pytest.raises(RuntimeError, match="size mismatch for transformer.wte.weight"):
+            trainer.train(resume_from_checkpoint=True)
+        return
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 8
+    assert (seen["step"], seen["lr_step"]) == (4, 4)
+    assert torch.equal(seen["weight"][:VOCAB], trained)
+    old = moments["state"][seen["index"]]
+    state = seen["state"]
+    assert state["exp_avg"].shape == (grown, 32)
+    assert torch.equal(state["exp_avg"][:VOCAB], old["exp_avg"])
+    assert torch.equal(state["exp_avg_sq"][:VOCAB], old["exp_avg_sq"])
+    assert not state["exp_avg"][VOCAB:].any()
+    mean = old["exp_avg_sq"].double().mean(0).float()
+    assert torch.allclose(state["exp_avg_sq"][VOCAB:], mean.expand(8, -1))
+    wte = trainer.model.get_input_embeddings().weight
+    assert torch.equal(wte[:VOCAB], trained)  # frozen after the growth, through 4 more steps
+    assert not torch.equal(wte[VOCAB:], seen["weight"][VOCAB:])  # the new rows trained

@@ -23,8 +23,9 @@ last), and ``get_last_checkpoint`` passes over a folder without a valid one, wit
 wherever the output folder holds such markers (a folder saved without the patches is
 judged as upstream judges it).
 
-Not done: ``resume_from_checkpoint`` into a grown vocabulary is not remapped (load the
-weights with ``patches.load_checkpoint``, which grows a Hugging Face model's rows).
+``resume_from_checkpoint`` into a vocabulary grown since the checkpoint (upstream: a size
+mismatch) loads a one-file checkpoint through ``patches.load_checkpoint`` and grows the
+loaded moments of the grown rows; the rest of the resume is upstream's.
 """
 
 from __future__ import annotations
@@ -147,6 +148,107 @@ def make_get_last_checkpoint(original: Any) -> Any:
     return get_last_checkpoint
 
 
+WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # a checkpoint folder's one-file weights
+
+
+def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in a weights file, read without loading the tensors."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open  # lazy: transformers brings it
+
+        with safe_open(str(path), framework="pt") as handle:
+            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    import torch
+
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return {key: tuple(value.shape) for key, value in state.items() if hasattr(value, "shape")}
+
+
+def _grown_load(folder: Path, model: Any) -> dict[str, Any] | None:
+    """Load ``folder``'s weights into ``model`` through the library when a shape differs;
+    None (upstream loads) when the shapes agree or the folder is not a one-file checkpoint.
+    Returns the grown parameters: id -> (name, RowPlan)."""
+    from ..vocab_resize import RowPlan
+
+    path = next((folder / name for name in WEIGHTS if (folder / name).is_file()), None)
+    if path is None:
+        return None
+    shapes = _file_shapes(path)
+    own = model.state_dict()
+    differ = {key: (shapes[key], tuple(own[key].shape)) for key in shapes
+              if key in own and shapes[key] != tuple(own[key].shape)}
+    if not differ:
+        return None
+    from ..checkpoint import load_checkpoint
+
+    # a tied head is saved once: the keys the file lacks are aliases of keys it has
+    by_storage: dict[int, set[str]] = {}
+    for key, value in own.items():
+        by_storage.setdefault(value.data_ptr(), set()).add(key)
+    missing = [key for key in own if key not in shapes]
+    tied = all(by_storage[own[key].data_ptr()] & shapes.keys() for key in missing)
+    load_checkpoint(path, model, strict=not (missing and tied), restore_rng=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    grown = {}
+    for key, (saved, now) in differ.items():
+        param = params.get(key)
+        if param is not None and saved[1:] == now[1:] and saved[0] < now[0]:
+            grown[id(param)] = (key, RowPlan(old_rows=saved[0], new_rows=now[0]))
+    logger.info("training-patches: resume_from_checkpoint: %s loaded into a grown vocabulary "
+                "(%s)", path, ", ".join(f"{k} {list(a)}->{list(b)}" for k, (a, b) in
+                                        differ.items()))
+    return grown
+
+
+def make_load_from_checkpoint(original: Any) -> Any:
+    """``Trainer._load_from_checkpoint`` that loads a checkpoint into a model whose vocabulary
+    grew since it was written (upstream: a size-mismatch error)."""
+    @functools.wraps(original)
+    def _load_from_checkpoint(self: Any, resume_from_checkpoint: str, model: Any = None) -> Any:
+        self._training_patches_grown = None
+        target = model if model is not None else self.model
+        if not (getattr(self, "is_fsdp_enabled", False) or getattr(
+                self, "is_deepspeed_enabled", False)):
+            grown = _grown_load(Path(resume_from_checkpoint), target)
+            if grown is not None:
+                self._training_patches_grown = grown
+                return None
+        return original(self, resume_from_checkpoint, model)
+    return _load_from_checkpoint
+
+
+def make_load_optimizer_and_scheduler(original: Any) -> Any:
+    """``Trainer._load_optimizer_and_scheduler`` that grows the loaded moments of the
+    parameters whose rows grew (torch's ``load_state_dict`` takes them at the old shape,
+    and the first ``step()`` would fail)."""
+    @functools.wraps(original)
+    def _load_optimizer_and_scheduler(self: Any, checkpoint: Any) -> Any:
+        result = original(self, checkpoint)
+        grown = getattr(self, "_training_patches_grown", None)
+        if checkpoint is None or not grown or self.optimizer is None:
+            return result
+        from ..vocab_resize import grow_moment, is_second_moment
+
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        done = []
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if id(param) not in grown:
+                    continue
+                name, plan = grown[id(param)]
+                state = inner.state.get(param, {})
+                for key, value in list(state.items()):
+                    if (hasattr(value, "dim") and value.dim() > 0
+                            and tuple(value.shape) == (plan.old_rows, *param.shape[1:])):
+                        state[key] = grow_moment(value, plan, second_moment=is_second_moment(
+                            key)).to(value.dtype)
+                        done.append(f"{name}.{key}")
+        logger.info("training-patches: resume_from_checkpoint: optimizer moments grown with "
+                    "the vocabulary: %s", ", ".join(done) or "none held the old rows")
+        return result
+    return _load_optimizer_and_scheduler
+
+
 INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
@@ -154,7 +256,8 @@ INTEGRATION = register_integration(Integration(
     module="transformers",
     describe="records in the Trainer's output_dir with its global_step, the fused "
              "optimizer's skips recorded by each save and the end of train(), checkpoint "
-             "folders marked complete and torn ones never resumed",
+             "folders marked complete and torn ones never resumed, a resume into a grown "
+             "vocabulary",
     sites=(
         Site(MODULE, "Trainer.train", make_train, patch="nan_guard",
              lost="a Hugging Face Trainer's records go to ./training_patches, not its "
@@ -164,6 +267,14 @@ INTEGRATION = register_integration(Integration(
              lost="a Hugging Face checkpoint folder cut short by a kill looks complete"),
         Site(MODULE, "get_last_checkpoint", make_get_last_checkpoint, patch="checkpoint",
              lost="resume_from_checkpoint=True resumes from a torn checkpoint folder"),
+        Site(MODULE, "Trainer._load_from_checkpoint", make_load_from_checkpoint,
+             patch="checkpoint",
+             lost="resume_from_checkpoint into a model whose vocabulary grew stops at a "
+                  "size mismatch"),
+        Site(MODULE, "Trainer._load_optimizer_and_scheduler", make_load_optimizer_and_scheduler,
+             patch="checkpoint",
+             lost="the optimizer moments of grown rows keep the old shape and the first "
+                  "step fails"),
         Site("transformers.trainer_utils", "get_last_checkpoint", make_get_last_checkpoint,
              patch="checkpoint",
              lost="a script's get_last_checkpoint(output_dir) picks a torn checkpoint folder"),
