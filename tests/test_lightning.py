@@ -157,3 +157,84 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_last_one_whole(tmp_path, clea
         else:
             with pytest.raises(Exception):
                 torch.load(folder / "last.ckpt", weights_only=True)
+
+
+class TinyText(lightning.LightningModule):
+    """A text model (``text_embedding`` -> ``text_head``) over ``vocab`` tokens, next-token
+    loss on fixed random sequences of its tokens."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        from tiny_models import TinyTextModel
+
+        torch.manual_seed(0)
+        self.vocab = vocab
+        self.model = TinyTextModel(vocab, 8, "tanh")
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randint(0, self.vocab, (64, 12),
+                                                                 generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
+def test_fit_from_a_checkpoint_into_a_grown_vocabulary(clean_patches, no_live_freezes, tmp_path,
+                                                       applied) -> None:
+    """The vocabulary grew from 20 to 24 tokens after a 4-step checkpoint: ``fit(ckpt_path=)``
+    continues to step 8 from the saved rows and the saved Adam moments (the new rows'
+    moments grown: first 0, second the old rows' mean), the trained rows frozen. Upstream
+    stops at a size mismatch (the control)."""
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    if applied:
+        patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+
+    def trainer(steps: int, callbacks=()) -> lightning.Trainer:
+        return lightning.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, default_root_dir=str(tmp_path),
+                                 callbacks=list(callbacks))
+
+    first = trainer(4)
+    first.fit(TinyText(20))
+    path = tmp_path / "step4.ckpt"
+    first.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    trained = saved["state_dict"]["model.text_embedding.weight"]
+    moments = saved["optimizer_states"][0]["state"][0]  # the embedding: the first parameter
+    seen: dict = {}
+
+    class Look(lightning.Callback):
+        def on_train_start(self, trainer, module) -> None:
+            emb = module.model.text_embedding.weight
+            state = trainer.optimizers[0].state[emb]
+            seen.update(weight=emb.detach().clone(), step=trainer.global_step,
+                        state={k: v.clone() for k, v in state.items()})
+
+    module = TinyText(24)
+    second = trainer(8, [Look()])
+    if not applied:
+        with pytest.raises(RuntimeError, match="size mismatch for model.text_embedding.weight"):
+            second.fit(module, ckpt_path=str(path))
+        return
+    second.fit(module, ckpt_path=str(path))
+    assert second.global_step == 8 and seen["step"] == 4
+    assert torch.equal(seen["weight"][:20], trained)
+    state = seen["state"]
+    assert state["exp_avg"].shape == (24, 8)
+    assert torch.equal(state["exp_avg"][:20], moments["exp_avg"])
+    assert torch.equal(state["exp_avg_sq"][:20], moments["exp_avg_sq"])
+    assert not state["exp_avg"][20:].any()
+    mean = moments["exp_avg_sq"].double().mean(0).float()
+    assert torch.allclose(state["exp_avg_sq"][20:], mean.expand(4, -1))
+    emb = module.model.text_embedding.weight
+    assert torch.equal(emb[:20], trained)  # frozen after the growth, through 4 more steps
+    assert not torch.equal(emb[20:], seen["weight"][20:])  # the new rows trained

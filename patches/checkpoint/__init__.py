@@ -6,7 +6,8 @@ and :mod:`.optimizer` (what goes where), :mod:`.parts` (the state beside the ten
 plan/apply/report for a file and a folder), :mod:`.decide` and :mod:`.apply` (the two phases
 of a load), :mod:`.load` (the door and the report), :mod:`.report`, :mod:`.rng`,
 :mod:`.atomic`, :mod:`.manager`, :mod:`.sharded`, :mod:`.data_position` (where each rank's
-DataLoader stood), :mod:`.errors`. It imports torch, the
+DataLoader stood), :mod:`.grown` (a trainer's own resume into a grown vocabulary),
+:mod:`.errors`. It imports torch, the
 standard library and generic sibling modules only, never an integration. The design:
 docs/design/checkpoint.md.
 """

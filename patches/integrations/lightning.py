@@ -18,19 +18,25 @@ on another disk (a mounted volume), that move is a copy into the old file: a ful
 kill during it leaves a torn ``last.ckpt``, the good one gone. Here a local checkpoint is
 written like every checkpoint of the library (:func:`patches.checkpoint.atomic_torch_save`:
 free space checked first, a temporary file in the same folder, fsync, ``os.replace``), so
-the previous file stays whole until the new one is.
+the previous file stays whole until the new one is. ``fit(ckpt_path=...)`` into a model
+whose vocabulary grew since the save (upstream: a size mismatch) loads the weights through
+``patches.load_checkpoint`` and grows the loaded moments of the grown rows
+(:mod:`patches.checkpoint.grown`); strategies with their own load (FSDP, DeepSpeed) are
+upstream's.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from pathlib import Path
+import torch
 
 from .. import _run, nan_guard
 from .._registry import Integration, Site, register_integration
-from ..checkpoint import atomic_torch_save
+from ..checkpoint import atomic_torch_save, grown
 
 NAME = "lightning"
 DISTRIBUTION = "lightning"
@@ -84,6 +90,41 @@ def make_atomic_save(original: Any) -> Any:
     return _atomic_save
 
 
+def make_load_model_state_dict(original: Any) -> Any:
+    """``Strategy.load_model_state_dict(checkpoint, strict)`` that loads a checkpoint into a
+    LightningModule whose vocabulary grew since the save, through the library."""
+    @functools.wraps(original)
+    def load_model_state_dict(self: Any, checkpoint: Mapping[str, Any], strict: bool = True
+                              ) -> Any:
+        self._training_patches_grown = None
+        module = self.lightning_module
+        state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
+        path = getattr(getattr(module, "_trainer", None), "ckpt_path", None)
+        if isinstance(state, Mapping) and path and "://" not in str(path):
+            changes = grown.shape_changes({k: tuple(v.shape) for k, v in state.items()
+                                           if isinstance(v, torch.Tensor)}, module)
+            if changes:  # read again from the file: the loader validates what it loads
+                self._training_patches_grown = grown.load_grown(
+                    Path(path), module, set(state), changes, strict=strict)
+                return None
+        return original(self, checkpoint, strict)
+    return load_model_state_dict
+
+
+def make_load_optimizer_state_dict(original: Any) -> Any:
+    """``Strategy.load_optimizer_state_dict`` that grows the loaded moments of the rows
+    :func:`make_load_model_state_dict` grew."""
+    @functools.wraps(original)
+    def load_optimizer_state_dict(self: Any, checkpoint: Mapping[str, Any]) -> Any:
+        result = original(self, checkpoint)
+        rows = getattr(self, "_training_patches_grown", None)
+        if rows:
+            for optimizer in self.optimizers:
+                grown.grow_loaded_moments(optimizer, rows)
+        return result
+    return load_optimizer_state_dict
+
+
 INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
@@ -91,7 +132,7 @@ INTEGRATION = register_integration(Integration(
     module="lightning",
     describe="records in the Trainer's log_dir with its global_step (the step(closure) "
              "decision is the generic guard's); checkpoints written atomically beside "
-             "themselves",
+             "themselves; fit(ckpt_path=) into a grown vocabulary",
     sites=(
         Site(MODULE, "Trainer.fit", make_fit, patch="nan_guard",
              lost="a Lightning run's records go to ./training_patches, not the Trainer's "
@@ -100,5 +141,13 @@ INTEGRATION = register_integration(Integration(
              patch="checkpoint",
              lost="a Lightning checkpoint on another disk than the temp folder is copied over "
                   "the old one: a full disk or a kill during the copy leaves it torn"),
+        Site("lightning.pytorch.strategies.strategy", "Strategy.load_model_state_dict",
+             make_load_model_state_dict, patch="checkpoint",
+             lost="fit(ckpt_path=) into a model whose vocabulary grew stops at a size "
+                  "mismatch"),
+        Site("lightning.pytorch.strategies.strategy", "Strategy.load_optimizer_state_dict",
+             make_load_optimizer_state_dict, patch="checkpoint",
+             lost="the optimizer moments of grown rows keep the old shape and the first "
+                  "step fails"),
     ),
 ))

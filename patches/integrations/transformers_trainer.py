@@ -37,9 +37,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import _run, nan_guard
 from .._log import logger
 from .._registry import Integration, Site, register_integration
+from ..checkpoint import grown
 from ..checkpoint.atomic import atomic_text
 
 NAME = "transformers_trainer"
@@ -158,46 +161,19 @@ def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
         with safe_open(str(path), framework="pt") as handle:
             return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
-    import torch
-
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     return {key: tuple(value.shape) for key, value in state.items() if hasattr(value, "shape")}
 
 
-def _grown_load(folder: Path, model: Any) -> dict[str, Any] | None:
-    """Load ``folder``'s weights into ``model`` through the library when a shape differs;
-    None (upstream loads) when the shapes agree or the folder is not a one-file checkpoint.
-    Returns the grown parameters: id -> (name, RowPlan)."""
-    from ..vocab_resize import RowPlan
-
+def _grown_load(folder: Path, model: Any) -> grown.Grown | None:
+    """Load ``folder``'s one-file weights into ``model`` through the library when a shape
+    differs; None (upstream loads) when the shapes agree or there is no such file."""
     path = next((folder / name for name in WEIGHTS if (folder / name).is_file()), None)
     if path is None:
         return None
     shapes = _file_shapes(path)
-    own = model.state_dict()
-    differ = {key: (shapes[key], tuple(own[key].shape)) for key in shapes
-              if key in own and shapes[key] != tuple(own[key].shape)}
-    if not differ:
-        return None
-    from ..checkpoint import load_checkpoint
-
-    # a tied head is saved once: the keys the file lacks are aliases of keys it has
-    by_storage: dict[int, set[str]] = {}
-    for key, value in own.items():
-        by_storage.setdefault(value.data_ptr(), set()).add(key)
-    missing = [key for key in own if key not in shapes]
-    tied = all(by_storage[own[key].data_ptr()] & shapes.keys() for key in missing)
-    load_checkpoint(path, model, strict=not (missing and tied), restore_rng=False)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    grown = {}
-    for key, (saved, now) in differ.items():
-        param = params.get(key)
-        if param is not None and saved[1:] == now[1:] and saved[0] < now[0]:
-            grown[id(param)] = (key, RowPlan(old_rows=saved[0], new_rows=now[0]))
-    logger.info("training-patches: resume_from_checkpoint: %s loaded into a grown vocabulary "
-                "(%s)", path, ", ".join(f"{k} {list(a)}->{list(b)}" for k, (a, b) in
-                                        differ.items()))
-    return grown
+    changes = grown.shape_changes(shapes, model)
+    return grown.load_grown(path, model, set(shapes), changes) if changes else None
 
 
 def make_load_from_checkpoint(original: Any) -> Any:
@@ -209,9 +185,9 @@ def make_load_from_checkpoint(original: Any) -> Any:
         target = model if model is not None else self.model
         if not (getattr(self, "is_fsdp_enabled", False) or getattr(
                 self, "is_deepspeed_enabled", False)):
-            grown = _grown_load(Path(resume_from_checkpoint), target)
-            if grown is not None:
-                self._training_patches_grown = grown
+            rows = _grown_load(Path(resume_from_checkpoint), target)
+            if rows is not None:
+                self._training_patches_grown = rows
                 return None
         return original(self, resume_from_checkpoint, model)
     return _load_from_checkpoint
@@ -219,32 +195,14 @@ def make_load_from_checkpoint(original: Any) -> Any:
 
 def make_load_optimizer_and_scheduler(original: Any) -> Any:
     """``Trainer._load_optimizer_and_scheduler`` that grows the loaded moments of the
-    parameters whose rows grew (torch's ``load_state_dict`` takes them at the old shape,
-    and the first ``step()`` would fail)."""
+    parameters whose rows grew: torch's ``load_state_dict`` takes them at the old shape, and
+    a step then fails (torch 2.14's fused AdamW reads past them and corrupts the heap)."""
     @functools.wraps(original)
     def _load_optimizer_and_scheduler(self: Any, checkpoint: Any) -> Any:
         result = original(self, checkpoint)
-        grown = getattr(self, "_training_patches_grown", None)
-        if checkpoint is None or not grown or self.optimizer is None:
-            return result
-        from ..vocab_resize import grow_moment, is_second_moment
-
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        done = []
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if id(param) not in grown:
-                    continue
-                name, plan = grown[id(param)]
-                state = inner.state.get(param, {})
-                for key, value in list(state.items()):
-                    if (hasattr(value, "dim") and value.dim() > 0
-                            and tuple(value.shape) == (plan.old_rows, *param.shape[1:])):
-                        state[key] = grow_moment(value, plan, second_moment=is_second_moment(
-                            key)).to(value.dtype)
-                        done.append(f"{name}.{key}")
-        logger.info("training-patches: resume_from_checkpoint: optimizer moments grown with "
-                    "the vocabulary: %s", ", ".join(done) or "none held the old rows")
+        rows = getattr(self, "_training_patches_grown", None)
+        if checkpoint is not None and rows and self.optimizer is not None:
+            grown.grow_loaded_moments(self.optimizer, rows)
         return result
     return _load_optimizer_and_scheduler
 

@@ -1,0 +1,84 @@
+"""A trainer's own resume into a model whose vocabulary grew after the checkpoint.
+
+Trainers that read their checkpoints themselves (the Hugging Face Trainer's
+``resume_from_checkpoint``, Lightning's ``fit(ckpt_path=...)``) stop at a size mismatch
+when the tokenizer grew and the model was resized since the save. Their integrations use
+these three steps: :func:`shape_changes` finds the tensors whose shape differs,
+:func:`load_grown` loads the weights through :func:`load_checkpoint` (trained rows kept,
+new rows by the row rules, the base rows frozen, anything else refused in one paragraph),
+and, after the trainer loaded its optimizer state at the old shapes (torch's
+``load_state_dict`` checks no shape), :func:`grow_loaded_moments` grows the moments of the
+grown rows as the library grows them (first moments 0, second moments the old rows' mean).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .._log import logger
+from ..vocab_resize import RowPlan, grow_moment, is_second_moment
+
+# parameter id -> (its name, how its rows grew)
+Grown = dict[int, tuple[str, RowPlan]]
+
+
+def shape_changes(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Module
+                  ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """key -> (saved shape, the model's shape) for each key both have at different shapes."""
+    own = model.state_dict()
+    return {key: (tuple(shape), tuple(own[key].shape)) for key, shape in saved.items()
+            if key in own and tuple(shape) != tuple(own[key].shape)}
+
+
+def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str],
+               changes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]],
+               strict: bool = True) -> Grown:
+    """Load ``path``'s weights into the grown ``model`` through :func:`load_checkpoint`;
+    the parameters whose rows grew. A key the file lacks because it is a tied alias of a
+    key it has (a head tied to its embedding, saved once) does not count as missing."""
+    from .load import load_checkpoint  # lazy: load imports this package's siblings
+
+    own = model.state_dict()
+    by_storage: dict[int, set[str]] = {}
+    for key, value in own.items():
+        by_storage.setdefault(value.data_ptr(), set()).add(key)
+    missing = [key for key in own if key not in saved_keys]
+    tied = bool(missing) and all(by_storage[own[key].data_ptr()] & saved_keys for key in missing)
+    load_checkpoint(path, model, strict=strict and not tied, restore_rng=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    grown: Grown = {}
+    for key, (before, now) in changes.items():
+        param = params.get(key)
+        if param is not None and before[1:] == now[1:] and before[0] < now[0]:
+            grown[id(param)] = (key, RowPlan(old_rows=before[0], new_rows=now[0]))
+    logger.info("training-patches: %s loaded into a grown vocabulary (%s)", path,
+                ", ".join(f"{k} {list(a)}->{list(b)}" for k, (a, b) in changes.items()))
+    return grown
+
+
+def grow_loaded_moments(optimizer: Any, grown: Grown) -> list[str]:
+    """Grow, in place, every loaded optimizer moment that still has the old rows of a grown
+    parameter; the names of the moments grown."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's and Lightning's wrappers
+    done: list[str] = []
+    for group in inner.param_groups:
+        for param in group["params"]:
+            if id(param) not in grown:
+                continue
+            name, plan = grown[id(param)]
+            state = inner.state.get(param, {})
+            for key, value in list(state.items()):
+                if (isinstance(value, torch.Tensor) and value.dim() > 0
+                        and tuple(value.shape) == (plan.old_rows, *param.shape[1:])):
+                    state[key] = grow_moment(value, plan, second_moment=is_second_moment(
+                        key)).to(value.dtype)
+                    done.append(f"{name}.{key}")
+    logger.info("training-patches: optimizer moments grown with the vocabulary: %s",
+                ", ".join(done) or "none held the old rows")
+    return done
+
+
+__all__ = ["Grown", "shape_changes", "load_grown", "grow_loaded_moments"]
