@@ -130,3 +130,24 @@ def test_a_folder_refuses_an_optimizer_state_of_another_class(tmp_path):
     assert "torch.optim.sgd.SGD" in str(info.value) and "Nothing was loaded" in str(info.value)
     assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in before.items())
     assert not fresh_opt.state
+
+
+@pytest.mark.parametrize("source", [0, 1], ids=["file", "folder"])
+def test_each_part_is_one_unit_that_plans_applies_and_reports_its_state(saved, source,
+                                                                        monkeypatch):
+    """``parts.UNITS``: each piece of state beside the model is one unit. Taken out of the
+    list, its state is neither loaded nor reported, from a file or a folder, and every other
+    part still is: the scheduler unit alone owns the scheduler."""
+    from patches.checkpoint import parts
+
+    assert [p.name for p in parts.UNITS] == ["optimizer", "scheduler", "scaler", "step", "rng",
+                                             "runtime", "data"]
+    path = saved["full"][source]
+    report, (_, opt, sched, scaler, _) = _load(path, "osg")
+    assert sched.last_epoch == 3 and report.parts["scheduler"].status == "restored"
+    monkeypatch.setattr(parts, "UNITS", tuple(p for p in parts.UNITS if p.name != "scheduler"))
+    report, (_, opt, sched, scaler, _) = _load(path, "osg")
+    assert sched.last_epoch == 0 and "scheduler" not in report.parts  # as built, not said
+    assert report.parts["optimizer"].status == "restored" and opt.state
+    assert report.parts["scaler"].status == "restored" and scaler.get_scale() == 256.0
+    assert report.parts["step"].status == "restored" and report.step == 5

@@ -1,16 +1,14 @@
 """The training state beside the model's tensors, as parts: optimizer, scheduler, scaler,
 step (with epoch and ``extra``), RNG, the patches' runtime counters and the data position
-(:mod:`.data_position`).
+(:mod:`.data_position`). Each is one unit (a :class:`Part`: ``plan``, ``apply``,
+``report``), listed once in :data:`UNITS`.
 
 A single checkpoint file and a sharded (DCP) folder are two *sources* of the same parts.
 Each source reads what it holds into a :class:`Source`; then one code path serves both:
-
-- :func:`saved_state`: what both writers store beside the tensors (one set of keys);
-- :func:`plan_state` (decide: checks, changes nothing): the policy carried out, the states
-  each part will take, this rank's RNG, the runtime counters;
-- :func:`apply_state`: carries the plan out, each change with its undo;
-- :func:`report_parts` and :func:`say_fallback`: the load report's parts and the one
-  warning of a ``remap`` that had to fall back to ``reset``.
+:func:`saved_state` (what both writers store), :func:`plan_state` (the policy, then each
+unit's plan; nothing changes), :func:`apply_state` (each unit's changes, with their undo),
+:func:`report_parts` and :func:`say_fallback` (each unit's report; the one warning of a
+``remap`` that fell back to ``reset``).
 
 Only the model (and, for a folder, the optimizer moments DCP loads with it) stays with its
 source: rows are planned from a file's whole tensors, shards are loaded by DCP.
@@ -136,6 +134,268 @@ class StatePlan:
 OptimizerRemap = Callable[[], "tuple[list[dict[str, Any]], list[str]]"]
 
 
+class Part:
+    """One piece of the state beside the model, as one unit: :meth:`plan` decides it (checks
+    and fills its fields of the :class:`StatePlan`; it may refuse, it changes nothing),
+    :meth:`apply` carries it out (each change with its undo), :meth:`report` says what was
+    done, read from the plan and the objects, not from what was asked. The parts run in
+    the order of :data:`UNITS`; a load's policy (``plan.effective``) is decided once, before
+    them, because the optimizer, scheduler and scaler are kept or started fresh together."""
+
+    name = ""
+
+    def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        """Decide this part (raises :class:`CheckpointError` to refuse the whole load)."""
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        """Carry this part out, appending to ``undo`` what puts each change back."""
+
+    def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
+        """Set this part's entry of ``report.parts``."""
+
+
+def _why(plan: StatePlan) -> str:
+    """Why a part was started fresh: the policy asked for it, or the source has no
+    optimizer state."""
+    return ("policy reset" if not plan.fell_back
+            else f"the {plan.source.kind} has no optimizer state")
+
+
+def _fresh_or_dropped(report: LoadReport, plan: StatePlan, name: str, given: bool,
+                      in_file: bool, restarted: bool) -> None:
+    """The part ``name`` was not restored: started fresh, dropped or absent."""
+    if restarted:
+        detail = "absent in file" if not in_file else f"{_why(plan)}; the file's state not loaded"
+        report.set_part(name, "reset", detail, in_file=in_file)
+    elif in_file:
+        report.set_part(name, "dropped", f"no {name} passed" if not given
+                        else f"the {name} passed is disabled", in_file=True)
+    else:
+        report.set_part(name, "absent", "left as passed" if given else "")
+
+
+class OptimizerPart(Part):
+    """The optimizer states: loaded with the moments of grown rows grown (``remap``), or
+    every optimizer emptied, its LR back at ``initial_lr`` (``reset``)."""
+
+    name = "optimizer"
+
+    def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        if remap is None:  # the source loads the moments itself (DCP, with the shards)
+            return
+        plan.optimizer_states = []
+        if plan.effective == "remap" and plan.optimizers:
+            plan.optimizer_states, plan.moments_resized = remap()
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        if plan.effective == "remap":
+            for state, opt in zip(plan.optimizer_states or (), plan.optimizers):
+                snap = snapshot_optimizer(opt)
+                undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
+                opt.load_state_dict(state)
+                _detach_from_file(opt.state)
+            if plan.optimizers:
+                report.restored.append("optimizer")
+            return
+        for opt in plan.optimizers:
+            snap = snapshot_optimizer(opt)
+            undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
+            opt.state = defaultdict(dict)
+            for group in opt.param_groups:
+                if "initial_lr" in group:
+                    group["lr"] = group["initial_lr"]
+
+    def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
+        optimizers = plan.optimizers
+        if optimizers and plan.effective == "remap":
+            own = f"{len(optimizers)} optimizers" if len(optimizers) > 1 else ""
+            if report.optimizer_moments_resized:
+                moments = (f"moments of {len(report.optimizer_moments_resized)} grown "
+                           "parameter(s) resized: new rows' first moment 0, second moment the "
+                           "old rows' mean")
+                report.set_part("optimizer", "remapped", "; ".join(p for p in (own, moments) if p),
+                                in_file=True)
+            else:
+                report.set_part("optimizer", "restored", own, in_file=True)
+        else:
+            _fresh_or_dropped(report, plan, "optimizer", bool(optimizers),
+                              plan.source.has_optimizer, bool(optimizers))
+
+
+class SchedulerPart(Part):
+    """The LR schedulers: their saved states (``remap``), or restarted at step 0 with their
+    warmup (``reset``)."""
+
+    name = "scheduler"
+
+    def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        path, schedulers, saved = plan.source.path, plan.schedulers, plan.saved_scheds
+        if plan.effective == "remap" and schedulers and saved:
+            if len(saved) < len(schedulers):
+                raise CheckpointMismatchError(
+                    f"training-patches: {path} holds {len(saved)} scheduler state(s), "
+                    f"{len(schedulers)} schedulers were given. Nothing was loaded. Use "
+                    f"policy='reset'.")
+            for state, sched in zip(saved, schedulers):
+                _check_plain_state(path, "scheduler", state, sched)
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        if plan.effective != "remap":
+            for sched in plan.schedulers:
+                undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
+                _restart_scheduler(sched)
+        elif plan.schedulers and plan.saved_scheds:
+            for state, sched in zip(plan.saved_scheds, plan.schedulers):
+                undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
+                sched.load_state_dict(dict(state))
+            report.restored.append("scheduler")
+        elif plan.schedulers:
+            report.reset.append("scheduler (not in the checkpoint)")
+
+    def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
+        if plan.schedulers and plan.effective == "remap" and plan.saved_scheds:
+            report.set_part("scheduler", "restored", in_file=True)
+        else:
+            _fresh_or_dropped(report, plan, "scheduler", bool(plan.schedulers),
+                              bool(plan.saved_scheds),
+                              bool(plan.schedulers) and plan.effective == "reset")
+
+
+class ScalerPart(Part):
+    """The GradScaler: its saved scale and counters (``remap``), or a fresh scale
+    (``reset``). Only an enabled scaler takes a state (:func:`scaler_enabled`)."""
+
+    name = "scaler"
+
+    def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        if plan.effective == "remap" and plan.scaler_on and plan.saved_scaler:
+            _check_plain_state(plan.source.path, "scaler", plan.saved_scaler, plan.scaler)
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        scaler = plan.scaler
+        if plan.effective != "remap":
+            if scaler is not None:
+                snap = scaler.state_dict() if scaler_enabled(scaler) else None
+                if snap:
+                    undo.append(lambda s=snap: scaler.load_state_dict(s))
+                _restart_scaler(scaler)
+            # the three started fresh together, said once
+            report.reset += restarted(plan.optimizers, plan.schedulers, scaler)
+            report.step = 0
+        elif plan.scaler_on:
+            if plan.saved_scaler:
+                snap = scaler.state_dict()
+                if snap:
+                    undo.append(lambda s=snap: scaler.load_state_dict(s))
+                scaler.load_state_dict(dict(plan.saved_scaler))
+                report.restored.append("scaler")
+            else:
+                report.reset.append("scaler (not in the checkpoint)")
+
+    def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
+        if plan.scaler_on and plan.effective == "remap" and plan.saved_scaler:
+            report.set_part("scaler", "restored", in_file=True)
+        else:
+            _fresh_or_dropped(report, plan, "scaler", plan.scaler is not None,
+                              bool(plan.saved_scaler), plan.scaler_on and plan.effective == "reset")
+
+
+class StepPart(Part):
+    """The step count (with the epoch and ``extra``): the saved step, or 0 under ``reset``
+    and for a weights-only start."""
+
+    name = "step"
+
+    def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
+        saved = report.saved_step
+        if saved is None:
+            report.set_part("step", "absent", "resuming at 0")
+        elif plan.effective == "reset":
+            report.set_part("step", "reset", f"saved {saved}, resuming at 0: {_why(plan)}",
+                            in_file=True)
+        elif not resume_step:
+            report.set_part("step", "dropped", f"saved {saved}; a weights-only start counts "
+                            "from 0", in_file=True)
+        else:
+            report.set_part("step", "restored", in_file=True)
+
+
+class RngPart(Part):
+    """This rank's RNG states (CPU, CUDA, numpy, random), restored under ``remap`` unless
+    ``restore_rng`` says otherwise."""
+
+    name = "rng"
+
+    def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        asked = plan.asked_rng
+        restore = (plan.effective == "remap") if asked is None else asked
+        plan.rng = plan.source.read_rng() if restore else None
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        if plan.rng is not None:
+            undo.append(lambda s=capture_rng_state(): restore_rng_state(s))
+            restore_rng_state(plan.rng)
+            report.rng_restored = True
+
+    def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
+        asked = plan.asked_rng
+        set_rng_part(report, in_file=plan.source.rng_in_file, asked=asked, why=_why(plan),
+                     rank=_dist.rank(),
+                     restore=asked is True or (asked is None and plan.effective == "remap"))
+
+
+class RuntimePart(Part):
+    """The patches' runtime counters (skips, scaler floor escalations, ...), restored under
+    ``remap``; counters of another shape are said and left."""
+
+    name = "runtime"
+
+    def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        saved = plan.source.meta.get("training_patches")
+        if plan.effective != "remap":
+            return
+        plan.runtime = _runtime_state(saved)
+        if isinstance(saved, Mapping) and plan.runtime is None:
+            logger.warning("training-patches: the runtime counters saved in %s are not in the "
+                           "shape this version writes; they were not restored", plan.source.path)
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        if plan.runtime is None:
+            return
+        # _api imports every runtime patch; imported from this package it would load (and
+        # register) oom_guard before checkpoint, reordering specs() and status()
+        from .. import _api  # lazy: import order of the patches (see above)
+
+        undo.append(lambda s=_api.runtime_state(): _api.load_runtime_state(s))
+        _api.load_runtime_state(plan.runtime)
+        report.runtime_state_restored = True
+
+
+class DataPart(Part):
+    """Each rank's DataLoader position (:mod:`.data_position`): the loader's next ``iter()``
+    replays the epoch's start and skips the batches already seen."""
+
+    name = "data"
+
+    def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        plan.data, plan.data_part = _plan_data(plan.source, plan.loader, plan.effective,
+                                               resume_step)
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        if plan.data is not None:
+            undo.append(data_position.arm(plan.loader, plan.data))
+
+    def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
+        if plan.data_part is not None:
+            report.set_part("data", *plan.data_part, in_file=plan.source.data_in_file)
+
+
+# The parts beside the model, in the order they are decided, applied and reported (the
+# model, with its source, and the EMA weights are planned and applied by the load itself).
+UNITS: tuple[Part, ...] = (OptimizerPart(), SchedulerPart(), ScalerPart(), StepPart(),
+                           RngPart(), RuntimePart(), DataPart())
+
+
 def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimizers: list[Any],
                schedulers: list[Any], scaler: Any,
                remap_optimizers: OptimizerRemap | None, loader: Any = None,
@@ -146,7 +406,6 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
     moments itself."""
     path, meta = source.path, source.meta
     saved_scheds = _as_list(meta.get("scheduler"))
-    saved_scaler = meta.get("scaler")
     extra = _extra_of(path, meta)
     saved_step = _step_of(path, meta) if any(meta.get(k) is not None for k in STEP_KEYS) else None
     epoch = meta.get("epoch")
@@ -155,37 +414,16 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
     effective = policy
     if policy == "remap" and optimizers and not source.has_optimizer:
         effective = "reset"  # nothing to keep: the matched set starts fresh together
-    states: list[dict[str, Any]] | None = None
-    resized: list[str] = []
-    if remap_optimizers is not None:
-        states = []
-        if effective == "remap" and optimizers:
-            states, resized = remap_optimizers()
-    if effective == "remap" and schedulers and saved_scheds:
-        if len(saved_scheds) < len(schedulers):
-            raise CheckpointMismatchError(
-                f"training-patches: {path} holds {len(saved_scheds)} scheduler state(s), "
-                f"{len(schedulers)} schedulers were given. Nothing was loaded. Use policy='reset'.")
-        for state, sched in zip(saved_scheds, schedulers):
-            _check_plain_state(path, "scheduler", state, sched)
-    scaler_on = scaler_enabled(scaler)
-    if effective == "remap" and scaler_on and saved_scaler:
-        _check_plain_state(path, "scaler", saved_scaler, scaler)
-    restore = (effective == "remap") if restore_rng is None else restore_rng
-    runtime = _runtime_state(meta.get("training_patches")) if effective == "remap" else None
-    if effective == "remap" and isinstance(meta.get("training_patches"), Mapping) and runtime is None:
-        logger.warning("training-patches: the runtime counters saved in %s are not in the shape "
-                       "this version writes; they were not restored", path)
-    data, data_part = _plan_data(source, loader, effective, resume_step)
-    return StatePlan(
-        loader=loader, data=data, data_part=data_part,
-        source=source, policy=policy, effective=effective, optimizers=optimizers,
-        schedulers=schedulers, scaler=scaler, scaler_on=scaler_on, saved_scheds=saved_scheds,
-        saved_scaler=saved_scaler, optimizer_states=states, moments_resized=resized,
-        saved_step=saved_step,
+    plan = StatePlan(
+        loader=loader, source=source, policy=policy, effective=effective, optimizers=optimizers,
+        schedulers=schedulers, scaler=scaler, scaler_on=scaler_enabled(scaler),
+        saved_scheds=saved_scheds, saved_scaler=meta.get("scaler"), optimizer_states=None,
+        moments_resized=[], saved_step=saved_step,
         epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
-        extra=dict(extra or {}), rng=source.read_rng() if restore else None, asked_rng=restore_rng,
-        runtime=runtime)
+        extra=dict(extra or {}), rng=None, asked_rng=restore_rng, runtime=None)
+    for part in UNITS:
+        part.plan(plan, remap_optimizers, resume_step)
+    return plan
 
 
 def _plan_data(source: Source, loader: Any, effective: str, resume_step: bool,
@@ -257,77 +495,10 @@ def new_report(plan: StatePlan, **fields: Any) -> LoadReport:
 
 
 def apply_state(plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
-    """Change the optimizer, scheduler, scaler, RNG and runtime counters as ``plan`` says,
-    appending to ``undo`` what puts each change back; ``report`` gets what was restored or
-    started fresh."""
-    if plan.effective == "remap":
-        _apply_remap(plan, report, undo)
-    else:
-        _apply_reset(plan, report, undo)
-    if plan.rng is not None:
-        undo.append(lambda s=capture_rng_state(): restore_rng_state(s))
-        restore_rng_state(plan.rng)
-        report.rng_restored = True
-    if plan.runtime is not None:
-        # _api imports every runtime patch; imported from this package it would load (and
-        # register) oom_guard before checkpoint, reordering specs() and status()
-        from .. import _api  # lazy: import order of the patches (see above)
-
-        undo.append(lambda s=_api.runtime_state(): _api.load_runtime_state(s))
-        _api.load_runtime_state(plan.runtime)
-        report.runtime_state_restored = True
-    if plan.data is not None:
-        undo.append(data_position.arm(plan.loader, plan.data))
-
-
-def _apply_remap(plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
-    """Load the saved optimizer (moments grown), scheduler and scaler states."""
-    for state, opt in zip(plan.optimizer_states or (), plan.optimizers):
-        snap = snapshot_optimizer(opt)
-        undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
-        opt.load_state_dict(state)
-        _detach_from_file(opt.state)
-    if plan.optimizers:
-        report.restored.append("optimizer")
-    if plan.schedulers and plan.saved_scheds:
-        for state, sched in zip(plan.saved_scheds, plan.schedulers):
-            undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
-            sched.load_state_dict(dict(state))
-        report.restored.append("scheduler")
-    elif plan.schedulers:
-        report.reset.append("scheduler (not in the checkpoint)")
-    scaler = plan.scaler
-    if plan.scaler_on:
-        if plan.saved_scaler:
-            snap_scaler = scaler.state_dict()
-            if snap_scaler:
-                undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
-            scaler.load_state_dict(dict(plan.saved_scaler))
-            report.restored.append("scaler")
-        else:
-            report.reset.append("scaler (not in the checkpoint)")
-
-
-def _apply_reset(plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
-    """Start the optimizer, scheduler and scaler fresh together; the run resumes at 0."""
-    for opt in plan.optimizers:
-        snap = snapshot_optimizer(opt)
-        undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
-        opt.state = defaultdict(dict)
-        for group in opt.param_groups:
-            if "initial_lr" in group:
-                group["lr"] = group["initial_lr"]
-    for sched in plan.schedulers:
-        undo.append(lambda o=sched, s=dict(sched.__dict__): _restore_dict(o, s))
-        _restart_scheduler(sched)
-    scaler = plan.scaler
-    if scaler is not None:
-        snap_scaler = scaler.state_dict() if scaler_enabled(scaler) else None
-        if snap_scaler:
-            undo.append(lambda s=snap_scaler: scaler.load_state_dict(s))
-        _restart_scaler(scaler)
-    report.reset += restarted(plan.optimizers, plan.schedulers, scaler)
-    report.step = 0
+    """Carry out every part of ``plan`` (:data:`UNITS`, in order), appending to ``undo``
+    what puts each change back; ``report`` gets what was restored or started fresh."""
+    for part in UNITS:
+        part.apply(plan, report, undo)
 
 
 def _restore_dict(obj: Any, saved: dict[str, Any]) -> None:
@@ -336,61 +507,10 @@ def _restore_dict(obj: Any, saved: dict[str, Any]) -> None:
 
 
 def report_parts(report: LoadReport, plan: StatePlan, *, resume_step: bool = True) -> None:
-    """Fill ``report.parts`` for every part but the model (its source reports it), read
-    from the plan and what :func:`apply_state` did, not from what was asked."""
-    source, effective = plan.source, plan.effective
-    optimizers, schedulers = plan.optimizers, plan.schedulers
-    # why a part was started fresh: the policy asked for it, or the source has no optimizer state
-    why = "policy reset" if not plan.fell_back else f"the {source.kind} has no optimizer state"
-
-    def fresh_or_dropped(name: str, given: bool, in_file: bool, restarted: bool) -> None:
-        if restarted:
-            detail = "absent in file" if not in_file else (
-                f"{why}; the file's state not loaded")
-            report.set_part(name, "reset", detail, in_file=in_file)
-        elif in_file:
-            report.set_part(name, "dropped", f"no {name} passed" if not given
-                            else f"the {name} passed is disabled", in_file=True)
-        else:
-            report.set_part(name, "absent", "left as passed" if given else "")
-
-    if optimizers and effective == "remap":
-        n = len(optimizers)
-        own = f"{n} optimizers" if n > 1 else ""
-        if report.optimizer_moments_resized:
-            moments = (f"moments of {len(report.optimizer_moments_resized)} grown parameter(s) "
-                       "resized: new rows' first moment 0, second moment the old rows' mean")
-            report.set_part("optimizer", "remapped", "; ".join(p for p in (own, moments) if p),
-                            in_file=True)
-        else:
-            report.set_part("optimizer", "restored", own, in_file=True)
-    else:
-        fresh_or_dropped("optimizer", bool(optimizers), source.has_optimizer, bool(optimizers))
-    if schedulers and effective == "remap" and plan.saved_scheds:
-        report.set_part("scheduler", "restored", in_file=True)
-    else:
-        fresh_or_dropped("scheduler", bool(schedulers), bool(plan.saved_scheds),
-                         bool(schedulers) and effective == "reset")
-    if plan.scaler_on and effective == "remap" and plan.saved_scaler:
-        report.set_part("scaler", "restored", in_file=True)
-    else:
-        fresh_or_dropped("scaler", plan.scaler is not None, bool(plan.saved_scaler),
-                         plan.scaler_on and effective == "reset")
-    saved = report.saved_step
-    if saved is None:
-        report.set_part("step", "absent", "resuming at 0")
-    elif effective == "reset":
-        report.set_part("step", "reset", f"saved {saved}, resuming at 0: {why}", in_file=True)
-    elif not resume_step:
-        report.set_part("step", "dropped", f"saved {saved}; a weights-only start counts from 0",
-                        in_file=True)
-    else:
-        report.set_part("step", "restored", in_file=True)
-    asked = plan.asked_rng
-    set_rng_part(report, in_file=source.rng_in_file, asked=asked, why=why, rank=_dist.rank(),
-                 restore=asked is True or (asked is None and effective == "remap"))
-    if plan.data_part is not None:
-        report.set_part("data", *plan.data_part, in_file=source.data_in_file)
+    """Fill ``report.parts`` for every part but the model (its source reports it): each
+    part's own report, read from the plan and what :func:`apply_state` did."""
+    for part in UNITS:
+        part.report(plan, report, resume_step)
 
 
 def say_fallback(report: LoadReport, plan: StatePlan) -> None:
@@ -414,5 +534,5 @@ def and_list(items: Sequence[str]) -> str:
     return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
 
 
-__all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "saved_state", "plan_state",
-           "apply_state", "report_parts", "say_fallback", "new_report", "and_list"]
+__all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "Part", "UNITS", "saved_state",
+           "plan_state", "apply_state", "report_parts", "say_fallback", "new_report", "and_list"]
