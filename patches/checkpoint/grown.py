@@ -44,9 +44,11 @@ def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str],
     own = model.state_dict()
     by_storage: dict[int, set[str]] = {}
     for key, value in own.items():
-        by_storage.setdefault(value.data_ptr(), set()).add(key)
+        if value.data_ptr():  # empty and meta tensors have none: never "tied"
+            by_storage.setdefault(value.data_ptr(), set()).add(key)
     missing = [key for key in own if key not in saved_keys]
-    tied = bool(missing) and all(by_storage[own[key].data_ptr()] & saved_keys for key in missing)
+    tied = bool(missing) and all(by_storage.get(own[key].data_ptr(), set()) & saved_keys
+                                 for key in missing)
     load_checkpoint(path, model, strict=strict and not tied, restore_rng=False)
     params = dict(model.named_parameters(remove_duplicate=False))
     grown: Grown = {}
