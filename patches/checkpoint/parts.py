@@ -279,9 +279,6 @@ class ScalerPart(Part):
                 if snap:
                     undo.append(lambda s=snap: scaler.load_state_dict(s))
                 _restart_scaler(scaler)
-            # the three started fresh together, said once
-            report.reset += restarted(plan.optimizers, plan.schedulers, scaler)
-            report.step = 0
         elif plan.scaler_on:
             if plan.saved_scaler:
                 snap = scaler.state_dict()
@@ -499,6 +496,9 @@ def apply_state(plan: StatePlan, report: LoadReport, undo: list[Callable[[], Non
     what puts each change back; ``report`` gets what was restored or started fresh."""
     for part in UNITS:
         part.apply(plan, report, undo)
+    if plan.effective != "remap":  # the policy's, not one unit's: the three started together
+        report.reset += restarted(plan.optimizers, plan.schedulers, plan.scaler)
+        report.step = 0
 
 
 def _restore_dict(obj: Any, saved: dict[str, Any]) -> None:
