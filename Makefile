@@ -11,6 +11,8 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[xtts,tools,test,bench]'
+	# F5-TTS's trainer for its integration tests, without its app's requirements (setup.cfg)
+	$(PY) -m pip install -q -c constraints.txt --no-deps f5-tts
 	touch $(STAMP)
 
 setup: $(STAMP) ffmpeg espeak

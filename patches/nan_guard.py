@@ -685,7 +685,12 @@ def _make_next(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _make_scheduler_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        decision = _state.decisions.pop(id(getattr(self, "optimizer", None)), None)
+        optimizer = getattr(self, "optimizer", None)
+        # a scheduler built on accelerate's AcceleratedOptimizer: the decision is its inner one's
+        inner = getattr(optimizer, "optimizer", None)
+        decision = _state.decisions.pop(id(optimizer), None)
+        if decision is None and inner is not None:
+            decision = _state.decisions.pop(id(inner), None)
         if _options.current().lr_step_on_skip:
             return original(self, *args, **kwargs)  # nothing to read (fused: no host read)
         if isinstance(decision, torch.Tensor):

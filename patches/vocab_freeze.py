@@ -29,7 +29,7 @@ from ._log import info, logger
 from ._options import INT64_MAX, Option, positive_int
 from ._registry import PatchSpec, register
 from .vocab_rows import (PLAIN, RowLayout, VocabFreezeError, describe_rows, frozen_rows, new_rows,
-                         hf_vocab_modules, owner_models, owner_paths, row_layout)
+                         find_vocab_modules, owner_models, owner_paths, row_layout)
 
 TAG = "[Extended Vocab Fix]"
 
@@ -113,14 +113,14 @@ def _join(*parts: str) -> str:
 def _vocab_targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], nn.Module] | None:
     """(the vocabulary modules with their paths, the module owning them) by the known
     layouts: ``text_embedding``/``text_head`` at the registered owner paths (XTTS, IndexTTS),
-    else a Hugging Face model's input and output embeddings."""
+    else the registered finders' (a Hugging Face model's input and output embeddings,
+    F5-TTS's ``text_embed``)."""
     hit = _find_owner(model)
     if hit is not None:
         path, owner = hit
         return [(_join(path, "text_embedding"), owner.text_embedding),
                 (_join(path, "text_head"), owner.text_head)], owner
-    targets = hf_vocab_modules(model)
-    return (targets, model) if targets else None
+    return find_vocab_modules(model)
 
 
 def _resolve_modules(model: nn.Module, modules: Iterable[nn.Module | str]
@@ -168,8 +168,9 @@ def _entries(model: nn.Module, modules: Iterable[nn.Module | str] | None
             raise VocabFreezeError(
                 f"training-patches vocab_freeze: no text embedding found in "
                 f"{type(model).__name__}. Looked for text_embedding and text_head on the model "
-                f"and on {where}{models}, and for a Hugging Face model's "
-                f"get_input_embeddings(). Pass the modules explicitly, e.g. "
+                f"and on {where}{models}, for a Hugging Face model's "
+                f"get_input_embeddings() and for F5-TTS's text_embed. Pass the modules "
+                f"explicitly, e.g. "
                 f"freeze_base_vocab(model, 12000, modules=['decoder.embed', 'decoder.lm_head']).")
         targets, owner = hit
     else:
@@ -705,8 +706,8 @@ def _warn_not_applied(optimizer: torch.optim.Optimizer, base: int) -> None:
     _not_applied = (
         f"TRAINING_PATCHES_BASE_VOCAB={base} is set, but the model that "
         f"{type(optimizer).__name__} trains has no vocabulary layout the freeze knows "
-        f"(text_embedding and text_head, as XTTS's GPT and IndexTTS's UnifiedVoice have, or a "
-        f"Hugging Face model's get_input_embeddings()): "
+        f"(text_embedding and text_head, as XTTS's GPT and IndexTTS's UnifiedVoice have, a "
+        f"Hugging Face model's get_input_embeddings(), F5-TTS's text_embed): "
         f"NOTHING IS FROZEN, every base row trains. Its embeddings: "
         f"{', '.join(found) or 'none found'}. Name them after building the model: "
         f"patches.freeze_base_vocab(model, {base}, modules={names or ['...']!r})")

@@ -129,7 +129,7 @@ def hf_vocab_modules(model: Any) -> list[tuple[str, Any]] | None:
     ``get_input_embeddings()`` and, when it is a Linear with one output per token,
     ``get_output_embeddings()`` (the LLM-based TTS models that grow it with
     ``resize_token_embeddings``; a tied head is the same tensor). Rows are tokens (PLAIN).
-    None for any other model. The freeze and the vocabulary-aware loader both ask here."""
+    None for any other model (registered first with :func:`register_vocab_finder`)."""
     if not any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__):
         return None
     try:
@@ -145,6 +145,41 @@ def hf_vocab_modules(model: Any) -> list[tuple[str, Any]] | None:
     if type(head).__name__ == "Linear" and getattr(head, "out_features", None) == rows:
         found.append((names.get(id(head), "output_embeddings"), head))
     return found
+
+
+# find(model) -> (the vocabulary modules with their paths, the module owning them) or None:
+# models that keep their vocabulary elsewhere than text_embedding/text_head (a Hugging Face
+# model's get_input_embeddings(), F5-TTS's text_embed). The first that answers wins.
+Find = Callable[[Any], "tuple[list[tuple[str, Any]], Any] | None"]
+_finders: list[Find] = []
+
+
+def register_vocab_finder(find: Find) -> Find:
+    """Add a finder of vocabulary modules for models without ``text_embedding``/``text_head``:
+    ``find(model)`` returns ``([(path, module), ...], owner)`` (the embedding first; the
+    owner is the module whose :func:`row_layout` says how rows map to tokens), or None.
+    Registering the same function again changes nothing."""
+    if find not in _finders:
+        _finders.append(find)
+    return find
+
+
+def find_vocab_modules(model: Any) -> tuple[list[tuple[str, Any]], Any] | None:
+    """The registered finders' answer for ``model`` (the first that answers), else None.
+    The freeze and the vocabulary-aware loader both ask here."""
+    for find in _finders:
+        hit = find(model)
+        if hit:
+            return hit
+    return None
+
+
+def _hf_finder(model: Any) -> tuple[list[tuple[str, Any]], Any] | None:
+    found = hf_vocab_modules(model)
+    return (found, model) if found else None
+
+
+register_vocab_finder(_hf_finder)
 
 
 def register_owner_paths(*paths: str, models: Sequence[str] = (),
@@ -169,7 +204,7 @@ def owner_models() -> tuple[str, ...]:
     return tuple(_owner_models)
 
 
-__all__ = ["PLAIN", "RowLayout", "VocabFreezeError", "describe_rows", "frozen_rows", "new_rows",
-           "hf_vocab_modules",
+__all__ = ["PLAIN", "RowLayout", "VocabFreezeError", "describe_rows", "find_vocab_modules",
+           "frozen_rows", "new_rows", "hf_vocab_modules", "register_vocab_finder",
            "owner_models", "owner_paths", "register_layout", "register_owner_paths",
            "row_layout"]

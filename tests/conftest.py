@@ -299,3 +299,23 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
                                         f"only (not failed)")
         for line in waits:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def run_state(clean_patches, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """For a trainer's own run (the HF Trainer's, F5-TTS's): no output folder and no
+    BASE_VOCAB set, the working directory in tmp_path (./training_patches would land
+    there), the guard's and the run's state fresh before and after."""
+    from patches import _run, nan_guard
+
+    monkeypatch.delenv("TRAINING_PATCHES_OUTPUT_DIR", raising=False)
+    monkeypatch.delenv("TRAINING_PATCHES_BASE_VOCAB", raising=False)
+    monkeypatch.chdir(tmp_path)
+    # a coqui Trainer built by an earlier test leaves its log handler, which the coqui
+    # integration's folder provider would read: this process trains no coqui model here
+    monkeypatch.setattr(_run, "_dir_providers", [])
+    _run.reset()
+    nan_guard.reset()
+    yield
+    nan_guard.reset()
+    _run.reset()

@@ -76,22 +76,6 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture
-def run_state(clean_patches, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """No output folder set, the working directory in tmp_path (./training_patches would
-    land there), the guard's and the run's state fresh before and after."""
-    monkeypatch.delenv("TRAINING_PATCHES_OUTPUT_DIR", raising=False)
-    monkeypatch.chdir(tmp_path)
-    # a coqui Trainer built by an earlier test leaves its log handler, which the coqui
-    # integration's folder provider would read: this process trains no coqui model here
-    monkeypatch.setattr(_run, "_dir_providers", [])
-    _run.reset()
-    nan_guard.reset()
-    yield
-    nan_guard.reset()
-    _run.reset()
-
-
 def test_nan_step_is_skipped_exactly_and_recorded_in_output_dir(run_state, tmp_path) -> None:
     """The run with the poisoned batch ends bit-identical to the run that never had it:
     the fused kernel skipped that step whole (parameters, moments, Adam's step count).

@@ -2,7 +2,8 @@
 F5-style trainers keep beside it (``ema_pytorch.EMA``, torch's ``AveragedModel``, or any
 module holding the averaged copy), vocabulary-aware.
 
-``CheckpointManager.save(..., ema=)`` stores ``ema.state_dict()`` under ``"ema"``;
+``CheckpointManager.save(..., ema=)`` stores ``ema.state_dict()`` under ``"ema"`` (F5-TTS's
+own checkpoints, under ``"ema_model_state_dict"``, are read too);
 ``load_checkpoint(..., ema=)`` plans it like the model (keys matched, every tensor checked,
 the vocabulary rows grown: the EMA's own trained rows kept) and gives the EMA's new rows the
 values the model's new rows start with, so the average of a new token starts where the token
@@ -16,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -72,14 +73,15 @@ def start_new_rows_as_the_model(ema_plan: ModelPlan, model_plan: ModelPlan) -> i
 class KeptRows:
     """The EMA's base rows held bit-identical: restored after each update call."""
 
-    def __init__(self, ema: torch.nn.Module, plan: ModelPlan, rows: Sequence[range]) -> None:
-        """``rows``: the rows the model's freeze keeps (``VocabFreeze.rows``)."""
+    def __init__(self, ema: torch.nn.Module, keys: Iterable[str], rows: Sequence[range]) -> None:
+        """``keys``: the EMA's vocabulary tensors (state-dict keys); ``rows``: the rows the
+        model's freeze keeps (``VocabFreeze.rows``), kept at their values now."""
         self.ema = ema
         self.index = torch.tensor([i for r in rows for i in r], dtype=torch.long)
         tensors = dict(ema.named_parameters())
         tensors.update(dict(ema.named_buffers()))
         self.kept = {key: (tensors[key], tensors[key].detach()[self.index].clone())
-                     for key in plan.resized if key in tensors}
+                     for key in keys if key in tensors}
         self.wrapped: list[tuple[str, Any]] = []
         for name in UPDATES:
             method = getattr(ema, name, None)
@@ -130,10 +132,14 @@ def part(plan: ModelPlan | None, given: bool, in_file: bool) -> tuple[str, str] 
     return "restored", f"{len(plan.state)} tensor(s)"
 
 
+# Where a checkpoint keeps the EMA's state dict: the library's "ema", F5-TTS's own name.
+EMA_KEYS = ("ema", "ema_model_state_dict")
+
+
 def saved_ema(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    value = meta.get("ema")
+    value = next((meta[key] for key in EMA_KEYS if isinstance(meta.get(key), Mapping)), None)
     return value if isinstance(value, Mapping) else None
 
 
-__all__ = ["saved", "module_of", "start_new_rows_as_the_model", "KeptRows", "part",
+__all__ = ["EMA_KEYS", "saved", "module_of", "start_new_rows_as_the_model", "KeptRows", "part",
            "saved_ema", "UPDATES"]

@@ -35,10 +35,11 @@ def shape_changes(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Module
 
 def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str],
                changes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]],
-               strict: bool = True) -> Grown:
-    """Load ``path``'s weights into the grown ``model`` through :func:`load_checkpoint`;
-    the parameters whose rows grew. A key the file lacks because it is a tied alias of a
-    key it has (a head tied to its embedding, saved once) does not count as missing."""
+               strict: bool = True, ema: Any = None) -> Grown:
+    """Load ``path``'s weights into the grown ``model`` through :func:`load_checkpoint`
+    (and its EMA weights into ``ema``, grown alike); the parameters whose rows grew. A key
+    the file lacks because it is a tied alias of a key it has (a head tied to its
+    embedding, saved once) does not count as missing."""
     from .load import load_checkpoint  # lazy: load imports this package's siblings
 
     own = model.state_dict()
@@ -49,7 +50,7 @@ def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str],
     missing = [key for key in own if key not in saved_keys]
     tied = bool(missing) and all(by_storage.get(own[key].data_ptr(), set()) & saved_keys
                                  for key in missing)
-    load_checkpoint(path, model, strict=strict and not tied, restore_rng=False)
+    load_checkpoint(path, model, strict=strict and not tied, restore_rng=False, ema=ema)
     params = dict(model.named_parameters(remove_duplicate=False))
     grown: Grown = {}
     for key, (before, now) in changes.items():

@@ -200,7 +200,7 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
         report.freeze = _enable_freeze(model, plan.model, options.vocab_modules)
         if plan.ema is not None and plan.ema.rows is not None and report.freeze is not None:
             # the rows the model's freeze keeps, kept in the EMA too
-            report.ema_freeze = ema_part.KeptRows(plan.ema_module, plan.ema,
+            report.ema_freeze = ema_part.KeptRows(plan.ema_module, plan.ema.resized,
                                                   report.freeze.rows)
             info("training-patches: EMA weights: %s", report.ema_freeze.describe())
     _model_part(report, plan.model)

@@ -14,7 +14,7 @@ import torch
 from ..row_init import (DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, RowSources, check_rule,
                         romanized_sources)
 from ..vocab_resize import RowPlan, grow_bias, grow_rows
-from ..vocab_rows import hf_vocab_modules, row_layout
+from ..vocab_rows import find_vocab_modules, row_layout
 from .reading import _what_to_do, nonfinite_flags
 from .errors import CheckpointError, CheckpointMismatchError
 
@@ -256,8 +256,10 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
     if key_filter is not None:
         source = {k: v for k, v in source.items() if key_filter(k)}
     target = model.state_dict()
-    # a Hugging Face model's vocabulary is wherever get_input/output_embeddings() are
-    vocab_modules = [*vocab_modules, *(name for name, _ in hf_vocab_modules(model) or ())]
+    # a Hugging Face model's vocabulary is wherever get_input/output_embeddings() are, F5's
+    # at its text_embed (the registered finders)
+    found = find_vocab_modules(model)
+    vocab_modules = [*vocab_modules, *(name for name, _ in (found[0] if found else ()))]
     aligned, stripped, added = _align_keys_how(source, target)
     missing = sorted(set(target) - set(aligned))
     unexpected = sorted(set(source) - set(aligned.values()))

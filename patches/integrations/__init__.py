@@ -6,5 +6,5 @@ upstream models' vocabulary row layouts with :mod:`patches.vocab_rows` instead).
 an integration never imports its upstream: sites land through post-import hooks.
 """
 
-from . import (accelerate, coqui_trainer, deepspeed, layouts, lightning,  # noqa: F401
+from . import (accelerate, coqui_trainer, deepspeed, f5_tts, layouts, lightning,  # noqa: F401
                transformers_trainer, xtts_dataset, xtts_gpt, xtts_language)

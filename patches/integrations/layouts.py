@@ -17,6 +17,13 @@ check read): what is specific to XTTS and IndexTTS about which rows are base row
   one a slot that is no token of its SentencePiece tokenizer; the slot is kept last and
   frozen, and a base of N tokens is N + 1 rows.
 
+- F5-TTS, filler row 0 (:data:`F5_FILLER`): its ``TextEmbedding`` (``DiT``, ``UNetT``,
+  ``MMDiT`` of ``f5_tts.model.backbones``) holds ``text_embed = nn.Embedding(tokens + 1)``
+  and looks token ``i`` up at row ``i + 1`` (row 0 is the filler of padding and dropped
+  text); there is no text head. A base of N tokens is N + 1 rows, the filler frozen with
+  them; new tokens are appended. Found anywhere in the model (``transformer.text_embed``
+  of a ``CFM``, ``ema_model.transformer.text_embed`` of its EMA).
+
 The owners are looked for at ``.gpt`` (coqui ``Xtts``), ``.xtts.gpt`` (``GPTTrainer``)
 and ``.model.gpt`` (a wrapper's ``Xtts``), besides the model itself and its ``.model``.
 """
@@ -27,7 +34,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from ..vocab_rows import RowLayout, register_layout, register_owner_paths
+from ..vocab_rows import RowLayout, register_layout, register_owner_paths, register_vocab_finder
 
 
 def _whole(value: Any) -> bool:
@@ -80,10 +87,38 @@ def indextts_layout(owner: nn.Module | None, rows: int) -> RowLayout | None:
     return INDEXTTS_SLOT if has_slot_row(owner, rows) else None
 
 
+F5_FILLER = RowLayout("f5-tts, filler row 0", leading_rows=1)
+
+
+def is_f5_text_embedding(module: Any) -> bool:
+    """An F5-TTS ``TextEmbedding``: ``text_embed`` rows are the tokens shifted by one."""
+    kind = type(module)
+    return (kind.__name__ == "TextEmbedding" and kind.__module__.startswith("f5_tts.")
+            and isinstance(getattr(module, "text_embed", None), nn.Embedding))
+
+
+@register_layout
+def f5_layout(owner: nn.Module | None, rows: int) -> RowLayout | None:
+    """:data:`F5_FILLER` for F5-TTS's ``TextEmbedding``."""
+    return F5_FILLER if owner is not None and is_f5_text_embedding(owner) else None
+
+
+@register_vocab_finder
+def f5_vocab_modules(model: Any) -> tuple[list[tuple[str, nn.Module]], nn.Module] | None:
+    """F5-TTS's text embedding (there is no head), and its ``TextEmbedding`` as the owner."""
+    if not isinstance(model, nn.Module):
+        return None
+    for path, module in model.named_modules():
+        if is_f5_text_embedding(module):
+            return [(f"{path}.text_embed" if path else "text_embed", module.text_embed)], module
+    return None
+
+
 # Tried in this order: the model itself, .gpt, .xtts.gpt, .model (generic), .model.gpt.
 register_owner_paths("gpt", "xtts.gpt", before="model",
                      models=("XTTS GPTTrainer", "XTTS GPT", "IndexTTS-style UnifiedVoice"))
 register_owner_paths("model.gpt")
 
-__all__ = ["INDEXTTS_SLOT", "XTTS_START_LAST", "has_slot_row", "indextts_layout",
+__all__ = ["F5_FILLER", "INDEXTTS_SLOT", "XTTS_START_LAST", "f5_layout", "f5_vocab_modules",
+           "has_slot_row", "indextts_layout", "is_f5_text_embedding",
            "start_row_is_last", "xtts_layout"]
