@@ -84,7 +84,7 @@ def test_the_engines_own_overflow_skip_is_recorded(tmp_path):
 
     class Engine:
         module = torch.nn.Linear(2, 2)
-        skipped_steps, global_steps = 0, 0
+        skipped_steps, global_steps = 0, 7
         optimizer = type("Scaler", (), {"cur_scale": 512.0})()
 
         def zero_optimization_stage(self) -> int:
@@ -106,4 +106,5 @@ def test_the_engines_own_overflow_skip_is_recorded(tmp_path):
         _run.set_output_dir(None)
     events = (tmp_path / "nonfinite_events.jsonl").read_text().splitlines()
     assert len(events) == 1 and '"trainer_skip"' in events[0] and '"DeepSpeed"' in events[0]
+    assert '"trainer_step": 7' in events[0]  # the engine's count when the step began
     assert nan_guard.stats()["skipped"] == 1

@@ -129,6 +129,9 @@ def test_two_headless_runs_into_one_output_folder_never_share_a_run_folder(
     try:
         # printed in the step after the one that saved checkpoint_2.pth
         wait_for_text(out / "train.log", "GLOBAL_STEP: 3", first)
+        # paused while the other two start (alive, its run folder held): on 2 cores its
+        # training would only slow them down
+        os.killpg(first.pid, signal.SIGSTOP)
         (folder,) = list(out.glob("xtts_finetune-*"))
         config = (folder / "config.json").read_bytes()
         resumed = _run(*common, "--epochs", "1", "--resume", "auto", cwd=tmp_path)
@@ -140,7 +143,8 @@ def test_two_headless_runs_into_one_output_folder_never_share_a_run_folder(
         assert (folder / "config.json").read_bytes() == config
         second = _run(*common, "--epochs", "1", cwd=tmp_path)  # a new run beside it
         assert second.returncode == 0, second.stderr[-3000:]
-        assert first.poll() is None  # the first run trains on, undisturbed
+        assert first.poll() is None  # the first run is alive, undisturbed
+        os.killpg(first.pid, signal.SIGCONT)
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=600)
     finally:

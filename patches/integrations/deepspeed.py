@@ -16,6 +16,7 @@ What it adds to the generic patches:
   itself (``engine.skipped_steps``); each such skip is recorded as an event
   (``kind: trainer_skip``), as the guard's own skips are. (In bf16 and fp32 DeepSpeed does
   not check: the guard sees the inner optimizer's step and skips a NaN step itself.)
+- **The engine's step count** (``global_steps``) is each record's ``trainer_step``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _options, nan_guard, vocab_freeze
+from .. import _options, _run, nan_guard, vocab_freeze
 from .._log import info, logger
 from .._registry import Integration, Site, register_integration
 
@@ -115,6 +116,7 @@ def make_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         _check(self)
         skipped, steps = self.skipped_steps, self.global_steps
+        _run.trainer_step = int(steps)  # the records' trainer step: the engine's own count
         result = original(self, *args, **kwargs)
         if self.global_steps != steps and _masters(self) and self.zero_optimization_stage() < 3:
             try:
