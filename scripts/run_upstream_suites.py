@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run upstream test suites plain and with training-patches on, and compare them test by test.
 
-Four suites (docs/compatibility.md has the results and how to get the sources):
+Six suites (docs/compatibility.md has the results and how to get the sources):
 
 - PyTorch's GradScaler tests of ``test/test_torch.py`` on the CPU: every test whose name
   has ``grad_scal``, ``gradscaler`` or ``params_invalidated`` (29 on a CPU-only machine; the
@@ -19,7 +19,17 @@ Four suites (docs/compatibility.md has the results and how to get the sources):
   ``accelerate test`` runs), each under ``torchrun`` with two CPU processes (gloo,
   ``ACCELERATE_USE_CPU``): one test per script, passed when every rank exits 0
   (``test_ops`` builds a bare ``PartialState``, which ignores ``ACCELERATE_USE_CPU``: on a
-  CPU-only machine each of its ranks runs undistributed).
+  CPU-only machine each of its ranks runs undistributed);
+- the Hugging Face ``transformers.Trainer``'s own tests (``tests/trainer/`` of
+  huggingface/transformers: ``test_trainer_callback.py``, ``test_trainer_checkpointing.py``,
+  ``test_trainer_resume.py`` with ``trainer_test_utils.py``; ``TRANSFORMERS_TESTS``), offline:
+  the few that download a tokenizer or feature extractor from the Hub, or need DeepSpeed's
+  launcher, are deselected (``TRANSFORMERS_SELECTION``); the staging-Hub, slow, PEFT and
+  torchvision tests skip themselves;
+- Lightning's own trainer tests (``tests/tests_pytorch/`` of Lightning-AI/pytorch-lightning:
+  the four ``trainer/optimization`` files, three ``checkpointing`` files and
+  ``trainer/connectors/test_checkpoint_connector.py``, with its ``conftest.py`` and
+  ``helpers/``; ``LIGHTNING_TESTS``): the GPU tests skip themselves (``RunIf``).
 
 Each suite runs four times in fresh processes: plain; with a pytest plugin that calls
 ``patches.apply()`` before any test module is imported; with a plugin that does
@@ -37,6 +47,8 @@ Usage (from the repository root, with the project's venv; not part of ``make tes
         --pytorch-test ../pytorch/test/test_torch.py \\
         --pytorch-fsdp-scaler ../pytorch/test/distributed/fsdp/test_fsdp_sharded_grad_scaler.py \\
         --coqui-trainer ../coqui-ai-Trainer \\
+        --transformers-tests ../transformers \\
+        --lightning-tests ../pytorch-lightning \\
         --accelerate-scripts                           # from the installed accelerate
 
 Extra test dependencies (expecttest; torchvision and accelerate for coqui's tests) are
@@ -47,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -56,6 +69,24 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH_SELECTION = "grad_scal or gradscaler or params_invalidated"
+# The Trainer's tests of training steps, callbacks and checkpoint save/resume, relative to a
+# transformers checkout (or a folder with the same layout: tests/__init__.py, tests/trainer/).
+TRANSFORMERS_TESTS = ("tests/trainer/test_trainer_callback.py",
+                      "tests/trainer/test_trainer_checkpointing.py",
+                      "tests/trainer/test_trainer_resume.py")
+# Deselected: three load a tokenizer or feature extractor from the Hub (no network here: an
+# OSError in every mode); test_auto_batch_size_with_deepspeed initialises DeepSpeed's
+# communication, which needs mpi4py outside a deepspeed launcher.
+TRANSFORMERS_SELECTION = ("not (test_save_collator_tokenizer_by_default or test_trainer_saves_tokenizer"
+                          " or test_trainer_saves_feature_extractor or test_auto_batch_size_with_deepspeed)")
+# Lightning's tests of optimizer steps (automatic, manual, closures, schedulers, backward
+# calls) and checkpoint save/resume, relative to a pytorch-lightning checkout; no -k: the
+# GPU-only tests skip themselves (RunIf).
+LIGHTNING_TESTS = ("tests/tests_pytorch/trainer/optimization",
+                   "tests/tests_pytorch/checkpointing/test_trainer_checkpoint.py",
+                   "tests/tests_pytorch/checkpointing/test_checkpoint_callback_frequency.py",
+                   "tests/tests_pytorch/checkpointing/test_torch_saving.py",
+                   "tests/tests_pytorch/trainer/connectors/test_checkpoint_connector.py")
 MODES = ("plain", "apply", "auto", "run")
 
 PLUGINS = {
@@ -184,8 +215,9 @@ def outcomes(junit: Path) -> dict[str, str]:
 
 def run_suite(python: str, name: str, args: list[str], cwd: Path, scratch: Path,
               pythonpath: list[Path], shared_plugins: dict[str, str] | None = None,
-              ) -> dict[str, dict[str, str]]:
-    """Run one suite in each mode; ``shared_plugins`` (module name -> source) load in all."""
+              env: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """Run one suite in each mode; ``shared_plugins`` (module name -> source) load in all,
+    ``env`` is added to every mode's environment."""
     plugins = scratch / "plugins"
     plugins.mkdir(parents=True, exist_ok=True)
     shared = []
@@ -197,15 +229,20 @@ def run_suite(python: str, name: str, args: list[str], cwd: Path, scratch: Path,
         (plugins / f"tp_{mode}.py").write_text(textwrap.dedent(PLUGINS[mode]).lstrip())
         junit = scratch / f"{name}-{mode}.xml"
         evidence = scratch / f"{name}-{mode}-evidence.json"
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-                   PYTHONPATH=os.pathsep.join(str(p) for p in [plugins, *pythonpath, REPO]),
-                   TP_UPSTREAM_EVIDENCE=str(evidence),
-                   TRAINING_PATCHES_OUTPUT_DIR=str(scratch / f"{name}-{mode}-reports"))
+        # pytest's tmp_path folders (checkpoints) in the scratch folder, deleted after the run,
+        # not kept in /tmp/pytest-of-<user> where the last three runs' would fill the disk.
+        basetemp = scratch / f"bt-{name}-{mode}"
+        mode_env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+                        PYTHONPATH=os.pathsep.join(str(p) for p in [plugins, *pythonpath, REPO]),
+                        TP_UPSTREAM_EVIDENCE=str(evidence),
+                        TRAINING_PATCHES_OUTPUT_DIR=str(scratch / f"{name}-{mode}-reports"),
+                        **(env or {}))
         wrapper = [python, *WRAPPERS[mode]] if WRAPPERS[mode] else []
         command = [*wrapper, python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shared,
-                   "-p", f"tp_{mode}", f"--junitxml={junit}", *args]
+                   "-p", f"tp_{mode}", f"--junitxml={junit}", f"--basetemp={basetemp}", *args]
         print(f"\n== {name} [{mode}]: {' '.join(command)}", flush=True)
-        proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(command, cwd=cwd, env=mode_env, capture_output=True, text=True)
+        shutil.rmtree(basetemp, ignore_errors=True)
         (scratch / f"{name}-{mode}.log").write_text(proc.stdout + proc.stderr)
         print("\n".join(proc.stdout.strip().splitlines()[-1:]))
         if not junit.exists():
@@ -332,6 +369,10 @@ def main() -> None:
                         help="a checkout of idiap/coqui-ai-Trainer at tag v0.4.0")
     parser.add_argument("--accelerate-scripts", action="store_true",
                         help="run the installed accelerate's test scripts on 2 CPU processes")
+    parser.add_argument("--transformers-tests", type=Path,
+                        help="a huggingface/transformers checkout (its tests/trainer/ is run)")
+    parser.add_argument("--lightning-tests", type=Path,
+                        help="a Lightning-AI/pytorch-lightning checkout (its tests/tests_pytorch/)")
     parser.add_argument("--timeout", type=float, default=900,
                         help="seconds one accelerate launch may run before it counts as an error")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/training-patches-upstream"),
@@ -339,9 +380,10 @@ def main() -> None:
     parser.add_argument("--python", default=sys.executable, help="the venv's python")
     opts = parser.parse_args()
     if not (opts.pytorch_test or opts.pytorch_fsdp_scaler or opts.coqui_trainer
-            or opts.accelerate_scripts):
+            or opts.accelerate_scripts or opts.transformers_tests or opts.lightning_tests):
         parser.error("give one or more of --pytorch-test, --pytorch-fsdp-scaler, "
-                     "--coqui-trainer, --accelerate-scripts")
+                     "--coqui-trainer, --accelerate-scripts, --transformers-tests, "
+                     "--lightning-tests")
     opts.scratch.mkdir(parents=True, exist_ok=True)
     same = True
 
@@ -383,6 +425,29 @@ def main() -> None:
     if opts.accelerate_scripts:
         same &= summarize("accelerate", run_accelerate_scripts(opts.python, opts.scratch,
                                                                 opts.timeout))
+
+    if opts.transformers_tests:
+        source = opts.transformers_tests.resolve()
+        # Run from the checkout, where tests/ is a package (the test modules import
+        # .trainer_test_utils); offline, so that a Hub lookup fails at once instead of retrying.
+        results = run_suite(opts.python, "transformers",
+                            ["--rootdir", str(source), *TRANSFORMERS_TESTS,
+                             "-k", TRANSFORMERS_SELECTION],
+                            source, opts.scratch, [source], env={"HF_HUB_OFFLINE": "1"})
+        same &= summarize("transformers", results)
+
+    if opts.lightning_tests:
+        source = opts.lightning_tests.resolve()
+        # The tests import tests_pytorch.helpers (tests/ on the path). They run in a scratch
+        # folder: the few that give the Trainer no default_root_dir write lightning_logs/
+        # there, and the suite's conftest fails a test that leaves files in tests/.
+        work = opts.scratch / "lightning-work"
+        work.mkdir(parents=True, exist_ok=True)
+        results = run_suite(opts.python, "lightning",
+                            ["--rootdir", str(source / "tests"),
+                             *(str(source / test) for test in LIGHTNING_TESTS)],
+                            work, opts.scratch, [source / "tests"])
+        same &= summarize("lightning", results)
 
     print(f"\nlogs, JUnit XML and evidence (patches applied, their stats) in {opts.scratch}")
     print("SAME results plain and patched" if same else "RESULTS DIFFER (see above)")

@@ -8,6 +8,8 @@ shows."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import logging
 import random
@@ -21,9 +23,11 @@ import torch
 import patches
 from patches import _run, nan_guard
 
-f5_model = pytest.importorskip("f5_tts.model")
-
-pytestmark = pytest.mark.slow  # real Trainer runs: a few seconds each
+# f5_tts.model is imported by the first test, not at collection: it brings x_transformers,
+# wandb and pypinyin (3 s in every pytest worker)
+pytestmark = [pytest.mark.slow,  # real Trainer runs: a few seconds each
+              pytest.mark.skipif(importlib.util.find_spec("f5_tts") is None,
+                                 reason="f5-tts is not installed (make test installs it)")]
 
 CHARS = "abcdefghijklmnopqrstuvwxyz"
 TOKENS = 26  # F5's text_embed has TOKENS + 1 rows: the filler row 0, then token i at i + 1
@@ -31,28 +35,39 @@ BATCHES, BATCH, FRAMES, MELS = 8, 2, 12, 16
 POISON = "poison"  # the text of the batch whose loss is NaN
 
 
-class PoisonableCFM(f5_model.CFM):
-    """F5's CFM whose forward draws the same noise for a batch whatever ran before it
-    (seeded by its text: a run without one batch draws as the full run does for the
-    others), and whose loss is NaN on the batch of text ``POISON``, as a real overflow's
-    would be in every gradient."""
+@functools.cache
+def _f5() -> Any:
+    import f5_tts.model
 
-    def forward(self, inp: Any, text: Any, **kwargs: Any) -> Any:
-        seed = zlib.crc32("|".join(text).encode())
-        torch.manual_seed(seed)
-        random.seed(seed)
-        loss, cond, pred = super().forward(inp, text=text, **kwargs)
-        if POISON in text:
-            loss = loss * float("nan")
-        return loss, cond, pred
+    return f5_tts.model
 
 
-def _model(tokens: int = TOKENS) -> PoisonableCFM:
+@functools.cache
+def _poisonable() -> type:
+    class PoisonableCFM(_f5().CFM):
+        """F5's CFM whose forward draws the same noise for a batch whatever ran before it
+        (seeded by its text: a run without one batch draws as the full run does for the
+        others), and whose loss is NaN on the batch of text ``POISON``, as a real
+        overflow's would be in every gradient."""
+
+        def forward(self, inp: Any, text: Any, **kwargs: Any) -> Any:
+            seed = zlib.crc32("|".join(text).encode())
+            torch.manual_seed(seed)
+            random.seed(seed)
+            loss, cond, pred = super().forward(inp, text=text, **kwargs)
+            if POISON in text:
+                loss = loss * float("nan")
+            return loss, cond, pred
+
+    return PoisonableCFM
+
+
+def _model(tokens: int = TOKENS) -> torch.nn.Module:
     torch.manual_seed(0)
     vocab = {c: i for i, c in enumerate((CHARS + "0123456789")[:tokens])}
-    dit = f5_model.DiT(dim=32, depth=1, heads=2, dim_head=16, ff_mult=2, mel_dim=MELS,
+    dit = _f5().DiT(dim=32, depth=1, heads=2, dim_head=16, ff_mult=2, mel_dim=MELS,
                        text_num_embeds=tokens, text_dim=16, conv_layers=0, dropout=0.0)
-    return PoisonableCFM(transformer=dit, mel_spec_kwargs=dict(n_mel_channels=MELS),
+    return _poisonable()(transformer=dit, mel_spec_kwargs=dict(n_mel_channels=MELS),
                          vocab_char_map=vocab)
 
 
@@ -87,11 +102,11 @@ def _trainer(model: torch.nn.Module, folder: Path, epochs: int = 1) -> Any:
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     # warmup longer than the run: the LR rises by the same step per applied update in every
     # run; the EMA averages from the first update on (F5's default copies for 100 updates)
-    return f5_model.Trainer(model, epochs=epochs, learning_rate=1e-2, num_warmup_updates=100,
-                            save_per_updates=1000, checkpoint_path=str(folder),
-                            batch_size_per_gpu=BATCH * FRAMES, batch_size_type="frame",
-                            max_samples=BATCH, logger=None, max_grad_norm=1.0,
-                            ema_kwargs=dict(beta=0.5, update_after_step=0, update_every=1))
+    return _f5().Trainer(model, epochs=epochs, learning_rate=1e-2, num_warmup_updates=100,
+                         save_per_updates=1000, checkpoint_path=str(folder),
+                         batch_size_per_gpu=BATCH * FRAMES, batch_size_type="frame",
+                         max_samples=BATCH, logger=None, max_grad_norm=1.0,
+                         ema_kwargs=dict(beta=0.5, update_after_step=0, update_every=1))
 
 
 def _train(folder: Path, data: Clips, model: torch.nn.Module | None = None,
