@@ -44,13 +44,20 @@ class RowSources:
     ``sources``: new row -> the rows of the pieces its spelling encodes to. ``spelled``:
     new row -> its token and its spelling. ``unspelled``: new row -> its token, for the rows
     that fall back (no romaniser spells it, or its spelling encodes to no trained piece).
-    Rows are token ids of the grown tokenizer (the row of token ``i`` is row ``i`` in
-    every registered layout).
+    Rows are token ids of the grown tokenizer (the row of token ``i`` is row ``i``), or,
+    after :meth:`shifted`, rows of a layout with rows before token 0 (F5-TTS's filler).
     """
 
     sources: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     spelled: Mapping[int, tuple[str, str]] = field(default_factory=dict)
     unspelled: Mapping[int, str] = field(default_factory=dict)
+
+    def shifted(self, rows: int) -> RowSources:
+        """The same sources with every token id moved ``rows`` rows down (token ``i`` at
+        row ``i + rows``)."""
+        return RowSources({r + rows: tuple(i + rows for i in ids) for r, ids in self.sources.items()},
+                          {r + rows: v for r, v in self.spelled.items()},
+                          {r + rows: v for r, v in self.unspelled.items()})
 
     def describe(self, limit: int = 5) -> str:
         """``118 from their spelling, 2 by spread ('።', '፣')``."""

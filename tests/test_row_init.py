@@ -225,6 +225,42 @@ def test_the_loader_starts_new_rows_by_the_asked_rules_and_reports_them(tmp_path
     assert torch.equal(model.text_head.bias.detach()[new], torch.zeros(rows - base_rows))
 
 
+def test_romanized_rows_follow_a_layout_whose_token_0_is_not_row_0(tmp_path,
+                                                                    monkeypatch) -> None:
+    """A layout with a filler row before token 0 (F5-TTS: token i at row i + 1): each new
+    row starts from the rows of ITS token's pieces, each piece one row down too (read by
+    token id, the spelling would land one row off)."""
+    from patches import vocab_rows
+
+    grown, base_tokens, tokens = _grown_vocab(tmp_path)
+    filler = vocab_rows.RowLayout("filler row 0", leading_rows=1)
+    monkeypatch.setattr(vocab_rows, "_layouts", [lambda owner, rows: filler
+                                                 if getattr(owner, "filler", False) else None])
+
+    def tiny(rows: int) -> TinyTextModel:
+        model = TinyTextModel(vocab=rows, dim=8)
+        model.filler = True
+        return model
+
+    torch.manual_seed(0)
+    path = tmp_path / "base.pt"
+    torch.save({"model": tiny(base_tokens + 1).state_dict()}, path)
+    old = torch.load(path)["model"]["text_embedding.weight"].double()
+    model = tiny(tokens + 1)
+    report = patches.load_checkpoint(path, model, freeze=False, row_init="romanized",
+                                     tokenizer=grown)
+    assert report.row_init["spelled"] >= 3
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(grown)
+    emb = model.text_embedding.weight.detach().double()
+    std = old[1:].std(0, unbiased=False)
+    sela = tok.token_to_id("ሰላም")
+    rows = [i + 1 for i in tok.encode("selam").ids]  # the pieces' rows: one down
+    assert ((emb[sela + 1] - old[rows].mean(0)).abs() <= 5 * ROMANIZED_NOISE * std).all()
+    assert torch.equal(emb[:base_tokens + 1].float(), old.float())  # trained rows kept
+
+
 def test_romanized_without_a_tokenizer_falls_back_and_says_so(tmp_path) -> None:
     path = _tiny_checkpoint(tmp_path, 20)
     model = TinyTextModel(vocab=24, dim=8)

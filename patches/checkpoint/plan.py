@@ -143,6 +143,14 @@ def _owner(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
         return None
 
 
+def _vocab_owner(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
+    """The module owning a vocabulary tensor's module: ``gpt`` for
+    ``gpt.text_embedding.weight``, the model for ``text_embedding.weight`` (the module
+    :func:`row_layout` reads)."""
+    owner_path = key.rsplit(".", 2)[0] if key.count(".") >= 2 else ""
+    return _owner(model, owner_path + ".x") if owner_path else model
+
+
 def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
                     ckpt: Mapping[str, Any], setting: str | bool) -> bool:
     """Whether the vocabulary's last row must stay last when it grows: a start token kept
@@ -156,9 +164,7 @@ def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
         return setting
     for key in keys:
         # "gpt.text_embedding.weight" -> the module "gpt", which owns the start token
-        owner_path = key.rsplit(".", 2)[0] if key.count(".") >= 2 else ""
-        owner = _owner(model, owner_path + ".x") if owner_path else model
-        layout = row_layout(owner, new_rows)
+        layout = row_layout(_vocab_owner(model, key), new_rows)
         if layout.last_row_kept:  # a start token kept last, or a slot row that is no token
             confirm = layout.checkpoint_last_row_kept
             said = confirm(ckpt) if confirm is not None else None
@@ -221,11 +227,9 @@ class NewRows:
 def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],
                   rows: RowPlan) -> CheckpointMismatchError:
     """A smaller vocabulary, explained in the tokens users count (not rows)."""
-    owner_path = keys[0].rsplit(".", 2)[0] if keys[0].count(".") >= 2 else ""
-    owner = _owner(model, owner_path + ".x") if owner_path else model
-    layout = row_layout(owner, rows.new_rows)
-    old_tokens = rows.old_rows - layout.extra_rows
-    new_tokens = rows.new_rows - layout.extra_rows
+    layout = row_layout(_vocab_owner(model, keys[0]), rows.new_rows)
+    old_tokens = rows.old_rows - layout.extra_rows - layout.leading_rows
+    new_tokens = rows.new_rows - layout.extra_rows - layout.leading_rows
     first = rows.new_rows - 1 if rows.start_row_last and not layout.extra_rows else new_tokens
     last = first + (old_tokens - new_tokens) - 1
     return CheckpointMismatchError(
@@ -346,9 +350,12 @@ def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: Row
     used = {head_row_init if part == "head" else row_init for part in parts.values()}
     sources = None
     if "romanized" in used and tokenizer is not None:
+        # rows before token 0 (F5-TTS's filler): token i is row i + lead
+        lead = row_layout(_vocab_owner(model, keys[0]), rows.new_rows).leading_rows
         try:
-            sources = romanized_sources(tokenizer, rows.new_row_indices(),
-                                        trained=lambda i: 0 <= i < rows.base_rows)
+            sources = romanized_sources(tokenizer, [r - lead for r in rows.new_row_indices()],
+                                        trained=lambda i: 0 <= i < rows.base_rows - lead
+                                        ).shifted(lead)
         except (OSError, TypeError, ValueError, RuntimeError) as exc:
             raise CheckpointError(
                 f"training-patches: cannot start the new rows of {path} from their spelling "
