@@ -62,6 +62,24 @@ def test_the_base_rows_stay_bit_identical_through_the_fp32_masters(tmp_path, sta
 
 @pytest.mark.slow
 @needs_deepspeed
+def test_a_nan_step_under_zero1_bf16_is_skipped_exactly(tmp_path):
+    """ZeRO-1 with bf16: the optimizer steps flattened fp32 master partitions. A NaN loss at
+    step 2 is skipped by the guard on the inner optimizer's step, and the run ends with the
+    module's every tensor equal to the run that never had that step (3 steps)."""
+    proc, nan = _run(tmp_path, 1, "bf16", "nan")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert nan["stats"]["skipped"] == 1 and nan["stats"]["steps"] == 4, nan["stats"]
+    proc, clean = _run(tmp_path, 1, "bf16", "skip")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert clean["stats"]["skipped"] == 0
+    assert [k for k in nan["state"] if not torch.equal(nan["state"][k], clean["state"][k])] == []
+    assert all(bool(torch.isfinite(v).all()) for v in nan["state"].values())
+    assert not torch.equal(nan["state"]["text_embedding.weight"][20:],
+                           nan["seen"][0]["module"][20:])  # it trained
+
+
+@pytest.mark.slow
+@needs_deepspeed
 def test_zero3_refuses_the_freeze_loudly(tmp_path):
     proc, result = _run(tmp_path, 3, "fp32")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

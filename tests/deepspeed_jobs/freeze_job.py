@@ -1,11 +1,13 @@
 """One DeepSpeed process on the CPU (gloo): a tiny text model whose vocabulary grew from 20 to
 24 tokens, TRAINING_PATCHES_BASE_VOCAB=20, 4 steps of the engine.
 
-    freeze_job.py STAGE fp32|bf16 PORT OUT [off]
+    freeze_job.py STAGE fp32|bf16 PORT OUT [off|nan|skip]
 
-``off``: the deepspeed integration reverted (the control). Writes OUT (torch.save): the
-module's and the fp32 masters' text embedding after step 1 and after step 4, and
-patches.status("vocab_freeze")."""
+``off``: the deepspeed integration reverted (the control). ``nan``: the loss of step 2 is
+NaN. ``skip``: step 2 is left out (3 steps: the run a skipped NaN step must equal). Writes
+OUT (torch.save): the module's and the fp32 masters' text embedding after step 1 and after
+the last step, the module's final state dict, patches.status("vocab_freeze") and the
+guard's counters."""
 
 import patches.auto  # noqa: F401  (first, as users write it)
 
@@ -28,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import TinyTextModel  # noqa: E402
 
 stage, precision, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[4])
-if len(sys.argv) > 5 and sys.argv[5] == "off":
+mode = sys.argv[5] if len(sys.argv) > 5 else "on"
+if mode == "off":
     patches.revert(["deepspeed"])
 torch.manual_seed(0)
 model = TinyTextModel(24, 8, "tanh")
@@ -45,13 +48,18 @@ config = {"train_batch_size": 2,
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                        config=config)
 seen = {}
-for step in range(4):
+steps = [s for s in range(4) if not (mode == "skip" and s == 1)]
+for step in steps:
     loss = engine(torch.arange(24)).float().logsumexp(-1).mean()
+    if mode == "nan" and step == 1:
+        loss = loss * float("nan")
     engine.backward(loss)
     engine.step()
-    if step in (0, 3):
+    if step in (0, steps[-1]):
         weight = engine.module.text_embedding.weight
         master = safe_get_full_fp32_param(weight) if stage > 0 or precision != "fp32" else None
-        seen[step] = {"module": weight.detach().float().clone(),
-                      "master": None if master is None else master.detach().clone()}
-torch.save({"seen": seen, "status": patches.status("vocab_freeze")}, out)
+        seen[len(seen) and 3] = {"module": weight.detach().float().clone(),
+                                 "master": None if master is None else master.detach().clone()}
+torch.save({"seen": seen, "status": patches.status("vocab_freeze"),
+            "state": {k: v.float().clone() for k, v in engine.module.state_dict().items()},
+            "stats": patches.stats()["nan_guard"]}, out)
