@@ -1,7 +1,7 @@
 """Lightning (2.6) automatic optimization: ``optimizer.step(closure)``, with forward,
 backward and clipping inside the closure. One NaN loss at step 3: the guard skips that
-step on its own gradients, in fp32 and bf16-mixed, and every parameter stays finite
-(unpatched, every parameter ends NaN)."""
+step on its own gradients, in fp32 and bf16-mixed: every parameter ends equal to the run
+that never had that batch (unpatched, every parameter ends NaN)."""
 
 from __future__ import annotations
 
@@ -23,16 +23,20 @@ BAD_STEP = 3  # the guard's 1-based count; Lightning's global_step is 2 there
 
 
 class Tiny(lightning.LightningModule):
-    def __init__(self) -> None:
+    """Batch BAD_STEP - 1 (of 8 batches of 8) has a NaN loss; ``leave_out``: that batch is
+    not in the data at all (the run a skipped step must equal)."""
+
+    def __init__(self, leave_out: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.leave_out = leave_out
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
                                        torch.nn.Linear(16, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
-        if self.global_step == BAD_STEP - 1:
+        if self.global_step == BAD_STEP - 1 and not self.leave_out:
             loss = loss * float("nan")
         return loss
 
@@ -41,15 +45,19 @@ class Tiny(lightning.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
-                                              torch.randn(64, 1, generator=g))
+        x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+        if self.leave_out:
+            keep = [i for i in range(64) if i // 8 != BAD_STEP - 1]
+            x, y = x[keep], y[keep]
+        data = torch.utils.data.TensorDataset(x, y)
         return torch.utils.data.DataLoader(data, batch_size=8)
 
 
-def _fit(tmp_path: Path, precision: str) -> Tiny:
+def _fit(tmp_path: Path, precision: str, leave_out: bool = False) -> Tiny:
     logging.getLogger("lightning").setLevel(logging.ERROR)
-    model = Tiny()
-    trainer = lightning.Trainer(max_steps=8, accelerator="cpu", devices=1, precision=precision,
+    model = Tiny(leave_out)
+    trainer = lightning.Trainer(max_steps=7 if leave_out else 8, accelerator="cpu", devices=1,
+                                precision=precision,
                                 logger=False, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False,
                                 gradient_clip_val=1.0, default_root_dir=str(tmp_path))
@@ -71,6 +79,12 @@ def test_lightning_nan_step_is_skipped_on_its_own_gradients(clean_patches, tmp_p
     assert [(e["step"], e["kind"], e["loss"]) for e in events] == \
         [(BAD_STEP, "nonfinite_loss", "NaN")], events
     assert events[0]["nonfinite_grads"] == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    # exact: every parameter as in the run that never had that batch
+    nan_guard.reset()
+    clean = _fit(tmp_path / "clean", precision, leave_out=True)
+    assert nan_guard.stats()["skipped"] == 0
+    got, want = model.state_dict(), clean.state_dict()
+    assert [k for k in got if not torch.equal(got[k], want[k])] == []
 
 
 def test_lightning_unpatched_nan_step_ruins_every_parameter(clean_patches, tmp_path) -> None:
