@@ -252,3 +252,42 @@ def test_fit_from_a_checkpoint_into_a_grown_vocabulary(clean_patches, no_live_fr
     emb = module.model.text_embedding.weight
     assert torch.equal(emb[:20], trained)  # frozen after the growth, through 4 more steps
     assert not torch.equal(emb[20:], seen["weight"][20:])  # the new rows trained
+
+
+class GrowingBuffer(TinyText):
+    """A module whose buffer grows while it trains (one entry a step) and whose own
+    ``load_state_dict`` takes the saved size: a shape change that is not the vocabulary's."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__(vocab)
+        self.register_buffer("seen", torch.empty(0))
+
+    def training_step(self, batch, batch_idx):
+        self.seen = torch.cat([self.seen, torch.ones(1)])
+        return super().training_step(batch, batch_idx)
+
+    def load_state_dict(self, state_dict, strict=True, **kwargs):
+        self.seen = state_dict["seen"].clone()
+        return super().load_state_dict(state_dict, strict=strict, **kwargs)
+
+
+def test_a_shape_change_that_is_not_the_vocabulary_is_left_to_the_model(
+        clean_patches, no_live_freezes, tmp_path) -> None:
+    """Only a vocabulary's rows are adapted: a grown buffer that the module's own
+    load_state_dict reads back resumes exactly as upstream resumes it (the patched loader,
+    taking any shape change for a grown vocabulary, refused the checkpoint)."""
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+
+    def trainer(steps: int) -> lightning.Trainer:
+        return lightning.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, default_root_dir=str(tmp_path))
+
+    first = trainer(2)
+    first.fit(GrowingBuffer(20))
+    path = tmp_path / "step2.ckpt"
+    first.save_checkpoint(path)
+    module = GrowingBuffer(20)
+    trainer(4).fit(module, ckpt_path=str(path))
+    assert module.seen.shape == (4,)  # 2 saved, 2 more steps

@@ -3,7 +3,8 @@
 Trainers that read their checkpoints themselves (the Hugging Face Trainer's
 ``resume_from_checkpoint``, Lightning's ``fit(ckpt_path=...)``) stop at a size mismatch
 when the tokenizer grew and the model was resized since the save. Their integrations use
-these three steps: :func:`shape_changes` finds the tensors whose shape differs,
+these three steps: :func:`vocabulary_growth` finds the vocabulary tensors whose rows changed
+(and nothing when any other shape differs: that is the trainer's own business),
 :func:`load_grown` loads the weights through :func:`load_checkpoint` (trained rows kept,
 new rows by the row rules, the base rows frozen, anything else refused in one paragraph),
 and, after the trainer loaded its optimizer state at the old shapes (torch's
@@ -20,6 +21,7 @@ import torch
 
 from .._log import logger
 from ..vocab_resize import RowPlan, grow_moment, is_second_moment
+from ..vocab_rows import find_vocab_modules
 
 # parameter id -> (its name, how its rows grew)
 Grown = dict[int, tuple[str, RowPlan]]
@@ -31,6 +33,22 @@ def shape_changes(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Module
     own = model.state_dict()
     return {key: (tuple(shape), tuple(own[key].shape)) for key, shape in saved.items()
             if key in own and tuple(shape) != tuple(own[key].shape)}
+
+
+def vocabulary_growth(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Module
+                      ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """:func:`shape_changes` when each of them is a vocabulary tensor's rows (a tensor the
+    layouts name, other dimensions equal), else nothing: a shape the library does not adapt
+    (a buffer that grows while training, read back by the model's own ``load_state_dict``)
+    stays the trainer's business, and its own load runs as without the patches."""
+    from .plan import _is_vocab_key  # lazy: plan imports the row rules
+
+    changes = shape_changes(saved, model)
+    found = find_vocab_modules(model)
+    names = [name for name, _ in found[0]] if found else []
+    rows_only = all(_is_vocab_key(key, names) and len(old) == len(new) and old[1:] == new[1:]
+                    for key, (old, new) in changes.items())
+    return changes if rows_only else {}
 
 
 def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str],
@@ -84,4 +102,4 @@ def grow_loaded_moments(optimizer: Any, grown: Grown) -> list[str]:
     return done
 
 
-__all__ = ["Grown", "shape_changes", "load_grown", "grow_loaded_moments"]
+__all__ = ["Grown", "shape_changes", "vocabulary_growth", "load_grown", "grow_loaded_moments"]

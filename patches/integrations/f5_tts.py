@@ -186,11 +186,11 @@ def make_load_checkpoint(original: Any) -> Any:
         changes: dict[str, Any] = {}
         if path is not None and path.suffix == ".pt":
             ckpt, shapes = _saved_shapes(path)
-            changes = grown.shape_changes(shapes, _model(self)) if shapes else {}
+            changes = grown.vocabulary_growth(shapes, _model(self)) if shapes else {}
             if not shapes and isinstance(ckpt, dict) and "ema_model_state_dict" in ckpt:
                 ema = getattr(self, "ema_model", None)
                 saved = ckpt["ema_model_state_dict"]
-                if ema is not None and grown.shape_changes(
+                if ema is not None and grown.vocabulary_growth(
                         {k: tuple(v.shape) for k, v in saved.items()
                          if isinstance(v, torch.Tensor)}, ema):
                     logger.warning(

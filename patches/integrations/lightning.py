@@ -101,7 +101,7 @@ def make_load_model_state_dict(original: Any) -> Any:
         state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
         path = getattr(getattr(module, "_trainer", None), "ckpt_path", None)
         if isinstance(state, Mapping) and path and "://" not in str(path):
-            changes = grown.shape_changes({k: tuple(v.shape) for k, v in state.items()
+            changes = grown.vocabulary_growth({k: tuple(v.shape) for k, v in state.items()
                                            if isinstance(v, torch.Tensor)}, module)
             if changes:  # read again from the file: the loader validates what it loads
                 self._training_patches_grown = grown.load_grown(

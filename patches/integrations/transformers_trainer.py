@@ -172,7 +172,7 @@ def _grown_load(folder: Path, model: Any) -> grown.Grown | None:
     if path is None:
         return None
     shapes = _file_shapes(path)
-    changes = grown.shape_changes(shapes, model)
+    changes = grown.vocabulary_growth(shapes, model)
     return grown.load_grown(path, model, set(shapes), changes) if changes else None
 
 
