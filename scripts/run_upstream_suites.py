@@ -27,9 +27,11 @@ Six suites (docs/compatibility.md has the results and how to get the sources):
   launcher, are deselected (``TRANSFORMERS_SELECTION``); the staging-Hub, slow, PEFT and
   torchvision tests skip themselves;
 - Lightning's own trainer tests (``tests/tests_pytorch/`` of Lightning-AI/pytorch-lightning:
-  the four ``trainer/optimization`` files, three ``checkpointing`` files and
-  ``trainer/connectors/test_checkpoint_connector.py``, with its ``conftest.py`` and
-  ``helpers/``; ``LIGHTNING_TESTS``): the GPU tests skip themselves (``RunIf``).
+  the four ``trainer/optimization`` files, three ``checkpointing`` files,
+  ``trainer/connectors/test_checkpoint_connector.py`` and the clipping, accumulation,
+  checkpoint and pickling tests of ``trainer/test_trainer.py``, with its ``conftest.py`` and
+  ``helpers/``; ``LIGHTNING_TESTS``, ``LIGHTNING_SELECTION``): the GPU tests skip themselves
+  (``RunIf``).
 
 Each suite runs four times in fresh processes: plain; with a pytest plugin that calls
 ``patches.apply()`` before any test module is imported; with a plugin that does
@@ -77,16 +79,26 @@ TRANSFORMERS_TESTS = ("tests/trainer/test_trainer_callback.py",
 # Deselected: three load a tokenizer or feature extractor from the Hub (no network here: an
 # OSError in every mode); test_auto_batch_size_with_deepspeed initialises DeepSpeed's
 # communication, which needs mpi4py outside a deepspeed launcher.
-TRANSFORMERS_SELECTION = ("not (test_save_collator_tokenizer_by_default or test_trainer_saves_tokenizer"
-                          " or test_trainer_saves_feature_extractor or test_auto_batch_size_with_deepspeed)")
+TRANSFORMERS_SELECTION = ("not (test_save_collator_tokenizer_by_default"
+                          " or test_trainer_saves_tokenizer or test_trainer_saves_feature_extractor"
+                          " or test_auto_batch_size_with_deepspeed)")
 # Lightning's tests of optimizer steps (automatic, manual, closures, schedulers, backward
-# calls) and checkpoint save/resume, relative to a pytorch-lightning checkout; no -k: the
-# GPU-only tests skip themselves (RunIf).
+# calls), gradient clipping and accumulation, and checkpoint save/resume, relative to a
+# pytorch-lightning checkout. The GPU-only tests skip themselves (RunIf).
 LIGHTNING_TESTS = ("tests/tests_pytorch/trainer/optimization",
+                   "tests/tests_pytorch/trainer/test_trainer.py",
                    "tests/tests_pytorch/checkpointing/test_trainer_checkpoint.py",
                    "tests/tests_pytorch/checkpointing/test_checkpoint_callback_frequency.py",
                    "tests/tests_pytorch/checkpointing/test_torch_saving.py",
                    "tests/tests_pytorch/trainer/connectors/test_checkpoint_connector.py")
+# Of test_trainer.py (78 kB: loggers, prediction, sanity checks, strategies, devices) only
+# the gradient clipping, accumulation, checkpoint and pickling tests; the other files run
+# whole.
+LIGHTNING_SELECTION = ("not test_trainer.py or test_gradient_accumulation_scheduling_last_batch"
+                       " or test_model_checkpoint_options or test_model_checkpoint_only_weights"
+                       " or test_gradient_clipping_by_norm or test_gradient_clipping_by_value"
+                       " or test_invalid_gradient_clip_value or test_invalid_gradient_clip_algo"
+                       " or test_trainer_pickle")
 MODES = ("plain", "apply", "auto", "run")
 
 PLUGINS = {
@@ -445,7 +457,8 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         results = run_suite(opts.python, "lightning",
                             ["--rootdir", str(source / "tests"),
-                             *(str(source / test) for test in LIGHTNING_TESTS)],
+                             *(str(source / test) for test in LIGHTNING_TESTS),
+                             "-k", LIGHTNING_SELECTION],
                             work, opts.scratch, [source / "tests"])
         same &= summarize("lightning", results)
 

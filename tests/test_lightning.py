@@ -291,3 +291,20 @@ def test_a_shape_change_that_is_not_the_vocabulary_is_left_to_the_model(
     module = GrowingBuffer(20)
     trainer(4).fit(module, ckpt_path=str(path))
     assert module.seen.shape == (4,)  # 2 saved, 2 more steps
+
+
+def test_a_patched_trainer_can_be_pickled_as_ddp_spawn_does(clean_patches, tmp_path) -> None:
+    """``strategy="ddp_spawn"`` pickles the Trainer with its callbacks; the integration's
+    callback was a class local to a function and made every ddp_spawn fit fail (found by
+    Lightning's test_model_torch_save_ddp_cpu with the patches on)."""
+    import pickle
+
+    patches.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
+    trainer = lightning.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(Tiny())
+    ours = [c for c in trainer.callbacks if type(c).__module__.startswith("patches.")]
+    assert len(ours) == 1
+    again = pickle.loads(pickle.dumps(ours[0]))
+    assert type(again) is type(ours[0])

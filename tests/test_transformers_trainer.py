@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,10 @@ def test_nan_step_is_skipped_exactly_and_recorded_in_output_dir(run_state, tmp_p
     assert not (tmp_path / "training_patches").exists()
     assert patches.stats()["nan_guard"]["skipped"] == 1
     assert poisoned.lr_scheduler.last_epoch == BATCHES  # the scheduler stepped on the skip
+    # the integration's callback pickles (a Trainer is pickled and copied with its callbacks)
+    ours = [c for c in poisoned.callback_handler.callbacks
+            if type(c).__module__.startswith("patches.")]
+    assert len(ours) == 1 and type(pickle.loads(pickle.dumps(ours[0]))) is type(ours[0])
 
     nan_guard.reset()
     clean = _train(tmp_path / "clean", _rows(leave_out=BAD))

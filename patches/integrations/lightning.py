@@ -44,11 +44,14 @@ SUPPORTED = ">=2.6,<2.7"
 MODULE = "lightning.pytorch.trainer.trainer"
 
 
-def _step_callback() -> Any:
-    """A Callback that hands the Trainer's step to the records before each batch, and
+@functools.cache
+def _callback_class() -> type:
+    """The Callback that hands the Trainer's step to the records before each batch, and
     records the fused steps' waiting skips (read in batches) at each checkpoint and at the
-    end of training."""
-    from lightning.pytorch.callbacks import Callback  # lazy: lightning is imported by now
+    end of training. Made once, on first use (lightning is imported by then), and reachable
+    as this module's ``TrainerStep`` (``__getattr__`` below): ``ddp_spawn`` pickles the
+    Trainer with its callbacks, and a class local to a function cannot be pickled."""
+    from lightning.pytorch.callbacks import Callback
 
     class TrainerStep(Callback):
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
@@ -60,7 +63,14 @@ def _step_callback() -> Any:
         def on_train_end(self, *args: Any) -> None:
             nan_guard.settle()
 
-    return TrainerStep()
+    TrainerStep.__module__, TrainerStep.__qualname__ = __name__, "TrainerStep"
+    return TrainerStep
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TrainerStep":  # pickle's way back to the class, in any process
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_fit(original: Any) -> Any:
@@ -72,8 +82,8 @@ def make_fit(original: Any) -> Any:
             _run.set_trainer_dir(self.log_dir or self.default_root_dir)
         except Exception:  # noqa: BLE001 - a logger that cannot say: the default folder stays
             pass
-        if not any(type(c).__name__ == "TrainerStep" for c in self.callbacks):
-            self.callbacks.append(_step_callback())
+        if not any(isinstance(c, _callback_class()) for c in self.callbacks):
+            self.callbacks.append(_callback_class()())
         return original(self, *args, **kwargs)
     return fit
 

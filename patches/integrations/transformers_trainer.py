@@ -53,7 +53,9 @@ MODULE = "transformers.trainer"
 
 @functools.cache
 def _callback_class() -> type:
-    """The TrainerCallback class, made once (so that "already added" is an isinstance test)."""
+    """The TrainerCallback class, made once (so that "already added" is an isinstance test)
+    and reachable as this module's ``TrainingPatchesCallback`` (``__getattr__`` below), so
+    that a Trainer holding it can be pickled and copied."""
     from transformers import TrainerCallback  # lazy: transformers is imported by now
 
     class TrainingPatchesCallback(TrainerCallback):
@@ -68,7 +70,15 @@ def _callback_class() -> type:
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             nan_guard.settle()
 
+    TrainingPatchesCallback.__module__ = __name__
+    TrainingPatchesCallback.__qualname__ = "TrainingPatchesCallback"
     return TrainingPatchesCallback
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TrainingPatchesCallback":  # pickle's way back to the class, in any process
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_train(original: Any) -> Any:
@@ -173,7 +183,9 @@ def _grown_load(folder: Path, model: Any) -> grown.Grown | None:
         return None
     shapes = _file_shapes(path)
     changes = grown.vocabulary_growth(shapes, model)
-    return grown.load_grown(path, model, set(shapes), changes) if changes else None
+    # non-strict, as upstream's own load (missing keys are said in the load report)
+    return grown.load_grown(path, model, set(shapes), changes, strict=False) if changes \
+        else None
 
 
 def make_load_from_checkpoint(original: Any) -> Any:
