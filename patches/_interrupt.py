@@ -13,15 +13,25 @@ signal within :data:`REPEAT_WINDOW` seconds (one request delivered twice). While
 interruption is handled (:meth:`Interruption.handling`: the checkpoint, the callbacks, the
 ``interrupted`` record) no signal cuts it short. The process then exits with
 ``128 + the signal number`` (130, 143, 129), as a shell reports a signal.
+
+While installed, a DataLoader worker's batch hand-off cut by the interruption stays quiet:
+the main process stops reading in the middle of multiprocessing's file-descriptor
+hand-shake, and the worker's ``resource_sharer`` thread printed a ``ConnectionResetError``
+traceback under the interruption's one line (the run was fine: that batch is not needed).
+Only that exception of that thread is left out (:func:`_broken_handoff`, logged at DEBUG);
+the hook is inherited by the workers forked while it is installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
 from typing import Any, Iterator
+
+from ._log import logger
 
 # SIGHUP does not exist on Windows.
 SIGNALS: tuple[int, ...] = tuple(
@@ -51,6 +61,43 @@ def _is_default(signum: int, handler: Any) -> bool:
 # machinery, not a user insisting: the kernel's parent-death signal can come once per thread
 # of a dying parent, and a launcher may forward a signal that also reached the process group.
 REPEAT_WINDOW = 2.0
+
+
+_HANDOFF_ERRORS = (ConnectionResetError, BrokenPipeError, EOFError)
+_RESOURCE_SHARER = os.path.join("multiprocessing", "resource_sharer.py")
+
+
+def _broken_handoff(args: Any) -> bool:
+    """An exception of multiprocessing's resource-sharer thread (which hands a tensor's file
+    descriptor to the process reading a DataLoader batch) because the reader went away."""
+    if not (isinstance(args.exc_type, type) and issubclass(args.exc_type, _HANDOFF_ERRORS)):
+        return False
+    tb = args.exc_traceback
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(_RESOURCE_SHARER):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+@contextlib.contextmanager
+def _quiet_handoffs() -> Iterator[None]:
+    previous = threading.excepthook
+
+    def excepthook(args: Any) -> None:
+        if _broken_handoff(args):
+            logger.debug("training-patches: a DataLoader batch hand-off ended when its reader "
+                         "stopped (%s in %s); nothing was lost", args.exc_type.__name__,
+                         getattr(args.thread, "name", "a thread"))
+            return
+        previous(args)
+
+    threading.excepthook = excepthook
+    try:
+        yield
+    finally:
+        if threading.excepthook is excepthook:
+            threading.excepthook = previous
 
 
 class Interruption:
@@ -103,7 +150,8 @@ class Interruption:
             if _is_default(signum, current):
                 previous[signum] = signal.signal(signum, self._on_signal)
         try:
-            yield self
+            with _quiet_handoffs():
+                yield self
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)

@@ -126,3 +126,42 @@ def test_the_engines_own_overflow_skip_is_recorded(tmp_path):
     assert len(events) == 1 and '"trainer_skip"' in events[0] and '"DeepSpeed"' in events[0]
     assert '"trainer_step": 7' in events[0]  # the engine's count when the step began
     assert nan_guard.stats()["skipped"] == 1
+
+
+GROWN_JOB = Path(__file__).resolve().parent / "deepspeed_jobs" / "grown_job.py"
+
+
+@pytest.mark.slow
+@needs_deepspeed
+@pytest.mark.parametrize("applied", [True, False], ids=["patched", "integration_off"])
+def test_a_resume_into_a_grown_vocabulary_is_refused_with_the_path_that_works(tmp_path,
+                                                                             applied):
+    """ZeRO-1 bf16, the vocabulary grown 20 -> 24 after a DeepSpeed checkpoint:
+    ``engine.load_checkpoint`` is refused in one paragraph naming what to do (upstream:
+    torch's size mismatch, mid-load), and that path works: the consolidated weights loaded
+    by the library before ``deepspeed.initialize`` keep every trained row, frozen
+    (BASE_VOCAB=20) through 2 more steps, while the new rows train."""
+    out = tmp_path / "grown.pt"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
+    environ.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                   TRAINING_PATCHES_BASE_VOCAB="20")
+    proc = subprocess.run([sys.executable, str(GROWN_JOB), str(_port()), str(tmp_path / "ckpt"),
+                           str(out), *([] if applied else ["off"])], env=environ,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = torch.load(out, weights_only=False)
+    if not applied:
+        assert "size mismatch for text_embedding.weight" in result["refusal"]
+        return
+    assert result["refusal"].startswith("CheckpointMismatchError: training-patches: the "
+                                        "DeepSpeed checkpoint being loaded")
+    assert "text_embedding.weight: checkpoint [20, 8], model [24, 8]" in result["refusal"]
+    assert "patches.load_checkpoint(path, model) BEFORE deepspeed.initialize" in \
+        result["refusal"]
+    # the fp32 masters, whose bf16 copy the module was
+    assert torch.equal(result["consolidated"].bfloat16().float(), result["saved"])
+    assert torch.equal(result["start"][:20], result["consolidated"])  # every trained row
+    after = result["after"]
+    assert torch.equal(after[:20], result["consolidated"].bfloat16().float())  # kept, frozen
+    assert not torch.equal(after[20:], result["start"][20:].bfloat16().float())  # new rows train
+    assert "grown" in result["load"] or "24" in result["load"], result["load"]

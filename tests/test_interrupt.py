@@ -137,3 +137,42 @@ def test_a_coqui_trainer_stopped_by_a_signal_is_recorded_and_reported_interrupte
     assert f"stopped by SIGTERM at trainer step {last['step']}" in report.stdout
     assert "(trainer_runs.jsonl)" in report.stdout
     _run.reset()  # the Trainer's folder stays this test's
+
+
+def _thread_raising(error: type, filename: str) -> None:
+    """A thread whose failing frame is in ``filename`` (as multiprocessing's resource-sharer
+    thread's is when the process reading a batch goes away mid-hand-shake)."""
+    import threading
+
+    code = compile(f"def serve():\n    raise {error.__name__}(104, 'Connection reset by peer')\n",
+                   filename, "exec")
+    space: dict = {}
+    exec(code, space)
+    thread = threading.Thread(target=space["serve"], name="Thread-9 (_serve)")
+    thread.start()
+    thread.join()
+
+
+def test_a_batch_handoff_cut_by_the_interruption_prints_no_traceback(monkeypatch) -> None:
+    """While an interruption is installed, the resource sharer's ConnectionResetError (a
+    DataLoader worker whose reader stopped) is left out; another error of that thread, and
+    the same error from anywhere else, reach the hook that was there (which prints them);
+    once uninstalled, that hook is back."""
+    import os
+    import threading
+
+    reached: list[str] = []
+    monkeypatch.setattr(threading, "excepthook",
+                        lambda args: reached.append(args.exc_type.__name__))
+    before = threading.excepthook
+    sharer = os.path.join(os.path.dirname(threading.__file__), "multiprocessing",
+                          "resource_sharer.py")
+    with Interruption().installed():
+        _thread_raising(ConnectionResetError, sharer)
+        assert reached == []
+        _thread_raising(ConnectionResetError, "/somewhere/else.py")
+        _thread_raising(PermissionError, sharer)
+        assert reached == ["ConnectionResetError", "PermissionError"]
+    assert threading.excepthook is before
+    _thread_raising(ConnectionResetError, sharer)  # not installed: as upstream
+    assert reached[-1] == "ConnectionResetError" and len(reached) == 3

@@ -17,6 +17,12 @@ What it adds to the generic patches:
   (``kind: trainer_skip``), as the guard's own skips are. (In bf16 and fp32 DeepSpeed does
   not check: the guard sees the inner optimizer's step and skips a NaN step itself.)
 - **The engine's step count** (``global_steps``) is each record's ``trainer_step``.
+- **A resume into a grown vocabulary is refused in one paragraph.** ``load_checkpoint``
+  cannot grow the flattened optimizer partitions; upstream stops at torch's size mismatch
+  in the middle of its load. Here the module's state is checked first, and the refusal names
+  the path that works: the consolidated fp32 weights (``deepspeed.utils.zero_to_fp32``)
+  loaded with ``patches.load_checkpoint`` before ``deepspeed.initialize`` (trained rows
+  kept, new rows by the row rules, the base rows frozen; the optimizer starts fresh).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import torch
 from .. import _options, _run, nan_guard, vocab_freeze
 from .._log import info, logger
 from .._registry import Integration, Site, register_integration
+from ..checkpoint import grown
+from ..checkpoint.errors import CheckpointMismatchError
 
 NAME = "deepspeed"
 DISTRIBUTION = "deepspeed"
@@ -134,17 +142,50 @@ def make_step(original: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
+def make_load_module_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``DeepSpeedEngine.load_module_state_dict``: a checkpoint of a smaller (or larger)
+    vocabulary refused before anything is loaded, in one paragraph that says what to do."""
+
+    @functools.wraps(original)
+    def load_module_state_dict(self: Any, checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+        state = checkpoint.get("module") if isinstance(checkpoint, dict) else None
+        changes = grown.vocabulary_growth(
+            {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)},
+            self.module) if isinstance(state, dict) else {}
+        if changes:
+            said = "; ".join(f"{k}: checkpoint {list(a)}, model {list(b)}"
+                             for k, (a, b) in changes.items())
+            raise CheckpointMismatchError(
+                f"training-patches: the DeepSpeed checkpoint being loaded was saved with "
+                f"another text vocabulary than this model's ({said}). DeepSpeed's "
+                f"load_checkpoint cannot grow its flattened optimizer partitions, so nothing "
+                f"was loaded. To continue into the grown vocabulary: consolidate the "
+                f"checkpoint's weights (deepspeed.utils.zero_to_fp32."
+                f"get_fp32_state_dict_from_zero_checkpoint(load_dir), saved with torch.save), "
+                f"load them with patches.load_checkpoint(path, model) BEFORE "
+                f"deepspeed.initialize (trained rows kept, new rows by the row rules, the base "
+                f"rows frozen), and let the optimizer start fresh.")
+        return original(self, checkpoint, *args, **kwargs)
+
+    return load_module_state_dict
+
+
 INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
     module="deepspeed",
     describe="the base-vocabulary freeze through DeepSpeed's fp32 master weights (ZeRO-1/2, "
-             "bf16/fp16); the engine's own overflow skips recorded",
+             "bf16/fp16); the engine's own overflow skips recorded; a resume into a grown "
+             "vocabulary refused in one paragraph that says what to do",
     sites=(
         Site(MODULE, "DeepSpeedEngine.step", make_step, patch="vocab_freeze",
              lost="under DeepSpeed ZeRO-1/2 or bf16/fp16 the frozen base rows train (the "
                   "optimizer steps the fp32 masters), and the engine's own overflow skips go "
                   "unrecorded"),
+        Site(MODULE, "DeepSpeedEngine.load_module_state_dict", make_load_module_state_dict,
+             patch="checkpoint",
+             lost="a DeepSpeed resume into a grown vocabulary stops at torch's size mismatch "
+                  "in the middle of its load, with no word of what to do"),
     ),
 ))

@@ -51,7 +51,7 @@ def _callback_class() -> type:
     end of training. Made once, on first use (lightning is imported by then), and reachable
     as this module's ``TrainerStep`` (``__getattr__`` below): ``ddp_spawn`` pickles the
     Trainer with its callbacks, and a class local to a function cannot be pickled."""
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback  # lazy: lightning is imported by now
 
     class TrainerStep(Callback):
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
