@@ -12,8 +12,10 @@ The experiment of issue 20, small enough for a 2-core CPU:
    Ethiopic text (below). For the resume arms it grows a second time half-way, when a
    second corpus (new words) arrives.
 3. **Arms**, each with the same data order and the same seeds, every one a separate
-   Python process (the library arms start with ``import patches.auto`` and
-   ``TRAINING_PATCHES_BASE_VOCAB``; the others never import the library):
+   Python process, forked from a server that has imported torch and nothing of the library
+   (multiprocessing's ``forkserver``: seconds of imports once, not once an arm; the library
+   arms start with ``import patches.auto`` and ``TRAINING_PATCHES_BASE_VOCAB``; the others
+   never import the library):
 
    - ``upstream``: new rows as XTTS's GPTTrainer makes them (``torch.randn`` rows, the
      old ``[START]`` row copied to the new end), everything trainable;
@@ -55,6 +57,7 @@ import argparse
 import ast
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -705,6 +708,18 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], data: dict[str, Any], work
     return out
 
 
+def run_worker(arm: str, arm_dir: str, env: dict[str, str]) -> None:
+    """One arm in a process forked by the forkserver: its environment, folder and log, then
+    the worker, as ``bench_new_language.py --worker ARM --workdir DIR`` would run it."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(arm_dir)
+    log = os.open(os.path.join(arm_dir, "log.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    worker(argparse.Namespace(worker=arm, workdir=arm_dir))
+
+
 def worker(args: argparse.Namespace) -> None:
     if args.worker in LIBRARY_ARMS:
         import patches.auto  # noqa: F401 - what the library asks of a user: the first line
@@ -998,15 +1013,18 @@ def main() -> None:
                 env["TRAINING_PATCHES_ROW_INIT"], env["TRAINING_PATCHES_HEAD_ROW_INIT"] = \
                     RULE_ARMS[arm]
         started = time.perf_counter()
-        with open(arm_dir / "log.txt", "w") as logf:
-            rc = subprocess.run([sys.executable, __file__, "--worker", arm, "--workdir",
-                                 str(arm_dir)], env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                cwd=arm_dir).returncode
+        process = arms_context.Process(target=run_worker, args=(arm, str(arm_dir), env))
+        process.start()
+        process.join()
+        rc = process.exitcode
         if rc != 0:
             raise SystemExit(f"arm {arm} failed (exit {rc}); see {arm_dir / 'log.txt'}")
         print(f"arm {arm}: {time.perf_counter() - started:.0f} s", flush=True)
         return json.loads((arm_dir / "result.json").read_text())
 
+    arms_context = multiprocessing.get_context("forkserver")
+    # torch._dynamo: the first optimizer step imports it (0.9 s an arm otherwise)
+    arms_context.set_forkserver_preload(["torch", "torch._dynamo"])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         runs = [r for rs in pool.map(one, arms) for r in rs]
     summary = summarize(cfg, base, runs)
