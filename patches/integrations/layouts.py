@@ -30,6 +30,7 @@ and ``.model.gpt`` (a wrapper's ``Xtts``), besides the model itself and its ``.m
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 from torch import nn
@@ -106,7 +107,8 @@ def f5_layout(owner: nn.Module | None, rows: int) -> RowLayout | None:
 @register_vocab_finder
 def f5_vocab_modules(model: Any) -> tuple[list[tuple[str, nn.Module]], nn.Module] | None:
     """F5-TTS's text embedding (there is no head), and its ``TextEmbedding`` as the owner."""
-    if not isinstance(model, nn.Module):
+    # asked of every live module at an optimizer's first step: no walk without F5 loaded
+    if "f5_tts" not in sys.modules or not isinstance(model, nn.Module):
         return None
     for path, module in model.named_modules():
         if is_f5_text_embedding(module):
