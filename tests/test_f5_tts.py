@@ -280,3 +280,16 @@ def test_resume_into_a_grown_vocabulary(run_state, no_live_freezes, tmp_path, ap
     moments = resumed["optimizer_state_dict"]["state"]
     assert {tuple(s["exp_avg"].shape) for s in moments.values() if s["exp_avg"].dim() == 2
             and s["exp_avg"].shape[1] == 16 and s["exp_avg"].shape[0] > 16} == {(TOKENS + 5, 16)}
+
+
+def test_a_checkpoint_the_library_cannot_read_cheaply_is_upstreams_to_load(run_state,
+                                                                          tmp_path) -> None:
+    """A model_last.pt in torch's old (non-zip) format cannot be memory-mapped to read its
+    shapes: the resume is F5's own load, as without the patches (it raised before)."""
+    patches.apply(["nan_guard", "checkpoint"])
+    _train(tmp_path / "ckpts", Clips())
+    last = tmp_path / "ckpts" / "model_last.pt"
+    torch.save(torch.load(last, weights_only=True), last, _use_new_zipfile_serialization=False)
+    _train(tmp_path / "ckpts", Clips())  # resumed from update 8
+    assert torch.load(tmp_path / "ckpts" / "model_last.pt", weights_only=True)["update"] == \
+        2 * BATCHES

@@ -27,6 +27,29 @@ from ..vocab_rows import find_vocab_modules
 Grown = dict[int, tuple[str, RowPlan]]
 
 
+def saved_shapes(path: Path, key: str | None = None) -> dict[str, tuple[int, ...]] | None:
+    """Each tensor's shape in a weights file (``.safetensors``, or a ``torch.save`` file, of
+    its entry ``key`` when given), read without loading the tensors; None when the file
+    cannot be read that way (an old-format or torn file): the trainer's own load then runs,
+    as without the patches, and says what it finds."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open  # lazy: only a safetensors file needs it
+
+            with safe_open(str(path), framework="pt") as handle:
+                return {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if key is not None:
+            state = state.get(key) if isinstance(state, Mapping) else None
+        return {k: tuple(v.shape) for k, v in (state or {}).items()
+                if isinstance(v, torch.Tensor)}
+    except Exception as exc:  # noqa: BLE001 - never into the trainer's resume: upstream loads
+        logger.info("training-patches: the tensor shapes of %s could not be read (%s: %s); "
+                    "the trainer loads it as without the patches", path, type(exc).__name__,
+                    str(exc)[:200])
+        return None
+
+
 def shape_changes(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Module
                   ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """key -> (saved shape, the model's shape) for each key both have at different shapes."""
@@ -102,4 +125,4 @@ def grow_loaded_moments(optimizer: Any, grown: Grown) -> list[str]:
     return done
 
 
-__all__ = ["Grown", "shape_changes", "vocabulary_growth", "load_grown", "grow_loaded_moments"]
+__all__ = ["Grown", "saved_shapes", "shape_changes", "vocabulary_growth", "load_grown", "grow_loaded_moments"]

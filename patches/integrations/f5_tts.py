@@ -76,7 +76,14 @@ class _EmaRows:
         if not self.started:
             self.started = True
             if self.ema.__dict__.get("update") is self:  # nothing else wraps the update
-                self._start()
+                try:
+                    self._start()
+                except Exception as exc:  # noqa: BLE001 - never into the training step
+                    self.kept = None
+                    self.ema.__dict__["update"] = self
+                    logger.warning("training-patches f5_tts: the EMA's base rows cannot be "
+                                   "kept (%s: %s); the EMA updates as upstream's, training "
+                                   "goes on", type(exc).__name__, str(exc)[:200])
         if self.kept is not None and self.ema.__dict__.get("update") is not self:
             return self.ema.update(*args, **kwargs)  # KeptRows' wrapper, from now on
         return type(self.ema).update(self.ema, *args, **kwargs)
@@ -169,13 +176,6 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return Path(folder, pretrained[0]) if pretrained else None
 
 
-def _saved_shapes(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
-    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    state = ckpt.get("model_state_dict") if isinstance(ckpt, dict) else None
-    shapes = {k: tuple(v.shape) for k, v in (state or {}).items() if isinstance(v, torch.Tensor)}
-    return ckpt, shapes
-
-
 def make_load_checkpoint(original: Any) -> Any:
     """``Trainer.load_checkpoint`` that resumes a training checkpoint into a model whose
     vocabulary grew since it was saved (upstream: a size-mismatch error); upstream's load
@@ -183,16 +183,14 @@ def make_load_checkpoint(original: Any) -> Any:
     @functools.wraps(original)
     def load_checkpoint(self: Any) -> Any:
         path = latest_checkpoint(self.checkpoint_path) if self.checkpoint_path else None
+        ema = getattr(self, "ema_model", None)  # rank 0's alone
         changes: dict[str, Any] = {}
         if path is not None and path.suffix == ".pt":
-            ckpt, shapes = _saved_shapes(path)
+            shapes = grown.saved_shapes(path, "model_state_dict")
             changes = grown.vocabulary_growth(shapes, _model(self)) if shapes else {}
-            if not shapes and isinstance(ckpt, dict) and "ema_model_state_dict" in ckpt:
-                ema = getattr(self, "ema_model", None)
-                saved = ckpt["ema_model_state_dict"]
-                if ema is not None and grown.vocabulary_growth(
-                        {k: tuple(v.shape) for k, v in saved.items()
-                         if isinstance(v, torch.Tensor)}, ema):
+            if shapes == {} and ema is not None:  # EMA weights alone: a pretrained model
+                saved = grown.saved_shapes(path, "ema_model_state_dict")
+                if saved and grown.vocabulary_growth(saved, ema):
                     logger.warning(
                         "training-patches f5_tts: %s holds only EMA weights (a pretrained "
                         "model) of a smaller vocabulary than this model's; its load is "
@@ -204,8 +202,7 @@ def make_load_checkpoint(original: Any) -> Any:
         else:
             self.accelerator.wait_for_everyone()
             ckpt = torch.load(path, map_location="cpu", weights_only=True)  # as upstream reads
-            rows = grown.load_grown(path, _model(self), set(shapes), changes,
-                                    ema=getattr(self, "ema_model", None))
+            rows = grown.load_grown(path, _model(self), set(shapes), changes, ema=ema)
             self.optimizer.load_state_dict(ckpt["optimizer_state_dict"])
             grown.grow_loaded_moments(self.optimizer, rows)
             if self.scheduler:

@@ -37,8 +37,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import _run, nan_guard
 from .._log import logger
 from .._registry import Integration, Site, register_integration
@@ -164,25 +162,14 @@ def make_get_last_checkpoint(original: Any) -> Any:
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # a checkpoint folder's one-file weights
 
 
-def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape in a weights file, read without loading the tensors."""
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open  # lazy: transformers brings it
-
-        with safe_open(str(path), framework="pt") as handle:
-            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    return {key: tuple(value.shape) for key, value in state.items() if hasattr(value, "shape")}
-
-
 def _grown_load(folder: Path, model: Any) -> grown.Grown | None:
     """Load ``folder``'s one-file weights into ``model`` through the library when a shape
     differs; None (upstream loads) when the shapes agree or there is no such file."""
     path = next((folder / name for name in WEIGHTS if (folder / name).is_file()), None)
     if path is None:
         return None
-    shapes = _file_shapes(path)
-    changes = grown.vocabulary_growth(shapes, model)
+    shapes = grown.saved_shapes(path)
+    changes = grown.vocabulary_growth(shapes, model) if shapes else {}
     # non-strict, as upstream's own load (missing keys are said in the load report)
     return grown.load_grown(path, model, set(shapes), changes, strict=False) if changes \
         else None
