@@ -709,19 +709,15 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], data: dict[str, Any], work
 
 
 def run_worker(arm: str, arm_dir: str, env: dict[str, str]) -> None:
-    """One arm in a process forked by the forkserver: its environment, folder and log, then
-    the worker, as ``bench_new_language.py --worker ARM --workdir DIR`` would run it."""
+    """One arm, in a process forked by the forkserver: its environment, folder and log, then
+    its runs (each seed, clean and, for the NaN arms, with the NaN), into ``result.json``."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(arm_dir)
     log = os.open(os.path.join(arm_dir, "log.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    worker(argparse.Namespace(worker=arm, workdir=arm_dir))
-
-
-def worker(args: argparse.Namespace) -> None:
-    if args.worker in LIBRARY_ARMS:
+    if arm in LIBRARY_ARMS:
         import patches.auto  # noqa: F401 - what the library asks of a user: the first line
 
         import patches
@@ -729,15 +725,15 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    workdir = Path(args.workdir)
+    workdir = Path(arm_dir)
     cfg = json.loads((workdir.parent / "config.json").read_text())
     data = torch.load(workdir.parent / "data.pt", weights_only=False)
     results = []
     for seed in range(cfg["seeds"]):
-        for nan_at in (None, cfg["nan_at"]) if args.worker in NAN_ARMS else (None,):
-            if args.worker in LIBRARY_ARMS:
+        for nan_at in (None, cfg["nan_at"]) if arm in NAN_ARMS else (None,):
+            if arm in LIBRARY_ARMS:
                 patches.reset_runtime_state()
-            results.append(run_arm(args.worker, seed, cfg, data, workdir, nan_at))
+            results.append(run_arm(arm, seed, cfg, data, workdir, nan_at))
     (workdir / "result.json").write_text(json.dumps(results))
 
 
@@ -958,11 +954,7 @@ def main() -> None:
                     "text-embedding rows times this after the load (toward zero)")
     ap.add_argument("--tag-row", choices=TAG_SOURCES, help="experiment: the library arms' new "
                     "language tag [am] starts as the base model's [START] or [en] rows")
-    ap.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
-    ap.add_argument("--workdir", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        return worker(args)
     if args.render:
         return render(Path(args.render))
 

@@ -30,15 +30,21 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path: Path, stage: int, precision: str, *extra: str, **env: str):
-    out = tmp_path / f"z{stage}_{precision}_{'_'.join(extra) or 'on'}.pt"
+def _job(script: Path, tmp_path: Path, out: Path, *args: str, **env: str):
+    """``script ARGS`` in a process of its own (BASE_VOCAB=20, no other TRAINING_PATCHES_*
+    setting inherited): its completed process and what it saved at ``out``."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
     environ.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                    TRAINING_PATCHES_BASE_VOCAB="20", **env)
-    proc = subprocess.run([sys.executable, str(JOB), str(stage), precision, str(_port()),
-                           str(out), *extra], env=environ, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script), *args], env=environ, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
     return proc, (torch.load(out, weights_only=False) if out.exists() else None)
+
+
+def _run(tmp_path: Path, stage: int, precision: str, *extra: str, **env: str):
+    out = tmp_path / f"z{stage}_{precision}_{'_'.join(extra) or 'on'}.pt"
+    return _job(JOB, tmp_path, out, str(stage), precision, str(_port()), str(out), *extra,
+                **env)
 
 
 @pytest.mark.slow
@@ -140,14 +146,9 @@ def test_a_resume_into_a_grown_vocabulary_is_refused_with_the_path_that_works(tm
     by the library before ``deepspeed.initialize`` keep every trained row, frozen
     (BASE_VOCAB=20) through 2 more steps, while the new rows train."""
     out = tmp_path / "grown.pt"
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
-    environ.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                   TRAINING_PATCHES_BASE_VOCAB="20")
-    proc = subprocess.run([sys.executable, str(GROWN_JOB), str(_port()), str(tmp_path / "ckpt"),
-                           str(out), *([] if applied else ["off"])], env=environ,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc, result = _job(GROWN_JOB, tmp_path, out, str(_port()), str(tmp_path / "ckpt"), str(out),
+                        *([] if applied else ["off"]))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = torch.load(out, weights_only=False)
     if not applied:
         assert "size mismatch for text_embedding.weight" in result["refusal"]
         return

@@ -137,8 +137,7 @@ EMA_KEYS = ("ema", "ema_model_state_dict")
 
 
 def saved_ema(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    value = next((meta[key] for key in EMA_KEYS if isinstance(meta.get(key), Mapping)), None)
-    return value if isinstance(value, Mapping) else None
+    return next((meta[key] for key in EMA_KEYS if isinstance(meta.get(key), Mapping)), None)
 
 
 __all__ = ["EMA_KEYS", "saved", "module_of", "start_new_rows_as_the_model", "KeptRows", "part",

@@ -21,7 +21,6 @@ import torch
 
 from .._log import logger
 from ..vocab_resize import RowPlan, grow_moment, is_second_moment
-from ..vocab_rows import find_vocab_modules
 
 # parameter id -> (its name, how its rows grew)
 Grown = dict[int, tuple[str, RowPlan]]
@@ -64,11 +63,10 @@ def vocabulary_growth(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Modu
     layouts name, other dimensions equal), else nothing: a shape the library does not adapt
     (a buffer that grows while training, read back by the model's own ``load_state_dict``)
     stays the trainer's business, and its own load runs as without the patches."""
-    from .plan import _is_vocab_key  # lazy: plan imports the row rules
+    from .plan import _is_vocab_key, vocab_modules_of  # lazy: plan imports the row rules
 
     changes = shape_changes(saved, model)
-    found = find_vocab_modules(model)
-    names = [name for name, _ in found[0]] if found else []
+    names = vocab_modules_of(model)
     rows_only = all(_is_vocab_key(key, names) and len(old) == len(new) and old[1:] == new[1:]
                     for key, (old, new) in changes.items())
     return changes if rows_only else {}

@@ -130,6 +130,14 @@ def check_finite(path: Path, plan: "ModelPlan", model: torch.nn.Module) -> None:
             f"To load it anyway (e.g. to inspect it), pass allow_nonfinite=True.")
 
 
+def vocab_modules_of(model: torch.nn.Module, named: Sequence[str] = ()) -> list[str]:
+    """The modules whose rows are ``model``'s vocabulary, beside the ``text_embedding`` /
+    ``text_head`` keys: those ``named``, and the registered finders' (a Hugging Face model's
+    get_input/output_embeddings(), F5-TTS's text_embed)."""
+    found = find_vocab_modules(model)
+    return [*named, *(name for name, _ in (found[0] if found else ()))]
+
+
 def _is_vocab_key(key: str, vocab_modules: Sequence[str]) -> bool:
     if any(key.endswith(suffix) for suffix in VOCAB_SUFFIXES):
         return True
@@ -260,10 +268,7 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
     if key_filter is not None:
         source = {k: v for k, v in source.items() if key_filter(k)}
     target = model.state_dict()
-    # a Hugging Face model's vocabulary is wherever get_input/output_embeddings() are, F5's
-    # at its text_embed (the registered finders)
-    found = find_vocab_modules(model)
-    vocab_modules = [*vocab_modules, *(name for name, _ in (found[0] if found else ()))]
+    vocab_modules = vocab_modules_of(model, vocab_modules)
     aligned, stripped, added = _align_keys_how(source, target)
     missing = sorted(set(target) - set(aligned))
     unexpected = sorted(set(source) - set(aligned.values()))
