@@ -1,4 +1,4 @@
-"""Gradient accumulation under DDP and FSDP2 (torchrun, gloo, 2 ranks, 4 micro-batches a
+"""Gradient accumulation under DDP and FSDP2 (ranks started as torchrun starts them, gloo, 2 ranks, 4 micro-batches a
 step): a NaN loss in one micro-batch of one rank, in a ``no_sync`` micro-batch or in the
 final synced one, never hangs the job, and every rank ends with the same parameters as a
 run in which that micro-batch contributed exactly nothing."""
@@ -17,7 +17,7 @@ LEFT_OUT = {0: 2 + 4, 1: 3 + 4}
 
 @pytest.mark.parametrize("mode", ["ddp_nosync", "ddp_sync", "fsdp2"])
 def test_a_nan_micro_batch_on_one_rank_is_left_out_alike_everywhere(tmp_path, mode: str) -> None:
-    jobs.torchrun(SCRIPT, mode, str(tmp_path), timeout=180)  # a hang fails here
+    jobs.ranks(SCRIPT, mode, str(tmp_path), timeout=180)  # a hang fails here
     results = [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
     for rank, result in enumerate(results):
         stats = result["stats"]

@@ -1,4 +1,4 @@
-"""Checkpoints under many processes (torchrun, gloo, CPU): one writer and one outcome on
+"""Checkpoints under many processes (ranks started as torchrun starts them, gloo, CPU): one writer and one outcome on
 every rank under DDP, FSDP2 sharded checkpoints through DCP with resharding, per-rank RNG,
 a SIGKILLed save, and a temp-file sweep that never touches another host's files."""
 
@@ -25,27 +25,10 @@ from patches.checkpoint.sharded import COMMIT_NAME, MANIFEST_NAME, read_folder_m
 JOB = jobs.HERE / "ranks" / "ckpt_job.py"
 
 
-def torchrun(*args: object, nproc: int = 2, timeout: float = 180,
+def job(*args: object, nproc: int = 2, timeout: float = 180,
              check: bool = True) -> subprocess.CompletedProcess:
-    """``jobs.torchrun``, but a job past its time limit is stopped with SIGTERM first:
-    torchrun starts each rank in its own session, so a SIGKILL of torchrun's group alone
-    leaves the ranks running and holding the output pipe (communicate() never returns)."""
-    command = jobs.torchrun_command(JOB, *map(str, args), nproc=nproc)
-    proc = subprocess.Popen(command, env=jobs.rank_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it to its ranks
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out = ""
-        pytest.fail(f"job timed out after {timeout}s: {' '.join(command)}\n{out[-6000:]}")
-    if check and proc.returncode != 0:
-        pytest.fail(f"job exited {proc.returncode}: {' '.join(command)}\n{out[-6000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, None)
+    """The checkpoint job's ``nproc`` ranks, started as torchrun starts them (``jobs.ranks``)."""
+    return jobs.ranks(JOB, *args, nproc=nproc, timeout=timeout, check=check)
 
 
 def said(output: str) -> dict[str, dict[int, list]]:
@@ -60,7 +43,7 @@ def said(output: str) -> dict[str, dict[int, list]]:
 
 def test_ckpt_ddp_save_from_every_rank_20_times(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = torchrun("ddp_saves", out, "20", timeout=240)
+    result = job("ddp_saves", out, "20", timeout=240)
     lines = said(result.stdout)
     paths = lines["PATHS"]
     assert set(paths) == {0, 1}
@@ -94,7 +77,7 @@ def test_ckpt_ddp_save_from_every_rank_20_times(tmp_path: Path) -> None:
 def test_ckpt_writer_error_reaches_every_rank(tmp_path: Path) -> None:
     out = tmp_path / "run"
     started = time.monotonic()
-    result = torchrun("ddp_diskfull", out, timeout=120, check=False)
+    result = job("ddp_diskfull", out, timeout=120, check=False)
     assert time.monotonic() - started < 120
     assert result.returncode != 0, result.stdout[-3000:]
     errors = said(result.stdout)["ERROR"]
@@ -142,7 +125,7 @@ def test_ckpt_sigkill_mid_save_then_every_rank_resumes(tmp_path: Path) -> None:
     temp = [p.name for p in out.iterdir() if ".tp-tmp-" in p.name]
     assert len(temp) == 1 and f"@{host_name()}~" in temp[0], temp  # the killed write
 
-    result = torchrun("ddp_resume", out, timeout=180)
+    result = job("ddp_resume", out, timeout=180)
     resumed = said(result.stdout)
     for rank in (0, 1):
         path, step, rng_restored = resumed["RESUMED"][rank][0]
@@ -159,7 +142,7 @@ def test_ckpt_sigkill_mid_save_then_every_rank_resumes(tmp_path: Path) -> None:
 def test_ckpt_fsdp2_sharded_save_and_reshard(tmp_path: Path, saved_by: int,
                                               loaded_by: int) -> None:
     out, ref = tmp_path / "run", tmp_path / "full_reference.pt"
-    saved = said(torchrun("fsdp_save", out, ref, nproc=saved_by, timeout=240).stdout)
+    saved = said(job("fsdp_save", out, ref, nproc=saved_by, timeout=240).stdout)
     assert {r: [s for s, _ in v] for r, v in saved["SAVED"].items()} == {
         r: [1, 2, 3] for r in range(saved_by)}
     # keep=2: the oldest folder was pruned; the others are complete, marker written last.
@@ -176,7 +159,7 @@ def test_ckpt_fsdp2_sharded_save_and_reshard(tmp_path: Path, saved_by: int,
     assert (folder / COMMIT_NAME).stat().st_mtime_ns >= max(
         (folder / name).stat().st_mtime_ns for name in [*shards, MANIFEST_NAME])
 
-    loaded = said(torchrun("fsdp_resume", out, ref, nproc=loaded_by,
+    loaded = said(job("fsdp_resume", out, ref, nproc=loaded_by,
                                 timeout=240).stdout)
     assert loaded["EQUAL"][0][0][0] is True, "full parameters and optimizer state must be equal"
     assert loaded["EQUAL"][0][0][1] > 20  # parameters, moments and steps were compared
@@ -201,8 +184,8 @@ def test_ckpt_fsdp2_sharded_save_and_reshard(tmp_path: Path, saved_by: int,
 
 def test_ckpt_refusal_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    torchrun("ddp_saves", out, "1", timeout=120)
-    result = torchrun("ddp_refuse", out, timeout=120)
+    job("ddp_saves", out, "1", timeout=120)
+    result = job("ddp_refuse", out, timeout=120)
     lines = said(result.stdout)
     errors = lines["ERROR"]
     assert set(errors) == {0, 1} and errors[0] == errors[1], result.stdout[-3000:]
@@ -213,8 +196,8 @@ def test_ckpt_refusal_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> Non
 
 def test_ckpt_single_file_into_fsdp2_model_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "single"
-    torchrun("ddp_saves", out, "1", timeout=120)
-    result = torchrun("fsdp_single", tmp_path / "unused", out / "ckpt_000000000.pt",
+    job("ddp_saves", out, "1", timeout=120)
+    result = job("fsdp_single", tmp_path / "unused", out / "ckpt_000000000.pt",
                            timeout=120)
     errors = said(result.stdout)["ERROR"]
     assert set(errors) == {0, 1} and errors[0] == errors[1]
@@ -244,7 +227,7 @@ def test_ckpt_sweep_leaves_other_hosts_temp_files(tmp_path: Path) -> None:
 def test_ckpt_save_on_rank0_only_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
     out = tmp_path / "run"
     started = time.monotonic()
-    lines = said(torchrun("rank0_only", out, timeout=120).stdout)
+    lines = said(job("rank0_only", out, timeout=120).stdout)
     assert time.monotonic() - started < 120
     message = lines["ERROR"][0][0]
     assert message.startswith("CheckpointError: training-patches: rank 0 waited for the other "
@@ -257,7 +240,7 @@ def test_ckpt_save_on_rank0_only_is_a_clear_error_not_a_hang(tmp_path: Path) -> 
 
 def test_ckpt_fsdp2_error_on_one_rank_reaches_every_rank(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = torchrun("fsdp_diskfull", out, timeout=120, check=False)
+    result = job("fsdp_diskfull", out, timeout=120, check=False)
     assert result.returncode != 0
     errors = said(result.stdout)["ERROR"]
     assert set(errors) == {0, 1} and errors[0] == errors[1], result.stdout[-3000:]
@@ -299,7 +282,7 @@ def test_ckpt_fsdp2_killed_save_is_never_resumed_and_swept_by_the_next(tmp_path:
             (folder / "writer.json").write_text(json.dumps(record))
     assert CheckpointManager(out, keep=2).resume("auto") == out / "ckpt_000000002.dcp"
 
-    lines = said(torchrun("fsdp_next_save", out, timeout=180).stdout)
+    lines = said(job("fsdp_next_save", out, timeout=180).stdout)
     for rank in (0, 1):
         path, step = lines["RESUMED"][rank][0]
         assert Path(path).name == "ckpt_000000002.dcp" and step == 2
@@ -326,7 +309,7 @@ def test_ckpt_folder_not_shared_between_nodes_is_refused_on_every_rank(
     empty, rank 1's holds the run. Without the check resume("auto") returns None on every
     rank and the job silently starts over. Refused on every rank, before anything is read;
     where no probe file can be written (ro), by the checkpoints each rank sees."""
-    torchrun("ddp_saves", tmp_path / "node1", "2", timeout=120)  # the run, on "node 1"
+    job("ddp_saves", tmp_path / "node1", "2", timeout=120)  # the run, on "node 1"
     lines, out = _on_two_nodes("node_local_resume", tmp_path, "per_node", access)
     errors = lines["ERROR"]
     # the same error on both ranks (each names its own folder: here the paths differ)

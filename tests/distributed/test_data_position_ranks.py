@@ -1,4 +1,4 @@
-"""Issue 27: the data position under DDP, 2 ranks -> 2 ranks (torchrun, gloo, CPU): each
+"""Issue 27: the data position under DDP, 2 ranks -> 2 ranks (ranks started as torchrun starts them, gloo, CPU): each
 rank's resumed run sees exactly the batches, sample noise and RNG draws its uninterrupted
 run saw after the step it stopped at (tests/distributed/ranks/data_position_job.py)."""
 
@@ -13,7 +13,7 @@ STOP = 9
 
 
 def test_each_rank_resumes_its_own_shard_mid_epoch(tmp_path) -> None:
-    jobs.torchrun(SCRIPT, str(tmp_path), timeout=180)
+    jobs.ranks(SCRIPT, str(tmp_path), timeout=180)
     seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in range(2)]
     for rank, run in enumerate(seen):
         assert run["first"] == run["full"][:STOP]

@@ -1,6 +1,7 @@
-"""Evidence of a real 2-rank torchrun job (gloo, CPU): each rank appends to its own files,
-every line strict JSON with its own rank, none interleaved; ``training-patches report``
-merges the ranks into one run where the NaN step rank 0 saw is one skipped step."""
+"""Evidence of a real 2-rank job (ranks started as torchrun starts them, gloo, CPU): each
+rank appends to its own files, every line strict JSON with its own rank, none interleaved;
+``training-patches report`` merges the ranks into one run where the NaN step rank 0 saw is
+one skipped step."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _strict(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("evidence_job")
-    jobs.torchrun(RANKS / "evidence_writer.py", str(out), str(N_OOM), str(N_DROPPED),
+    jobs.ranks(RANKS / "evidence_writer.py", str(out), str(N_OOM), str(N_DROPPED),
                   timeout=180)
     return out
 
@@ -52,7 +53,7 @@ def test_evidence_each_rank_writes_its_own_files(job_dir: Path) -> None:
         assert event["rank"] == rank and event["world_size"] == 2 and event["step"] == 3
     (seen,) = _strict(job_dir / "nonfinite_events.rank0.jsonl")
     assert seen["kind"] == "nonfinite_loss" and seen["loss"] == "NaN"
-    # One run: every record of both ranks names the same run_id (torchrun's launcher).
+    # One run: every record of both ranks names the same run_id (the job's TORCHELASTIC_RUN_ID).
     run_ids = {e["run_id"] for path in job_dir.glob("*.jsonl") for e in _strict(path)}
     assert len(run_ids) == 1, run_ids
 
@@ -95,7 +96,7 @@ def test_evidence_that_cannot_be_written_never_stops_a_job(job_dir: Path, tmp_pa
         folder, error = "ro", "(OSError: [Errno 30] Read-only file system)"
     with place:
         reports = tmp_path / folder
-        result = jobs.torchrun(RANKS / "evidence_writer.py", str(tmp_path), str(N_OOM),
+        result = jobs.ranks(RANKS / "evidence_writer.py", str(tmp_path), str(N_OOM),
                                str(N_DROPPED), str(reports), timeout=180)
     for rank in (0, 1):
         stats = json.loads((tmp_path / f"job.rank{rank}.json").read_text())

@@ -1,4 +1,4 @@
-"""The patched clip_grad_norm_ on FSDP2's DTensor gradients (torchrun, gloo, 2 shards),
+"""The patched clip_grad_norm_ on FSDP2's DTensor gradients (ranks started as torchrun starts them, gloo, 2 shards),
 against torch's own clip_grad_norm_ on copies of the same gradients: the same norm and the
 same clipped gradients, with TRAINING_PATCHES_CLIP_UNSCALE_FIRST=1 on the scaled gradients
 of a ShardedGradScaler too; a non-finite norm leaves every shard as it was."""
@@ -17,7 +17,7 @@ SCRIPT = jobs.HERE / "ranks" / "fsdp_clip.py"
 
 def _results(tmp_path, what: str, unscale_first: str = "0") -> list[dict]:
     env = jobs.rank_env(TRAINING_PATCHES_CLIP_UNSCALE_FIRST=unscale_first)
-    jobs.torchrun(SCRIPT, what, str(tmp_path), env=env, timeout=180)
+    jobs.ranks(SCRIPT, what, str(tmp_path), env=env, timeout=180)
     return [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
 
 

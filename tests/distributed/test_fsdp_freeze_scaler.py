@@ -13,7 +13,7 @@ BASE = 64
 
 
 def _results(tmp_path, *args: str, **env: str) -> list[dict]:
-    jobs.torchrun(SCRIPT, args[0], str(tmp_path), *args[1:], env=jobs.rank_env(**env))
+    jobs.ranks(SCRIPT, args[0], str(tmp_path), *args[1:], env=jobs.rank_env(**env))
     return [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
 
 

@@ -1,4 +1,4 @@
-"""NaN guard under DDP and FSDP2 (torchrun, gloo, 2 ranks, AdamW with weight decay): a NaN
+"""NaN guard under DDP and FSDP2 (ranks started as torchrun starts them, gloo, 2 ranks, AdamW with weight decay): a NaN
 loss on rank 0 and a NaN gradient on rank 1 at known steps are skipped by both ranks, exactly
 (parameters equal to a run where those steps never happened), with per-rank evidence."""
 
@@ -16,7 +16,7 @@ LOSS_STEPS, GRAD_STEPS = {3, 8}, {5, 10}
 @pytest.mark.parametrize("mode,variant", [("fsdp2", "foreach"), ("fsdp2", "forloop"),
                                           ("fsdp2", "fused"), ("ddp", "foreach")])
 def test_nan_on_one_rank_is_skipped_exactly_on_both(tmp_path, mode: str, variant: str) -> None:
-    jobs.torchrun(SCRIPT, mode, str(tmp_path), variant, timeout=240)
+    jobs.ranks(SCRIPT, mode, str(tmp_path), variant, timeout=240)
     results = [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
     for rank, result in enumerate(results):
         stats = result["stats"]
