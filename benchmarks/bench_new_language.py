@@ -74,8 +74,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 # The library arms that start new rows by a rule other than the default (embedding, head):
 # each with the library's freeze, clean runs only. "library" itself uses the defaults
-# (romanized embedding, spread head); library_mean is the default before issue 25.
+# (romanized_offset embedding, spread head); library_mean is the default before issue 25,
+# library_romanized_spread the default from then until the offset.
 RULE_ARMS = {
+    "library_romanized_spread": ("romanized", "spread"),
     "library_mean": ("mean", "mean"),
     "library_spread": ("spread", "spread"),
     "library_std002": ("std0.02", "std0.02"),
@@ -95,7 +97,7 @@ ARM_TEXT = {
     "notes_stale": "notes before their fix: fresh opt, old sched",
     "hooks_std002": "std-0.02 rows + the notes' grad hooks",
     "plain_std002": "std-0.02 rows, nothing frozen",
-    "library": "library: default rows (romanized/spread), freeze, guard",
+    "library": "library: default rows (romanized_offset/spread), freeze, guard",
     "library_unfrozen": "library without the freeze",
     "library_resume": "library + resume after 2nd growth",
     **{arm: f"library, {emb} rows / {head} head, freeze" for arm, (emb, head) in RULE_ARMS.items()},

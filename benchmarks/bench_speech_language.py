@@ -72,7 +72,7 @@ SEED_LR = 1.25e-5
 HIGH_LR = 5e-4
 TEXT_WEIGHT = 0.01  # XTTS's gpt_loss_text_ce_weight; the audio codes weigh 1.0
 MIX = 0.1
-RULES = ("romanized", "spread", "mean", "std0.02", "randn")
+RULES = ("romanized_offset", "romanized", "spread", "mean", "std0.02", "randn")
 
 
 def low_lr(cfg: dict[str, Any]) -> float:
@@ -119,7 +119,10 @@ def arms_for(which: str) -> list[dict[str, Any]]:
     # tag started as the base's [START] (GPTTrainer's accident) or [en]
     stage3 = [arm("romanized", "spread", scale=0.25), arm("romanized", "spread", scale=0.1),
               arm("romanized", "spread", tag="start"), arm("romanized", "spread", tag="en")]
-    return stage1 + stage2 + stage3
+    # stage 4 (2026-11-27): the spelled rows pulled halfway in and moved apart by one shared
+    # offset (row_init "romanized_offset"), with the default head
+    stage4 = [arm("romanized_offset", "spread")]
+    return stage1 + stage2 + stage3 + stage4
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -525,7 +528,10 @@ def plot(cfg: dict[str, Any], runs: list[dict[str, Any]], summary: dict[str, Any
     if names is None:  # each rule for both rows, then the default with what moves English
         names = [n for n, e in summary.items() if e["spec"]["emb"] == e["spec"]["head"]
                  and (e["spec"]["freeze"], e["spec"]["mix"], e["spec"]["lr"]) == ("on", MIX, "high")]
-        names += [n for n, e in summary.items() if e["spec"]["emb"] == "romanized"
+        from patches.row_init import DEFAULT_ROW_INIT
+
+        spelled = ("romanized", DEFAULT_ROW_INIT)
+        names += [n for n, e in summary.items() if e["spec"]["emb"] in spelled
                   and e["spec"]["head"] == "spread" and e["spec"]["lr"] == "high"
                   and e["spec"]["freeze"] == "on"]
         names += [n for n, e in summary.items() if e["spec"]["emb"] == "std0.02"
@@ -564,7 +570,7 @@ def plot(cfg: dict[str, Any], runs: list[dict[str, Any]], summary: dict[str, Any
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the few-minute version (1 seed, "
-                    "the five rules)")
+                    "five of the six rules: not randn)")
     ap.add_argument("--out", help="output folder (default benchmarks/results/speech_language[_quick])")
     ap.add_argument("--steps", type=int, help="fine-tune steps per arm (overrides the preset)")
     ap.add_argument("--base-steps", type=int, help="at most this many base-model steps")

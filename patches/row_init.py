@@ -5,17 +5,25 @@ token's spelling points to. Design and measurements: docs/design/row_init.md.
   encodes to (``ሰላም`` -> ``selam`` -> ``se`` + ``lam``; the registered language's
   ``romanize``, Amharic built in), plus 0.1 of the old rows' per-channel spread as noise;
   a token nothing spells falls back to ``spread`` and is counted.
+- ``romanized_offset`` (the default): the ``romanized`` row pulled halfway toward the old
+  rows' mean, plus one offset shared by every spelled new row: a random direction, 0.6 times
+  the old rows' mean distance from their mean. Each token keeps its spelling, and the new
+  language as a whole starts apart from the base language, so what the fine-tune learns for
+  it is told apart from the base language from the first step. A new language tag (``[am]``)
+  starts, in the embedding, the head and its bias, as the start token (XTTS's ``[START]``)
+  where the layout has one: the base model reads it as the start of a text.
 - ``spread``: the old rows' mean plus noise of their own per-channel spread.
 - ``mean``: transformers' ``mean_resizing`` (every new row the old mean, within 3e-5 std).
 - ``std0.02``: N(0, 0.02), GPT-2's and IndexTTS's init. ``randn``: N(0, 1), GPTTrainer's.
 
-A head bias follows its head's rule (``romanized``: its pieces' mean; ``randn``/``std0.02``:
+A head bias follows its head's rule (the spelled rules: its pieces' mean; ``randn``/``std0.02``:
 zero; otherwise the old mean). Pure functions of tensors and the seed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -23,23 +31,37 @@ import torch
 
 from . import languages
 
-ROW_INITS = ("romanized", "spread", "mean", "std0.02", "randn")
+ROW_INITS = ("romanized_offset", "romanized", "spread", "mean", "std0.02", "randn")
+# The rules that start a new row from its spelling (they need the grown tokenizer).
+SPELLED_RULES = ("romanized", "romanized_offset")
+# The embedding rules under which a new language tag ([am]) starts, in the embedding, the
+# head and its bias, as the start token's rows where the layout has one (XTTS's [START], the
+# last row): the base model reads it as the beginning of a text and never predicts it.
+TAGS_FROM_START = ("romanized_offset",)
 # The defaults, chosen from the benchmarks (docs/design/row_init.md, "Why the default"):
-# the embedding from the token's spelling, the head at the old rows' own spread.
-DEFAULT_ROW_INIT = "romanized"
+# the embedding from the token's spelling, pulled in and moved apart from the base language;
+# the head at the old rows' own spread.
+DEFAULT_ROW_INIT = "romanized_offset"
 DEFAULT_HEAD_ROW_INIT = "spread"
-# The rule of a row that "romanized" cannot place.
+# The rule of a row that a spelled rule cannot place.
 FALLBACK = "spread"
 # Noise around a romanised row, in units of the old rows' per-channel standard deviation:
 # enough to tell apart tokens spelled alike (ሰ and ሠ are both "se"), small beside the row.
 ROMANIZED_NOISE = 0.1
+# romanized_offset: how much of a spelled row's distance from the old mean it keeps, and the
+# shared offset's length in units of the old rows' mean distance from their mean
+# (docs/benchmarks.md, "A shared offset for the new language").
+SPELLING_SHARE = 0.5
+OFFSET_LENGTH = 0.6
+# A language tag token, XTTS's form: [en], [am], [zh-cn].
+LANGUAGE_TAG = re.compile(r"\[[a-z]{2,3}(-[a-z]{2,4})?\]")
 # transformers scales the old rows' covariance by this before sampling new rows.
 COVARIANCE_SCALE = 1e-9
 
 
 @dataclass(frozen=True)
 class RowSources:
-    """The trained rows each new row of a grown vocabulary starts from (rule ``romanized``).
+    """The trained rows each new row of a grown vocabulary starts from (the spelled rules).
 
     ``sources``: new row -> the rows of the pieces its spelling encodes to. ``spelled``:
     new row -> its token and its spelling. ``unspelled``: new row -> its token, for the rows
@@ -51,21 +73,30 @@ class RowSources:
     sources: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     spelled: Mapping[int, tuple[str, str]] = field(default_factory=dict)
     unspelled: Mapping[int, str] = field(default_factory=dict)
+    # the unspelled rows whose token is a language tag (``[am]``)
+    tags: Mapping[int, str] = field(default_factory=dict)
 
     def shifted(self, rows: int) -> RowSources:
         """The same sources with every token id moved ``rows`` rows down (token ``i`` at
         row ``i + rows``)."""
         return RowSources({r + rows: tuple(i + rows for i in ids) for r, ids in self.sources.items()},
                           {r + rows: v for r, v in self.spelled.items()},
-                          {r + rows: v for r, v in self.unspelled.items()})
+                          {r + rows: v for r, v in self.unspelled.items()},
+                          {r + rows: v for r, v in self.tags.items()})
 
-    def describe(self, limit: int = 5) -> str:
-        """``118 from their spelling, 2 by spread ('።', '፣')``."""
+    def describe(self, limit: int = 5, tags_from_start: bool = False) -> str:
+        """``118 from their spelling, 2 by spread ('።', '፣')``; with ``tags_from_start``, the
+        language tags apart: ``..., 1 language tag as the start token ('[am]')``."""
         text = f"{len(self.sources)} from their spelling"
-        if self.unspelled:
-            shown = ", ".join(repr(t) for t in list(self.unspelled.values())[:limit])
-            more = ", ..." if len(self.unspelled) > limit else ""
-            text += f", {len(self.unspelled)} by {FALLBACK} ({shown}{more})"
+        tags = self.tags if tags_from_start else {}
+        fallback = [t for r, t in self.unspelled.items() if r not in tags]
+        for count, how, tokens in ((len(fallback), f"by {FALLBACK}", fallback),
+                                   (len(tags), "language tag(s) as the start token",
+                                    list(tags.values()))):
+            if count:
+                shown = ", ".join(repr(t) for t in tokens[:limit])
+                more = ", ..." if count > limit else ""
+                text += f", {count} {how} ({shown}{more})"
         return text
 
 
@@ -113,11 +144,22 @@ def new_row_values(base: torch.Tensor, rows: Sequence[int], rule: str,
     if rule == "spread" or sources is None:
         return spread
     out = spread.clone()
-    for i, row in enumerate(rows):
-        pieces = sources.sources.get(row)
-        if pieces:
-            out[i] = base[list(pieces)].mean(dim=0) + ROMANIZED_NOISE * noise[i] * std
+    spelled = [i for i, row in enumerate(rows) if sources.sources.get(row)]
+    for i in spelled:
+        out[i] = base[list(sources.sources[rows[i]])].mean(dim=0) + ROMANIZED_NOISE * noise[i] * std
+    if rule == "romanized_offset" and spelled:
+        out[spelled] = mean + SPELLING_SHARE * (out[spelled] - mean) + \
+            language_offset(base, generator)
     return out
+
+
+def language_offset(base: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The offset ``romanized_offset`` adds to every spelled new row: a random direction
+    (drawn after the rows' noise), :data:`OFFSET_LENGTH` times the old rows' mean distance
+    from their mean."""
+    direction = torch.randn(base.shape[1], generator=generator, dtype=torch.float64)
+    length = (base - base.mean(dim=0)).norm(dim=1).mean()
+    return direction / direction.norm() * OFFSET_LENGTH * length
 
 
 def new_bias_values(base: torch.Tensor, rows: Sequence[int], rule: str,
@@ -131,7 +173,7 @@ def new_bias_values(base: torch.Tensor, rows: Sequence[int], rule: str,
         return torch.zeros(k, dtype=torch.float64)
     std = base.std(unbiased=False) if base.numel() > 1 else torch.zeros((), dtype=torch.float64)
     out = base.mean() + noise * COVARIANCE_SCALE * std
-    if rule == "romanized" and sources is not None:
+    if rule in SPELLED_RULES and sources is not None:
         for i, row in enumerate(rows):
             pieces = sources.sources.get(row)
             if pieces:
@@ -156,9 +198,10 @@ class _Tokens:
                 tokenizer = inner
         if not _usable(tokenizer):
             raise TypeError(
-                f"training-patches: row_init 'romanized' needs the grown tokenizer to spell new "
-                f"tokens, and got a {type(tokenizer).__name__}. Expected a path to a vocab.json "
-                f"(Hugging Face tokenizers) or a SentencePiece .model, or such a tokenizer object.")
+                f"training-patches: row_init 'romanized' or 'romanized_offset' needs the grown "
+                f"tokenizer to spell new tokens, and got a {type(tokenizer).__name__}. Expected "
+                f"a path to a vocab.json (Hugging Face tokenizers) or a SentencePiece .model, "
+                f"or such a tokenizer object.")
         self._tok = tokenizer
         self._spm = hasattr(tokenizer, "id_to_piece")
         unk = (tokenizer.unk_id() if self._spm else tokenizer.token_to_id("[UNK]"))
@@ -209,12 +252,14 @@ def romanized_sources(tokenizer: Any, rows: Iterable[int],
     (``romanize``, default :func:`patches.languages.romanize`), encoded with ``tokenizer``,
     and the pieces kept whose rows ``trained(id)`` says hold trained values (never the
     unknown token). A row with no spelling, or none of whose pieces is trained, is listed
-    in ``unspelled`` (it falls back to :data:`FALLBACK`)."""
+    in ``unspelled`` (it falls back to :data:`FALLBACK`); one whose token is a language tag
+    (``[am]``, XTTS's form) in ``tags`` too."""
     tokens = _Tokens(tokenizer)
     speller = romanize or languages.romanize
     sources: dict[int, tuple[int, ...]] = {}
     spelled: dict[int, tuple[str, str]] = {}
     unspelled: dict[int, str] = {}
+    tags: dict[int, str] = {}
     for row in rows:
         token = tokens.token(row)
         text = (token or "").replace("\u2581", " ").strip()
@@ -228,8 +273,12 @@ def romanized_sources(tokenizer: Any, rows: Iterable[int],
             spelled[row] = (token or "", found[0] if found else "")
         else:
             unspelled[row] = token if token is not None else f"<row {row}>"
-    return RowSources(sources, spelled, unspelled)
+            if LANGUAGE_TAG.fullmatch(text):
+                tags[row] = text
+    return RowSources(sources, spelled, unspelled, tags)
 
 
-__all__ = ["COVARIANCE_SCALE", "DEFAULT_HEAD_ROW_INIT", "DEFAULT_ROW_INIT", "FALLBACK", "ROMANIZED_NOISE", "ROW_INITS", "RowSources",
-           "check_rule", "new_bias_values", "new_row_values", "romanized_sources"]
+__all__ = ["COVARIANCE_SCALE", "DEFAULT_HEAD_ROW_INIT", "DEFAULT_ROW_INIT", "FALLBACK",
+           "OFFSET_LENGTH", "ROMANIZED_NOISE", "ROW_INITS", "RowSources", "SPELLED_RULES",
+           "SPELLING_SHARE", "TAGS_FROM_START", "check_rule", "language_offset", "new_bias_values",
+           "new_row_values", "romanized_sources"]

@@ -9,7 +9,7 @@ the model can use:
   when ``[START]`` is the last id of the vocabulary; then that row moves to the new
   end (as coqui's GPTTrainer does), and the rows between are the new ones;
 - new rows (and new head-bias entries) start by one of the rules of :mod:`patches.row_init`
-  (``romanized``, ``spread``, ``mean``, ``std0.02``, ``randn``), the embedding and the head
+  (:data:`patches.row_init.ROW_INITS`), the embedding and the head
   each by its own;
 - Adam moments of a resized parameter keep their base rows; the new rows get a first
   moment of 0 and a second moment equal to the old rows' mean second moment, so that a

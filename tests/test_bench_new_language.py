@@ -1,5 +1,5 @@
 """``benchmarks/bench_new_language.py --quick`` runs end to end with a tiny step count and
-writes its table, JSON and plot with every kind of arm (two of the five rule arms). The
+writes its table, JSON and plot with every kind of arm (two of the six rule arms). The
 figures belong to the benchmark; only what is exact is checked here (every arm ran clean
 and with its NaN, the library arms skipped the NaN step and kept the base rows
 bit-identical, the unguarded arms died)."""
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAN_ARMS = ("upstream", "notes", "notes_stale", "library", "library_unfrozen", "library_resume")
 # The rule arms run one code path with another TRAINING_PATCHES_(HEAD_)ROW_INIT each (the
 # rules themselves: tests/test_row_init.py): two of them, one spelled and one drawn, stand
-# for the five here, and the std-0.02 baseline with the notes' hooks for the two sane
+# for the six here, and the std-0.02 baseline with the notes' hooks for the two sane
 # baselines (plain_std002 is the same worker without the hooks); each arm is a process of
 # its own, seconds of imports.
 CLEAN_ARMS = ("hooks_std002", "library_std002", "library_romanized")
@@ -56,6 +56,9 @@ def test_quick_run_writes_table_json_and_plot_with_every_kind_of_arm(tmp_path: P
         assert runs[arm, True]["base_row_drift"] == 0.0, arm  # freeze_base_vocab: exact
     # each rule arm started its new rows by its rule, read back from the load report
     assert "embedding romanized (" in runs["library_romanized", True]["load"]
+    # the library arm by the defaults: spelled rows moved apart, [am] as [START]
+    assert ("embedding romanized_offset (" in runs["library", True]["load"]
+            and "1 language tag(s) as the start token ('[am]')" in runs["library", True]["load"])
     assert "embedding std0.02, head std0.02" in runs["library_std002", True]["load"]
     assert runs["library_unfrozen", True]["base_row_drift"] > 0.0
     for arm in ("library", "library_unfrozen", "library_resume"):

@@ -72,15 +72,17 @@ def test_restore_74_to_82_keeps_every_trained_row(tiny_xtts, tiny_xtts_extended_
     assert torch.equal(head.weight.detach()[81], head_w[73])
     assert torch.equal(head.bias.detach()[:73], head_b[:73]) and head.bias[81] == head_b[73]
     # New rows 73..80: finite, by the default rules with the config's tokenizer_file: the
-    # embedding from each token's spelling (7 Amharic tokens; [am] has none and falls back),
-    # the head at the base rows' spread, its bias at the old mean.
+    # embedding from each token's spelling (7 Amharic tokens), the head at the base rows'
+    # spread, its bias at the old mean; the [am] tag (row 73) in all three as [START].
     new_rows = new_emb[73:81].clone()
     assert torch.isfinite(new_rows).all()
-    assert "embedding romanized (7 from their spelling, 1 by spread ('[am]')), head spread" \
-        in caplog.text
-    z = (head.weight.detach()[73:81] - head_w[:73].mean(0)) / head_w[:73].std(0, unbiased=False)
+    assert ("embedding romanized_offset (7 from their spelling, 1 language tag(s) as the start "
+            "token ('[am]')), head spread") in caplog.text
+    assert torch.equal(new_emb[73], emb[73]) and torch.equal(head.weight.detach()[73], head_w[73])
+    assert head.bias[73] == head_b[73]
+    z = (head.weight.detach()[74:81] - head_w[:73].mean(0)) / head_w[:73].std(0, unbiased=False)
     assert z.abs().max() < 6 and z.abs().mean() > 0.3
-    assert (head.bias.detach()[73:81] - head_b[:73].mean()).abs().max() < 1e-3 * head_b[:73].std()
+    assert (head.bias.detach()[74:81] - head_b[:73].mean()).abs().max() < 1e-3 * head_b[:73].std()
     assert "74 -> 82 rows" in caplog.text
     # restore_path takes the weights only (as upstream): the line and a WARNING say that the
     # file's optimizer state and step were not restored (issue 19: no silent drop).

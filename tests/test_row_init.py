@@ -70,6 +70,29 @@ def test_romanized_rows_start_at_the_mean_of_their_pieces_rows() -> None:
     assert torch.equal(new[1], base.mean(0) + noise[1] * std)
 
 
+def test_romanized_offset_rows_are_the_spelled_rows_pulled_in_and_moved_by_one_offset() -> None:
+    base = _base()
+    mean = base.mean(0)
+    sources = RowSources({300: (5, 9, 11), 302: (40,), 303: (7,)}, {}, {301: "።"})
+    plain = new_row_values(base, range(300, 304), "romanized", _gen(3), sources)
+    moved = new_row_values(base, range(300, 304), "romanized_offset", _gen(3), sources)
+    pulled = mean + row_init.SPELLING_SHARE * (plain - mean)
+    offset = moved[0] - pulled[0]
+    # one offset for every spelled row; the row that falls back is left as spread made it
+    assert torch.allclose(moved[[0, 2, 3]] - pulled[[0, 2, 3]], offset.expand(3, -1),
+                          atol=1e-12)
+    assert torch.equal(moved[1], plain[1])
+    assert row_init.SPELLING_SHARE == 0.5 and row_init.OFFSET_LENGTH == 0.6
+    # 0.6 times the old rows' mean distance from their mean
+    length = (base - mean).norm(dim=1).mean()
+    assert torch.isclose(offset.norm(), 0.6 * length, rtol=1e-9)
+    # the seed draws the direction
+    again = new_row_values(base, range(300, 304), "romanized_offset", _gen(4), sources)
+    other = again[0] - (mean + 0.5 * (new_row_values(base, range(300, 304), "romanized",
+                                                       _gen(4), sources)[0] - mean))
+    assert not torch.allclose(other, offset)
+
+
 def test_romanized_head_bias_is_its_pieces_bias_mean_and_fixed_rules_start_at_zero() -> None:
     bias = torch.arange(10, dtype=torch.float64)
     sources = RowSources({10: (2, 4)}, {}, {11: "x"})
@@ -93,7 +116,8 @@ def test_every_rule_is_a_pure_function_of_the_seed(rule: str) -> None:
 
 
 def test_an_unknown_rule_is_one_paragraph() -> None:
-    with pytest.raises(ValueError, match=r"row_init is 'fvt'\. Expected one of romanized, "):
+    with pytest.raises(ValueError,
+                       match=r"row_init is 'fvt'\. Expected one of romanized_offset, romanized, "):
         new_row_values(_base(), range(300, 301), "fvt", _gen())
 
 
@@ -223,6 +247,36 @@ def test_the_loader_starts_new_rows_by_the_asked_rules_and_reports_them(tmp_path
     head = model.text_head.weight.detach()[new]
     assert abs(head.std().item() - 0.02) < 0.01
     assert torch.equal(model.text_head.bias.detach()[new], torch.zeros(rows - base_rows))
+
+
+@pytest.mark.parametrize("rule", ["romanized_offset", "romanized"])
+def test_the_new_language_tag_starts_as_the_start_token_under_romanized_offset(
+        tmp_path, rule: str) -> None:
+    """``[am]`` (embedding row, head row and bias) starts as the base's ``[START]`` under
+    ``romanized_offset``, and the report says so; under ``romanized`` it falls back."""
+    grown, base_rows, rows = _grown_vocab(tmp_path)
+    path = _tiny_checkpoint(tmp_path, base_rows, start_last=True)
+    saved = torch.load(path)["model"]
+    model = _tiny(rows, start_last=True)
+    report = patches.load_checkpoint(path, model, freeze=False, row_init=rule,
+                                     tokenizer=grown)
+    from tokenizers import Tokenizer
+
+    am = Tokenizer.from_file(grown).token_to_id("[am]")
+    got = {k: v.detach() for k, v in model.state_dict().items()}
+    keys = ("text_embedding.weight", "text_head.weight", "text_head.bias")
+    as_start = [torch.equal(got[k][am], saved[k][base_rows - 1]) for k in keys]
+    # the start token itself is still the last row
+    assert all(torch.equal(got[k][rows - 1], saved[k][base_rows - 1]) for k in keys)
+    if rule == "romanized_offset":
+        assert as_start == [True, True, True]
+        assert report.row_init["tags_from_start"] == ["[am]"]
+        assert "[am]" not in report.row_init["fallback_tokens"]
+        assert "1 language tag(s) as the start token ('[am]')" in report.summary()
+    else:
+        assert as_start == [False, False, False]
+        assert "tags_from_start" not in report.row_init
+        assert "[am]" in report.row_init["fallback_tokens"]
 
 
 def test_romanized_rows_follow_a_layout_whose_token_0_is_not_row_0(tmp_path,

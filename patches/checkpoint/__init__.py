@@ -68,7 +68,8 @@ SPEC = register(PatchSpec(
                     "`reset` starts all three fresh", shown_default="`remap`"),
              Option("row_init", _row_rule("row_init"), DEFAULT_ROW_INIT, " / ".join(ROW_INITS),
                     "how the text embedding's new rows start when the vocabulary grows "
-                    "(`romanized` needs the tokenizer; without it `spread`)",
+                    "(`romanized_offset` and `romanized` need the tokenizer; without it "
+                    "`spread`)",
                     shown_default=f"`{DEFAULT_ROW_INIT}`"),
              Option("head_row_init", _row_rule("head_row_init"), DEFAULT_HEAD_ROW_INIT,
                     " / ".join(ROW_INITS),

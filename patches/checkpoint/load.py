@@ -83,12 +83,13 @@ def load_checkpoint(
             report says the saved step was dropped; :func:`warn_weights_only` then names
             what the file held that the start lost.
         row_init, head_row_init: how the new rows of the text embedding and of the text
-            head start when the vocabulary grew (:mod:`patches.row_init`: ``romanized``,
-            ``spread``, ``mean``, ``std0.02``, ``randn``); default
-            ``TRAINING_PATCHES_ROW_INIT`` / ``TRAINING_PATCHES_HEAD_ROW_INIT``.
+            head start when the vocabulary grew (:mod:`patches.row_init`:
+            ``romanized_offset``, ``romanized``, ``spread``, ``mean``, ``std0.02``,
+            ``randn``); default ``TRAINING_PATCHES_ROW_INIT`` /
+            ``TRAINING_PATCHES_HEAD_ROW_INIT``.
         tokenizer: the grown tokenizer the model was built with (a ``vocab.json``, a
-            SentencePiece ``.model``, or such an object), which ``romanized`` needs to spell
-            the new tokens; without it their rows start by ``spread`` (the report says so).
+            SentencePiece ``.model``, or such an object), which the spelled rules need to
+            spell the new tokens; without it their rows start by ``spread`` (the report says so).
         ema: the EMA of the model (ema_pytorch's ``EMA``, torch's ``AveragedModel``, or the
             averaged copy): the file's EMA weights (``CheckpointManager.save(..., ema=)``) are
             loaded into it, vocabulary-aware: its trained rows kept, its new rows started as

@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..row_init import (DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, RowSources, check_rule,
-                        romanized_sources)
+from ..row_init import (DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, SPELLED_RULES, TAGS_FROM_START,
+                        RowSources, check_rule, romanized_sources)
 from ..vocab_resize import RowPlan, grow_bias, grow_rows
 from ..vocab_rows import find_vocab_modules, row_layout
 from .reading import _what_to_do, nonfinite_flags
@@ -212,6 +212,8 @@ class NewRows:
     sources: RowSources | None
     parts: dict[str, str]  # grown model key -> "embedding" or "head"
     added: int = 0  # new rows in each grown tensor
+    # new language tags started as the start token in every grown tensor (row_init.TAGS_FROM_START)
+    tag_rows: tuple[int, ...] = ()
 
     def rule_of(self, key: str) -> str:
         return self.head if self.parts[key] == "head" else self.embedding
@@ -222,13 +224,14 @@ class NewRows:
         for part, rule in (("embedding", self.embedding), ("head", self.head)):
             if part not in self.parts.values():
                 continue
-            if rule != "romanized":
+            if rule not in SPELLED_RULES:
                 out.append(f"{part} {rule}")
             elif self.sources is None:
-                out.append(f"{part} romanized: no tokenizer was given to spell the "
+                out.append(f"{part} {rule}: no tokenizer was given to spell the "
                            f"new tokens: all by spread")
             else:
-                out.append(f"{part} romanized ({self.sources.describe()})")
+                out.append(f"{part} {rule} "
+                           f"({self.sources.describe(tags_from_start=bool(self.tag_rows))})")
         return ", ".join(out)
 
 
@@ -260,7 +263,8 @@ def _is_head(model: torch.nn.Module, key: str) -> bool:
 def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
                strict: bool, vocab_modules: Sequence[str], start_token_row: str | bool,
                seed: int, key_filter: Callable[[str], bool] | None = None,
-               truncate: bool = False, row_init: str = DEFAULT_ROW_INIT, head_row_init: str = DEFAULT_ROW_INIT,
+               truncate: bool = False, row_init: str = DEFAULT_ROW_INIT,
+               head_row_init: str = DEFAULT_HEAD_ROW_INIT,
                tokenizer: Any = None) -> ModelPlan:
     """The :class:`ModelPlan` of loading ``ckpt`` into ``model``: keys matched, shapes and
     dtypes checked, vocabulary rows grown. Raises before anything is changed."""
@@ -329,6 +333,8 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
             sources = new_rows.sources if new_rows is not None else None
             grown = (grow_bias(old, rows, generator, rule, sources) if old.dim() == 1
                      else grow_rows(old, rows, generator, rule, sources))
+            if new_rows is not None and new_rows.tag_rows:
+                grown[list(new_rows.tag_rows)] = old[rows.old_rows - 1]  # the start token's
             state[key] = grown.to(dtype=target[key].dtype)
         _one_value_for_tied(state, target, vocab, new_rows)
     return ModelPlan(aligned, state, vocab, rows, missing, unexpected, stripped, added, casts,
@@ -354,7 +360,7 @@ def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: Row
     parts = {key: "head" if _is_head(model, key) else "embedding" for key in keys}
     used = {head_row_init if part == "head" else row_init for part in parts.values()}
     sources = None
-    if "romanized" in used and tokenizer is not None:
+    if used & set(SPELLED_RULES) and tokenizer is not None:
         # rows before token 0 (F5-TTS's filler): token i is row i + lead
         lead = row_layout(_vocab_owner(model, keys[0]), rows.new_rows).leading_rows
         try:
@@ -367,7 +373,10 @@ def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: Row
                 f"(row_init 'romanized'): the tokenizer given could not be read ({exc}). "
                 f"Nothing was loaded. Pass tokenizer= the grown tokenizer the model was built "
                 f"with (a vocab.json or a SentencePiece .model), or another row_init.") from exc
-    return NewRows(row_init, head_row_init, sources, parts, rows.added)
+    tags = ()
+    if row_init in TAGS_FROM_START and sources is not None and rows.start_row_last:
+        tags = tuple(sources.tags)
+    return NewRows(row_init, head_row_init, sources, parts, rows.added, tags)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..row_init import SPELLED_RULES
+
 # The parts of a checkpoint a load reports on, in the order of the log line.
 PARTS = ("model", "ema", "optimizer", "scheduler", "scaler", "step", "rng", "data")
 # restored: the file's state is in the object as saved. remapped: it is, adapted to the
@@ -91,15 +93,19 @@ class LoadReport:
     def row_init(self) -> dict[str, Any] | None:
         """How the new rows started, as data: ``{"embedding": rule, "head": rule,
         "spelled": n, "fallback": n, "fallback_tokens": [...]}`` (the counts only for a
-        ``romanized`` load given a tokenizer); None when no row was added."""
+        spelled rule given a tokenizer; ``"tags_from_start": [...]``, the language tags started
+        as the start token); None when no row was added."""
         rows = self.new_rows
         if rows is None:
             return None
         out: dict[str, Any] = {"embedding": rows.embedding, "head": rows.head}
         if rows.sources is not None:
-            out.update(spelled=len(rows.sources.sources), fallback=len(rows.sources.unspelled),
-                       fallback_tokens=list(rows.sources.unspelled.values()))
-        elif "romanized" in (rows.embedding, rows.head):
+            fallback = [t for r, t in rows.sources.unspelled.items() if r not in rows.tag_rows]
+            out.update(spelled=len(rows.sources.sources), fallback=len(fallback),
+                       fallback_tokens=fallback)
+            if rows.tag_rows:
+                out["tags_from_start"] = [rows.sources.tags[r] for r in rows.tag_rows]
+        elif {rows.embedding, rows.head} & set(SPELLED_RULES):
             out.update(spelled=0, fallback=rows.added, fallback_tokens=[], no_tokenizer=True)
         return out
 
