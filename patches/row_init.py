@@ -1,23 +1,17 @@
 """Where the rows of new vocabulary tokens start: the rules, and the trained rows a new
 token's spelling points to. Design and measurements: docs/design/row_init.md.
 
+- ``romanized_offset`` (default): halfway from the old rows' mean to the ``romanized`` row,
+  plus one offset shared by the new language's spelled rows; a new language tag (``[am]``)
+  starts as the start token (XTTS's ``[START]``) where the layout has one.
 - ``romanized``: the mean of the trained rows of the pieces the token's Latin spelling
-  encodes to (``ሰላም`` -> ``selam`` -> ``se`` + ``lam``; the registered language's
-  ``romanize``, Amharic built in), plus 0.1 of the old rows' per-channel spread as noise;
-  a token nothing spells falls back to ``spread`` and is counted.
-- ``romanized_offset`` (the default): the ``romanized`` row pulled halfway toward the old
-  rows' mean, plus one offset shared by every spelled new row: a random direction, 0.6 times
-  the old rows' mean distance from their mean. Each token keeps its spelling, and the new
-  language as a whole starts apart from the base language, so what the fine-tune learns for
-  it is told apart from the base language from the first step. A new language tag (``[am]``)
-  starts, in the embedding, the head and its bias, as the start token (XTTS's ``[START]``)
-  where the layout has one: the base model reads it as the start of a text.
-- ``spread``: the old rows' mean plus noise of their own per-channel spread.
-- ``mean``: transformers' ``mean_resizing`` (every new row the old mean, within 3e-5 std).
+  encodes to (``ሰላም`` -> ``selam`` -> ``se`` + ``lam``), plus 0.1 of their spread as noise.
+- ``spread``: the old rows' mean plus noise of their own per-channel spread (also what a
+  token nothing spells falls back to, counted). ``mean``: transformers' ``mean_resizing``.
 - ``std0.02``: N(0, 0.02), GPT-2's and IndexTTS's init. ``randn``: N(0, 1), GPTTrainer's.
 
-A head bias follows its head's rule (the spelled rules: its pieces' mean; ``randn``/``std0.02``:
-zero; otherwise the old mean). Pure functions of tensors and the seed.
+A head bias follows its head's rule (the spelled rules: its pieces' mean; ``randn``/
+``std0.02``: zero; otherwise the old mean). Pure functions of tensors and the seed.
 """
 
 from __future__ import annotations
