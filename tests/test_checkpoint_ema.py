@@ -108,3 +108,26 @@ def test_an_ema_that_does_not_fit_is_refused_before_anything_changes(saved):
         load_checkpoint(path, model, ema=other)
     assert "Nothing was loaded" in str(info.value)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_ema_weights_are_one_unit_of_the_parts(saved, monkeypatch):
+    """``parts.EmaPart`` in ``parts.UNITS`` plans, applies and reports the EMA weights: taken
+    out of the list, the EMA is neither loaded nor reported, and the model still is."""
+    from patches.checkpoint import parts
+
+    path, trained, trained_ema = saved("AveragedModel")
+    assert any(isinstance(p, parts.EmaPart) for p in parts.UNITS)
+    model = TinyTextModel(OLD, 8, "tanh")
+    ema = _averaged(model, "AveragedModel")
+    report = load_checkpoint(path, model, ema=ema)
+    assert torch.equal(_ema_weight(ema, "text_embedding.weight"),
+                       _ema_weight(trained_ema, "text_embedding.weight"))
+    assert report.parts["ema"].status == "restored"
+    monkeypatch.setattr(parts, "UNITS", tuple(p for p in parts.UNITS if p.name != "ema"))
+    model = TinyTextModel(OLD, 8, "tanh")
+    ema = _averaged(model, "AveragedModel")
+    untouched = _ema_weight(ema, "text_embedding.weight").clone()
+    report = load_checkpoint(path, model, ema=ema)
+    assert torch.equal(_ema_weight(ema, "text_embedding.weight"), untouched)
+    assert "ema" not in report.parts
+    assert torch.equal(model.text_embedding.weight.detach(), trained.text_embedding.weight.detach())

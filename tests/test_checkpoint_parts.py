@@ -141,7 +141,7 @@ def test_each_part_is_one_unit_that_plans_applies_and_reports_its_state(saved, s
     from patches.checkpoint import parts
 
     assert [p.name for p in parts.UNITS] == ["optimizer", "scheduler", "scaler", "step", "rng",
-                                             "runtime", "data"]
+                                             "runtime", "data", "ema"]
     path = saved["full"][source]
     report, (_, opt, sched, scaler, _) = _load(path, "osg")
     assert sched.last_epoch == 3 and report.parts["scheduler"].status == "restored"

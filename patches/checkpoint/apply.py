@@ -1,6 +1,6 @@
 """The apply phase of a single-file load: :func:`apply` carries out a :class:`LoadPlan`: the
 parts beside the model first (:func:`.parts.apply_state`: optimizer, scheduler, scaler,
-RNG, runtime counters, data position, each with its undo), the EMA weights, the model last. When torch still refuses
+RNG, runtime counters, data position, EMA weights, each with its undo), the model last. When torch still refuses
 something, everything changed is put back before one :class:`CheckpointError` is raised."""
 
 from __future__ import annotations
@@ -29,12 +29,7 @@ def apply(plan: LoadPlan, model: torch.nn.Module, report: LoadReport) -> list[st
     undo: list[Callable[[], None]] = []
     model_touched = False
     try:
-        apply_state(plan.state, report, undo)
-        if plan.ema is not None:  # the EMA weights, then the model's
-            ema = plan.ema_module
-            undo.append(lambda m=ema, s={k: v.clone() for k, v in ema.state_dict().items()}:
-                        m.load_state_dict(s))
-            ema.load_state_dict(plan.ema.state, strict=False)
+        apply_state(plan.state, report, undo)  # the EMA weights among them
         # The model last: everything it could refuse was checked by decide().
         model_touched = True
         missing, _ = model.load_state_dict(plan.model.state, strict=False)

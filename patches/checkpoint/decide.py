@@ -83,9 +83,11 @@ class LoadPlan:
     checkpoint: dict[str, Any]
     model: ModelPlan
     state: StatePlan
-    ema: ModelPlan | None = None  # the EMA weights to load (None: none passed or none saved)
-    ema_in_file: bool = False
-    ema_module: Any = None
+
+    @property
+    def ema(self) -> ModelPlan | None:
+        """The EMA weights to load (the EMA part's plan; None: none passed or none saved)."""
+        return self.state.ema_plan
 
     @property
     def policy(self) -> str:
@@ -129,32 +131,30 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     # A bare state dict has no step, optimizer, ... (its keys are tensor names).
     bare = not any(isinstance(ckpt.get(k), Mapping) for k in MODEL_KEYS)
     meta: Mapping[str, Any] = {} if bare else ckpt
-    ema_plan = _plan_ema(path, meta, plan, options)
     optimizers = _as_list(optimizer)
     saved_opts = _as_list(meta.get("optimizer"))
+    saved_ema = ema_part.saved_ema(meta)
     source = Source(path=path, kind="file", meta=meta, has_optimizer=bool(saved_opts),
                     read_rng=lambda: _saved_rng(path, meta), rng_in_file=_holds_rng(meta),
                     saved_optimizers=saved_opts, read_data=lambda: list(meta["data_ranks"]),
-                    data_in_file=isinstance(meta.get("data_ranks"), list))
+                    data_in_file=isinstance(meta.get("data_ranks"), list),
+                    plan_ema=lambda ema: _plan_ema(path, saved_ema, ema, plan, options),
+                    ema_in_file=saved_ema is not None)
     state = plan_state(
         source, policy=options.policy, restore_rng=options.restore_rng, optimizers=optimizers,
         schedulers=[s for s in _as_list(scheduler) if s is not None], scaler=scaler,
         remap_optimizers=lambda: _remap_optimizers(path, model, plan, options, optimizers,
                                                    saved_opts),
-        loader=options.loader, resume_step=options.resume_step)
-    return LoadPlan(path=path, checkpoint=ckpt, model=plan, state=state, ema=ema_plan,
-                    ema_in_file=ema_part.saved_ema(meta) is not None, ema_module=options.ema)
+        loader=options.loader, resume_step=options.resume_step, ema=options.ema)
+    return LoadPlan(path=path, checkpoint=ckpt, model=plan, state=state)
 
 
-def _plan_ema(path: Path, meta: Mapping[str, Any], model_plan: ModelPlan,
-              options: LoadOptions) -> ModelPlan | None:
-    """The EMA weights' plan: matched, checked and grown like the model's, new rows as the
-    model's (:mod:`.ema`); None when no EMA was passed or the file holds none."""
-    saved = ema_part.saved_ema(meta)
-    if options.ema is None or saved is None:
-        return None
+def _plan_ema(path: Path, saved: Mapping[str, Any], ema: Any, model_plan: ModelPlan,
+              options: LoadOptions) -> ModelPlan:
+    """The plan of the file's EMA weights ``saved`` into ``ema``: matched, checked and grown
+    like the model's, new rows as the model's (:mod:`.ema`)."""
     try:
-        module = ema_part.module_of(options.ema, path)
+        module = ema_part.module_of(ema, path)
     except ValueError as exc:
         raise CheckpointMismatchError(str(exc)) from None
     ema_plan = plan_model(path, {"model": saved}, module, strict=options.strict,

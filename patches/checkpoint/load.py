@@ -201,13 +201,10 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
         report.freeze = _enable_freeze(model, plan.model, options.vocab_modules)
         if plan.ema is not None and plan.ema.rows is not None and report.freeze is not None:
             # the rows the model's freeze keeps, kept in the EMA too
-            report.ema_freeze = ema_part.KeptRows(plan.ema_module, plan.ema.resized,
+            report.ema_freeze = ema_part.KeptRows(plan.state.ema, plan.ema.resized,
                                                   report.freeze.rows)
             info("training-patches: EMA weights: %s", report.ema_freeze.describe())
     _model_part(report, plan.model)
-    ema_said = ema_part.part(plan.ema, options.ema is not None, plan.ema_in_file)
-    if ema_said is not None:
-        report.set_part("ema", *ema_said, in_file=plan.ema_in_file)
     report_parts(report, plan.state, resume_step=options.resume_step)
     _say(path, report, plan.model)
     say_fallback(report, plan.state)

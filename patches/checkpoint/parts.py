@@ -1,6 +1,6 @@
 """The training state beside the model's tensors, as parts: optimizer, scheduler, scaler,
-step (with epoch and ``extra``), RNG, the patches' runtime counters and the data position
-(:mod:`.data_position`). Each is one unit (a :class:`Part`: ``plan``, ``apply``,
+step (with epoch and ``extra``), RNG, the patches' runtime counters, the data position
+(:mod:`.data_position`) and the EMA weights (:mod:`.ema`). Each is one unit (a :class:`Part`: ``plan``, ``apply``,
 ``report``), listed once in :data:`UNITS`.
 
 A single checkpoint file and a sharded (DCP) folder are two *sources* of the same parts.
@@ -28,6 +28,7 @@ import torch
 from .. import _dist
 from .._version import __version__
 from . import data_position
+from . import ema as ema_part
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import (_as_list, _check_plain_state, _detach_from_file, _restart_scaler,
                         _restart_scheduler, check_kinds, class_names, restore_optimizer,
@@ -92,6 +93,10 @@ class Source:
     # every rank's saved data position (None: the source holds none), read on demand
     read_data: Callable[[], list[Any] | None] = lambda: None
     data_in_file: bool = False
+    # the EMA weights planned for the EMA given (matched, checked, grown as the model's:
+    # :mod:`.ema`); called only when an EMA was passed and the source holds EMA weights
+    plan_ema: Callable[[Any], Any] = lambda ema: None
+    ema_in_file: bool = False
 
 
 @dataclass
@@ -124,6 +129,8 @@ class StatePlan:
     loader: Any = None
     data: Mapping[str, Any] | None = None  # the position to arm the loader with
     data_part: tuple[str, str] | None = None  # (status, detail) of the report's data part
+    ema: Any = None  # the EMA passed to the load (its module)
+    ema_plan: Any = None  # the EMA weights to load (a plan.ModelPlan; None: nothing to load)
 
     @property
     def fell_back(self) -> bool:
@@ -387,16 +394,41 @@ class DataPart(Part):
             report.set_part("data", *plan.data_part, in_file=plan.source.data_in_file)
 
 
+class EmaPart(Part):
+    """The EMA weights (:mod:`.ema`): planned like the model's (keys matched, every tensor
+    checked, the vocabulary grown, the EMA's new rows started as the model's), loaded into
+    the EMA passed, before the model."""
+
+    name = "ema"
+
+    def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        if plan.ema is not None and plan.source.ema_in_file:
+            plan.ema_plan = plan.source.plan_ema(plan.ema)
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        if plan.ema_plan is None:
+            return
+        ema = plan.ema
+        undo.append(lambda s={k: v.clone() for k, v in ema.state_dict().items()}:
+                    ema.load_state_dict(s))
+        ema.load_state_dict(plan.ema_plan.state, strict=False)
+
+    def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
+        said = ema_part.part(plan.ema_plan, plan.ema is not None, plan.source.ema_in_file)
+        if said is not None:
+            report.set_part("ema", *said, in_file=plan.source.ema_in_file)
+
+
 # The parts beside the model, in the order they are decided, applied and reported (the
-# model, with its source, and the EMA weights are planned and applied by the load itself).
+# model stays with its source: a file's whole tensors, or a folder's shards).
 UNITS: tuple[Part, ...] = (OptimizerPart(), SchedulerPart(), ScalerPart(), StepPart(),
-                           RngPart(), RuntimePart(), DataPart())
+                           RngPart(), RuntimePart(), DataPart(), EmaPart())
 
 
 def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimizers: list[Any],
                schedulers: list[Any], scaler: Any,
                remap_optimizers: OptimizerRemap | None, loader: Any = None,
-               resume_step: bool = True) -> StatePlan:
+               resume_step: bool = True, ema: Any = None) -> StatePlan:
     """Decide every part beside the model (raises :class:`CheckpointError` or
     :class:`CheckpointMismatchError`; nothing is changed). ``remap_optimizers`` gives the
     file's optimizer states with their moments grown; None for a source that loads the
@@ -417,7 +449,7 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
         saved_scheds=saved_scheds, saved_scaler=meta.get("scaler"), optimizer_states=None,
         moments_resized=[], saved_step=saved_step,
         epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
-        extra=dict(extra or {}), rng=None, asked_rng=restore_rng, runtime=None)
+        extra=dict(extra or {}), rng=None, asked_rng=restore_rng, runtime=None, ema=ema)
     for part in UNITS:
         part.plan(plan, remap_optimizers, resume_step)
     return plan
@@ -534,5 +566,5 @@ def and_list(items: Sequence[str]) -> str:
     return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
 
 
-__all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "Part", "UNITS", "saved_state",
+__all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "Part", "EmaPart", "UNITS", "saved_state",
            "plan_state", "apply_state", "report_parts", "say_fallback", "new_report", "and_list"]

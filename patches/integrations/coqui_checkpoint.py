@@ -57,7 +57,8 @@ def local_path(path: Any) -> Path:
 
 def model_tokenizer(config: Any) -> str | None:
     """The local tokenizer file a coqui config names (``model_args.tokenizer_file``, XTTS),
-    for the loader's ``romanized`` new rows; None when it names none that exists here."""
+    for the loader's spelled new rows (``romanized_offset``, ``romanized``); None when it
+    names none that exists here."""
     args = getattr(config, "model_args", None)
     path = getattr(args, "tokenizer_file", "") if args is not None else ""
     if isinstance(args, dict):
