@@ -1,7 +1,8 @@
 """The apply phase of a single-file load: :func:`apply` carries out a :class:`LoadPlan`: the
 parts beside the model first (:func:`.parts.apply_state`: optimizer, scheduler, scaler,
-RNG, runtime counters, data position, EMA weights, each with its undo), the model last. When torch still refuses
-something, everything changed is put back before one :class:`CheckpointError` is raised."""
+RNG, runtime counters, data position, EMA weights, each with its undo), the model last.
+When torch still refuses something, everything changed is put back before one
+:class:`CheckpointError` is raised."""
 
 from __future__ import annotations
 

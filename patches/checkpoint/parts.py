@@ -1,7 +1,7 @@
 """The training state beside the model's tensors, as parts: optimizer, scheduler, scaler,
 step (with epoch and ``extra``), RNG, the patches' runtime counters, the data position
-(:mod:`.data_position`) and the EMA weights (:mod:`.ema`). Each is one unit (a :class:`Part`: ``plan``, ``apply``,
-``report``), listed once in :data:`UNITS`.
+(:mod:`.data_position`) and the EMA weights (:mod:`.ema`). Each is one unit (a
+:class:`Part`: ``plan``, ``apply``, ``report``), listed once in :data:`UNITS`.
 
 A single checkpoint file and a sharded (DCP) folder are two *sources* of the same parts.
 Each source reads what it holds into a :class:`Source`; then one code path serves both:
@@ -566,5 +566,6 @@ def and_list(items: Sequence[str]) -> str:
     return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
 
 
-__all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "Part", "EmaPart", "UNITS", "saved_state",
-           "plan_state", "apply_state", "report_parts", "say_fallback", "new_report", "and_list"]
+__all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "Part", "EmaPart", "UNITS",
+           "saved_state", "plan_state", "apply_state", "report_parts", "say_fallback",
+           "new_report", "and_list"]
