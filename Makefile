@@ -28,11 +28,9 @@ demo: setup
 	$(PY) headlessXttsTrain.py --demo
 
 # Every tier, one pytest worker per core (pytest-xdist): the distributed and client tiers
-# start their own processes, which share those cores. One torch thread per worker and per
-# process it starts: with torch's default (a thread per core) each worker's OpenMP threads
-# spin against the other worker's on the same cores.
+# start their own processes, which share those cores.
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto
 
 # The unit tier, under a minute on 2 cores: no coqui (xtts), nothing slow (subprocess
 # matrices, real trainings), no torchrun (distributed). --check-markers (tests/conftest.py)
