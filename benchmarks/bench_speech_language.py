@@ -119,7 +119,7 @@ def arms_for(which: str) -> list[dict[str, Any]]:
     # tag started as the base's [START] (GPTTrainer's accident) or [en]
     stage3 = [arm("romanized", "spread", scale=0.25), arm("romanized", "spread", scale=0.1),
               arm("romanized", "spread", tag="start"), arm("romanized", "spread", tag="en")]
-    # stage 4 (2026-11-27): the spelled rows pulled halfway in and moved apart by one shared
+    # stage 4 (2026-11-26, later): the spelled rows pulled halfway in and moved apart by one shared
     # offset (row_init "romanized_offset"), with the default head
     stage4 = [arm("romanized_offset", "spread")]
     return stage1 + stage2 + stage3 + stage4
