@@ -40,13 +40,17 @@ def saved_shapes(path: Path, key: str | None = None) -> dict[str, tuple[int, ...
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if key is not None:
             state = state.get(key) if isinstance(state, Mapping) else None
-        return {k: tuple(v.shape) for k, v in (state or {}).items()
-                if isinstance(v, torch.Tensor)}
+        return tensor_shapes(state or {})
     except Exception as exc:  # noqa: BLE001 - never into the trainer's resume: upstream loads
         logger.info("training-patches: the tensor shapes of %s could not be read (%s: %s); "
                     "the trainer loads it as without the patches", path, type(exc).__name__,
                     str(exc)[:200])
         return None
+
+
+def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in a state dict (its other entries left out)."""
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def shape_changes(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Module
@@ -123,4 +127,5 @@ def grow_loaded_moments(optimizer: Any, grown: Grown) -> list[str]:
     return done
 
 
-__all__ = ["Grown", "saved_shapes", "shape_changes", "vocabulary_growth", "load_grown", "grow_loaded_moments"]
+__all__ = ["Grown", "saved_shapes", "tensor_shapes", "shape_changes", "vocabulary_growth",
+           "load_grown", "grow_loaded_moments"]

@@ -149,9 +149,8 @@ def make_load_module_state_dict(original: Callable[..., Any]) -> Callable[..., A
     @functools.wraps(original)
     def load_module_state_dict(self: Any, checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
         state = checkpoint.get("module") if isinstance(checkpoint, dict) else None
-        changes = grown.vocabulary_growth(
-            {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)},
-            self.module) if isinstance(state, dict) else {}
+        changes = grown.vocabulary_growth(grown.tensor_shapes(state), self.module) \
+            if isinstance(state, dict) else {}
         if changes:
             said = "; ".join(f"{k}: checkpoint {list(a)}, model {list(b)}"
                              for k, (a, b) in changes.items())

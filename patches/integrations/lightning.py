@@ -32,8 +32,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import _run, nan_guard
 from .._registry import Integration, Site, register_integration
 from ..checkpoint import atomic_torch_save, grown
@@ -111,8 +109,7 @@ def make_load_model_state_dict(original: Any) -> Any:
         state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
         path = getattr(getattr(module, "_trainer", None), "ckpt_path", None)
         if isinstance(state, Mapping) and path and "://" not in str(path):
-            changes = grown.vocabulary_growth({k: tuple(v.shape) for k, v in state.items()
-                                           if isinstance(v, torch.Tensor)}, module)
+            changes = grown.vocabulary_growth(grown.tensor_shapes(state), module)
             if changes:  # read again from the file: the loader validates what it loads
                 self._training_patches_grown = grown.load_grown(
                     Path(path), module, set(state), changes, strict=strict)
