@@ -78,12 +78,18 @@ class RowSources:
                           {r + rows: v for r, v in self.unspelled.items()},
                           {r + rows: v for r, v in self.tags.items()})
 
+    def fallback_tokens(self, tags_from_start: bool = False) -> list[str]:
+        """The tokens whose rows fall back to :data:`FALLBACK`: every unspelled one, but the
+        language tags when they start as the start token."""
+        tags = self.tags if tags_from_start else {}
+        return [t for r, t in self.unspelled.items() if r not in tags]
+
     def describe(self, limit: int = 5, tags_from_start: bool = False) -> str:
         """``118 from their spelling, 2 by spread ('።', '፣')``; with ``tags_from_start``, the
         language tags apart: ``..., 1 language tag as the start token ('[am]')``."""
         text = f"{len(self.sources)} from their spelling"
         tags = self.tags if tags_from_start else {}
-        fallback = [t for r, t in self.unspelled.items() if r not in tags]
+        fallback = self.fallback_tokens(tags_from_start)
         for count, how, tokens in ((len(fallback), f"by {FALLBACK}", fallback),
                                    (len(tags), "language tag(s) as the start token",
                                     list(tags.values()))):

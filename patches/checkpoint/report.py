@@ -100,7 +100,7 @@ class LoadReport:
             return None
         out: dict[str, Any] = {"embedding": rows.embedding, "head": rows.head}
         if rows.sources is not None:
-            fallback = [t for r, t in rows.sources.unspelled.items() if r not in rows.tag_rows]
+            fallback = rows.sources.fallback_tokens(tags_from_start=bool(rows.tag_rows))
             out.update(spelled=len(rows.sources.sources), fallback=len(fallback),
                        fallback_tokens=fallback)
             if rows.tag_rows:
