@@ -227,7 +227,7 @@ def _usable(tokenizer: Any) -> bool:
 def _open(path: str) -> Any:
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"training-patches: row_init 'romanized' was given the tokenizer {path}, which is "
+            f"training-patches: the spelled row rules were given the tokenizer {path}, which is "
             f"not a file. Expected the grown tokenizer the model was built with (vocab.json or "
             f"a SentencePiece .model).")
     if path.endswith(".json"):

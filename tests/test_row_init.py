@@ -324,6 +324,18 @@ def test_romanized_without_a_tokenizer_falls_back_and_says_so(tmp_path) -> None:
     assert "no tokenizer was given" in report.summary()
 
 
+def test_an_unreadable_tokenizer_is_refused_naming_the_rule_in_use(tmp_path) -> None:
+    path = _tiny_checkpoint(tmp_path, 20)
+    model = TinyTextModel(vocab=24, dim=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(patches.CheckpointError,
+                       match=r"from their spelling \(row_init 'romanized_offset'\): the "
+                             r"tokenizer given could not be read .*nope\.json, which is not a "
+                             r"file.*Nothing was loaded"):
+        patches.load_checkpoint(path, model, freeze=False, tokenizer=str(tmp_path / "nope.json"))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
 def test_the_environment_sets_the_rules_and_a_bad_value_is_refused(tmp_path, monkeypatch,
                                                                     clean_patches) -> None:
     path = _tiny_checkpoint(tmp_path, 20)

@@ -356,7 +356,7 @@ def _one_value_for_tied(state: dict[str, torch.Tensor], target: Mapping[str, tor
 
 def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: RowPlan,
               row_init: str, head_row_init: str, tokenizer: Any) -> NewRows:
-    """The rule of each grown tensor, and the spelled rows when a rule is ``romanized``."""
+    """The rule of each grown tensor, and the spelled rows when a rule is a spelled one."""
     parts = {key: "head" if _is_head(model, key) else "embedding" for key in keys}
     used = {head_row_init if part == "head" else row_init for part in parts.values()}
     sources = None
@@ -370,7 +370,8 @@ def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: Row
         except (OSError, TypeError, ValueError, RuntimeError) as exc:
             raise CheckpointError(
                 f"training-patches: cannot start the new rows of {path} from their spelling "
-                f"(row_init 'romanized'): the tokenizer given could not be read ({exc}). "
+                f"(row_init {' and '.join(map(repr, sorted(used & set(SPELLED_RULES))))}): the "
+                f"tokenizer given could not be read ({exc}). "
                 f"Nothing was loaded. Pass tokenizer= the grown tokenizer the model was built "
                 f"with (a vocab.json or a SentencePiece .model), or another row_init.") from exc
     tags = ()
