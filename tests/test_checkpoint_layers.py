@@ -1,5 +1,5 @@
 """The walk of a single-file load goes one way down, read from the source with ``ast``:
-load -> apply -> decide -> parts -> optimizer -> plan -> reading, and the report and RNG
+load -> decide -> file_model -> parts -> optimizer -> ema -> plan -> reading, and the report and RNG
 helpers import none of them. No module below calls back up into one above it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from test_import_graph import _resolve, import_graph
 
 PKG = "patches.checkpoint"
 # Top to bottom: a module may import only the ones after it in this list.
-DOWN = ["load", "apply", "decide", "parts", "optimizer", "ema", "plan", "reading"]
+DOWN = ["load", "decide", "file_model", "parts", "optimizer", "ema", "plan", "reading"]
 # Leaves the phases use: they import none of the modules above.
 LEAVES = ["report", "rng", "errors", "atomic", "data_position"]
 

@@ -140,8 +140,8 @@ def test_each_part_is_one_unit_that_plans_applies_and_reports_its_state(saved, s
     part still is: the scheduler unit alone owns the scheduler."""
     from patches.checkpoint import parts
 
-    assert [p.name for p in parts.UNITS] == ["optimizer", "scheduler", "scaler", "step", "rng",
-                                             "runtime", "data", "ema"]
+    assert [p.name for p in parts.UNITS] == ["model", "optimizer", "scheduler", "scaler", "step",
+                                             "rng", "runtime", "data", "ema"]
     path = saved["full"][source]
     report, (_, opt, sched, scaler, _) = _load(path, "osg")
     assert sched.last_epoch == 3 and report.parts["scheduler"].status == "restored"
@@ -151,3 +151,51 @@ def test_each_part_is_one_unit_that_plans_applies_and_reports_its_state(saved, s
     assert report.parts["optimizer"].status == "restored" and opt.state
     assert report.parts["scaler"].status == "restored" and scaler.get_scale() == 256.0
     assert report.parts["step"].status == "restored" and report.step == 5
+
+
+@pytest.mark.parametrize("source", [0, 1], ids=["file", "folder"])
+def test_the_model_is_one_unit_planned_first_and_applied_last(saved, source, monkeypatch):
+    """The model is a unit of ``parts.UNITS`` too, for both sources (a file's planned rows, a
+    folder's DCP shards): planned before every other part (the optimizer's moments grow as
+    its rows) and applied after them (only its own refusal can leave anything changed), one
+    walk for both. Its report comes from the unit: with ``ModelPart.report`` silenced, neither
+    source's report has a model part, and the model is still loaded."""
+    from patches.checkpoint import parts
+
+    order: list[tuple[str, str]] = []
+    for unit in parts.UNITS:
+        for phase in ("plan", "apply"):
+            def walk(*args, _phase=phase, _unit=unit, _real=getattr(unit, phase)):
+                order.append((_phase, _unit.name))
+                return _real(*args)
+            monkeypatch.setattr(unit, phase, walk)
+    report, (model, opt, *_rest) = _load(saved["full"][source], "osg")
+    planned = [name for phase, name in order if phase == "plan"]
+    applied = [name for phase, name in order if phase == "apply"]
+    assert planned == [u.name for u in parts.UNITS] and planned[0] == "model"
+    assert applied == planned[1:] + ["model"]
+    assert report.parts["model"].status == "restored" and report.loaded == ["model"]
+    model_unit = next(u for u in parts.UNITS if u.name == "model")
+    monkeypatch.setattr(model_unit, "report", lambda *args: None)
+    report, (model, *_rest) = _load(saved["full"][source], "osg")
+    assert "model" not in report.parts and report.parts["optimizer"].status == "restored"
+    saved_weights = torch.load(saved["full"][0], weights_only=True)["model"]
+    assert all(torch.equal(v, saved_weights[k]) for k, v in model.state_dict().items())
+
+
+def test_a_folder_whose_shards_cannot_be_read_puts_the_other_parts_back(saved, monkeypatch):
+    """The model is applied last from a folder too: when DCP's load fails, the parts already
+    applied (scheduler, scaler, RNG) are put back before the one error."""
+    import torch.distributed.checkpoint as dcp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a shard cannot be read")
+
+    monkeypatch.setattr(dcp, "load", broken)
+    model, opt, sched, scaler = _objects(seed=1)
+    before = (sched.state_dict(), scaler.state_dict(), torch.get_rng_state())
+    with pytest.raises(Exception, match="shard cannot be read") as info:
+        load_checkpoint(saved["full"][1], model, opt, sched, scaler)
+    assert "model's weights may be partly changed" in str(info.value)
+    assert sched.state_dict() == before[0] and scaler.state_dict() == before[1]
+    assert torch.equal(torch.get_rng_state(), before[2])

@@ -420,9 +420,9 @@ def test_a_model_that_refuses_late_gets_optimizer_scheduler_scaler_back(tmp_path
 
 def test_decide_changes_nothing_and_apply_carries_out_its_plan(tmp_path):
     """The two phases of a load: decide() reads, validates and plans with the objects left
-    exactly as they were; apply() then changes all four as the plan says."""
-    from patches.checkpoint.apply import apply
+    exactly as they were; parts.apply_state() then changes all four as the plan says."""
     from patches.checkpoint.decide import LoadOptions, decide
+    from patches.checkpoint.parts import apply_state
     from patches.checkpoint.report import LoadReport
 
     model, opt, sched, scaler = _objects(steps=3)
@@ -435,7 +435,7 @@ def test_decide_changes_nothing_and_apply_carries_out_its_plan(tmp_path):
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert (plan.effective, plan.saved_step, plan.rng is not None) == ("remap", 3, True)
     report = LoadReport(path=str(good), policy=plan.policy, step=3)
-    apply(plan, target[0], report)
+    apply_state(plan.state, report)
     after = _state_of(*target)
     for part in ("model", "optimizer", "scheduler", "scaler"):
         assert not _same(after[part], before[part]), part

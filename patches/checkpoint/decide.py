@@ -1,8 +1,11 @@
-"""The decide phase of a single-file load: :func:`decide` reads the file, plans the model's
-tensors (keys matched, rows grown, every tensor checked), then the optimizer, scheduler,
-scaler, step, RNG and runtime counters, into one :class:`LoadPlan`. It raises before
-anything is changed and changes none of the objects it is given; :mod:`.apply` carries
-the plan out."""
+"""The decide phase of a single-file load: :func:`decide` reads the file into a
+:class:`~.parts.Source` (its model part a :class:`.file_model.FileModel`) and plans every
+part: the model's tensors first (keys matched, rows grown, every tensor checked), then the
+optimizer (its moments grown as the rows), scheduler, scaler, step, RNG, runtime
+counters, data position and EMA weights, into one :class:`LoadPlan`. It raises before
+anything is changed and changes none of the objects it is given;
+:func:`.parts.carry_out` carries the plan out, as it does a sharded folder's.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from ..row_init import check_rule
 
 from . import ema as ema_part
 from .errors import CheckpointMismatchError
+from .file_model import FileModel
 from .optimizer import _as_list, _remap_optimizer_state
 from .parts import RNG_KEYS, STEP_KEYS, Source, StatePlan, plan_state
 from .plan import MODEL_KEYS, ModelPlan, check_finite, plan_model
@@ -81,8 +85,12 @@ class LoadPlan:
 
     path: Path
     checkpoint: dict[str, Any]
-    model: ModelPlan
     state: StatePlan
+
+    @property
+    def model(self) -> ModelPlan:
+        """The model's tensors to load (the model part's plan)."""
+        return self.state.model_plan
 
     @property
     def ema(self) -> ModelPlan | None:
@@ -120,14 +128,6 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     options = options.resolved()
     ckpt = read_checkpoint(path, mmap=options.mmap, verify_hash=options.verify_hash,
                            trusted=options.trusted)
-    plan = plan_model(path, ckpt, model, strict=options.strict,
-                      vocab_modules=options.vocab_modules,
-                      start_token_row=options.start_token_row, seed=options.seed,
-                      key_filter=options.key_filter, truncate=options.truncate,
-                      row_init=options.row_init, head_row_init=options.head_row_init,
-                      tokenizer=options.tokenizer)
-    if not options.allow_nonfinite:
-        check_finite(path, plan, model)
     # A bare state dict has no step, optimizer, ... (its keys are tensor names).
     bare = not any(isinstance(ckpt.get(k), Mapping) for k in MODEL_KEYS)
     meta: Mapping[str, Any] = {} if bare else ckpt
@@ -136,17 +136,19 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     saved_ema = ema_part.saved_ema(meta)
     source = Source(path=path, kind="file", meta=meta, has_optimizer=bool(saved_opts),
                     read_rng=lambda: _saved_rng(path, meta), rng_in_file=_holds_rng(meta),
+                    model=FileModel(path, ckpt, model, options),
                     saved_optimizers=saved_opts, read_data=lambda: list(meta["data_ranks"]),
                     data_in_file=isinstance(meta.get("data_ranks"), list),
-                    plan_ema=lambda ema: _plan_ema(path, saved_ema, ema, plan, options),
+                    plan_ema=lambda ema, model_plan: _plan_ema(path, saved_ema, ema, model_plan,
+                                                               options),
                     ema_in_file=saved_ema is not None)
     state = plan_state(
         source, policy=options.policy, restore_rng=options.restore_rng, optimizers=optimizers,
         schedulers=[s for s in _as_list(scheduler) if s is not None], scaler=scaler,
-        remap_optimizers=lambda: _remap_optimizers(path, model, plan, options, optimizers,
-                                                   saved_opts),
+        remap_optimizers=lambda plan: _remap_optimizers(path, model, plan.model_plan, options,
+                                                        optimizers, saved_opts),
         loader=options.loader, resume_step=options.resume_step, ema=options.ema)
-    return LoadPlan(path=path, checkpoint=ckpt, model=plan, state=state)
+    return LoadPlan(path=path, checkpoint=ckpt, state=state)
 
 
 def _plan_ema(path: Path, saved: Mapping[str, Any], ema: Any, model_plan: ModelPlan,

@@ -1,6 +1,8 @@
-"""``load_checkpoint``, the door of every load: a sharded folder goes to :mod:`.sharded`;
-a single file is decided (:mod:`.decide`: read, validate, plan), agreed on by every rank,
-applied with undo (:mod:`.apply`), then reported (:class:`LoadReport`, the log lines)."""
+"""``load_checkpoint``, the door of every load: its options (:class:`LoadOptions`, any a
+source cannot honour refused), then a sharded folder goes to :mod:`.sharded`, a single file
+to :mod:`.decide` (read, validate, plan every part); both are carried out by
+:func:`.parts.carry_out` (every rank agreed, every part applied with undo, the model last,
+then reported: :class:`LoadReport` and the log lines)."""
 
 from __future__ import annotations
 
@@ -13,15 +15,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import _options
 from .._log import info
-from ..vocab_rows import row_layout
 from . import _collective
-from . import ema as ema_part
-from .apply import apply
-from .decide import LoadOptions, LoadPlan, decide
+from .decide import LoadOptions, decide
 from .errors import CheckpointError
-from .parts import and_list, new_report, report_parts, say_fallback
+from .parts import and_list, carry_out
 from .plan import ModelPlan
 from .report import LoadReport
 from .sharded import is_sharded_model, load_sharded
@@ -188,63 +186,11 @@ def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: An
                scaler: Any, options: LoadOptions, *,
                gate: Callable[[], None] | None) -> LoadReport:
     """:func:`load_checkpoint` of one file on this rank: decide (nothing changes), then
-    ``gate()`` (every rank together: a refusal on any rank stops all of them there), then
-    apply with undo, then the report and its log lines."""
+    :func:`.parts.carry_out` (the ranks' gate, every part applied with undo and reported),
+    then the log lines."""
     plan = decide(path, model, optimizer, scheduler, scaler, options)
-    if gate is not None:
-        gate()
-    report = new_report(plan.state, checkpoint=plan.checkpoint)
-    missing = apply(plan, model, report)
-    _report_model(report, plan, missing, resume_step=options.resume_step)
-    rows = plan.model.rows
-    if rows is not None and rows.added > 0 and options.freeze:
-        report.freeze = _enable_freeze(model, plan.model, options.vocab_modules)
-        if plan.ema is not None and plan.ema.rows is not None and report.freeze is not None:
-            # the rows the model's freeze keeps, kept in the EMA too
-            report.ema_freeze = ema_part.KeptRows(plan.state.ema, plan.ema.resized,
-                                                  report.freeze.rows)
-            info("training-patches: EMA weights: %s", report.ema_freeze.describe())
-    _model_part(report, plan.model)
-    report_parts(report, plan.state, resume_step=options.resume_step)
-    _say(path, report, plan.model)
-    say_fallback(report, plan.state)
-    return report
-
-
-def _report_model(report: LoadReport, plan: LoadPlan, missing: list[str], *,
-                  resume_step: bool) -> None:
-    """The report's fields about the model and the policy, read from the plan applied."""
-    model = plan.model
-    report.missing_keys = sorted(set(missing) | set(model.missing))
-    report.unexpected_keys = list(model.unexpected)
-    report.loaded.append("model")
-    if model.rows is not None:
-        report.resized = dict(model.resized)
-        report.kept_rows = {key: min(model.rows.old_rows, model.rows.new_rows)
-                            for key in model.resized}
-        report.base_vocab_size, report.vocab_size = model.rows.old_rows, model.rows.new_rows
-        report.start_row_moved = model.rows.start_row_last
-        report.new_rows = model.new_rows
-    if not resume_step:
-        report.step = 0
-    if model.prefix_stripped or model.prefix_added:
-        report.prefix_stripped, report.prefix_added = model.prefix_stripped, model.prefix_added
-        report.renamed_keys = len(model.aligned)  # every matched key went through the prefix
-    report.dtype_casts = dict(model.casts)
-
-
-def _model_part(report: LoadReport, plan: ModelPlan) -> None:
-    """``report.parts["model"]`` of a single file (the other parts: :func:`.parts.report_parts`)."""
-    if plan.rows is not None:
-        rows = plan.rows
-        how = f" ({plan.new_rows.describe()})" if plan.new_rows is not None else ""
-        change = (f"grown by {rows.added} vocabulary row(s){how}"
-                  if rows.added >= 0 else
-                  f"cut by their last {-rows.added} vocabulary row(s) (truncate=True)")
-        report.set_part("model", "remapped", f"{len(plan.state)} tensor(s), "
-                        f"{len(plan.resized)} of them {change}", in_file=True)
-    else:
-        report.set_part("model", "restored", f"{len(plan.state)} tensor(s)", in_file=True)
+    return carry_out(plan.state, gate or (lambda: None),
+                     lambda report: _say(path, report, plan.model), checkpoint=plan.checkpoint)
 
 
 def _say(path: Path, report: LoadReport, plan: ModelPlan) -> None:
@@ -281,46 +227,3 @@ def warn_weights_only(report: LoadReport, why: str, hint: str) -> bool:
                    "optimizer starts with no saved moments and the step counts from 0. %s",
                    report.path, and_list(held), why, hint)
     return True
-
-
-def _enable_freeze(model: torch.nn.Module, plan: ModelPlan, vocab_modules: Sequence[str]) -> Any:
-    """Freeze the base rows of the grown vocabulary (vocab_freeze may be absent)."""
-    try:
-        # Imported at the top, vocab_freeze would register its patch before checkpoint's
-        # (the banner's order is the registration order, patches/__init__.py).
-        from .. import vocab_freeze  # lazy: import order; and optional (ImportError below)
-    except ImportError:
-        logger.warning(
-            "training-patches: the vocabulary grew from %d to %d rows but patches.vocab_freeze is "
-            "not available, so the base rows are not frozen.", plan.rows.old_rows, plan.rows.new_rows)
-        return None
-    modules = sorted({key.rsplit(".", 1)[0] for key in plan.resized})
-    base_rows = _base_rows(model, plan, modules)
-    return vocab_freeze.freeze_base_vocab(model, base_rows, modules=modules,
-                                          start_row_last=plan.rows.start_row_last)
-
-
-def _base_rows(model: torch.nn.Module, plan: ModelPlan, modules: Sequence[str]) -> int:
-    """Rows of the BASE vocabulary to freeze after a growth: not every row of the checkpoint
-    (rows already trained for the new language keep training), but the first
-    ``TRAINING_PATCHES_BASE_VOCAB`` tokens (in the model's row layout), else the base of a
-    freeze already on these modules, else, when neither is known, every old row (logged)."""
-    from .. import vocab_freeze  # lazy: import order (see _enable_freeze, which imported it)
-
-    old_rows = plan.rows.old_rows
-    owner_path = modules[0].rsplit(".", 1)[0] if "." in modules[0] else ""
-    owner = model.get_submodule(owner_path) if owner_path else model
-    tokens = _options.current().base_vocab
-    if tokens:
-        rows = row_layout(owner, plan.rows.new_rows).base_rows(tokens)
-        return min(rows, old_rows)
-    for name in modules:
-        for param in model.get_submodule(name).parameters():
-            handle = vocab_freeze.freeze_of(param)
-            if handle is not None:
-                return min(handle.base_vocab_size, old_rows)
-    logger.info("training-patches: the base vocabulary size is not known, so all %d rows of "
-                "the checkpoint are frozen; set TRAINING_PATCHES_BASE_VOCAB to the tokens of "
-                "the original tokenizer to let rows trained for the new language train on",
-                old_rows)
-    return old_rows

@@ -1,17 +1,18 @@
-"""The training state beside the model's tensors, as parts: optimizer, scheduler, scaler,
-step (with epoch and ``extra``), RNG, the patches' runtime counters, the data position
+"""A checkpoint's state as parts: the model, optimizer, scheduler, scaler, step (with epoch
+and ``extra``), RNG, the patches' runtime counters, the data position
 (:mod:`.data_position`) and the EMA weights (:mod:`.ema`). Each is one unit (a
 :class:`Part`: ``plan``, ``apply``, ``report``), listed once in :data:`UNITS`.
 
 A single checkpoint file and a sharded (DCP) folder are two *sources* of the same parts.
 Each source reads what it holds into a :class:`Source`; then one code path serves both:
 :func:`saved_state` (what both writers store), :func:`plan_state` (the policy, then each
-unit's plan; nothing changes), :func:`apply_state` (each unit's changes, with their undo),
-:func:`report_parts` and :func:`say_fallback` (each unit's report; the one warning of a
-``remap`` that fell back to ``reset``).
+unit's plan; nothing changes), :func:`carry_out` (the ranks' gate, :func:`apply_state`:
+each unit's changes with their undo, the model last; :func:`report_parts`: each unit's
+report; :func:`say_fallback`: the one warning of a ``remap`` that fell back to ``reset``).
 
-Only the model (and, for a folder, the optimizer moments DCP loads with it) stays with its
-source: rows are planned from a file's whole tensors, shards are loaded by DCP.
+The model is the one part whose work differs by source (a :class:`ModelSource`): a file's
+whole tensors are planned row by row and grown (:mod:`.file_model`), a folder's shards are
+checked against its manifest and loaded by DCP, with the optimizer moments (:mod:`.sharded`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def saved_state(step: int, optimizers: list[Any], schedulers: list[Any], scaler:
     counters with the optimizer's and scheduler's classes (compared at load), ``extra`` and
     its ``epoch``, and each rank's data position (``data_ranks``, when a loader was given;
     a folder keeps them in per-rank files instead)."""
-    from .. import _api  # lazy: import order of the patches (see checkpoint.apply)
+    from .. import _api  # lazy: import order of the patches (see RuntimePart.apply)
 
     state: dict[str, Any] = {
         "step": step,
@@ -89,13 +90,15 @@ class Source:
     has_optimizer: bool
     read_rng: Callable[[], Mapping[str, Any] | None]
     rng_in_file: bool
+    model: "ModelSource"  # how this source plans, loads and reports the model's tensors
     saved_optimizers: list[Any] = field(default_factory=list)
     # every rank's saved data position (None: the source holds none), read on demand
     read_data: Callable[[], list[Any] | None] = lambda: None
     data_in_file: bool = False
-    # the EMA weights planned for the EMA given (matched, checked, grown as the model's:
-    # :mod:`.ema`); called only when an EMA was passed and the source holds EMA weights
-    plan_ema: Callable[[Any], Any] = lambda ema: None
+    # the EMA weights planned for the EMA given and the model's plan (matched, checked,
+    # grown as the model's: :mod:`.ema`); called only when an EMA was passed and the
+    # source holds EMA weights
+    plan_ema: Callable[[Any, Any], Any] = lambda ema, model_plan: None
     ema_in_file: bool = False
 
 
@@ -131,6 +134,8 @@ class StatePlan:
     data_part: tuple[str, str] | None = None  # (status, detail) of the report's data part
     ema: Any = None  # the EMA passed to the load (its module)
     ema_plan: Any = None  # the EMA weights to load (a plan.ModelPlan; None: nothing to load)
+    model_plan: Any = None  # what the source's model part decided (a file's plan.ModelPlan)
+    resume_step: bool = True  # False: a weights-only start, counted from step 0
 
     @property
     def fell_back(self) -> bool:
@@ -138,18 +143,23 @@ class StatePlan:
         return self.effective != self.policy
 
 
-OptimizerRemap = Callable[[], "tuple[list[dict[str, Any]], list[str]]"]
+# (each optimizer's saved state with its moments grown onto the model's rows, the names of
+# the parameters whose moments were resized), from the plan whose model part was decided
+OptimizerRemap = Callable[[StatePlan], "tuple[list[dict[str, Any]], list[str]]"]
 
 
 class Part:
-    """One piece of the state beside the model, as one unit: :meth:`plan` decides it (checks
-    and fills its fields of the :class:`StatePlan`; it may refuse, it changes nothing),
+    """One piece of a checkpoint's state, as one unit: :meth:`plan` decides it (checks and
+    fills its fields of the :class:`StatePlan`; it may refuse, it changes nothing),
     :meth:`apply` carries it out (each change with its undo), :meth:`report` says what was
-    done, read from the plan and the objects, not from what was asked. The parts run in
-    the order of :data:`UNITS`; a load's policy (``plan.effective``) is decided once, before
-    them, because the optimizer, scheduler and scaler are kept or started fresh together."""
+    done, read from the plan and the objects, not from what was asked. The parts are
+    planned and reported in the order of :data:`UNITS` and applied in it too, except that a
+    part with ``apply_last`` comes after the others; a load's policy (``plan.effective``) is
+    decided once, before them, because the optimizer, scheduler and scaler are kept or
+    started fresh together."""
 
     name = ""
+    apply_last = False
 
     def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
         """Decide this part (raises :class:`CheckpointError` to refuse the whole load)."""
@@ -181,6 +191,40 @@ def _fresh_or_dropped(report: LoadReport, plan: StatePlan, name: str, given: boo
         report.set_part(name, "absent", "left as passed" if given else "")
 
 
+class ModelSource:
+    """How one source plans, loads and reports the model's tensors: the single file's
+    (:class:`.file_model.FileModel`) and the sharded folder's (:class:`.sharded.ShardedModel`).
+    :meth:`plan` returns what :meth:`apply` loads (it may refuse; it changes nothing)."""
+
+    def plan(self, plan: StatePlan) -> Any:
+        raise NotImplementedError
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        raise NotImplementedError
+
+    def report(self, plan: StatePlan, report: LoadReport) -> None:
+        raise NotImplementedError
+
+
+class ModelPart(Part):
+    """The model's tensors, through the source's :class:`ModelSource`. Planned first (the
+    optimizer's moments and the EMA weights grow as its rows do) and applied last: every
+    other part can be put back, and only the model's own refusal (or DCP's load, which
+    cannot be undone) can leave it partly changed."""
+
+    name = "model"
+    apply_last = True
+
+    def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        plan.model_plan = plan.source.model.plan(plan)
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        plan.source.model.apply(plan, report, undo)
+
+    def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
+        plan.source.model.report(plan, report)
+
+
 class OptimizerPart(Part):
     """The optimizer states: loaded with the moments of grown rows grown (``remap``), or
     every optimizer emptied, its LR back at ``initial_lr`` (``reset``)."""
@@ -188,11 +232,15 @@ class OptimizerPart(Part):
     name = "optimizer"
 
     def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        source = plan.source
+        if plan.policy == "remap":  # a state of another class is refused, never "restored"
+            check_kinds(source.path, source.meta, plan.optimizers, source.saved_optimizers,
+                        plan.schedulers, plan.saved_scheds)
         if remap is None:  # the source loads the moments itself (DCP, with the shards)
             return
         plan.optimizer_states = []
         if plan.effective == "remap" and plan.optimizers:
-            plan.optimizer_states, plan.moments_resized = remap()
+            plan.optimizer_states, plan.moments_resized = remap(plan)
 
     def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
         if plan.effective == "remap":
@@ -403,7 +451,7 @@ class EmaPart(Part):
 
     def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
         if plan.ema is not None and plan.source.ema_in_file:
-            plan.ema_plan = plan.source.plan_ema(plan.ema)
+            plan.ema_plan = plan.source.plan_ema(plan.ema, plan.model_plan)
 
     def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
         if plan.ema_plan is None:
@@ -419,17 +467,17 @@ class EmaPart(Part):
             report.set_part("ema", *said, in_file=plan.source.ema_in_file)
 
 
-# The parts beside the model, in the order they are decided, applied and reported (the
-# model stays with its source: a file's whole tensors, or a folder's shards).
-UNITS: tuple[Part, ...] = (OptimizerPart(), SchedulerPart(), ScalerPart(), StepPart(),
-                           RngPart(), RuntimePart(), DataPart(), EmaPart())
+# The parts of a checkpoint, in the order they are decided and reported; applied in it
+# too, but the model (``apply_last``) after the others.
+UNITS: tuple[Part, ...] = (ModelPart(), OptimizerPart(), SchedulerPart(), ScalerPart(),
+                           StepPart(), RngPart(), RuntimePart(), DataPart(), EmaPart())
 
 
 def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimizers: list[Any],
                schedulers: list[Any], scaler: Any,
                remap_optimizers: OptimizerRemap | None, loader: Any = None,
                resume_step: bool = True, ema: Any = None) -> StatePlan:
-    """Decide every part beside the model (raises :class:`CheckpointError` or
+    """Decide every part, the model first (raises :class:`CheckpointError` or
     :class:`CheckpointMismatchError`; nothing is changed). ``remap_optimizers`` gives the
     file's optimizer states with their moments grown; None for a source that loads the
     moments itself."""
@@ -438,8 +486,6 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
     extra = _extra_of(path, meta)
     saved_step = _step_of(path, meta) if any(meta.get(k) is not None for k in STEP_KEYS) else None
     epoch = meta.get("epoch")
-    if policy == "remap":  # a state of another class is refused, never "restored"
-        check_kinds(path, meta, optimizers, source.saved_optimizers, schedulers, saved_scheds)
     effective = policy
     if policy == "remap" and optimizers and not source.has_optimizer:
         effective = "reset"  # nothing to keep: the matched set starts fresh together
@@ -449,7 +495,8 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
         saved_scheds=saved_scheds, saved_scaler=meta.get("scaler"), optimizer_states=None,
         moments_resized=[], saved_step=saved_step,
         epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
-        extra=dict(extra or {}), rng=None, asked_rng=restore_rng, runtime=None, ema=ema)
+        extra=dict(extra or {}), rng=None, asked_rng=restore_rng, runtime=None, ema=ema,
+        resume_step=resume_step)
     for part in UNITS:
         part.plan(plan, remap_optimizers, resume_step)
     return plan
@@ -523,13 +570,54 @@ def new_report(plan: StatePlan, **fields: Any) -> LoadReport:
                       **fields)
 
 
-def apply_state(plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
-    """Carry out every part of ``plan`` (:data:`UNITS`, in order), appending to ``undo``
-    what puts each change back; ``report`` gets what was restored or started fresh."""
-    for part in UNITS:
-        part.apply(plan, report, undo)
+def carry_out(plan: StatePlan, gate: Callable[[], None], say: Callable[[LoadReport], None],
+              **fields: Any) -> LoadReport:
+    """The second half of every load, a file's or a folder's: ``gate()`` (every rank
+    decided: a refusal on any stops all of them before a change), :func:`apply_state`,
+    :func:`report_parts`, ``say(report)`` (the source's log lines, read from the report),
+    :func:`say_fallback`. Returns the :class:`LoadReport`."""
+    gate()
+    report = new_report(plan, **fields)
+    apply_state(plan, report)
+    report_parts(report, plan, resume_step=plan.resume_step)
+    say(report)
+    say_fallback(report, plan)
+    return report
+
+
+def apply_state(plan: StatePlan, report: LoadReport) -> None:
+    """Carry out every part of ``plan`` (:data:`UNITS`, the ``apply_last`` model after the
+    others), all or nothing; ``report`` gets what was restored or started fresh.
+
+    When a part still fails after every check passed (torch refuses a tensor, DCP cannot
+    read a shard), every change already made is put back before one
+    :class:`CheckpointError` is raised; only the model, changed last, may stay partly
+    changed (the message says so)."""
+    undo: list[Callable[[], None]] = []
+    model_touched = False
+    try:
+        for part in sorted(UNITS, key=lambda p: p.apply_last):
+            model_touched = model_touched or part.apply_last
+            part.apply(plan, report, undo)
+    except Exception as exc:  # noqa: BLE001 - put everything back, then one clear error
+        for step_back in reversed(undo):
+            try:
+                step_back()
+            except Exception:  # noqa: BLE001 - keep undoing the rest
+                logger.exception("training-patches: could not undo part of a refused load")
+        if isinstance(exc, CheckpointError):  # the source said it in full (a DCP load)
+            raise
+        what = ("The optimizer, scheduler, scaler and RNG were put back as they were, but the "
+                "model's weights may be partly changed: build the model again before retrying."
+                if model_touched else "Nothing was changed.")
+        raise CheckpointError(
+            f"training-patches: cannot load {plan.source.path}: torch refused part of it after "
+            f"it passed every check ({type(exc).__name__}: {str(exc)[:300]}). {what} "
+            f"{_what_to_do(plan.source.path)}") from exc
     if plan.effective != "remap":  # the policy's, not one unit's: the three started together
         report.reset += restarted(plan.optimizers, plan.schedulers, plan.scaler)
+        report.step = 0
+    if not plan.resume_step:
         report.step = 0
 
 
@@ -539,8 +627,8 @@ def _restore_dict(obj: Any, saved: dict[str, Any]) -> None:
 
 
 def report_parts(report: LoadReport, plan: StatePlan, *, resume_step: bool = True) -> None:
-    """Fill ``report.parts`` for every part but the model (its source reports it): each
-    part's own report, read from the plan and what :func:`apply_state` did."""
+    """Fill ``report.parts``: each part's own report, read from the plan and what
+    :func:`apply_state` did."""
     for part in UNITS:
         part.report(plan, report, resume_step)
 
@@ -566,6 +654,6 @@ def and_list(items: Sequence[str]) -> str:
     return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
 
 
-__all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "Part", "EmaPart", "UNITS",
-           "saved_state", "plan_state", "apply_state", "report_parts", "say_fallback",
-           "new_report", "and_list"]
+__all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "Part", "ModelSource", "ModelPart",
+           "EmaPart", "UNITS", "saved_state", "plan_state", "carry_out", "apply_state",
+           "report_parts", "say_fallback", "new_report", "and_list"]

@@ -44,7 +44,8 @@ from .reading import iter_tensors, nonfinite_flags
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import _as_list, scaler_enabled
-from .parts import Source, apply_state, saved_state, new_report, plan_state, report_parts, say_fallback
+from .parts import ModelSource, Source, StatePlan, carry_out, plan_state, saved_state
+from .report import LoadReport
 from .rng import capture_rng_state, state_for_rank
 
 logger = logging.getLogger("training_patches")
@@ -356,14 +357,62 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
 # --------------------------------------------------------------------------- loading
 
 
+class ShardedModel(ModelSource):
+    """The model part of a sharded folder: the model's tensors (sharded or plain) checked
+    against the shapes the manifest names, then loaded by DCP in the saved shapes, with the
+    optimizer moments under ``remap`` (DCP reshards: a folder of N ranks loads into M)."""
+
+    def __init__(self, path: Path, model: torch.nn.Module, manifest: dict[str, Any],
+                 optimizers: list[Any]) -> None:
+        self.path, self.model, self.manifest, self.optimizers = path, model, manifest, optimizers
+
+    def plan(self, plan: StatePlan) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (  # lazy: heavy, only for sharded loads
+            get_model_state_dict)
+
+        path, saved = self.path, self.manifest["param_shapes"]
+        msd = get_model_state_dict(self.model)  # (the optimizer's state dict would create moments)
+        shapes = {k: list(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
+        if shapes != saved:
+            differ = sorted(k for k in set(shapes) | set(saved) if shapes.get(k) != saved.get(k))
+            raise CheckpointMismatchError(
+                f"training-patches: cannot load the sharded checkpoint {path} into this model: "
+                f"{len(differ)} tensor(s) differ in name or shape ({', '.join(differ[:4])}; e.g. "
+                f"{differ[0]} is {saved.get(differ[0])} in the checkpoint and "
+                f"{shapes.get(differ[0])} in the model). Nothing was loaded. A sharded checkpoint "
+                f"loads only into the same architecture; to grow the vocabulary, load the model "
+                f"unsharded first (a single-file checkpoint through load_checkpoint before "
+                f"fully_shard), then shard it.")
+        return msd
+
+    def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
+        import torch.distributed.checkpoint as dcp  # lazy: heavy, only for sharded loads
+        from torch.distributed.checkpoint.state_dict import (  # lazy: heavy, only for sharded loads
+            set_model_state_dict, set_state_dict)
+
+        model, optimizers, path = self.model, self.optimizers, self.path
+        state = {"model": plan.model_plan}
+        if plan.effective == "remap" and optimizers:
+            state["model"], state["optimizer"] = _state_dicts(model, optimizers)
+        # DCP's load cannot be undone: every rank passed the gate before it.
+        _dcp_call("load", path, lambda: dcp.load(state, checkpoint_id=str(path)))
+        if "optimizer" in state:
+            set_state_dict(model, optimizers, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        else:
+            set_model_state_dict(model, state["model"])
+        report.loaded.append("model")
+
+    def report(self, plan: StatePlan, report: LoadReport) -> None:
+        report.set_part("model", "restored", f"{len(plan.model_plan)} tensor(s)", in_file=True)
+
+
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                  scaler: Any, *, policy: str, restore_rng: bool | None, verify_hash: bool,
                  allow_nonfinite: bool, loader: Any = None) -> Any:
-    """Load a sharded checkpoint folder into ``model`` (FSDP2 or plain; any world size)."""
-    import torch.distributed.checkpoint as dcp  # lazy: heavy, only for sharded loads
-    from torch.distributed.checkpoint.state_dict import (  # lazy: heavy, only for sharded loads
-        get_model_state_dict, set_model_state_dict, set_state_dict)
-
+    """Load a sharded checkpoint folder into ``model`` (FSDP2 or plain; any world size):
+    the folder's checks, then every part planned and carried out as a file's are
+    (:func:`.parts.plan_state`, :func:`.parts.carry_out`), the model through DCP."""
     problem = _on_writer(lambda: check_folder(path, verify_hash=verify_hash))
     if problem is not None:
         raise CheckpointError(
@@ -386,55 +435,28 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
             states[rank] = torch.load(path / _rng_name(rank), weights_only=True)
         return state_for_rank(states, rank, world, str(path))
 
+    def say(report: LoadReport) -> None:
+        info("training-patches: %s (sharded, saved by %d rank(s), loaded on %d)",
+             report.summary(), manifest["world_size"], world)
+
     def load_rank(gate: Callable[..., None]) -> Any:
         meta = torch.load(path / META_NAME, weights_only=True)
-        # The parts beside the tensors: the same plan, apply and report as a single file's.
         saved_world = meta.get("data_world")
         source = Source(path=path, kind="folder", meta=meta,
                         has_optimizer=bool(manifest.get("has_optimizer")), read_rng=read_rng,
-                        rng_in_file=True, data_in_file=isinstance(saved_world, int),
+                        rng_in_file=True, model=ShardedModel(path, model, manifest, optimizers),
+                        data_in_file=isinstance(saved_world, int),
                         read_data=lambda: [torch.load(path / _data_name(r), weights_only=True)
                                            if r == rank else None for r in range(saved_world)])
         plan = plan_state(source, policy=policy, restore_rng=restore_rng, optimizers=optimizers,
                           schedulers=schedulers, scaler=scaler, remap_optimizers=None,
                           loader=loader)
-        msd = get_model_state_dict(model)  # (the optimizer's state dict would create moments)
-        shapes = {k: list(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
-        if shapes != manifest["param_shapes"]:
-            differ = sorted(k for k in set(shapes) | set(manifest["param_shapes"])
-                            if shapes.get(k) != manifest["param_shapes"].get(k))
-            raise CheckpointMismatchError(
-                f"training-patches: cannot load the sharded checkpoint {path} into this model: "
-                f"{len(differ)} tensor(s) differ in name or shape ({', '.join(differ[:4])}; e.g. "
-                f"{differ[0]} is {manifest['param_shapes'].get(differ[0])} in the checkpoint and "
-                f"{shapes.get(differ[0])} in the model). Nothing was loaded. A sharded checkpoint "
-                f"loads only into the same architecture; to grow the vocabulary, load the model "
-                f"unsharded first (a single-file checkpoint through load_checkpoint before "
-                f"fully_shard), then shard it.")
-        gate()  # every rank read and checked its parts: only now change anything
-        state = {"model": msd}
-        if plan.effective == "remap" and optimizers:
-            state["model"], state["optimizer"] = _state_dicts(model, optimizers)
-        _dcp_call("load", path, lambda: dcp.load(state, checkpoint_id=str(path)))
-        if "optimizer" in state:
-            set_state_dict(model, optimizers, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
-        else:
-            set_model_state_dict(model, state["model"])
-        report = new_report(plan)
-        report.loaded.append("model")
-        apply_state(plan, report, [])  # DCP's load cannot be undone: the gate came first
-        report.set_part("model", "restored", f"{len(msd)} tensor(s)", in_file=True)
-        report_parts(report, plan)
-        say_fallback(report, plan)
-        return report
+        return carry_out(plan, gate, say)
 
-    report = _on_every_rank(load_rank, gather=False)
-    info("training-patches: %s (sharded, saved by %d rank(s), loaded on %d)",
-         report.summary(), manifest["world_size"], world)
-    return report
+    return _on_every_rank(load_rank, gather=False)
 
 
 __all__ = ["DCP_SUFFIX", "DCP_FORMAT", "is_sharded_model", "save_sharded", "load_sharded",
+           "ShardedModel",
            "check_folder", "complete_folders", "folder_problem", "remove_folder",
            "read_folder_manifest"]
