@@ -11,6 +11,21 @@ from pathlib import Path
 
 import pytest
 
+
+def _small_xtts() -> None:
+    """XTTS's never-trained modules at small widths in this process, as in every process
+    a test starts (``processes.child_path``; tests/small_xtts/sitecustomize.py says why)."""
+    import importlib.util
+
+    from processes import SMALL_XTTS
+
+    spec = importlib.util.spec_from_file_location("small_xtts", SMALL_XTTS / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+_small_xtts()
+
 # Seven Amharic characters plus the [am] language token: 74 base tokens -> 82.
 AMHARIC_NEW_TOKENS: tuple[str, ...] = ("ሰ", "ላ", "ም", "ዓ", "ለ", "እ", "ን")
 

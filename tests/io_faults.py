@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import pytest
+from processes import child_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,7 @@ def run_with_file_limit(argv: Sequence[str], limit: int, *, cwd: Path,
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+    env = dict(os.environ, PYTHONPATH=child_path(ROOT), OMP_NUM_THREADS="1",
                PYTHONDONTWRITEBYTECODE="1", TRAINING_PATCHES_QUIET="1")
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout, preexec_fn=limited)

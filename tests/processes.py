@@ -13,6 +13,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "headlessXttsTrain.py"
+# XTTS's never-trained modules at small widths, in every process a test starts
+# (tests/small_xtts/sitecustomize.py says why)
+SMALL_XTTS = Path(__file__).resolve().parent / "small_xtts"
+
+
+def child_path(*paths: str | os.PathLike[str]) -> str:
+    """The PYTHONPATH of a process a test starts: ``paths``, then :data:`SMALL_XTTS`."""
+    return os.pathsep.join([*(str(p) for p in paths), str(SMALL_XTTS)])
 
 
 def exit_after_atexit(code: int = 0) -> None:
@@ -39,7 +47,7 @@ def default_signals() -> None:
 
 def start_headless(*args: str, cwd: Path) -> subprocess.Popen[str]:
     """``headlessXttsTrain.py args...`` in a new session; stdout and stderr together."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
     return subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
                             start_new_session=True, preexec_fn=default_signals)

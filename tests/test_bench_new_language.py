@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import child_path
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("tokenizers")
@@ -37,7 +38,7 @@ def test_quick_run_writes_table_json_and_plot_with_every_kind_of_arm(tmp_path: P
          "--steps", "8", "--base-steps", "8", "--seeds", "1", "--arms", ",".join(ARMS),
          "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_path(ROOT)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text(encoding="utf-8"))
     assert set(result["summary"]["arms"]) == set(ARMS)

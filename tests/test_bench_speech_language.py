@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import child_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.xtts]
 pytest.importorskip("TTS")
@@ -36,7 +37,7 @@ def test_quick_run_writes_table_json_and_plot_with_two_rules(tmp_path: Path) -> 
          "--steps", "4", "--base-steps", "4", "--utterances", "160", "--arms",
          ",".join(f"{rule}/{rule} " for rule in RULES), "--out", str(out), "--clean"],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_path(ROOT)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text(encoding="utf-8"))
     runs = {r["spec"]["emb"]: r for r in result["runs"]}

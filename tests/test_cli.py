@@ -7,6 +7,7 @@ from pathlib import Path
 import json
 
 from patches.tools import cli
+from processes import child_path
 
 
 def test_doctor_lists_torch_and_exits_zero(capsys) -> None:
@@ -274,7 +275,7 @@ def test_a_json_write_the_system_refuses_is_one_paragraph_and_exit_1(tmp_path, c
 
 
 def _tool(argv: list[str], cwd: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
     return subprocess.Popen([sys.executable, "-m", "patches", *argv], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import child_path
 
 REPO = Path(__file__).resolve().parents[1]
 CLIENTS = Path(__file__).resolve().parent / "clients"
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TRAINING_PATCHES_", "CLIENT_", "PYTHONPATH"))}
-    env.update(OMP_NUM_THREADS="1", **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=child_path(), **extra)
     return env
 
 
@@ -100,7 +101,7 @@ def _run_xtts(project: Path, base: dict[str, Path], out: Path, *, launcher: bool
             "--language", "amh", "--out", str(out), *extra]
     environment = _env(TRAINING_PATCHES_BASE_VOCAB=str(BASE_TOKENS), **env)
     if pythonpath is not None:
-        environment["PYTHONPATH"] = pythonpath
+        environment["PYTHONPATH"] = child_path(pythonpath)
     output = _run(LAUNCHER + argv if launcher else argv, project, environment)
     harness = json.loads((out / "harness.json").read_text())
     harness["output"] = output
@@ -313,7 +314,7 @@ def _run_indextts(script: Path, files: dict[str, Path], out: Path, *, bpe: str =
     argv = [sys.executable, str(script), "--bpe", str(files[bpe]), "--data", str(files["data"]),
             "--out", str(out), *extra]
     environment = _env(**env)
-    environment["PYTHONPATH"] = str(REPO)  # the library, as if installed
+    environment["PYTHONPATH"] = child_path(REPO)  # the library, as if installed
     output = _run(LAUNCHER + argv if launcher else argv, script.parents[1], environment)
     harness = json.loads((out / "harness.json").read_text())
     harness["output"] = output

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import child_path
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed (pip install -e '.[test]')")
@@ -34,7 +35,7 @@ def _job(script: Path, tmp_path: Path, out: Path, *args: str, **env: str):
     """``script ARGS`` in a process of its own (BASE_VOCAB=20, no other TRAINING_PATCHES_*
     setting inherited): its completed process and what it saved at ``out``."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
-    environ.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+    environ.update(PYTHONPATH=child_path(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                    TRAINING_PATCHES_BASE_VOCAB="20", **env)
     proc = subprocess.run([sys.executable, str(script), *args], env=environ, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)

@@ -11,13 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import child_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "headlessXttsTrain.py"
 
 
 def _run(*args: str, timeout: int = 400) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=child_path(ROOT))
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
 
@@ -139,7 +140,7 @@ def test_the_fine_tune_child_ends_with_the_demo(tmp_path: Path, signame: str) ->
     from processes import default_signals
 
     out = tmp_path / "demo"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=child_path(ROOT))
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--demo", "--output-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT, start_new_session=True,

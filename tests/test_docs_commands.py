@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import child_path
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("soundfile")
@@ -149,7 +150,7 @@ def test_every_doc_command_exits_as_the_docs_say(tmp_path) -> None:
     shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m patches \"$@\"\n")
     shim.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT),
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=child_path(ROOT),
                OMP_NUM_THREADS="1")
     ran = []
     for doc, line, command in doc_commands():

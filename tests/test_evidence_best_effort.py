@@ -26,6 +26,7 @@ import torch
 
 import patches
 from patches import _run, dataset_guard, oom_guard
+from processes import child_path
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,7 +235,7 @@ print(json.dumps({"stats": patches.stats()["evidence"],
 @pytest.mark.slow
 def test_a_file_size_limit_never_stops_training_nor_leaves_half_a_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = child_path(ROOT)
     env[_run.RUN_ID_ENV] = uuid.uuid4().hex
     done = subprocess.run([sys.executable, "-c", _SIZE_LIMIT, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=300)

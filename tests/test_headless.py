@@ -11,13 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import child_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "headlessXttsTrain.py"
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
 
@@ -203,6 +204,6 @@ def test_a_signal_is_an_interruption(tmp_path: Path, signame: str, code: int) ->
 
 
 def _run_report(folder: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=child_path(ROOT))
     return subprocess.run([sys.executable, "-m", "patches", "report", str(folder),
                            "--no-picture"], capture_output=True, text=True, env=env)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from processes import child_path
 
 pytestmark = pytest.mark.xtts
 pytest.importorskip("TTS")
@@ -182,7 +183,7 @@ def test_each_paragraph_names_file_found_expected_and_fix(
 def test_bad_inputs_as_real_processes(setup: dict[str, Path], tmp_path: Path) -> None:
     """Two of the ten through a real process: the wrong model file (found once the model is
     built, before the Trainer) and a Latin-1 manifest."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
     for name in ("wrong model file", "latin-1 manifest"):
         argv, words = _case(name, setup, tmp_path / name.replace(" ", "_"))
         before = _hashes(setup["base"], setup["data"])
@@ -345,7 +346,7 @@ def test_coqui_not_installed(setup: dict[str, Path], headless: Any, tmp_path: Pa
 def test_bad_setting_at_activation_is_one_paragraph(setup: dict[str, Path],
                                                     tmp_path: Path) -> None:
     """A misspelled variable stops the first-line activation: one paragraph, exit 2."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT),
                TRAINING_PATCHES_BASEVOCAB="12000")
     result = subprocess.run([sys.executable, str(SCRIPT), *_args(setup, tmp_path / "out")],
                             capture_output=True, text=True, env=env, timeout=300,
@@ -404,7 +405,7 @@ def test_trainer_error_is_one_paragraph_and_reports_land_in_output_dir(
     manifest = _manifest(setup["data"], "with_latin.csv", ("\n".join(
         [*rows, "wavs/clip_000.wav|zqxj wvkf|spk0"]) + "\n").encode())
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT),
                TRAINING_PATCHES_MAX_BAD_STEPS="1")
     result = subprocess.run(
         [sys.executable, str(SCRIPT), *_args(setup, out, "--epochs", "3", "--lr", "1e-4",

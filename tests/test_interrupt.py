@@ -10,6 +10,7 @@ import pytest
 
 from patches import _interrupt, _run
 from patches._interrupt import Interruption, TrainingInterrupted
+from processes import child_path
 
 
 def _step_with(signals: list[int], monkeypatch, gap: float = 0.1) -> TrainingInterrupted:
@@ -132,7 +133,7 @@ def test_a_coqui_trainer_stopped_by_a_signal_is_recorded_and_reported_interrupte
     assert Path(last["checkpoint"]).is_file()
     report = subprocess.run([sys.executable, "-m", "patches", "report", str(tmp_path / "runs"),
                              "--no-picture"], capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+                            env=dict(os.environ, PYTHONPATH=child_path(Path(__file__).parents[1])))
     assert "verdict: interrupted" in report.stdout, report.stdout + report.stderr
     assert f"stopped by SIGTERM at trainer step {last['step']}" in report.stdout
     assert "(trainer_runs.jsonl)" in report.stdout

@@ -23,7 +23,7 @@ import pytest
 from patches import RunFolderInUse
 from patches._runlock import LOCK_NAME, claim_new_folder, lock_folder
 
-from processes import ROOT, SCRIPT
+from processes import ROOT, SCRIPT, child_path
 
 
 @contextlib.contextmanager
@@ -109,7 +109,7 @@ def test_coqui_runs_started_in_the_same_minute_get_their_own_folders(tmp_path: P
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=900)
 
@@ -155,7 +155,7 @@ def test_two_headless_runs_into_one_output_folder_never_share_a_run_folder(
     assert len(folders) == 2 and all(list(f.glob("checkpoint_*.pth")) for f in folders)
     report = subprocess.run([sys.executable, "-m", "patches", "report", str(out), "--json", "-",
                              "--no-picture"], capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            env=dict(os.environ, PYTHONPATH=child_path(ROOT)))
     runs = json.loads(report.stdout)["runs"]
     assert sorted(r["folder"] for r in runs) == [str(f) for f in folders]
     verdicts = {Path(r["folder"]): r["verdict"] for r in runs}

@@ -17,6 +17,7 @@ pytest.importorskip("TTS")
 
 import patches  # noqa: E402
 from patches.languages.amharic import normalize  # noqa: E402
+from processes import child_path
 
 AMHARIC_TEXTS = (
     "ሰላም፣ እንዴት ነህ፧",
@@ -175,7 +176,7 @@ ORDER_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("order", ["apply-then-import", "import-then-apply"])
 def test_import_orders(order: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(Path(__file__).parents[1]))
     result = subprocess.run([sys.executable, "-c", ORDER_SCRIPT, order], capture_output=True,
                             text=True, env=env, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 import pytest
+from processes import child_path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -39,7 +40,7 @@ def rank_env(**extra: str) -> dict[str, str]:
     """The environment of a job: this repository first on PYTHONPATH, one thread a rank,
     no TRAINING_PATCHES_* setting inherited from the caller."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(HERE), str(HERE.parent)]),
+    env.update(PYTHONPATH=child_path(REPO, HERE, HERE.parent),
                OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     env.update(extra)
