@@ -138,7 +138,8 @@ def _wait_ranks(procs: list[subprocess.Popen], deadline: float) -> bool:
             _signal_all(procs, signal.SIGTERM)
             stop_at = now + 30
         elif stop_at is not None and now > stop_at:
-            _signal_all(procs, signal.SIGKILL)
+            _reap(procs, 0)  # SIGKILL once, then wait for every rank
+            break
         time.sleep(0.05)
     return False
 
