@@ -77,11 +77,10 @@ def vocabulary_growth(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Modu
 
 
 def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str],
-               changes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]],
                strict: bool = True, ema: Any = None) -> Grown:
     """Load ``path``'s weights into the grown ``model`` through :func:`load_checkpoint`
-    (and its EMA weights into ``ema``, grown alike); the parameters whose rows grew. A key
-    the file lacks because it is a tied alias of a key it has (a head tied to its
+    (and its EMA weights into ``ema``, grown alike); the parameters whose rows the load
+    grew, read from its report (``resized``). A key the file lacks because it is a tied alias of a key it has (a head tied to its
     embedding, saved once) does not count as missing."""
     from .load import load_checkpoint  # lazy: load imports this package's siblings
 
@@ -93,15 +92,14 @@ def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str],
     missing = [key for key in own if key not in saved_keys]
     tied = bool(missing) and all(by_storage.get(own[key].data_ptr(), set()) & saved_keys
                                  for key in missing)
-    load_checkpoint(path, model, strict=strict and not tied, restore_rng=False, ema=ema)
+    report = load_checkpoint(path, model, strict=strict and not tied, restore_rng=False, ema=ema)
     params = dict(model.named_parameters(remove_duplicate=False))
     grown: Grown = {}
-    for key, (before, now) in changes.items():
-        param = params.get(key)
-        if param is not None and before[1:] == now[1:] and before[0] < now[0]:
-            grown[id(param)] = (key, RowPlan(old_rows=before[0], new_rows=now[0]))
+    for key, (before, now) in report.resized.items():  # what the load grew, as it says
+        if key in params:
+            grown[id(params[key])] = (key, RowPlan(old_rows=before[0], new_rows=now[0]))
     logger.info("training-patches: %s loaded into a grown vocabulary (%s)", path,
-                ", ".join(f"{k} {list(a)}->{list(b)}" for k, (a, b) in changes.items()))
+                ", ".join(f"{k} {list(a)}->{list(b)}" for k, (a, b) in report.resized.items()))
     return grown
 
 

@@ -202,7 +202,7 @@ def make_load_checkpoint(original: Any) -> Any:
         else:
             self.accelerator.wait_for_everyone()
             ckpt = torch.load(path, map_location="cpu", weights_only=True)  # as upstream reads
-            rows = grown.load_grown(path, _model(self), set(shapes), changes, ema=ema)
+            rows = grown.load_grown(path, _model(self), set(shapes), ema=ema)
             self.optimizer.load_state_dict(ckpt["optimizer_state_dict"])
             grown.grow_loaded_moments(self.optimizer, rows)
             if self.scheduler:

@@ -112,7 +112,7 @@ def make_load_model_state_dict(original: Any) -> Any:
             changes = grown.vocabulary_growth(grown.tensor_shapes(state), module)
             if changes:  # read again from the file: the loader validates what it loads
                 self._training_patches_grown = grown.load_grown(
-                    Path(path), module, set(state), changes, strict=strict)
+                    Path(path), module, set(state), strict=strict)
                 return None
         return original(self, checkpoint, strict)
     return load_model_state_dict

@@ -171,7 +171,7 @@ def _grown_load(folder: Path, model: Any) -> grown.Grown | None:
     shapes = grown.saved_shapes(path)
     changes = grown.vocabulary_growth(shapes, model) if shapes else {}
     # non-strict, as upstream's own load (missing keys are said in the load report)
-    return grown.load_grown(path, model, set(shapes), changes, strict=False) if changes \
+    return grown.load_grown(path, model, set(shapes), strict=False) if changes \
         else None
 
 
