@@ -73,3 +73,28 @@ def test_make_config_overrides(tiny_xtts, tmp_path, tiny_xtts_extended_vocab) ->
     with pytest.raises(AttributeError, match="no_such_field"):
         tiny_xtts.make_config(tmp_path, no_such_field=1)
     json.dumps(config.to_dict())  # serialisable, as the Trainer writes it to config.json
+
+
+def test_the_never_trained_modules_are_small_here_and_in_every_child(tiny_xtts, tmp_path) -> None:
+    """What keeps ``make test`` under ten minutes: the DVAE and the HiFi-GAN decoder (with
+    its speaker encoder) of every tiny XTTS the suite builds are small
+    (tests/small_xtts/sitecustomize.py), in the test process and in a process started with
+    ``processes.child_path``; the GPT is the 2-layer, 64-channel one either way. Without the
+    folder the DVAE alone is 51.6 M parameters and each checkpoint 324 MB."""
+    import os
+    import subprocess
+    import sys
+
+    from processes import ROOT, child_path
+
+    model = tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "run"))
+    sizes = {name: sum(p.numel() for p in module.parameters()) for name, module in (
+        ("dvae", model.dvae), ("decoder", model.xtts.hifigan_decoder), ("gpt", model.xtts.gpt))}
+    assert sizes["dvae"] < 200_000 and sizes["decoder"] < 1_000_000, sizes
+    code = ("from TTS.tts.layers.xtts.dvae import DiscreteVAE\n"
+            "d = DiscreteVAE(channels=80, normalization=None, positional_dims=1, num_tokens=1024,"
+            " codebook_dim=512, hidden_dim=512, num_resnet_blocks=3, kernel_size=3, num_layers=2)\n"
+            "print(sum(p.numel() for p in d.parameters()))")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=child_path(ROOT)), check=True)
+    assert int(child.stdout.split()[-1]) == sizes["dvae"]
