@@ -75,7 +75,8 @@ def saved_state(step: int, optimizers: list[Any], schedulers: list[Any], scaler:
 
 @dataclass(frozen=True)
 class Source:
-    """What one checkpoint holds beside the model's tensors, read before anything changes.
+    """What one checkpoint holds, read before anything changes (the model's tensors through
+    ``model``, the source's :class:`ModelSource`).
 
     ``kind`` is "file" or "folder" (the word of the messages). ``meta``: the file's dict
     (empty for a bare state dict) or the folder's ``meta.pt``. ``saved_optimizers``: the
@@ -104,7 +105,8 @@ class Source:
 
 @dataclass
 class StatePlan:
-    """What a load will do to the parts beside the model, decided before any change.
+    """What a load will do to every part, decided before any change (``model_plan``: what
+    the model part will load).
 
     ``effective`` is the policy carried out: ``remap`` falls back to ``reset`` when the
     source has no optimizer state (the optimizer, scheduler and scaler then start fresh
