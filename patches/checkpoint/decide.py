@@ -21,10 +21,10 @@ from ..row_init import check_rule
 
 from . import ema as ema_part
 from .errors import CheckpointMismatchError
-from .file_model import FileModel
+from .file_model import FileModel, plan_tensors
 from .optimizer import _as_list, _remap_optimizer_state
 from .parts import RNG_KEYS, STEP_KEYS, Source, StatePlan, plan_state
-from .plan import MODEL_KEYS, ModelPlan, check_finite, plan_model
+from .plan import MODEL_KEYS, ModelPlan
 from .reading import read_checkpoint
 from .rng import state_for_rank
 
@@ -159,13 +159,7 @@ def _plan_ema(path: Path, saved: Mapping[str, Any], ema: Any, model_plan: ModelP
         module = ema_part.module_of(ema, path)
     except ValueError as exc:
         raise CheckpointMismatchError(str(exc)) from None
-    ema_plan = plan_model(path, {"model": saved}, module, strict=options.strict,
-                          vocab_modules=options.vocab_modules,
-                          start_token_row=options.start_token_row, seed=options.seed,
-                          truncate=options.truncate, row_init=options.row_init,
-                          head_row_init=options.head_row_init, tokenizer=options.tokenizer)
-    if not options.allow_nonfinite:
-        check_finite(path, ema_plan, module)
+    ema_plan = plan_tensors(path, {"model": saved}, module, options)
     ema_part.start_new_rows_as_the_model(ema_plan, model_plan)
     return ema_plan
 

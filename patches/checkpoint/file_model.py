@@ -32,16 +32,8 @@ class FileModel(ModelSource):
         self.path, self.ckpt, self.model, self.options = path, ckpt, model, options
 
     def plan(self, plan: StatePlan) -> ModelPlan:
-        options = self.options
-        model_plan = plan_model(self.path, self.ckpt, self.model, strict=options.strict,
-                                vocab_modules=options.vocab_modules,
-                                start_token_row=options.start_token_row, seed=options.seed,
-                                key_filter=options.key_filter, truncate=options.truncate,
-                                row_init=options.row_init, head_row_init=options.head_row_init,
-                                tokenizer=options.tokenizer)
-        if not options.allow_nonfinite:
-            check_finite(self.path, model_plan, self.model)
-        return model_plan
+        return plan_tensors(self.path, self.ckpt, self.model, self.options,
+                            key_filter=self.options.key_filter)
 
     def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
         model_plan: ModelPlan = plan.model_plan
@@ -71,6 +63,21 @@ class FileModel(ModelSource):
         else:
             report.set_part("model", "restored", f"{len(model_plan.state)} tensor(s)",
                             in_file=True)
+
+
+def plan_tensors(path: Path, ckpt: Mapping[str, Any], module: torch.nn.Module, options: Any, *,
+                 key_filter: Callable[[str], bool] | None = None) -> ModelPlan:
+    """:func:`.plan.plan_model` of ``ckpt`` into ``module`` with the load's ``options``, then
+    NaN/Inf refused unless ``allow_nonfinite``: the model's plan, and the EMA weights'."""
+    planned = plan_model(path, ckpt, module, strict=options.strict,
+                         vocab_modules=options.vocab_modules,
+                         start_token_row=options.start_token_row, seed=options.seed,
+                         key_filter=key_filter, truncate=options.truncate,
+                         row_init=options.row_init, head_row_init=options.head_row_init,
+                         tokenizer=options.tokenizer)
+    if not options.allow_nonfinite:
+        check_finite(path, planned, module)
+    return planned
 
 
 def _report_model(report: LoadReport, model: ModelPlan, missing: list[str]) -> None:
@@ -134,4 +141,4 @@ def _base_rows(model: torch.nn.Module, plan: ModelPlan, modules: Sequence[str]) 
     return old_rows
 
 
-__all__ = ["FileModel"]
+__all__ = ["FileModel", "plan_tensors"]
