@@ -567,6 +567,37 @@ def plot(cfg: dict[str, Any], runs: list[dict[str, Any]], summary: dict[str, Any
 # -- main ------------------------------------------------------------------------------------
 
 
+def ready(cfg: dict[str, Any], work: Path, jobs: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The data and one base model per seed (``cfg["first_seed"]`` on, default 0), cached in
+    ``work``; fills ``cfg``'s keys (data_key, max_text, max_codes, base_key)."""
+    work.mkdir(parents=True, exist_ok=True)
+    data = prepare(cfg, work)
+    cfg["data_key"] = sc.text_key(*(cfg[k] for k in (
+        "codebook", "max_chars_en", "max_chars_am", "n_en", "n_am", "eval_lines", "base_vocab",
+        "new_pieces", "cond_frames", "cond_pool")))
+    cfg["max_text"] = max(len(x["ids"]) for k in ("en_train", "en_eval", "am_train", "am_eval")
+                          for x in data[k]) + 2
+    cfg["max_codes"] = max(len(x["codes"]) for k in ("en_train", "en_eval", "am_train",
+                                                     "am_eval") for x in data[k])
+    cfg["base_key"] = sc.text_key(cfg["data_key"], *(cfg[k] for k in (
+        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")))
+    print(f"data: {data['corpus']}; vocabulary {data['rows']['base']} -> "
+          f"{data['rows']['grown']} rows", flush=True)
+    seeds = list(range(cfg.get("first_seed", 0), cfg.get("first_seed", 0) + cfg["seeds"]))
+    base_paths = {seed: work / f"base_{cfg['base_key']}_seed{seed}.pt" for seed in seeds}
+    missing = [seed for seed, path in base_paths.items()
+               if not path.with_suffix(".json").is_file()]
+    with ProcessPoolExecutor(max(1, min(jobs, len(missing) or 1))) as pool:
+        for info in pool.map(_train_base, [(cfg, str(work), seed) for seed in missing]):
+            base_paths[info["seed"]].with_suffix(".json").write_text(json.dumps(info))
+    bases = [json.loads(base_paths[seed].with_suffix(".json").read_text()) for seed in seeds]
+    for b in bases:
+        print(f"base seed {b['seed']}: {b['steps']} steps, English audio {b['en_audio']:.3f} "
+              f"nats/code ({b['en_audio_wrong_text']:.3f} with wrong text), text "
+              f"{b['en_text']:.3f} nats/char", flush=True)
+    return data, bases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the few-minute version (1 seed, "
@@ -603,31 +634,8 @@ def main() -> None:
     out = Path(args.out).resolve() if args.out else HERE / "results" / (
         "speech_language" + ("_quick" if args.quick else ""))
     work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    data = prepare(cfg, work)
-    cfg["data_key"] = sc.text_key(*(cfg[k] for k in (
-        "codebook", "max_chars_en", "max_chars_am", "n_en", "n_am", "eval_lines", "base_vocab",
-        "new_pieces", "cond_frames", "cond_pool")))
-    cfg["max_text"] = max(len(x["ids"]) for k in ("en_train", "en_eval", "am_train", "am_eval")
-                          for x in data[k]) + 2
-    cfg["max_codes"] = max(len(x["codes"]) for k in ("en_train", "en_eval", "am_train",
-                                                     "am_eval") for x in data[k])
-    cfg["base_key"] = sc.text_key(cfg["data_key"], *(cfg[k] for k in (
-        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")))
-    print(f"data: {data['corpus']}; vocabulary {data['rows']['base']} -> "
-          f"{data['rows']['grown']} rows", flush=True)
-    base_paths = [work / f"base_{cfg['base_key']}_seed{seed}.pt" for seed in range(cfg["seeds"])]
-    missing = [seed for seed, path in enumerate(base_paths)
-               if not path.with_suffix(".json").is_file()]
-    with ProcessPoolExecutor(max(1, min(args.jobs, len(missing) or 1))) as pool:
-        for info in pool.map(_train_base, [(cfg, str(work), seed) for seed in missing]):
-            base_paths[info["seed"]].with_suffix(".json").write_text(json.dumps(info))
-    bases = [json.loads(path.with_suffix(".json").read_text()) for path in base_paths]
-    for b in bases:
-        print(f"base seed {b['seed']}: {b['steps']} steps, English audio {b['en_audio']:.3f} "
-              f"nats/code ({b['en_audio_wrong_text']:.3f} with wrong text), text "
-              f"{b['en_text']:.3f} nats/char", flush=True)
+    data, bases = ready(cfg, work, args.jobs)
     specs = arms_for(cfg["arms"])
     if args.arms:
         wanted = [w.strip() for w in args.arms.split(",") if w.strip()]

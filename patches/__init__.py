@@ -18,7 +18,7 @@ from ._version import __version__  # noqa: E402,F401
 # Each patch module registers its PatchSpec; the order here is the banner's order.
 from . import (  # noqa: E402,F401
     autocast, grad_scaler, grad_clip, nan_guard, anomaly, checkpoint, vocab_freeze, languages,
-    dataset_guard, oom_guard)
+    dataset_guard, oom_guard, learning, resume_check)
 from . import integrations  # noqa: E402,F401  (registers the upstream integrations)
 from ._api import (  # noqa: E402
     activate, applied, apply, get_original, is_applied, reset_runtime_state, revert, stats,
@@ -37,6 +37,7 @@ from .nan_guard import NonFiniteTrainingError, find_nonfinite_source, observe_lo
 from ._run import set_output_dir  # noqa: E402
 from ._runlock import RunFolderInUse  # noqa: E402
 from .oom_guard import OutOfMemoryTrainingError, skip_on_oom  # noqa: E402
+from .learning import LearningMonitor, ReadingProbe  # noqa: E402
 
 __all__ = [
     "apply", "revert", "applied", "is_applied", "status", "get_original", "stats", "activate",
@@ -47,4 +48,5 @@ __all__ = [
     "CheckpointWriteError",
     "NonFiniteTrainingError", "find_nonfinite_source", "observe_loss", "set_output_dir",
     "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom", "RunFolderInUse",
+    "LearningMonitor", "ReadingProbe",
 ]

@@ -47,13 +47,21 @@ def positive_float(text: Any) -> float:
     return value
 
 
-def positive_int(text: Any) -> int:
+def _whole(text: Any, least: int) -> int:
     if isinstance(text, float) and not text.is_integer():
         raise ValueError("expected a whole number")
     value = int(text)
-    if value < 1:
-        raise ValueError("expected a whole number of at least 1")
+    if value < least:
+        raise ValueError(f"expected a whole number of at least {least}")
     return value
+
+
+def positive_int(text: Any) -> int:
+    return _whole(text, 1)
+
+
+def nonnegative_int(text: Any) -> int:
+    return _whole(text, 0)
 
 
 def window(text: Any) -> int:
@@ -410,5 +418,6 @@ def set_current(options: Options) -> None:
 
 __all__ = ["ConfigError", "Option", "Options", "OPTIONS", "declare", "resolve", "merge",
            "fields_of", "owner_text", "known_env", "current", "env_name", "output_dir_problem",
-           "flag", "positive_float", "positive_int", "window", "share", "nonnegative_float",
+           "flag", "positive_float", "positive_int", "nonnegative_int", "window", "share",
+           "nonnegative_float",
            "names", "FLOAT32_MAX", "FLOAT32_TINY", "INT32_MAX", "INT64_MAX"]

@@ -50,8 +50,10 @@ SCALE_FILE = "loss_scale.jsonl"  # grad_scaler: loss-scale changes
 LOG_FILE = "training_patches.log"
 # a trainer integration: each fit's start, its interruption by a signal, its end
 TRAINER_RUNS_FILE = "trainer_runs.jsonl"
+LEARNING_FILE = "learning_health.jsonl"  # learning: the reading gap, its verdicts, resume checks
 # (kept by the coqui integration when coqui would remove a run folder with no checkpoint)
-OWN_FILES = (EVENTS_FILE, DROPPED_FILE, OOM_FILE, SCALE_FILE, LOG_FILE, TRAINER_RUNS_FILE)
+OWN_FILES = (EVENTS_FILE, DROPPED_FILE, OOM_FILE, SCALE_FILE, LOG_FILE, TRAINER_RUNS_FILE,
+             LEARNING_FILE)
 
 
 def own_files_in(folder: str) -> list[str]:

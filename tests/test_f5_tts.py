@@ -62,13 +62,14 @@ def _poisonable() -> type:
     return PoisonableCFM
 
 
-def _model(tokens: int = TOKENS) -> torch.nn.Module:
+def _model(tokens: int = TOKENS, cfm: type | None = None) -> torch.nn.Module:
+    """The tiny model: a PoisonableCFM, or a ``cfm`` class (F5's own CFM)."""
     torch.manual_seed(0)
     vocab = {c: i for i, c in enumerate((CHARS + "0123456789")[:tokens])}
     dit = _f5().DiT(dim=32, depth=1, heads=2, dim_head=16, ff_mult=2, mel_dim=MELS,
                        text_num_embeds=tokens, text_dim=16, conv_layers=0, dropout=0.0)
-    return _poisonable()(transformer=dit, mel_spec_kwargs=dict(n_mel_channels=MELS),
-                         vocab_char_map=vocab)
+    return (cfm or _poisonable())(transformer=dit, mel_spec_kwargs=dict(n_mel_channels=MELS),
+                                  vocab_char_map=vocab)
 
 
 class Clips(torch.utils.data.Dataset):
@@ -98,12 +99,13 @@ class Clips(torch.utils.data.Dataset):
         return FRAMES
 
 
-def _trainer(model: torch.nn.Module, folder: Path, epochs: int = 1) -> Any:
+def _trainer(model: torch.nn.Module, folder: Path, epochs: int = 1,
+             save_per_updates: int = 1000) -> Any:
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     # warmup longer than the run: the LR rises by the same step per applied update in every
     # run; the EMA averages from the first update on (F5's default copies for 100 updates)
     return _f5().Trainer(model, epochs=epochs, learning_rate=1e-2, num_warmup_updates=100,
-                         save_per_updates=1000, checkpoint_path=str(folder),
+                         save_per_updates=save_per_updates, checkpoint_path=str(folder),
                          batch_size_per_gpu=BATCH * FRAMES, batch_size_type="frame",
                          max_samples=BATCH, logger=None, max_grad_norm=1.0,
                          ema_kwargs=dict(beta=0.5, update_after_step=0, update_every=1))

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "headlessXttsTrain.py"
 
 
-def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
+def _run(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT), **env_vars)
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
 
@@ -207,3 +207,43 @@ def _run_report(folder: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=child_path(ROOT))
     return subprocess.run([sys.executable, "-m", "patches", "report", str(folder),
                            "--no-picture"], capture_output=True, text=True, env=env)
+
+
+# -- is it learning? (issue 37 item 5) ------------------------------------------------------
+
+
+@pytest.mark.xtts
+@pytest.mark.slow
+def test_shuffled_transcripts_are_named_in_the_log_and_the_report(tmp_path: Path) -> None:
+    """A manifest whose transcripts belong to other clips (train and eval alike): the run is
+    alive, its audio loss falls, and the log and `report` say the text is not read."""
+    pytest.importorskip("TTS")
+    import csv
+
+    from conftest import write_amharic_base
+
+    tiny, base = write_amharic_base(tmp_path)
+    with open(tiny.manifest, encoding="utf-8") as handle:
+        rows = list(csv.reader(handle, delimiter="|"))
+    header, body = rows[0], rows[1:]
+    texts = [row[1] for row in body]
+    shuffled = tiny.manifest.parent / "shuffled.csv"
+    with open(shuffled, "w", encoding="utf-8", newline="") as handle:
+        writer = csv.writer(handle, delimiter="|")
+        writer.writerow(header)
+        for i, row in enumerate(body):
+            writer.writerow([row[0], texts[(i + 2) % len(texts)], row[2]])
+    out = tmp_path / "out"
+    run = _run("--base-dir", str(base), "--train-manifest", str(shuffled), "--eval-manifest",
+               str(shuffled), "--language", "am", "--output-dir", str(out), "--batch-size",
+               "2", "--lr", "1e-3", "--print-step", "1", "--epochs", "4",
+               # a tiny epoch takes seconds: measure at every evaluation, not within 2% of them
+               TRAINING_PATCHES_READING_BUDGET="1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    log = (out / "train.log").read_text(encoding="utf-8")
+    assert re.search(r"reading am at step \d+: gap", log), log[-3000:]
+    warned = re.findall(r"learning: not reading the text \(am\) since step (\d+)", log)
+    assert len(warned) == 1, log[-3000:]
+    report = _run_report(out)
+    assert report.returncode == 1
+    assert f"not reading the text (am) since step {warned[0]}" in report.stdout, report.stdout

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _dist, _options, _runlock
+from .. import _dist, _options, _runlock, resume_check
 from .._log import info, logger
 from ..checkpoint import (CheckpointError, atomic_torch_save, capture_rng_state, check_file,
                           data_position, load_checkpoint, warn_weights_only)
@@ -97,6 +97,9 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
             else:
                 self.total_steps_done = 0
                 self.epochs_done = 0
+            # the first step checks LR, scheduler and moments (its step count counts batches
+            # under accumulation, so the scheduler's is not compared with it)
+            resume_check.expect_resume(self.total_steps_done, source="coqui continue_path")
         else:
             # restore_path alone: weights only, fresh optimizer/scheduler/scaler (upstream).
             report = load_checkpoint(local_path(path), self.model, restore_rng=False,

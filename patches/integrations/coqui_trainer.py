@@ -14,6 +14,8 @@ What it adds to the generic patches, site by site:
 - ``checkpoint``: restore, save and continue (:mod:`.coqui_checkpoint`); SIGTERM and
   SIGHUP interrupt a run as Ctrl-C does, the step under way finished and a checkpoint
   written (:mod:`.coqui_interrupt`).
+- ``learning``: the reading gap of XTTS's GPTTrainer at every evaluation, from the
+  Trainer's own evaluation batches (:mod:`.coqui_learning`).
 - ``nan_guard`` under DDP (``python -m trainer.distribute``): coqui 0.4 wraps the model in
   ``DistributedDataParallel`` but keeps only ``ddp_model.module`` and calls
   ``model.train_step`` on it, so DDP's forward never runs and gradients are never
@@ -42,7 +44,7 @@ from .. import _api, _run, nan_guard, oom_guard
 from .._log import logger
 from .._registry import Integration, Site, register_integration
 from ..grad_scaler import SafeGradScaler
-from . import coqui_checkpoint, coqui_interrupt
+from . import coqui_checkpoint, coqui_interrupt, coqui_learning
 
 NAME = "coqui_trainer"
 DISTRIBUTION = "coqui-tts-trainer"
@@ -279,5 +281,13 @@ INTEGRATION = register_integration(Integration(
              patch="checkpoint",
              lost="coqui checkpoints are written in place, not atomically: a kill during a "
                   "save leaves a torn file"),
+        Site(MODULE, "Trainer.eval_step", coqui_learning.make_eval_step, patch="learning",
+             lost="the reading gap has no probe: nothing tells whether XTTS reads its text"),
+        Site(MODULE, "Trainer.eval_epoch", coqui_learning.make_eval_epoch, patch="learning",
+             lost="the reading gap is not measured at the coqui Trainer's evaluations"),
+        Site(MODULE, "Trainer.fit", coqui_learning.make_fit, patch="learning",
+             lost="a coqui run without evaluations is not told that its reading gap goes "
+                  "unmeasured"),
     ),
+    reset=coqui_learning.reset,
 ))

@@ -18,29 +18,31 @@ What this adds:
   ``save_checkpoint`` and when ``train()`` ends, so a skip just before a save or the end is
   on disk by then;
 - the EMA's base rows are kept bit-identical while the model's are frozen (``update()``
-  lerps every row toward the model, and a resumed EMA's base rows need not equal the
-  model's);
+  lerps every row toward the model);
 - ``save_checkpoint`` writes ``model_last.pt`` and ``model_N.pt`` atomically (upstream
   writes them in place: a kill or a full disk during a save leaves a torn
   ``model_last.pt``, which the next start picks first and cannot read, the good one gone);
 - ``load_checkpoint`` into a model whose vocabulary grew since the save (upstream: a size
   mismatch) loads the model and EMA weights through ``patches.load_checkpoint`` (trained
   rows kept, new rows by the row rules, the EMA's new rows as the model's, the base rows
-  frozen in both) and grows the loaded moments of the grown rows.
+  frozen in both) and grows the loaded moments of the grown rows;
+- the reading gap (``learning``): F5 has no evaluation loop, so :func:`watch_reading`
+  measures at each ``save_checkpoint``, on :func:`flow_matching_losses`.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import _run, nan_guard, vocab_freeze
+from .. import _run, learning, nan_guard, vocab_freeze
 from .._log import logger
-from .._registry import Integration, Site, register_integration
+from .._registry import Integration, Site, landed_sites, register_integration
 from ..checkpoint import atomic_torch_save, grown
 from ..checkpoint.ema import KeptRows
 from .layouts import f5_vocab_modules
@@ -215,6 +217,101 @@ def make_load_checkpoint(original: Any) -> Any:
     return load_checkpoint
 
 
+# -- the reading gap at each save (patch ``learning``) -----------------------------------------
+
+FLOW_MATCHING = "flow-matching loss"  # what a reading of F5 is measured on: its only loss
+READING_SITE = f"{MODULE}.Trainer.save_checkpoint"
+_watched: "weakref.WeakKeyDictionary[Any, learning.LearningMonitor]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _mel_batch(model: Any, audio: Any) -> torch.Tensor:
+    """One audio as ``CFM.forward`` takes it, a batch of one: a mel ``[frames, n_mel]`` (also
+    ``[n_mel, frames]`` and the dataset's ``[1, n_mel, frames]``) or a raw wave ``[samples]``."""
+    audio = torch.as_tensor(audio)
+    if audio.dim() == 3 and audio.shape[0] == 1:
+        audio = audio[0]
+    channels = getattr(model, "num_channels", None)
+    if audio.dim() == 2 and audio.shape[-1] != channels and audio.shape[0] == channels:
+        audio = audio.T
+    if audio.dim() not in (1, 2) or (audio.dim() == 2 and audio.shape[-1] != channels):
+        raise ValueError(f"flow_matching_losses: an audio of shape {tuple(audio.shape)}: "
+                         f"expected a mel [frames, {channels}] or a raw wave [samples]")
+    return audio.unsqueeze(0).to(model.device, torch.float32)
+
+
+def flow_matching_losses(model: Any, texts: list[Any], audios: list[Any]) -> list[float]:
+    """F5-TTS's flow-matching loss of each (text, audio) pair, for a
+    :class:`patches.LearningMonitor` (``measured_on=FLOW_MATCHING``)::
+
+        probe = patches.ReadingProbe({"am": [(text, mel), ...]})  # mel: [frames, n_mel]
+        monitor = patches.LearningMonitor(probe, f5_tts.flow_matching_losses,
+                                          measured_on=f5_tts.FLOW_MATCHING)
+
+    ``model`` is F5's ``CFM`` (the EMA's ``ema_model`` too); a text is what ``CFM.forward``
+    takes for one utterance (a string, a list of characters or pinyin, or a tensor of
+    ids), an audio a mel ``[frames, n_mel]`` or a raw wave. Each pair is its own forward
+    (the loss is a mean over its masked span); the random span, time and noise are the
+    seeded draws :func:`patches.learning.reading_gap` makes alike for the own and the other
+    text. CFM's training-time drops of the text and the audio condition are off while it
+    measures (a dropped text would make both losses equal)."""
+    drops = (model.audio_drop_prob, model.cond_drop_prob)
+    model.audio_drop_prob = model.cond_drop_prob = 0.0
+    try:
+        losses = []
+        for text, audio in zip(texts, audios):
+            ids = text.reshape(1, -1).to(model.device) if isinstance(text, torch.Tensor) \
+                else [text]
+            loss, _, _ = model(_mel_batch(model, audio), text=ids)
+            losses.append(float(loss))
+        return losses
+    finally:
+        model.audio_drop_prob, model.cond_drop_prob = drops
+
+
+def watch_reading(trainer: Any, monitor: learning.LearningMonitor) -> learning.LearningMonitor:
+    """Measure the reading gap of ``trainer`` (an F5 ``Trainer``, which has no evaluation
+    loop) after each of its ``save_checkpoint`` calls (once per update: ``save_per_updates``,
+    ``last_per_updates`` and the end), at F5's update count, on the main process::
+
+        monitor = patches.LearningMonitor(probe, f5_tts.flow_matching_losses,
+                                          measured_on=f5_tts.FLOW_MATCHING)
+        f5_tts.watch_reading(trainer, monitor)
+        trainer.train(dataset)
+
+    It measures the model being trained (not its EMA) on F5's only loss, the flow matching
+    (a monitor on :func:`flow_matching_losses` left at the default ``measured_on`` is set to
+    :data:`FLOW_MATCHING`). The records go to ``learning_health.jsonl`` in
+    ``checkpoint_path``. Needs the ``learning`` patch applied (it is in the default set);
+    without it this says once that nothing is measured. A monitor without ``loss_fn`` is a
+    TypeError here. Returns the monitor."""
+    checked = learning.checked_monitor(monitor, "f5_tts.watch_reading")
+    if checked.loss_fn is flow_matching_losses and checked.measured_on == learning.AUDIO_LOSS:
+        checked.measured_on = FLOW_MATCHING
+    _watched[trainer] = checked
+    if READING_SITE not in landed_sites("learning")[0]:
+        learning.say_not_measured(
+            "F5's Trainer.save_checkpoint is not wrapped (the learning patch is not applied, "
+            "or the f5_tts integration is off), so watch_reading cannot measure at its saves: "
+            "apply the patches first (import patches.auto)")
+    return checked
+
+
+def make_save_checkpoint_reading(original: Any) -> Any:
+    """``Trainer.save_checkpoint(update, last)`` that measures the reading gap of a trainer
+    given to :func:`watch_reading` once the checkpoint is written, once per update."""
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, update: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, update, *args, **kwargs)
+        monitor = _watched.get(self)
+        if monitor is not None and self.accelerator.is_main_process:
+            if _run.output_dir() is None:  # beside the checkpoints, as train()'s site puts them
+                _run.set_trainer_dir(self.checkpoint_path)
+            learning.evaluate_once(monitor, _model(self), int(update))
+        return result
+    return save_checkpoint
+
+
 INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
@@ -223,7 +320,7 @@ INTEGRATION = register_integration(Integration(
     describe="records in the Trainer's checkpoint_path with its update count, the fused "
              "optimizer's skips recorded by each save and the end of train(), the EMA's "
              "base rows kept with the model's, checkpoints written atomically, a resume "
-             "into a grown vocabulary",
+             "into a grown vocabulary, the reading gap at each save (watch_reading)",
     sites=(
         Site(MODULE, "Trainer.train", make_train, patch="nan_guard",
              lost="an F5-TTS run's records go to ./training_patches, not its checkpoint "
@@ -236,5 +333,8 @@ INTEGRATION = register_integration(Integration(
         Site(MODULE, "Trainer.load_checkpoint", make_load_checkpoint, patch="checkpoint",
              lost="an F5-TTS resume into a model whose vocabulary grew stops at a size "
                   "mismatch"),
+        Site(MODULE, "Trainer.save_checkpoint", make_save_checkpoint_reading, patch="learning",
+             lost="a monitor given to f5_tts.watch_reading measures nothing: the reading gap "
+                  "of an F5-TTS run goes unmeasured"),
     ),
 ))

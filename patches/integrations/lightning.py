@@ -23,6 +23,10 @@ whose vocabulary grew since the save (upstream: a size mismatch) loads the weigh
 ``patches.load_checkpoint`` and grows the loaded moments of the grown rows
 (:mod:`patches.checkpoint.grown`); strategies with their own load (FSDP, DeepSpeed) are
 upstream's.
+
+The reading gap (:mod:`patches.learning`): a LightningModule's loss on one (text, audio)
+pair is its own, so :func:`reading_callback` takes a monitor that holds it and measures
+after each validation.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import _run, nan_guard
+from .. import _run, learning, nan_guard
 from .._registry import Integration, Site, register_integration
 from ..checkpoint import atomic_torch_save, grown
 
@@ -65,9 +69,51 @@ def _callback_class() -> type:
     return TrainerStep
 
 
+@functools.cache
+def _reading_class() -> type:
+    """The Callback of :func:`reading_callback`, made once, reachable as this module's
+    ``ReadingCallback`` (``__getattr__`` below) so that ``ddp_spawn`` can pickle it."""
+    from lightning.pytorch.callbacks import Callback  # lazy: the integration never imports it
+
+    class ReadingCallback(Callback):
+        """Measures the reading gap after each validation, on global rank 0."""
+
+        def __init__(self, monitor: learning.LearningMonitor) -> None:
+            self.monitor = monitor
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.sanity_checking or not trainer.is_global_zero:
+                return
+            if _run.output_dir() is None:  # beside the Trainer's files, as fit()'s site puts them
+                _run.set_trainer_dir(trainer.log_dir or trainer.default_root_dir)
+            loss = trainer.callback_metrics.get("val_loss")
+            learning.evaluate_once(self.monitor, pl_module, int(trainer.global_step),
+                                   eval_loss=None if loss is None else float(loss))
+
+    ReadingCallback.__module__, ReadingCallback.__qualname__ = __name__, "ReadingCallback"
+    return ReadingCallback
+
+
+def reading_callback(monitor: learning.LearningMonitor) -> Any:
+    """A Lightning ``Callback`` that measures the reading gap (:mod:`patches.learning`) after
+    each validation (not the sanity check), at the Trainer's ``global_step``, with the
+    logged ``val_loss`` when there is one::
+
+        monitor = patches.LearningMonitor(probe, loss_fn)  # loss_fn(module, texts, audios)
+        Trainer(..., val_check_interval=500, callbacks=[lightning.reading_callback(monitor)])
+
+    The module runs on global rank 0 alone (so not with sharded parameters: FSDP, DeepSpeed
+    stage 3); the records go to ``learning_health.jsonl`` in the Trainer's ``log_dir``. A
+    monitor without ``loss_fn`` is a TypeError here, not at validation."""
+    checked = learning.checked_monitor(monitor, "lightning.reading_callback")
+    return _reading_class()(checked)
+
+
 def __getattr__(name: str) -> Any:
     if name == "TrainerStep":  # pickle's way back to the class, in any process
         return _callback_class()
+    if name == "ReadingCallback":
+        return _reading_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -26,6 +26,7 @@ judged as upstream judges it).
 ``resume_from_checkpoint`` into a vocabulary grown since the checkpoint (upstream: a size
 mismatch) loads a one-file checkpoint through ``patches.load_checkpoint`` and grows the
 loaded moments of the grown rows; the rest of the resume is upstream's.
+:func:`reading_callback`: the reading gap at each evaluation (:mod:`patches.learning`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .. import _run, nan_guard
+from .. import _run, learning, nan_guard
 from .._log import logger
 from .._registry import Integration, Site, register_integration
 from ..checkpoint import grown
@@ -73,9 +74,55 @@ def _callback_class() -> type:
     return TrainingPatchesCallback
 
 
+@functools.cache
+def _reading_class() -> type:
+    """The TrainerCallback of :func:`reading_callback`, made once, reachable as this
+    module's ``ReadingCallback`` (``__getattr__`` below) so that it pickles."""
+    from transformers import TrainerCallback  # lazy: the integration never imports it
+
+    class ReadingCallback(TrainerCallback):
+        """Measures the reading gap at each evaluation, on the main process."""
+
+        def __init__(self, monitor: learning.LearningMonitor) -> None:
+            self.monitor = monitor
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, model: Any = None,
+                        metrics: Any = None, **kwargs: Any) -> None:
+            if not state.is_world_process_zero or model is None:
+                return
+            from transformers.modeling_utils import unwrap_model  # lazy: imported by now
+
+            if _run.output_dir() is None:  # beside the Trainer's files, as train()'s site puts them
+                _run.set_trainer_dir(getattr(args, "output_dir", None))
+            loss = (metrics or {}).get("eval_loss")
+            learning.evaluate_once(self.monitor, unwrap_model(model), int(state.global_step),
+                                   eval_loss=float(loss) if isinstance(loss, (int, float))
+                                   else None)
+
+    ReadingCallback.__module__, ReadingCallback.__qualname__ = __name__, "ReadingCallback"
+    return ReadingCallback
+
+
+def reading_callback(monitor: learning.LearningMonitor) -> Any:
+    """A ``TrainerCallback`` that measures the reading gap (:mod:`patches.learning`) at each
+    of the Trainer's evaluations, at its ``global_step``, with its ``eval_loss``::
+
+        monitor = patches.LearningMonitor(probe, loss_fn)  # loss_fn(model, texts, audios)
+        args = TrainingArguments(..., eval_strategy="steps", eval_steps=500)
+        Trainer(model, args, ..., callbacks=[transformers_trainer.reading_callback(monitor)])
+
+    The model runs on the main process alone (so not with sharded parameters: FSDP,
+    DeepSpeed ZeRO-3); the records go to ``learning_health.jsonl`` in ``output_dir``. A
+    monitor without ``loss_fn`` is a TypeError here, not at the first evaluation."""
+    checked = learning.checked_monitor(monitor, "transformers_trainer.reading_callback")
+    return _reading_class()(checked)
+
+
 def __getattr__(name: str) -> Any:
     if name == "TrainingPatchesCallback":  # pickle's way back to the class, in any process
         return _callback_class()
+    if name == "ReadingCallback":
+        return _reading_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -72,7 +72,8 @@ class NoRunFound(FileNotFoundError):
 def no_run_message(folder: str) -> str:
     return (f"training-patches report: no run found in {folder}: it holds none of the files a "
             f"run writes (nonfinite_events.jsonl, dropped_samples.jsonl, loss_scale.jsonl, "
-            f"headless_runs.jsonl, TensorBoard events.out.tfevents.*, trainer_0_log.txt), "
+            f"learning_health.jsonl, headless_runs.jsonl, TensorBoard "
+            f"events.out.tfevents.*, trainer_0_log.txt), "
             f"nor does any folder below it (3 levels searched). Give the output folder of the "
             f"run (headlessXttsTrain.py --output-dir, the coqui Trainer's output_path, or "
             f"where a plain loop saves its checkpoints).")
@@ -179,6 +180,12 @@ def _run_json(report: Report) -> dict[str, Any]:
         "impossible_records": dict(f.impossible), "not_checked": f.not_checked,
         "tensorboard": {"files": run.tb_files, "problem": run.tb_problem,
                         "incomplete": run.tb_incomplete},
+        "learning": {
+            "checked": f.learning_checked, "probe": f.probe, "not_measured": f.not_measured,
+            "readings": {lang: [vars(p) for p in points] for lang, points in f.readings.items()},
+            "verdicts": [{"name": v.name, "holds": v.holds, **vars(v)}
+                         for v in f.live_verdicts]},
+        "resume_checks": [{"at": c.at, **vars(c)} for c in f.resumes],
     }
 
 

@@ -1,22 +1,30 @@
-"""One PNG page of a run: loss, loss scale, gradient norm, learning rate, dropped samples.
+"""One PNG page of a run: loss, reading gap, loss scale, gradient norm, learning rate,
+dropped samples.
 
 matplotlib (the ``tools`` extra) is imported only here, with the Agg backend: no display
 is needed. :func:`render` returns the Figure (tests read its axes); :func:`save` writes it.
 Each panel is titled (:data:`PANELS`); a panel without data says why, never stays blank.
-Skipped steps are scatter markers whose label names their kind and count.
+Skipped steps are scatter markers whose label names their kind and count. The reading gap
+(``learning_health.jsonl``) is drawn beside the loss: one line per language, in % of its
+audio loss, each live verdict's ``since`` step marked.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import textwrap
 from typing import Any
 
 from ..._output import write_file
 from .reading import DROPPED
-from .verdict import Facts, Finding, headline
+from .verdict import LEARNING_DEFAULTS, Facts, Finding, headline
 
-PANELS = ("Loss", "Loss scale", "Gradient norm", "Learning rate", "Dropped samples by reason")
+READING = "Reading gap per language"
+PANELS = ("Loss", READING, "Loss scale", "Gradient norm", "Learning rate",
+          "Dropped samples by reason")
+STEP_PANELS = ("Loss", READING, "Loss scale", "Gradient norm", "Learning rate")
+NOT_CHECKED = "learning not checked (no reading gap measured)"
 # Marker style per kind of skipped step, and the label prefix tests and readers find.
 SKIP_STYLE = {
     "nonfinite_loss": ("x", "tab:red", "skipped: non-finite loss"),
@@ -111,6 +119,39 @@ def _line(ax: Any, title: str, series: list[tuple[int, float]], why: str,
     ax.set_xlim(-0.5, max(series[-1][0] + 0.5, 0.5))
 
 
+def _reading(ax: Any, f: Facts) -> None:
+    """The relative reading gap of each language over the steps, the floor under which a
+    language is not read (``reading_min_gap``), and each live verdict's ``since`` step."""
+    ax.set_title(READING)
+    if not f.learning_checked:
+        _empty(ax, NOT_CHECKED + (": " + "; ".join(f.not_measured) if f.not_measured else ""))
+        return
+    colors = {}
+    for language, points in f.readings.items():
+        known = [p for p in points if p.step is not None]
+        values = [100 * p.relative if p.relative is not None else math.nan for p in known]
+        (line,) = ax.plot([p.step for p in known], values, lw=1.2, label=language,
+                          marker="." if len(known) < 60 else None)
+        colors[language] = line.get_color()
+    thresholds = (f.probe or {}).get("thresholds")
+    floor = (thresholds if isinstance(thresholds, dict) else {}).get(
+        "reading_min_gap", LEARNING_DEFAULTS["reading_min_gap"])
+    if isinstance(floor, (int, float)):
+        ax.axhline(100 * floor, color="0.5", ls=":", lw=1,
+                   label=f"not read below ({100 * floor:g}%)")
+    for verdict in f.live_verdicts:
+        if verdict.since is None:
+            continue
+        span = (f"since {verdict.since}" if verdict.holds
+                else f"{verdict.since}-{verdict.ended_at if verdict.ended_at is not None else '?'}")
+        ax.axvline(verdict.since, color=colors.get(verdict.language or "", "tab:red"),
+                   ls="--", lw=1.2, alpha=0.9 if verdict.holds else 0.35,
+                   label=f"{verdict.what}: {span}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("% of the audio loss")
+    ax.legend(fontsize=7, loc="best")
+
+
 def _scale(ax: Any, f: Facts) -> None:
     ax.set_title("Loss scale")
     if not f.scale:
@@ -168,11 +209,16 @@ def _dropped(ax: Any, f: Facts) -> None:
 def render(f: Facts, findings: list[Finding]) -> Any:
     """The report page as a matplotlib Figure (not saved)."""
     plt = _pyplot()
-    fig = plt.figure(figsize=(11, 9.5), dpi=80, layout="constrained")
+    fig = plt.figure(figsize=(12, 9.5), dpi=80, layout="constrained")
     grid = fig.add_gridspec(3, 2, height_ratios=[1.3, 1, 1])
+    top = grid[0, :].subgridspec(1, 2, width_ratios=[3, 2])
     axes = {name: fig.add_subplot(spec) for name, spec in zip(
-        PANELS, (grid[0, :], grid[1, 0], grid[1, 1], grid[2, 0], grid[2, 1]))}
+        PANELS, (top[0, 0], top[0, 1], grid[1, 0], grid[1, 1], grid[2, 0], grid[2, 1]))}
     _loss(axes["Loss"], f)
+    _reading(axes[READING], f)
+    if f.losses and f.learning_checked:  # on the loss's steps, so the two read side by side
+        (low, high), (r_low, r_high) = axes["Loss"].get_xlim(), axes[READING].get_xlim()
+        axes[READING].set_xlim(min(low, r_low), max(high, r_high))
     _scale(axes["Loss scale"], f)
     _grad_norm(axes["Gradient norm"], f)
     _line(axes["Learning rate"], "Learning rate", f.lr,
@@ -180,7 +226,7 @@ def render(f: Facts, findings: list[Finding]) -> Any:
     _dropped(axes["Dropped samples by reason"], f)
     from matplotlib.ticker import MaxNLocator  # lazy: matplotlib is optional and heavy
 
-    for name in PANELS[:4]:
+    for name in STEP_PANELS:
         if axes[name].lines or axes[name].collections:  # empty panels keep no ticks
             axes[name].xaxis.set_major_locator(MaxNLocator(integer=True))
     lines = [f"{f.run.folder}", f"verdict: {headline(findings)}"]

@@ -4,8 +4,9 @@ A run leaves its files in one or two folders:
 
 - the trainer's run folder: the coqui Trainer's ``trainer_0_log.txt`` and TensorBoard
   ``events.out.tfevents.*``, and the patches' ``nonfinite_events.jsonl``,
-  ``loss_scale.jsonl`` and ``oom_events.jsonl`` when no output folder was set (a plain
-  loop writes them beside its checkpoints);
+  ``loss_scale.jsonl``, ``oom_events.jsonl`` and ``learning_health.jsonl`` (the reading
+  gap, its verdicts, the resume checks) when no output folder was set (a plain loop
+  writes them beside its checkpoints);
 - the output folder above it: ``headless_runs.jsonl`` (headlessXttsTrain.py) and
   ``dropped_samples.jsonl``, and the patches' files when an output folder was set.
 
@@ -31,14 +32,15 @@ from ... import _run
 from ..._log import logger
 
 # the run's own files, named where the patches write them (patches._run)
-EVENTS, DROPPED, OOM, SCALE = (_run.EVENTS_FILE, _run.DROPPED_FILE, _run.OOM_FILE,
-                               _run.SCALE_FILE)
+EVENTS, DROPPED, OOM, SCALE, LEARNING = (_run.EVENTS_FILE, _run.DROPPED_FILE, _run.OOM_FILE,
+                                         _run.SCALE_FILE, _run.LEARNING_FILE)
 HEADLESS = "headless_runs.jsonl"  # headlessXttsTrain.RUNS_NAME
 TRAINER_RUNS = _run.TRAINER_RUNS_FILE  # a trainer integration's starts, ends, interruptions
-JSONL_FILES = (EVENTS, DROPPED, OOM, SCALE, HEADLESS, TRAINER_RUNS)
+JSONL_FILES = (EVENTS, DROPPED, OOM, SCALE, HEADLESS, TRAINER_RUNS, LEARNING)
 TB_PREFIX = "events.out.tfevents."
-# Files that make a folder a trainer's own run folder, not only an output folder above one.
-_RUN_FILES = (EVENTS, OOM, SCALE)
+# Files that make a folder a trainer's own run folder, not only an output folder above one:
+# the step records, written where the run's report folder is (patches._run.report_dir).
+_RUN_FILES = (EVENTS, OOM, SCALE, LEARNING)
 MAX_DEPTH = 3  # <output-dir>/<run>/... is depth 1; deeper trees are not searched
 
 
@@ -233,7 +235,8 @@ def split_by_run_id(run: Run) -> list[Run]:
     Every process has its own run_id, so a resume has a new one too: a run_id whose
     steps all come after the steps of the run before it continues that run (a resume);
     one whose steps go back over them is another run that wrote into the same folder.
-    Only the folder's step records (events, scale changes, out-of-memory batches) decide;
+    Only the folder's step records (events, scale changes, out-of-memory batches, the
+    learning records' evaluations and resume checks) decide;
     the other records follow their run_id (records without one, from older writers, go
     with the first run; those of a run_id with no steps here, with the newest)."""
     order: list[str] = []

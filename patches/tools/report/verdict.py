@@ -11,6 +11,12 @@ ranks agree on the decision), told apart by who saw the bad value (its event's k
 and who only followed a peer (``"kind": "peer_nonfinite"``); the loss scale is read
 from one rank (every rank's scaler takes the same steps); out-of-memory batches are
 summed (each rank's batch is its own); a sample dropped on several ranks counts once.
+
+Learning (``learning_health.jsonl``, :mod:`patches.learning` and :mod:`patches.resume_check`):
+each language's reading gap over the evaluations (read from one rank), the live monitor's
+verdicts (a finding while not cleared later in the run) and the resume checks (a finding
+for each problem). A run that measured no reading gap is never said to read its text: its
+learning is "not checked", whatever the verdict on its stability.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import learning
 from . import reading
 from .reading import Run
 
@@ -46,6 +53,17 @@ TB_INCOMPLETE = "incomplete TensorBoard file"
 NOT_CHECKED = "checks not run"
 UNWRITTEN = "records not written"
 INTERRUPTED = "interrupted"
+# a live verdict of patches.learning still holding at the run's end is named by its kind,
+# language and step: "not reading the text (am) since step 1200" (learning.NOT_READING, ...)
+LR_DISCONTINUITY = "LR discontinuity at resume"  # + " (step N)"
+STATE_MISFIT = "optimizer state does not fit at resume"
+# patches.resume_check's problem kinds, by the finding they make
+LR_PROBLEMS = ("fresh_optimizer", "lr_not_scheduler", "scheduler_steps")
+STATE_PROBLEMS = ("moments",)
+LEARNING_DEFAULTS = {o.name: o.default for o in learning.SPEC.options}
+# how a live verdict ended, said after "from step A to step B"
+CLEARED_AS = {learning.NOT_READING: "then read", learning.BELOW_BASE: "then caught up",
+              learning.NO_IMPROVEMENT: "then improved"}
 
 
 PEER = "peer_nonfinite"  # patches.nan_guard: this rank skipped because a peer saw it
@@ -76,6 +94,72 @@ class RankFigures:
 
 
 @dataclass
+class ReadingPoint:
+    """One language's reading gap at one evaluation (``reading`` record); None: not recorded,
+    a float: as recorded ("NaN" read as nan)."""
+
+    step: int | None
+    own: float | None
+    rotated: float | None
+    gap: float | None
+    relative: float | None
+    share: float | None
+    utterances: int | None
+    eval_loss: float | None = None
+    measured_on: str = learning.AUDIO_LOSS
+    rank: int = 0
+
+
+@dataclass
+class LiveVerdict:
+    """A verdict the live monitor gave (``verdict`` record) and, when it ended, how."""
+
+    kind: str
+    language: str | None
+    since: int | None  # the step it holds from (the record's ``since``, else its step)
+    warned_at: int | None
+    detail: str
+    ended_at: int | None = None
+    ended: str | None = None  # None: holds at the run's end; "cleared"; "resumed" (see below)
+    run_id: str | None = None  # the process that gave it last
+    ranks: list[int] = field(default_factory=list)
+
+    @property
+    def holds(self) -> bool:
+        return self.ended is None
+
+    @property
+    def what(self) -> str:
+        """``not reading the text (am)``, ``no improvement``."""
+        return self.kind + (f" ({self.language})" if self.language else "")
+
+    @property
+    def name(self) -> str:
+        """``not reading the text (am) since step 1200``, ``no improvement since step 3000``."""
+        return self.what + (f" since step {self.since}" if self.since is not None else "")
+
+
+@dataclass
+class ResumeCheck:
+    """One resume as :mod:`patches.resume_check` compared it (``resume`` record)."""
+
+    step: int | None
+    optimizer_steps: int | None
+    scheduler_steps: int | None
+    lr: list[Any]
+    scheduler_lr: list[Any] | None
+    planned_lr: list[Any] | None
+    problems: list[str]
+    details: list[str]
+    ranks: list[int] = field(default_factory=list)
+
+    @property
+    def at(self) -> int | None:
+        """The step a finding names: the trainer's, else the optimizer's count."""
+        return self.step if self.step is not None else self.optimizer_steps
+
+
+@dataclass
 class Facts:
     """Every figure the report shows, read from one run's files."""
 
@@ -101,6 +185,16 @@ class Facts:
     impossible: Counter[str] = field(default_factory=Counter)  # file -> records left out
     not_checked: list[str] = field(default_factory=list)  # checks that could not run, why
     interrupted: dict[str, Any] | None = None  # the run's last record, when it is a stop
+    readings: dict[str, list[ReadingPoint]] = field(default_factory=dict)  # language -> by step
+    live_verdicts: list[LiveVerdict] = field(default_factory=list)  # holding or ended
+    resumes: list[ResumeCheck] = field(default_factory=list)
+    not_measured: list[str] = field(default_factory=list)  # why the gap was not measured
+    probe: dict[str, Any] | None = None  # the probe record: languages, measured_on, thresholds
+
+    @property
+    def learning_checked(self) -> bool:
+        """Whether any reading gap was measured (else learning was not checked at all)."""
+        return bool(self.readings)
 
 
 @dataclass
@@ -360,23 +454,137 @@ def facts(run: Run) -> Facts:
         f.ranks = {}
     f.patch_stats = _patch_stats(run)
     f.interrupted = _interruption(run)
+    _learning(run, f)
     guard_steps = int(f.patch_stats.get("nan_guard", {}).get("steps", 0))
     if guard_steps:  # the guard's own count of the run's optimizer steps, recorded at its end
         f.steps, f.steps_known = guard_steps, True
     else:  # a lower bound: the last step anything names
         seen = [s + 1 for series in (*f.losses.values(), f.lr, f.grad_norm)
                 for s, _ in series[-1:]]
-        seen += [_steps_at_least(r) for name in (reading.EVENTS, reading.SCALE, reading.OOM)
+        seen += [_steps_at_least(r) for name in (reading.EVENTS, reading.SCALE, reading.OOM,
+                                                 reading.LEARNING)
                  for r in run.get(name)]
         f.steps = max([0] + seen)
     _checks_not_run(run, f)
     return f
 
 
+def _whole(value: Any) -> int | None:
+    return reading.record_step({"step": value})
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _reading_point(record: dict[str, Any], rank: int) -> ReadingPoint:
+    return ReadingPoint(
+        step=_whole(record.get("step")), own=number(record.get("own")),
+        rotated=number(record.get("rotated")), gap=number(record.get("gap")),
+        relative=number(record.get("relative")), share=number(record.get("share")),
+        utterances=_whole(record.get("utterances")), eval_loss=number(record.get("eval_loss")),
+        measured_on=str(record.get("measured_on") or learning.AUDIO_LOSS), rank=rank)
+
+
+def _live_verdicts(stream: list[dict[str, Any]], thresholds: dict[str, Any]
+                   ) -> list[LiveVerdict]:
+    """The live verdicts of one rank's learning records (in the order written): each open
+    from its ``verdict`` record to the ``cleared`` record of its kind and language.
+
+    A resumed process's monitor starts afresh and clears only what it warned itself: a
+    verdict of an earlier process ends (``"resumed"``) when a later one measured enough
+    evaluations to give it again (past ``reading_warmup``, :data:`learning.CONFIRM` in a
+    row; more than ``reading_patience`` for no improvement) and did not."""
+    warmup = int(thresholds.get("reading_warmup", LEARNING_DEFAULTS["reading_warmup"]))
+    patience = int(thresholds.get("reading_patience", LEARNING_DEFAULTS["reading_patience"]))
+    ended: list[LiveVerdict] = []
+    open_: dict[tuple[str, str | None], LiveVerdict] = {}
+    processes: list[Any] = []  # run_ids in the order they wrote
+    measured: Counter[tuple[Any, str | None]] = Counter()  # (run_id, language) -> readings
+    evaluations: dict[Any, set[Any]] = {}
+    first_step: dict[Any, int | None] = {}
+    for record in stream:
+        event, run_id = record.get("event"), record.get("run_id")
+        step = _whole(record.get("step"))
+        if run_id not in processes:
+            processes.append(run_id)
+        key = (str(record.get("kind")), _text(record.get("language")))
+        if event == "reading":
+            measured[(run_id, _text(record.get("language")))] += 1
+            evaluations.setdefault(run_id, set()).add(step)
+            first_step.setdefault(run_id, step)
+        elif event == "verdict":
+            since = _whole(record.get("since"))
+            verdict = open_.setdefault(key, LiveVerdict(
+                key[0], key[1], since if since is not None else step, step,
+                str(record.get("detail") or "")))
+            verdict.run_id = run_id
+        elif event == "cleared" and key in open_:
+            verdict = open_.pop(key)
+            verdict.ended_at, verdict.ended = step, "cleared"
+            ended.append(verdict)
+    for key, verdict in list(open_.items()):
+        for later in processes[processes.index(verdict.run_id) + 1:]:
+            enough = (len(evaluations.get(later, ())) > patience
+                      if verdict.kind == learning.NO_IMPROVEMENT
+                      else measured[(later, verdict.language)] >= warmup + learning.CONFIRM)
+            if enough:
+                verdict.ended_at, verdict.ended = first_step.get(later), "resumed"
+                ended.append(open_.pop(key))
+                break
+    return ended + list(open_.values())
+
+
+def _learning(run: Run, f: Facts) -> None:
+    """The reading gap, the live verdicts and the resume checks of learning_health.jsonl.
+
+    Readings of a language are one rank's (the first that measured it: every rank that
+    measures reads the same probe); a verdict given on several ranks, or a resume every
+    rank checked alike, counts once, naming its ranks."""
+    streams: dict[int, list[dict[str, Any]]] = {}
+    for record in run.get(reading.LEARNING):
+        streams.setdefault(reading.rank_of(record) or 0, []).append(record)
+    verdicts: dict[tuple[Any, ...], LiveVerdict] = {}
+    resumes: dict[tuple[Any, ...], ResumeCheck] = {}
+    for rank, stream in sorted(streams.items()):
+        for record in stream:
+            event = record.get("event")
+            if event == "probe" and f.probe is None:
+                f.probe = {k: record.get(k) for k in ("languages", "measured_on", "thresholds")}
+            elif event == "reading":
+                language = str(record.get("language"))
+                points = f.readings.setdefault(language, [])
+                if not points or points[0].rank == rank:
+                    points.append(_reading_point(record, rank))
+            elif event == "not_measured":
+                why = str(record.get("reason") or "no reason recorded")
+                if why not in f.not_measured:
+                    f.not_measured.append(why)
+            elif event == "resume":
+                check = ResumeCheck(
+                    _whole(record.get("step")), _whole(record.get("optimizer_steps")),
+                    _whole(record.get("scheduler_steps")), list(record.get("lr") or []),
+                    record.get("scheduler_lr"), record.get("planned_lr"),
+                    [str(p) for p in record.get("problems") or []],
+                    [str(d) for d in record.get("details") or []])
+                same = resumes.setdefault((check.at, tuple(check.problems)), check)
+                same.ranks.append(rank)
+        thresholds = (f.probe or {}).get("thresholds")
+        for verdict in _live_verdicts(stream, thresholds if isinstance(thresholds, dict)
+                                      else {}):
+            same = verdicts.setdefault((verdict.kind, verdict.language, verdict.since,
+                                        verdict.ended, verdict.ended_at), verdict)
+            same.ranks.append(rank)
+    for points in f.readings.values():
+        points.sort(key=lambda p: (p.step is None, p.step or 0))
+    f.live_verdicts = list(verdicts.values())
+    f.resumes = sorted(resumes.values(), key=lambda c: (c.at is None, c.at or 0))
+
+
 def _leave_out_impossible(run: Run, f: Facts) -> None:
     """Records with values no writer of the patches makes are counted per file, and left
     out of every figure (never a traceback, never a silent skip)."""
-    for name in (reading.EVENTS, reading.SCALE, reading.OOM):
+    for name in (reading.EVENTS, reading.SCALE, reading.OOM, reading.LEARNING):
         kept = []
         for record in run.get(name):
             why = _impossible(record, name)
@@ -421,6 +629,7 @@ def verdict(f: Facts) -> list[Finding]:
     if f.freeze is not None and f.freeze.get("moved"):
         found.append(Finding(FROZEN_MOVED, f"frozen base rows moved by up to "
                                            f"{f.freeze['max_drift']:.3g} ({f.freeze['detail']})"))
+    found.extend(_resume_findings(f))
     if f.scale:
         values = [v for _, v in f.scale]
         low = min(values)
@@ -454,6 +663,7 @@ def verdict(f: Facts) -> list[Finding]:
                 f"mean loss of the first {quarter} logged steps {first:.4g}, of the last "
                 f"{quarter} {last:.4g} ({-100 * drop:+.1f}%, less than a "
                 f"{100 * STALL_MIN_DROP:g}% drop)")))
+    found.extend(_learning_findings(f))
     if f.dropped:
         found.append(Finding(DROPPED, f"{sum(f.dropped.values())} dropped: "
                              + ", ".join(f"{r} {n}" for r, n in f.dropped.most_common())))
@@ -484,6 +694,116 @@ def verdict(f: Facts) -> list[Finding]:
             f"patch_stats.evidence): the figures above miss them; the run's log names the "
             f"file and the error, and lists the records")))
     return found
+
+
+def _fmt(value: float | None, spec: str = ".3g") -> str:
+    """A recorded number as the text shows it: "NaN"/"Infinity" as written, "?" if missing."""
+    if value is None:
+        return "?"
+    if not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return format(value, spec)
+
+
+def _reading_text(point: ReadingPoint) -> str:
+    """``gap 0.41 nats/code (13.1% of the audio loss), own text lower for 94% of 32
+    utterances``."""
+    unit = " nats/code" if point.measured_on == learning.AUDIO_LOSS else ""
+    return (f"gap {_fmt(point.gap)}{unit} ({_fmt(point.relative, '.2%')} of the "
+            f"{point.measured_on}), own text lower for {_fmt(point.share, '.0%')} of "
+            f"{point.utterances if point.utterances is not None else '?'} utterances")
+
+
+def _at(step: int | None) -> str:
+    return f"step {step}" if step is not None else "a step not recorded"
+
+
+def _on_ranks(ranks: list[int], f: Facts) -> str:
+    return f", on {_ranks_text(sorted(set(ranks)))}" if f.ranks else ""
+
+
+def _learning_findings(f: Facts) -> list[Finding]:
+    """One finding per live verdict still holding at the run's end (per kind and language,
+    from its earliest step)."""
+    holding: dict[tuple[str, str | None], LiveVerdict] = {}
+    for verdict in f.live_verdicts:
+        key = (verdict.kind, verdict.language)
+        if verdict.holds and (key not in holding or (verdict.since or 0) < (
+                holding[key].since or 0)):
+            holding[key] = verdict
+    found = []
+    for verdict in holding.values():
+        points = f.readings.get(verdict.language or "", [])
+        last = (f"; last reading at {_at(points[-1].step)}: {_reading_text(points[-1])}"
+                if points else "")
+        found.append(Finding(verdict.name, (
+            f"{verdict.detail} (the live monitor warned at {_at(verdict.warned_at)}"
+            f"{_on_ranks(verdict.ranks, f)}, learning_health.jsonl{last})")))
+    return found
+
+
+def _resume_findings(f: Facts) -> list[Finding]:
+    """Per checked resume: its LR problems as one finding, its optimizer state as another."""
+    found: dict[str, Finding] = {}
+    for check in f.resumes:
+        said = dict(zip(check.problems, check.details))
+        for name, kinds in ((LR_DISCONTINUITY, LR_PROBLEMS), (STATE_MISFIT, STATE_PROBLEMS)):
+            mine = [p for p in check.problems if p in kinds]
+            if not mine:
+                continue
+            name += f" (step {check.at})" if check.at is not None else ""
+            detail = "; ".join(said.get(p, p.replace("_", " ")) for p in mine) + (
+                f" (resume_check: {', '.join(mine)}; {_resume_figures(check)}"
+                f"{_on_ranks(check.ranks, f)})")
+            if name in found:
+                detail = found[name].detail + "; " + detail
+            found[name] = Finding(name, detail)
+    return list(found.values())
+
+
+def _lrs(values: list[Any] | None) -> str:
+    if not values:
+        return "not recorded"
+    shown = [_fmt(number(v)) for v in values]
+    return shown[0] if len(set(shown)) == 1 else "[" + ", ".join(shown) + "]"
+
+
+def _resume_figures(check: ResumeCheck) -> str:
+    """``LR 4.78e-05, the scheduler's 4.78e-05; optimizer steps 0, scheduler steps 26000``."""
+    def count(value: int | None) -> str:
+        return str(value) if value is not None else "?"
+
+    return (f"LR {_lrs(check.lr)}, the scheduler's {_lrs(check.scheduler_lr)}; optimizer "
+            f"steps {count(check.optimizer_steps)}, scheduler steps "
+            f"{count(check.scheduler_steps)}")
+
+
+def _learning_lines(f: Facts) -> list[str]:
+    """Learning in the text: the last reading of each language, the verdicts that held and
+    ended, each resume check; or, with no reading, that learning was not checked."""
+    if not f.learning_checked:
+        why = ("; ".join(f.not_measured) if f.not_measured
+               else f"{reading.LEARNING} holds no reading" if f.run.files.get(reading.LEARNING)
+               else f"no {reading.LEARNING}; the learning patch was off, or the run never "
+                    f"evaluated")
+        lines = [f"learning: not checked (no reading gap measured: {why})"]
+    else:
+        lines = [f"learning {language}: {_reading_text(points[-1])}, at {_at(points[-1].step)} "
+                 f"({len(points)} evaluation(s))" for language, points in f.readings.items()]
+        lines += [f"learning: not measured: {why}" for why in f.not_measured]
+    for verdict in f.live_verdicts:
+        if verdict.ended == "cleared":
+            lines.append(f"learning: {verdict.what} from {_at(verdict.since)} to "
+                         f"{_at(verdict.ended_at)}, "
+                         + CLEARED_AS.get(verdict.kind, "then no longer"))
+        elif verdict.ended == "resumed":
+            lines.append(f"learning: {verdict.what} from {_at(verdict.since)}; not found "
+                         f"again after the resume (readings from {_at(verdict.ended_at)} on)")
+    for check in f.resumes:
+        lines.append(f"resume at {_at(check.at)}: "
+                     + (", ".join(check.problems) if check.problems else "consistent")
+                     + f" ({_resume_figures(check)})")
+    return lines
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -565,6 +885,7 @@ def describe(f: Facts, findings: list[Finding]) -> list[str]:
                      f"{int(guard.get('skipped', 0))} of {int(guard.get('steps', 0))} steps")
     if f.freeze is not None:
         lines.append(f"frozen rows: {f.freeze['detail']}")
+    lines.extend(_learning_lines(f))
     if run.tb_problem:
         lines.append(f"TensorBoard: {run.tb_problem}")
     for problem in run.tb_incomplete:
