@@ -353,7 +353,9 @@ def judge(points: Sequence[Point], options: Any | None = None) -> list[Verdict]:
                 f"its text lowers its audio loss by {last.relative:.2%}, while {base}'s lowered "
                 f"its own by {others[base]:.2%} at the first evaluation (under "
                 f"{opts.reading_base_share:.0%} of it: reading_base_share). The model reads "
-                f"{language} far less than {base}: see {README}"), language))
+                f"{language} far less than {base}: check that the texts are not cut short (max "
+                f"text length), that the LR is not far too small, that the tokenizer does not "
+                f"turn the script into [UNK] ({README})"), language))
     watched = _watched_loss(points)
     patience = int(opts.reading_patience)
     if watched is not None and len(watched) > patience:
@@ -563,12 +565,12 @@ SPEC = register(PatchSpec(
                "a whole number of evaluations of at least 0, e.g. 1",
                "evaluations at the start whose reading gap no verdict counts", low=0,
                high=1_000_000),
-        Option("reading_min_gap", share, 0.004,
-               "a fraction of the audio loss above 0 and at most 1, e.g. 0.004",
+        Option("reading_min_gap", share, 0.013,
+               "a fraction of the audio loss above 0 and at most 1, e.g. 0.013",
                "a language whose text lowers its audio loss by less than this share is not read",
                low=0, low_open=True, high=1, bound_why="a share of the loss"),
-        Option("reading_base_share", share, 0.25,
-               "a fraction above 0 and at most 1, e.g. 0.25",
+        Option("reading_base_share", share, 0.17,
+               "a fraction above 0 and at most 1, e.g. 0.17",
                "a language read under this share of another's first reading is far below it",
                low=0, low_open=True, high=1, bound_why="a share of another language's gap"),
         Option("reading_patience", positive_int, 5, "a whole number of evaluations, e.g. 5",

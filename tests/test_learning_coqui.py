@@ -38,10 +38,29 @@ def learning_records(trainer) -> list[dict]:
 
 
 def test_xtts_reading_is_measured_at_every_coqui_evaluation(tiny_xtts, tmp_path, clean_patches,
-                                                            caplog) -> None:
+                                                            caplog, monkeypatch) -> None:
     patches.apply(reading_budget=1.0)  # a tiny epoch is seconds: no time budget here
     caplog.set_level(logging.INFO, logger="training_patches")
+    from patches import learning
+    from trainer import Trainer
+
+    in_step, during_step = [False], []
+    train_step, measure = Trainer.train_step, learning.reading_gap
+
+    def flagged(self, *args, **kwargs):
+        in_step[0] = True
+        try:
+            return train_step(self, *args, **kwargs)
+        finally:
+            in_step[0] = False
+
+    def watched(*args, **kwargs):
+        during_step.append(in_step[0])
+        return measure(*args, **kwargs)
+    monkeypatch.setattr(Trainer, "train_step", flagged)
+    monkeypatch.setattr(learning, "reading_gap", watched)
     trainer = fit_with_eval(tiny_xtts, tmp_path)
+    assert during_step == [False, False]  # measured twice, never inside a training step
     events = learning_records(trainer)
     probe = [e for e in events if e["event"] == "probe"]
     readings = [e for e in events if e["event"] == "reading"]
