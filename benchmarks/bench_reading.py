@@ -159,13 +159,10 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], work: Path, out: Path) -> 
     pools = data["pools"]
     monitor = learning.LearningMonitor(probe_of(data), audio_losses)
     points: list[dict[str, Any]] = []
-    verdicts: dict[str, int | None] = {}
 
     def evaluate(step: int) -> None:
         am_audio, _ = bsl.evaluate(model, data["am_eval"], "am", pools)
         readings = monitor.evaluate(model, step=step)
-        for verdict in judge_all(monitor):
-            verdicts.setdefault(verdict.name().split(" since ")[0], step)
         points.append({"step": step, "am_audio": am_audio,
                        "readings": {k: r.record() for k, r in readings.items()}})
 
@@ -183,18 +180,19 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], work: Path, out: Path) -> 
             evaluate(step)
     log.removeHandler(handler)
     handler.close()
-    resume_warnings = [json.loads(line) for line in (folder / "learning_health.jsonl")
-                       .read_text().splitlines() if '"event": "resume"' in line] \
-        if (folder / "learning_health.jsonl").is_file() else []
-    return {"arm": arm, "seed": seed, "points": points, "verdicts": verdicts,
-            "resume": resume_warnings, "seconds": time.perf_counter() - t0,
-            "probe_seconds": monitor.seconds, "steps": steps}
-
-
-def judge_all(monitor) -> list[Any]:
-    from patches import learning
-
-    return learning.judge(monitor.points, None)
+    # what the run's user saw: the monitor's WARNINGs and the resume checks, as recorded
+    records = [json.loads(line) for line in (folder / "learning_health.jsonl")
+               .read_text().splitlines()]
+    warned: dict[str, int] = {}
+    for r in records:
+        if r["event"] == "verdict":
+            name = r["kind"] + (f" ({r['language']})" if r.get("language") else "")
+            warned.setdefault(name, r["step"])
+    return {"arm": arm, "seed": seed, "points": points, "verdicts": warned,
+            "resume": [r for r in records if r["event"] == "resume"],
+            "resume_step": None if resume_at is None else resume_at + 1,
+            "seconds": time.perf_counter() - t0, "probe_seconds": monitor.seconds,
+            "steps": steps}
 
 
 def resume(arm: str, model, opt, sched, lr: float, steps: int, warm: int):
@@ -215,6 +213,92 @@ def resume(arm: str, model, opt, sched, lr: float, steps: int, warm: int):
 def _run(args: tuple[str, int, dict[str, Any], str, str]) -> dict[str, Any]:
     arm, seed, cfg, work, out = args
     return run_arm(arm, seed, cfg, Path(work), Path(out))
+
+
+# -- summary -----------------------------------------------------------------------------------
+
+
+def loss_only_alarm(points: list[dict[str, Any]], patience: int) -> int | None:
+    """Where a loss-only monitor (the no-improvement rule on the held-out Amharic audio loss,
+    as EarlyStopping watches it) fires: the step of the evaluation ``patience`` evaluations
+    after the last new low; None: never."""
+    best = None
+    for i, p in enumerate(points):
+        if best is None or p["am_audio"] < points[best]["am_audio"]:
+            best = i
+        elif i - best >= patience:
+            return p["step"]
+    return None
+
+
+def leaves_healthy(run: dict[str, Any], healthy: dict[str, Any] | None, margin: float = 0.01
+                   ) -> int | None:
+    """The first step after 0 at which the run's Amharic audio loss is above the healthy run
+    of its seed (same base model, same data order) by more than ``margin``: an oracle, since
+    a user has no healthy twin to compare with."""
+    if healthy is None or healthy is run:
+        return None
+    theirs = {q["step"]: q["am_audio"] for q in healthy["points"]}
+    for p in run["points"]:
+        if p["step"] > 0 and p["step"] in theirs and p["am_audio"] > theirs[p["step"]] * (1 + margin):
+            return p["step"]
+    return None
+
+
+def named(run: dict[str, Any]) -> tuple[str, int | None]:
+    """The run's first finding: a verdict (its first WARNING's step) or a resume problem."""
+    found = [(step, name) for name, step in run["verdicts"].items()]
+    found += [(run.get("resume_step"), "resume: " + ", ".join(r["problems"]))
+              for r in run["resume"] if r["problems"]]
+    if not found:
+        return "-", None
+    step, name = min(found, key=lambda f: (f[0] is None, f[0] or 0))
+    return name, step
+
+
+def table(runs: list[dict[str, Any]], patience: int) -> str:
+    healthy = {r["seed"]: r for r in runs if r["arm"] == "healthy"}
+    lines = ["| run | seed | named by | at step | loss-only alarm (no new low in "
+             f"{patience} evaluations) | audio loss >1% above the healthy run of its seed from |",
+             "|---|---|---|---|---|---|"]
+    for r in runs:
+        name, step = named(r)
+        alarm = loss_only_alarm(r["points"], patience)
+        leaves = leaves_healthy(r, healthy.get(r["seed"]))
+        twin = "-" if r["arm"] == "healthy" else leaves if leaves is not None else "never"
+        lines.append(f"| {r['arm']} | {r['seed']} | {name} | {step if step is not None else '-'} "
+                     f"| {alarm if alarm is not None else 'never'} | {twin} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], path: Path, min_gap: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), dpi=72)
+    cmap = plt.get_cmap("tab10")
+    for n, arm in enumerate(dict.fromkeys(r["arm"] for r in runs)):
+        mine = [r for r in runs if r["arm"] == arm]
+        steps = [p["step"] for p in mine[0]["points"]]
+        for ax, value in ((axes[0], lambda p: 100 * p["readings"].get("am", {}).get(
+                "relative", float("nan"))), (axes[1], lambda p: p["am_audio"])):
+            vals = [[value(r["points"][i]) for r in mine] for i in range(len(steps))]
+            ax.plot(steps, [statistics.median(v) for v in vals], color=cmap(n % 10), lw=1.4,
+                    label=arm)
+            ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals],
+                            color=cmap(n % 10), alpha=0.12)
+    axes[0].axhline(100 * min_gap, color="grey", ls=":", lw=1, label="reading_min_gap")
+    axes[0].set(title="Amharic reading gap (% of its audio loss), median [min-max]",
+                xlabel="step")
+    later = [p["am_audio"] for r in runs for p in r["points"] if p["step"] > 0]
+    axes[1].set(title="Amharic audio loss (nats/code)", xlabel="step",
+                ylim=(min(later) - 0.05, max(later) + 0.1))
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -258,6 +342,13 @@ def main() -> None:
                   f"resume {[r.get('problems') for r in result['resume']]} "
                   f"({result['seconds']:.0f} s, probe {result['probe_seconds']:.1f} s)",
                   flush=True)
+    from patches import _options
+
+    opts = _options.Options()
+    text = table(runs, int(opts.reading_patience))
+    print("\n" + text)
+    (out / "table.md").write_text(text + "\n", encoding="utf-8")
+    plot(runs, out / "reading.png", float(opts.reading_min_gap))
     result = {"preset": preset, "config": cfg, "bases": bases, "runs": runs,
               "seconds": time.perf_counter() - t0,
               "machine": {"python": platform.python_version(), "torch": torch.__version__,
