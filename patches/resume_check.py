@@ -48,14 +48,15 @@ _load_hooks: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _counts = {"resumes_checked": 0, "resume_problems": 0}
 
 
-def expect_resume(step: int | None = None, *, scheduler_unit: str | None = None,
+def expect_resume(step: int | None = None, *, scheduler_step: int | None = None,
                   source: str = "") -> None:
     """A resume just happened (``source``: who says so): the next optimizer step is checked
-    even when nothing looks loaded. ``step``: the trainer's step the run continues from;
-    ``scheduler_unit="step"`` when the scheduler steps once per optimizer step and ``step``
-    counts optimizer steps: then the scheduler's step count is compared with it (None: not
-    compared, e.g. a per-epoch scheduler or a step count of batches under accumulation)."""
-    _armed.update(step=step, unit=scheduler_unit, source=source)
+    even when nothing looks loaded. ``step``: the trainer's step the run continues from (for
+    the messages); ``scheduler_step``: where the scheduler should be in its own count (the
+    optimizer steps, or the epochs of a per-epoch scheduler): its step count and the LR of
+    its plan there are compared (None: not compared, e.g. a step count of batches under
+    gradient accumulation, or steps a loss scaler skipped without the scheduler)."""
+    _armed.update(step=step, scheduler_step=scheduler_step, source=source)
     for optimizer in list(_checked):
         _checked.discard(optimizer)
 
@@ -126,12 +127,12 @@ def _moment_mismatches(optimizer: torch.optim.Optimizer) -> list[str]:
 
 
 def check(optimizer: torch.optim.Optimizer, *, step: int | None = None,
-          scheduler_unit: str | None = None, forced: bool = False,
+          scheduler_step: int | None = None, forced: bool = False,
           source: str = "") -> list[str] | None:
     """Compare ``optimizer``, its scheduler and the trainer's ``step``; log and record. Returns
     the problems found (``[]``: the parts fit), or None when this was no resume (nothing
-    loaded, and ``forced`` not set). The scheduler's step count is compared with ``step``
-    only when ``scheduler_unit`` is ``"step"`` (it steps once per optimizer step)."""
+    loaded, and ``forced`` not set). The scheduler's step count is compared with
+    ``scheduler_step`` where one is given (:func:`expect_resume`)."""
     steps = optimizer_steps(optimizer)
     scheds = schedulers_of(optimizer)
     sched = scheds[0] if len(scheds) == 1 else None
@@ -174,23 +175,25 @@ def check(optimizer: torch.optim.Optimizer, *, step: int | None = None,
         problems.append(f"the optimizer's LR {_lrs(lr)} at {where} is not the one its "
                         f"scheduler set ({_lrs(sched_lr)}): {why}. Load the optimizer and the "
                         f"scheduler from one checkpoint")
-    planned = planned_lr(sched, step) if sched is not None and step is not None \
-        and scheduler_unit == "step" else None
-    if (sched is not None and s is not None and step is not None and scheduler_unit == "step"
+    target = scheduler_step
+    planned = planned_lr(sched, target) if sched is not None and target is not None else None
+    if (sched is not None and s is not None and target is not None
             and "fresh_optimizer" not in kinds
-            and abs(s - step) > max(2, STEP_TOLERANCE * step)):
+            and abs(s - target) > max(0 if target < 100 else 2, STEP_TOLERANCE * target)):
         kinds.append("scheduler_steps")
-        plan = (f"; its plan gives LR {_lrs(planned)} at step {step:,}, the optimizer has "
-                f"{_lrs(lr)}" if planned is not None else "")
+        plan = (f"; its plan gives LR {_lrs(planned)} there, the optimizer has {_lrs(lr)}"
+                if planned is not None else "")
         problems.append(
-            f"the scheduler is at its step {s:,} while the trainer resumes at step {step:,}: "
-            f"it {'restarted' if s < step else 'skipped ahead'}{plan}. Restore the scheduler "
+            f"the scheduler is at its step {s:,} while the run resumes where it should be at "
+            f"{target:,}{f' (trainer step {step:,})' if step is not None else ''}: it "
+            f"{'restarted' if s < target else 'skipped ahead'}{plan}. Restore the scheduler "
             f"from the checkpoint the trainer's step came from")
     _counts["resumes_checked"] += 1
     _counts["resume_problems"] += len(problems)
     path = _run.record_in(_run.report_dir(), _run.LEARNING_FILE, "resume", step=step,
                           optimizer_steps=steps, scheduler_steps=s, lr=lr,
-                          scheduler_lr=sched_lr, planned_lr=planned, problems=kinds,
+                          scheduler_lr=sched_lr, planned_lr=planned,
+                          scheduler_expected=scheduler_step, problems=kinds,
                           details=problems, schedulers=len(scheds), source=source or None)
     for problem in problems:
         logger.warning("resume_check: %s (%s)", problem, _run.where_recorded(path))
@@ -215,8 +218,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     step = armed.get("step")
     try:
         check(optimizer, step=step if step is not None else _run.trainer_step,
-              scheduler_unit=armed.get("unit") if step is not None else None,
-              forced=bool(armed), source=armed.get("source", ""))
+              scheduler_step=armed.get("scheduler_step"), forced=bool(armed),
+              source=armed.get("source", ""))
     except Exception as exc:  # noqa: BLE001 - a check must never end the run
         logger.warning("resume_check: the check itself failed (%s: %s); training goes on "
                        "unchecked", type(exc).__name__, exc)

@@ -110,11 +110,11 @@ def test_a_scheduler_behind_the_trainers_step_is_named(saved, tmp_path, caplog) 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
     opt.load_state_dict(opt_state)
     sched.load_state_dict(sched_state)
-    resume_check.expect_resume(120, scheduler_unit="step", source="a test")
+    resume_check.expect_resume(120, scheduler_step=120, source="a test")
     train(model, opt, sched, 1)
     (warning,) = warnings(caplog)
-    assert "the scheduler is at its step 30 while the trainer resumes at step 120: it " \
-           "restarted; its plan gives LR" in warning
+    assert "the scheduler is at its step 30 while the run resumes where it should be at 120 " \
+           "(trainer step 120): it restarted; its plan gives LR" in warning
     (record,) = resume_records(tmp_path)
     assert record["problems"] == ["scheduler_steps"] and record["step"] == 120
     assert record["planned_lr"] == pytest.approx([1e-3 * warmup_cosine(120)])

@@ -97,8 +97,10 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
             else:
                 self.total_steps_done = 0
                 self.epochs_done = 0
-            # the first step checks LR, scheduler and moments (its step count counts batches
-            # under accumulation, so the scheduler's is not compared with it)
+            # The first step checks LR, scheduler and moments; the scheduler's step count is
+            # not compared: coqui counts batches under accumulation, holds the scheduler on
+            # the scaler's skipped steps, and (0.4) never steps a per-epoch scheduler of a
+            # single optimizer (it records optimizer index None, then looks for 0).
             resume_check.expect_resume(self.total_steps_done, source="coqui continue_path")
         else:
             # restore_path alone: weights only, fresh optimizer/scheduler/scaler (upstream).
@@ -112,6 +114,7 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
             self.total_steps_done = 0
             self.epochs_done = 0
             self.reset_lr()
+            resume_check.expect_resume(0, scheduler_step=0, source="coqui restore_path")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
