@@ -65,7 +65,8 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int | None:
     """The steps ``optimizer`` has taken, from its state (``step``); 0 with no state; None
     when its state keeps no count (plain SGD)."""
     if not optimizer.state:
-        return 0
+        # plain SGD keeps no state at all (without momentum), loaded or not: no count to read
+        return None if isinstance(optimizer, torch.optim.SGD) else 0
     counts = []
     for state in optimizer.state.values():
         value = state.get("step") if isinstance(state, dict) else None
@@ -77,9 +78,14 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int | None:
 def schedulers_of(optimizer: torch.optim.Optimizer) -> list[Any]:
     """The LR schedulers driving ``optimizer`` (outermost: not a SequentialLR's child)."""
     kind = torch.optim.lr_scheduler.LRScheduler
+
+    def drives(scheduler: Any) -> bool:
+        # the optimizer itself, or a wrapper of it (accelerate's AcceleratedOptimizer, which
+        # the HF Trainer's scheduler holds, keeps the torch optimizer as .optimizer)
+        held = getattr(scheduler, "optimizer", None)
+        return held is optimizer or getattr(held, "optimizer", None) is optimizer
     # type(), not isinstance(): the latter asks __class__ of lazy deprecated proxies
-    found = [obj for obj in gc.get_objects()
-             if issubclass(type(obj), kind) and getattr(obj, "optimizer", None) is optimizer]
+    found = [obj for obj in gc.get_objects() if issubclass(type(obj), kind) and drives(obj)]
     inner = {id(child) for s in found for child in getattr(s, "_schedulers", ())}
     return [s for s in found if id(s) not in inner]
 

@@ -160,3 +160,45 @@ def test_a_later_load_state_dict_checks_again(saved, tmp_path, caplog) -> None:
     opt.load_state_dict(opt_state)  # the user's own reload, mid-run, with a new scheduler
     train(model, opt, fresh_sched, 1)
     assert [r["problems"] for r in resume_records(tmp_path)] == [[], ["lr_not_scheduler"]]
+
+
+def test_plain_sgd_keeps_no_step_count_and_is_no_fresh_optimizer(tmp_path, clean_patches,
+                                                                 caplog) -> None:
+    """SGD without momentum has no state, loaded or not (found by Lightning's own
+    test_finetuning_with_ckpt_path, docs/compatibility.md): not a fresh optimizer."""
+    patches.reset_runtime_state()
+    patches.set_output_dir(tmp_path)
+    model = torch.nn.Embedding(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, sched, 3)
+    opt_state, sched_state = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
+    patches.apply(["resume_check"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.load_state_dict(opt_state)
+    sched.load_state_dict(sched_state)
+    train(model, opt, sched, 1)
+    assert warnings(caplog) == []
+    (record,) = resume_records(tmp_path)
+    assert record["problems"] == [] and record["optimizer_steps"] is None
+    patches.set_output_dir(None)
+
+
+def test_the_scheduler_of_an_accelerate_wrapped_optimizer_is_found(saved, tmp_path, caplog) -> None:
+    """The HF Trainer's scheduler holds accelerate's AcceleratedOptimizer, whose step is the
+    torch optimizer's: the check finds it through the wrapper."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+
+    model, opt_state, _ = saved
+    try:
+        wrapped = Accelerator(cpu=True).prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        sched = torch.optim.lr_scheduler.LambdaLR(wrapped, warmup_cosine)
+        wrapped.load_state_dict(opt_state)  # a fresh scheduler under the loaded optimizer
+        train(model, wrapped, sched, 1)
+    finally:
+        AcceleratorState._reset_state(True)
+        PartialState._reset_state()
+    (record,) = resume_records(tmp_path)
+    assert record["schedulers"] == 1 and record["problems"] == ["lr_not_scheduler"]
