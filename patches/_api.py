@@ -42,11 +42,16 @@ def check_settings(**options: Any) -> _options.Options:
     variables, defaults), validated exactly as activation validates them; changes nothing.
 
     Raises :class:`ConfigError` with the paragraph activation would stop with. ``doctor``
-    and ``headlessXttsTrain.py``'s pre-flight call this, so they can never disagree with it.
+    and ``headlessXttsTrain.py``'s pre-flight call this, so they can never disagree with it;
+    so does every use of the library before any :func:`apply` (:func:`_options.current`).
     """
     opts = _options.resolve(options)
     _check_names(opts.disable, "TRAINING_PATCHES_DISABLE (or disable=)")
     return opts
+
+
+# Without the activation line, the settings are read at their first use by this same check.
+_options.read_first_use_with(check_settings)
 
 
 def _split(names: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -79,8 +84,8 @@ def apply(names: str | Iterable[str] | None = None, **options: Any) -> dict[str,
         for integ in wanted_integrations:
             wanted += [n for n in _registry.integrations()[integ].patches() if n not in wanted]
     first = not any(_registry.is_enabled(name) for name in specs)
-    previous = _options.current()
-    if not first:
+    previous = None if first else _options.current()
+    if previous is not None:
         opts = _options.merge(previous, opts, touched=set(wanted), explicit=explicit)
     _options.set_current(opts)
     _registry.strict = opts.strict
@@ -110,7 +115,7 @@ def apply(names: str | Iterable[str] | None = None, **options: Any) -> dict[str,
             (newly if _registry.enable(spec, opts) else already).append(name)
     finally:
         _registry.in_apply = False
-    if already and not first:
+    if already and previous is not None:
         _log_option_changes(previous, opts, already)
     if newly:
         _banner(newly, left_off, opts, version_problems)

@@ -403,21 +403,49 @@ def resolve(overrides: Mapping[str, Any] | None = None,
     return options
 
 
-_current = Options()
+# The options of the latest apply(); None before any: the environment's (current()).
+_current: Options | None = None
+# How a use before any apply() reads the settings: patches._api installs check_settings, so
+# that they are read and validated exactly as activation reads them (resolve() until then).
+_first_use: Callable[[], Options] = resolve
+# (what the environment's settings were read from, the options read)
+_from_environment: tuple[Any, Options] | None = None
 
 
 def current() -> Options:
-    """The options of the latest ``apply()`` (defaults before any)."""
-    return _current
+    """The options of the latest ``apply()``; before any (a library used without the
+    activation line: ``load_checkpoint`` in a plain loop, a tool), the ``TRAINING_PATCHES_*``
+    variables read and validated as ``apply()`` reads them, again whenever they change.
+    Either way a setting means the same; a bad or unknown variable raises the
+    :class:`ConfigError` activation would stop with, at the first use."""
+    if _current is not None:
+        return _current
+    global _from_environment
+    key = (sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIX)),
+           list(OPTIONS), list(_checks))
+    found = _from_environment
+    if found is None or found[0] != key:
+        found = _from_environment = (key, _first_use())
+    return found[1]
 
 
-def set_current(options: Options) -> None:
+def set_current(options: Options | None) -> None:
+    """Make ``options`` the current ones (``apply()``); None: as before any ``apply()``, the
+    environment's at each use."""
     global _current
     _current = options
 
 
+def read_first_use_with(reader: Callable[[], Options]) -> None:
+    """How :func:`current` reads the settings before any ``apply()``: ``reader()`` returns
+    them validated (``patches._api.check_settings``: the very check of activation)."""
+    global _first_use, _from_environment
+    _first_use, _from_environment = reader, None
+
+
 __all__ = ["ConfigError", "Option", "Options", "OPTIONS", "declare", "resolve", "merge",
-           "fields_of", "owner_text", "known_env", "current", "env_name", "output_dir_problem",
+           "fields_of", "owner_text", "known_env", "current", "set_current", "read_first_use_with",
+           "env_name", "output_dir_problem",
            "flag", "positive_float", "positive_int", "nonnegative_int", "window", "share",
            "nonnegative_float",
            "names", "FLOAT32_MAX", "FLOAT32_TINY", "INT32_MAX", "INT64_MAX"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -69,14 +69,35 @@ class RowSources:
     unspelled: Mapping[int, str] = field(default_factory=dict)
     # the unspelled rows whose token is a language tag (``[am]``)
     tags: Mapping[int, str] = field(default_factory=dict)
+    # the romaniser (its label, patches.languages.Romanizer) -> the rows it spelled
+    spelled_by: Mapping[str, int] = field(default_factory=dict)
+    # the romaniser -> (texts it failed on: raised or returned no string, texts asked, the first)
+    failures: Mapping[str, tuple[int, int, str]] = field(default_factory=dict)
 
     def shifted(self, rows: int) -> RowSources:
         """The same sources with every token id moved ``rows`` rows down (token ``i`` at
         row ``i + rows``)."""
-        return RowSources({r + rows: tuple(i + rows for i in ids) for r, ids in self.sources.items()},
-                          {r + rows: v for r, v in self.spelled.items()},
-                          {r + rows: v for r, v in self.unspelled.items()},
-                          {r + rows: v for r, v in self.tags.items()})
+        return replace(self,
+                       sources={r + rows: tuple(i + rows for i in ids)
+                                for r, ids in self.sources.items()},
+                       spelled={r + rows: v for r, v in self.spelled.items()},
+                       unspelled={r + rows: v for r, v in self.unspelled.items()},
+                       tags={r + rows: v for r, v in self.tags.items()})
+
+    def spellers(self) -> str:
+        """``spelled by the library's Amharic table ('am'): 7``: who spelled how many rows
+        ("" when none was spelled)."""
+        if not self.spelled_by:
+            return ""
+        return "spelled by " + ", ".join(f"{who}: {n}" for who, n in self.spelled_by.items())
+
+    def warnings(self) -> list[str]:
+        """One line for each romaniser that failed on most of the texts it was asked."""
+        return [f"training-patches: {who} failed on {failed} of the {asked} new token(s) it was "
+                f"asked to spell (the first: {first}); those tokens went to the next romaniser "
+                f"or started by {FALLBACK}. Expected the token in Latin letters, or None for "
+                f"text it cannot spell: fix the function."
+                for who, (failed, asked, first) in self.failures.items() if 2 * failed > asked]
 
     def fallback_tokens(self, tags_from_start: bool = False) -> list[str]:
         """The tokens whose rows fall back to :data:`FALLBACK`: every unspelled one, but the
@@ -181,62 +202,211 @@ def new_bias_values(base: torch.Tensor, rows: Sequence[int], rule: str,
     return out
 
 
-# -- spellings -> trained rows ---------------------------------------------------------------
+# -- the tokenizer the spellings are encoded with ----------------------------------------------
+
+# A tokenizer's structural tokens (unknown, start and end of a text, XTTS's [SPACE]): the base
+# vocabulary has them from the start, so a tokenizer holding one at a new row is not the
+# model's (with its unknown token and a SentencePiece model's control pieces).
+STRUCTURAL_TOKENS = ("[UNK]", "[START]", "[STOP]", "[SPACE]", "<unk>", "<s>", "</s>")
+_BOM = b"\xef\xbb\xbf"
 
 
-class _Tokens:
-    """A tokenizer seen as ``token(id)`` and ``encode(text) -> ids``: a Hugging Face
-    ``tokenizers`` JSON file or object, a SentencePiece ``.model`` file or processor, or
-    anything holding one of them as ``.tokenizer`` / ``.sp_model`` (coqui's tokenizer)."""
+class TokenizerReadError(ValueError):
+    """The tokenizer given to the spelled rules cannot be read or used. The message says what
+    was found and what is expected; the loader puts it in its one paragraph."""
+
+
+def tokenizer_format(path: str | os.PathLike[str]) -> str:
+    """``"json"`` (a Hugging Face ``tokenizers`` file, XTTS's vocab.json) or
+    ``"sentencepiece"`` (a SentencePiece model), told by the file's content, whatever its
+    name: a JSON file starts with ``{``."""
+    with open(path, "rb") as handle:
+        head = handle.read(64)
+    return "json" if head.removeprefix(_BOM).lstrip()[:1] == b"{" else "sentencepiece"
+
+
+class Tokens:
+    """A tokenizer as the spelled rules read it: ``token(id)``, ``encode(text) -> ids`` (no
+    special token added), ``size`` (its ids; None when the object does not say), ``unk``
+    (-1: none) and ``name`` (its file, or its type).
+
+    From a file, by its content (:func:`tokenizer_format`): a Hugging Face ``tokenizers`` JSON
+    or a SentencePiece model. From an object: a ``tokenizers`` Tokenizer, a SentencePiece
+    processor, a Hugging Face ``transformers`` tokenizer (slow or fast: its own ids), or
+    anything holding one as ``.tokenizer``, ``.sp_model`` or ``.backend_tokenizer`` (coqui's
+    tokenizer). Anything else is a :class:`TokenizerReadError`."""
 
     def __init__(self, tokenizer: Any) -> None:
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = _open(os.fspath(tokenizer))
-        for attr in ("tokenizer", "sp_model"):
+            self.name = os.fspath(tokenizer)
+            tokenizer = _open(self.name)
+        else:
+            self.name = f"given (a {type(tokenizer).__name__})"
+        kind = _kind(tokenizer)
+        for attr in ("tokenizer", "sp_model", "backend_tokenizer"):
             inner = getattr(tokenizer, attr, None)
-            if inner is not None and not _usable(tokenizer):
-                tokenizer = inner
-        if not _usable(tokenizer):
-            raise TypeError(
-                f"training-patches: row_init 'romanized' or 'romanized_offset' needs the grown "
-                f"tokenizer to spell new tokens, and got a {type(tokenizer).__name__}. Expected "
-                f"a path to a vocab.json (Hugging Face tokenizers) or a SentencePiece .model, "
-                f"or such a tokenizer object.")
-        self._tok = tokenizer
-        self._spm = hasattr(tokenizer, "id_to_piece")
-        unk = (tokenizer.unk_id() if self._spm else tokenizer.token_to_id("[UNK]"))
+            if kind is None and inner is not None and _kind(inner) is not None:
+                tokenizer, kind = inner, _kind(inner)
+        if kind is None:
+            raise TokenizerReadError(
+                f"a {type(tokenizer).__name__} is not a tokenizer the spelled rules can read; "
+                f"expected a path to a vocab.json (Hugging Face tokenizers) or a SentencePiece "
+                f"model, or such a tokenizer object (tokenizers, sentencepiece, transformers, "
+                f"or one holding it as .tokenizer)")
+        self._tok, self.kind = tokenizer, kind
+        self.size = self._size()
+        unk = self._unk()
         self.unk = unk if isinstance(unk, int) else -1
 
+    def _size(self) -> int | None:
+        tok = self._tok
+        if self.kind == "sentencepiece":
+            return int(tok.get_piece_size())
+        if self.kind == "transformers":
+            return len(tok)
+        vocab = tok.get_vocab(with_added_tokens=True) if hasattr(tok, "get_vocab") else None
+        return max(vocab.values()) + 1 if vocab else None
+
+    def _unk(self) -> int | None:
+        tok = self._tok
+        if self.kind == "sentencepiece":
+            return tok.unk_id()
+        if self.kind == "transformers":
+            return tok.unk_token_id
+        named = getattr(getattr(tok, "model", None), "unk_token", None)
+        return next((i for i in (self.id_of(t) for t in (named, "[UNK]", "<unk>") if t)
+                     if i is not None), None)
+
     def token(self, index: int) -> str | None:
+        """The token of id ``index``; None beyond the tokenizer."""
+        if self.size is not None and not 0 <= index < self.size:
+            return None
         try:
-            return self._tok.id_to_piece(index) if self._spm else self._tok.id_to_token(index)
+            if self.kind == "sentencepiece":
+                return self._tok.id_to_piece(index)
+            if self.kind == "transformers":
+                return self._tok.convert_ids_to_tokens(index)
+            return self._tok.id_to_token(index)
         except Exception:  # an id beyond the tokenizer: no token
             return None
 
+    def id_of(self, token: str) -> int | None:
+        """The id of ``token``, None when the tokenizer has no such token."""
+        tok = self._tok
+        try:
+            if self.kind == "tokenizers":
+                found = tok.token_to_id(token) if hasattr(tok, "token_to_id") else None
+            else:
+                found = (tok.piece_to_id(token) if self.kind == "sentencepiece"
+                         else tok.convert_tokens_to_ids(token))
+                # both answer the unknown token's id for a token they lack
+                found = found if isinstance(found, int) and self.token(found) == token else None
+        except Exception:  # an object that cannot look it up: it does not have it
+            return None
+        return found if isinstance(found, int) else None
+
     def encode(self, text: str) -> list[int]:
-        if self._spm:
-            return list(self._tok.encode(text))
-        return list(self._tok.encode(text).ids)
+        """The ids of ``text``, without the special tokens a tokenizer may add around it."""
+        try:
+            if self.kind == "sentencepiece":
+                return list(self._tok.encode(text))
+            if self.kind == "transformers":
+                return list(self._tok.encode(text, add_special_tokens=False))
+            try:
+                encoded = self._tok.encode(text, add_special_tokens=False)
+            except TypeError:  # a tokenizer-like object without the keyword
+                encoded = self._tok.encode(text)
+            return list(encoded.ids)
+        except Exception as exc:  # the library's own errors are plain Exceptions
+            raise TokenizerReadError(
+                f"encoding {text!r} with the tokenizer {self.name} raised "
+                f"{type(exc).__name__}: {exc}") from None
+
+    def structural(self) -> dict[int, str]:
+        """id -> token of the tokens the base vocabulary holds from the start: its unknown
+        token, :data:`STRUCTURAL_TOKENS` it has, a SentencePiece model's control pieces."""
+        found = {i: t for t in STRUCTURAL_TOKENS if (i := self.id_of(t)) is not None}
+        if self.unk >= 0:
+            found[self.unk] = self.token(self.unk) or "<unknown>"
+        if self.kind == "sentencepiece":
+            found.update({i: self._tok.id_to_piece(i) for i in range(self.size or 0)
+                          if self._tok.is_control(i) or self._tok.is_unknown(i)})
+        return found
+
+    def mismatch(self, tokens: int, trained: int, new_ids: Sequence[int],
+                 last_kept: bool) -> str | None:
+        """Why this tokenizer is not the one of a model whose text rows hold ``tokens``
+        tokens, ``trained`` of them the checkpoint's and ``new_ids`` the new ones
+        (``last_kept``: the layout keeps its last row last, a start token or a slot); None
+        when it fits. Its size is the model's: below it only where nothing is kept last (rows
+        past the tokenizer are padding) and never at or below the trained tokens; none of its
+        :meth:`structural` tokens sits at a new id."""
+        size = self.size
+        if size is not None and (size > tokens or size <= trained or
+                                 (last_kept and size != tokens)):
+            why = ("no token beyond the checkpoint's (the tokenizer before its extension?)"
+                   if size <= trained else "more ids than the model has rows for"
+                   if size > tokens else "the layout keeps its last row last, so the sizes "
+                                         "must be equal")
+            return (f"it has {size} ids and the model's text rows hold {tokens} tokens "
+                    f"({trained} trained in the checkpoint, {tokens - trained} new): {why}")
+        new = set(new_ids)
+        misplaced = sorted((i, t) for i, t in self.structural().items() if i in new)
+        if misplaced:
+            said = ", ".join(f"{t!r} (id {i})" for i, t in misplaced[:5])
+            return (f"its own {said} would be new token(s) of the model (new ids "
+                    f"{min(new)}..{max(new)}), but a tokenizer's structural tokens belong to "
+                    f"the base vocabulary, so its ids are not the model's (the tokenizer before "
+                    f"its extension, or another model's?)")
+        return None
 
 
-def _usable(tokenizer: Any) -> bool:
-    return (hasattr(tokenizer, "id_to_piece") or hasattr(tokenizer, "id_to_token")) and \
-        hasattr(tokenizer, "encode")
+def read_tokenizer(tokenizer: Any) -> Tokens:
+    """``tokenizer`` (a path or an object, see :class:`Tokens`) read for the spelled rules;
+    one :class:`TokenizerReadError` for whatever cannot be read."""
+    return tokenizer if isinstance(tokenizer, Tokens) else Tokens(tokenizer)
+
+
+def _kind(tokenizer: Any) -> str | None:
+    if not hasattr(tokenizer, "encode"):
+        return None
+    if hasattr(tokenizer, "id_to_piece"):
+        return "sentencepiece"
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
+        return "transformers"
+    return "tokenizers" if hasattr(tokenizer, "id_to_token") else None
 
 
 def _open(path: str) -> Any:
+    expected = ("expected the grown tokenizer the model was built with: a Hugging Face "
+                "tokenizers file (XTTS's vocab.json) or a SentencePiece model")
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"training-patches: the spelled row rules were given the tokenizer {path}, which is "
-            f"not a file. Expected the grown tokenizer the model was built with (vocab.json or "
-            f"a SentencePiece .model).")
-    if path.endswith(".json"):
-        from tokenizers import Tokenizer  # lazy: tokenizers is optional
+        raise TokenizerReadError(f"{path}, which is not a file; {expected}")
+    kind = ""
+    try:
+        kind = tokenizer_format(path)
+        if kind == "json":
+            from tokenizers import Tokenizer  # lazy: tokenizers is optional
 
-        return Tokenizer.from_file(path)
-    import sentencepiece  # lazy: only a SentencePiece tokenizer needs it
+            return Tokenizer.from_file(path)
+        import sentencepiece  # lazy: only a SentencePiece tokenizer needs it
 
-    return sentencepiece.SentencePieceProcessor(model_file=path)
+        return sentencepiece.SentencePieceProcessor(model_file=path)
+    except OSError as exc:
+        raise TokenizerReadError(f"{path} could not be read ({exc.strerror or exc}); "
+                                 f"{expected}") from None
+    except ImportError as exc:
+        raise TokenizerReadError(
+            f"{path} needs the {exc.name or 'tokenizer'} package, which is not installed "
+            f"(pip install {exc.name or 'tokenizers sentencepiece'})") from None
+    except Exception as exc:  # the libraries raise plain Exceptions for a file they cannot read
+        found = ("JSON that the tokenizers library cannot read as a tokenizer"
+                 if kind == "json" else "no JSON, and sentencepiece cannot read it as a model")
+        raise TokenizerReadError(f"{path} holds {found} ({type(exc).__name__}: "
+                                 f"{str(exc).strip()[:200]}); {expected}") from None
+
+
+# -- spellings -> trained rows ---------------------------------------------------------------
 
 
 def _is_special(token: str) -> bool:
@@ -248,37 +418,51 @@ def romanized_sources(tokenizer: Any, rows: Iterable[int],
                       trained: Callable[[int], bool],
                       romanize: Callable[[str], tuple[str, str] | None] | None = None,
                       ) -> RowSources:
-    """For each new row in ``rows``: its token spelled by a registered language's romaniser
-    (``romanize``, default :func:`patches.languages.romanize`), encoded with ``tokenizer``,
-    and the pieces kept whose rows ``trained(id)`` says hold trained values (never the
-    unknown token). A row with no spelling, or none of whose pieces is trained, is listed
-    in ``unspelled`` (it falls back to :data:`FALLBACK`); one whose token is a language tag
-    (``[am]``, XTTS's form) in ``tags`` too."""
-    tokens = _Tokens(tokenizer)
-    speller = romanize or languages.romanize
+    """For each new row in ``rows``: its token spelled by the registered romanisers
+    (:class:`patches.languages.Speller`; or ``romanize``, text -> (spelling, code) or None),
+    encoded with ``tokenizer`` (:func:`read_tokenizer`), and the pieces kept whose rows
+    ``trained(id)`` says hold trained values (never the unknown token). A row with no
+    spelling, or none of whose pieces is trained, is listed in ``unspelled`` (it falls back to
+    :data:`FALLBACK`); one whose token is a language tag (``[am]``, XTTS's form) in ``tags``
+    too. ``spelled_by`` counts the rows each romaniser spelled, ``failures`` the romanisers
+    that failed (raised, or returned no string)."""
+    tokens = read_tokenizer(tokenizer)
+    speller = languages.Speller() if romanize is None else None
     sources: dict[int, tuple[int, ...]] = {}
     spelled: dict[int, tuple[str, str]] = {}
     unspelled: dict[int, str] = {}
     tags: dict[int, str] = {}
+    spelled_by: dict[str, int] = {}
     for row in rows:
         token = tokens.token(row)
         text = (token or "").replace("\u2581", " ").strip()
-        found = speller(text) if text and not _is_special(text) else None
+        found, who = None, ""
+        if text and not _is_special(text):
+            if speller is not None:
+                hit = speller(text)
+                found, who = (hit[0], hit[1].label) if hit else (None, "")
+            else:
+                given = romanize(text)
+                found, who = (given[0], repr(given[1])) if given else (None, "")
         pieces: tuple[int, ...] = ()
         if found is not None:
-            ids = [i for i in tokens.encode(found[0]) if i != tokens.unk and trained(i)]
-            pieces = tuple(ids)
+            pieces = tuple(i for i in tokens.encode(found) if i != tokens.unk and trained(i))
         if pieces:
             sources[row] = pieces
-            spelled[row] = (token or "", found[0] if found else "")
+            spelled[row] = (token or "", found or "")
+            spelled_by[who] = spelled_by.get(who, 0) + 1
         else:
             unspelled[row] = token if token is not None else f"<row {row}>"
             if LANGUAGE_TAG.fullmatch(text):
                 tags[row] = text
-    return RowSources(sources, spelled, unspelled, tags)
+    failures = ({} if speller is None else
+                {r.label: (n, speller.asked[r], speller.first_error[r])
+                 for r, n in speller.failed.items()})
+    return RowSources(sources, spelled, unspelled, tags, spelled_by, failures)
 
 
 __all__ = ["COVARIANCE_SCALE", "DEFAULT_HEAD_ROW_INIT", "DEFAULT_ROW_INIT", "FALLBACK",
            "OFFSET_LENGTH", "ROMANIZED_NOISE", "ROW_INITS", "RowSources", "SPELLED_RULES",
-           "SPELLING_SHARE", "TAGS_FROM_START", "check_rule", "language_offset", "new_bias_values",
-           "new_row_values", "romanized_sources"]
+           "SPELLING_SHARE", "STRUCTURAL_TOKENS", "TAGS_FROM_START", "TokenizerReadError",
+           "Tokens", "check_rule", "language_offset", "new_bias_values", "new_row_values",
+           "read_tokenizer", "romanized_sources", "tokenizer_format"]

@@ -24,6 +24,7 @@ def clean_patches() -> Iterator[None]:
     from patches import _options
 
     patches.revert()
+    _options.set_current(None)  # as before any apply(): the environment's, at each use
     yield
     patches.revert()
-    _options.set_current(_options.Options())
+    _options.set_current(None)

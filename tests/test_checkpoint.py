@@ -500,3 +500,24 @@ def test_interrupted_and_resumed_run_has_the_same_losses_step_by_step(tmp_path, 
         assert got == reference[step], f"step {step}: {got!r} != {reference[step]!r}"
     assert first[10] == second[10] and first[11] == second[11]
     assert grad_clip._counts.read() == ref_counts[1]
+
+
+def test_a_folder_of_consolidated_weights_is_named_as_such_not_a_torn_sharded_save(tmp_path) -> None:
+    """DeepSpeed's zero_to_fp32 writes OUT/pytorch_model.bin (the path the library's own
+    DeepSpeed refusal recommends): the folder is no incomplete sharded save; the error names
+    the file to pass."""
+    import torch
+
+    import patches
+
+    model = torch.nn.Linear(3, 3)
+    out = tmp_path / "consolidated"
+    out.mkdir()
+    torch.save(model.state_dict(), out / "pytorch_model.bin")
+    with pytest.raises(patches.CheckpointError) as raised:
+        patches.load_checkpoint(out, model)
+    message = str(raised.value)
+    assert "is no DCP save" in message and "commit marker (its save did not" not in message
+    assert f"load_checkpoint('{out / 'pytorch_model.bin'}', model, ...)" in message
+    report = patches.load_checkpoint(out / "pytorch_model.bin", model)
+    assert report.parts["model"].status == "restored"

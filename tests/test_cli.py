@@ -332,3 +332,20 @@ def test_doctor_reads_the_tts_a_trainer_would_import(tmp_path) -> None:
     line = next(l for l in done.stdout.splitlines() if " coqui-tts " in l)
     assert line.startswith("[warn]") and "0.22.0" in line, done.stdout
     assert str(vendored) in line or "TTS" in line
+
+
+def test_a_tool_that_uses_the_settings_refuses_a_bad_one_first(tmp_path, capsys,
+                                                               monkeypatch) -> None:
+    """Without the activation line the settings are read at first use; a tool that uses them
+    checks them first and stops with activation's paragraph (not a failure per row)."""
+    from patches import _options
+
+    monkeypatch.setenv("TRAINING_PATCHES_ROW_INIT", "bogus")
+    monkeypatch.setattr(_options, "_current", None, raising=False)
+    manifest = tmp_path / "metadata.csv"
+    manifest.write_text("audio_file|text|speaker_name\n", encoding="utf-8")
+    assert cli.main(["check-data", str(manifest)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("training-patches check-data: training-patches: the environment "
+                          "variable TRAINING_PATCHES_ROW_INIT is 'bogus'")
+    assert "\n" not in err.strip()

@@ -158,6 +158,13 @@ def test_a_resume_into_a_grown_vocabulary_is_refused_with_the_path_that_works(tm
     assert "text_embedding.weight: checkpoint [20, 8], model [24, 8]" in result["refusal"]
     assert "patches.load_checkpoint(path, model) BEFORE deepspeed.initialize" in \
         result["refusal"]
+    # the folder and tag named, and the file of the folder zero_to_fp32.py writes
+    ckpt = tmp_path / "ckpt"
+    assert f"being loaded ({ckpt}, the tag its 'latest' file names)" in result["refusal"]
+    assert f"get_fp32_state_dict_from_zero_checkpoint('{ckpt}')" in result["refusal"]
+    assert (f"`python {ckpt}/zero_to_fp32.py {ckpt} OUT` writes the same weights as "
+            f"OUT/pytorch_model.bin: pass that file, not the folder OUT") in result["refusal"]
+    assert "24" in result["script"], result["script"]  # that file loads, grown
     # the fp32 masters, whose bf16 copy the module was
     assert torch.equal(result["consolidated"].bfloat16().float(), result["saved"])
     assert torch.equal(result["start"][:20], result["consolidated"])  # every trained row

@@ -244,7 +244,9 @@ def test_a_failed_save_leaves_the_last_checkpoint_whole(run_state, tmp_path, mon
         return
     again = torch.load(last, weights_only=True)
     assert again["update"] == saved["update"] == BATCHES
-    assert [p.name for p in (tmp_path / "ckpts").iterdir()] == ["model_last.pt"]
+    # no temporary file left: the checkpoint, and the run's lock and start/end records
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
+        ".training-patches.lock", "model_last.pt", "trainer_runs.jsonl"]
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "integration_off"])
@@ -295,3 +297,80 @@ def test_a_checkpoint_the_library_cannot_read_cheaply_is_upstreams_to_load(run_s
     _train(tmp_path / "ckpts", Clips())  # resumed from update 8
     assert torch.load(tmp_path / "ckpts" / "model_last.pt", weights_only=True)["update"] == \
         2 * BATCHES
+
+
+# -- what a grown resume says; one run per folder (issue 38, item 5) --------------------------
+
+AMHARIC = ["ሰ", "ላ", "ም", "ሀ"]  # 4 new tokens: se, la, m, he (letters of the base vocabulary)
+
+
+def _amharic_model() -> torch.nn.Module:
+    """The tiny model with the base vocabulary and the 4 Amharic characters after it, its
+    vocab_char_map as F5 reads it from a vocab.txt of those lines."""
+    torch.manual_seed(0)
+    chars = list((CHARS + "0123456789")[:TOKENS]) + AMHARIC
+    dit = _f5().DiT(dim=32, depth=1, heads=2, dim_head=16, ff_mult=2, mel_dim=MELS,
+                    text_num_embeds=len(chars), text_dim=16, conv_layers=0, dropout=0.0)
+    return _poisonable()(transformer=dit, mel_spec_kwargs=dict(n_mel_channels=MELS),
+                         vocab_char_map={c: i for i, c in enumerate(chars)})
+
+
+def test_a_grown_resume_says_what_f5_restores_and_spells_with_its_vocabulary(
+        run_state, no_live_freezes, tmp_path, caplog) -> None:
+    """A resume into a vocabulary grown by 4 Amharic characters: the load line names what
+    F5's Trainer restores itself (its optimizer and scheduler states, update 8), never
+    ``optimizer absent`` or ``resuming at 0``; the new rows of the model and of the EMA are
+    spelled with the model's vocab_char_map (each from the rows of its latin spelling)."""
+    patches.apply(["nan_guard", "checkpoint"])
+    _train(tmp_path / "ckpts", Clips())
+    trainer = _trainer(_amharic_model(), tmp_path / "ckpts", epochs=1)
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        trainer.train(Clips(), num_workers=1)
+    (line,) = [r.getMessage() for r in caplog.records if "model_last.pt (policy" in
+               r.getMessage()]
+    said = "by F5's Trainer from the checkpoint's"
+    assert f"optimizer restored ({said} 'optimizer_state_dict', then its moments of the " \
+           "grown rows grown by training-patches)" in line, line
+    assert f"scheduler restored ({said} 'scheduler_state_dict')" in line, line
+    assert f"step {BATCHES} restored ({said} 'update')" in line, line
+    assert "optimizer absent" not in line and "resuming at 0" not in line, line
+    assert "(4 from their spelling)" in line, line
+    assert f"new tokens spelled with the model's vocab_char_map ({TOKENS + 4} entries)" in line
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["patched", "integration_off"])
+def test_a_second_run_into_a_checkpoint_path_in_use_is_refused(run_state, tmp_path,
+                                                               applied) -> None:
+    """Another process trains in ``checkpoint_path``: this run is refused in one paragraph
+    naming it, before any model_last.pt is written (upstream trains on and the two
+    overwrite each other's checkpoints, exit 0: the control)."""
+    import os
+    import subprocess
+    import sys
+
+    from processes import child_path
+
+    patches.apply(["nan_guard", "checkpoint"], disable=[] if applied else ["f5_tts"])
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from patches import _runlock; "
+         "_runlock.lock_folder(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+         str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=child_path(Path(__file__).parents[1])))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        if not applied:
+            _train(folder, Clips())
+            assert (folder / "model_last.pt").is_file()
+            return
+        with pytest.raises(patches.RunFolderInUse) as refused:
+            _train(folder, Clips())
+        assert f"F5's Trainer's output folder {folder} is in use by process {holder.pid}" in \
+            str(refused.value) and "model_last.pt" in str(refused.value)
+        assert not (folder / "model_last.pt").exists()
+    finally:
+        holder.communicate("", timeout=30)
+    _train(folder, Clips())
+    runs = [json.loads(line) for line in (folder / "trainer_runs.jsonl").open()]
+    assert [(r["event"], r["step"]) for r in runs] == [("start", 0), ("finished", BATCHES)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -308,3 +309,155 @@ def test_a_patched_trainer_can_be_pickled_as_ddp_spawn_does(clean_patches, tmp_p
     assert len(ours) == 1
     again = pickle.loads(pickle.dumps(ours[0]))
     assert type(again) is type(ours[0])
+
+
+# -- what a grown resume says; one run per folder; a stopped run named (issue 38, item 5) ----
+
+BASE_CHARS = "abcdefghijklmnopqrs"  # 19 characters and [UNK]: TinyText(20)'s tokens
+AMHARIC = ["ሰ", "ላ", "ም", "ሀ"]  # the 4 new tokens: se, la, m, he, spelled from BASE_CHARS
+
+
+def _char_tokenizer(extra: list[str] = ()) -> Any:
+    """A ``tokenizers`` tokenizer of BASE_CHARS and [UNK] (a BPE without merges: one id per
+    character), with ``extra`` added tokens after them."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {c: i for i, c in enumerate(BASE_CHARS)}
+    vocab["[UNK]"] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tokenizer.add_tokens(list(extra))
+    return tokenizer
+
+
+def _quiet_trainer(tmp_path: Path, steps: int, **kwargs: Any) -> lightning.Trainer:
+    return lightning.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(tmp_path), **kwargs)
+
+
+def test_a_grown_fit_says_what_lightning_restores_and_spells_with_the_modules_tokenizer(
+        clean_patches, no_live_freezes, tmp_path, caplog) -> None:
+    """``fit(ckpt_path=)`` into a grown vocabulary: the load line names what Lightning
+    restores itself (its optimizer states, the step), and the new rows are spelled with the
+    LightningModule's ``tokenizer`` (each Amharic token from the rows of its latin
+    spelling), the line saying where that tokenizer came from."""
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    first = _quiet_trainer(tmp_path, 4)
+    first.fit(TinyText(20))
+    path = tmp_path / "step4.ckpt"
+    first.save_checkpoint(path)
+    module = TinyText(24)
+    module.tokenizer = _char_tokenizer(AMHARIC)
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        _quiet_trainer(tmp_path, 6).fit(module, ckpt_path=str(path))
+    (line,) = [r.getMessage() for r in caplog.records
+               if f"{path} (policy" in r.getMessage()]
+    assert ("optimizer restored (by Lightning's Trainer from the checkpoint's "
+            "'optimizer_states', then its moments of the grown rows grown") in line, line
+    assert "step 4 restored (by Lightning's Trainer from the checkpoint's 'global_step')" \
+        in line, line
+    assert "optimizer absent" not in line and "resuming at 0" not in line, line
+    assert "(4 from their spelling)" in line, line
+    assert "new tokens spelled with the LightningModule TinyText's tokenizer" in line, line
+
+
+def test_a_second_fit_into_a_log_dir_in_use_is_refused(clean_patches, tmp_path) -> None:
+    """Another process trains in the Trainer's folder: ``fit`` is refused in one paragraph
+    naming it, before anything is written; this process fitting there again is no other
+    run, and each fit's start and end are in trainer_runs.jsonl."""
+    import subprocess
+    import sys
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    (tmp_path / "run").mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from patches import _runlock; "
+         "_runlock.lock_folder(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+         str(tmp_path / "run")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=_child_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(patches.RunFolderInUse, match=f"in use by process {holder.pid}"):
+            _quiet_trainer(tmp_path / "run", 2).fit(TinyText(20))
+        assert not (tmp_path / "run" / "trainer_runs.jsonl").exists()
+    finally:
+        holder.communicate("", timeout=30)
+    _quiet_trainer(tmp_path / "run", 2).fit(TinyText(20))
+    _quiet_trainer(tmp_path / "run", 2).fit(TinyText(20))
+    runs = [json.loads(line) for line in (tmp_path / "run" / "trainer_runs.jsonl").open()]
+    assert [(r["event"], r["step"]) for r in runs] == [("start", 0), ("finished", 2)] * 2
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of a process a test starts: this checkout's library first."""
+    import os
+
+    from processes import child_path
+
+    return dict(os.environ, PYTHONPATH=child_path(Path(__file__).parents[1]))
+
+
+STOPPED = '''
+import logging, os, signal, sys
+{auto}
+sys.path.insert(0, {tests!r})
+import lightning
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from test_lightning import TinyText
+
+class Logged(TinyText):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+class Term(lightning.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler: stop after the batch
+
+logging.getLogger("lightning").setLevel(logging.ERROR)
+trainer = lightning.Trainer(
+    max_steps=40, accelerator="cpu", devices=1, log_every_n_steps=1,
+    logger=TensorBoardLogger({logs!r}, name="", version=0), enable_progress_bar=False,
+    enable_model_summary=False,
+    callbacks=[Term(), ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)])
+trainer.fit(Logged(20))
+'''
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
+def test_a_run_stopped_by_sigterm_is_named_interrupted_with_its_logged_loss(
+        tmp_path, applied) -> None:
+    """Lightning stopped by SIGTERM at step 5 (its own handler ends ``fit`` with
+    SIGTERMException, a SystemExit: exit code 0): ``report`` names the run interrupted at
+    step 5 with its newest checkpoint, exit 1, and reads the ``train_loss`` it logged to
+    TensorBoard. (It said "healthy", "steps: at least 0", no loss logged.) Without the
+    patches (the control) the losses are read, and nothing says the run was stopped."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(STOPPED.format(tests=str(Path(__file__).parent),
+                                     logs=str(tmp_path / "logs"),
+                                     auto="import patches.auto" if applied else ""))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=_child_env())
+    # SIGTERMException is a SystemExit(None): the stopped run exits 0, as a finished one
+    assert done.returncode == 0 and "Received SIGTERM" in done.stderr, done.stderr[-3000:]
+    report = subprocess.run([sys.executable, "-m", "patches", "report", str(tmp_path / "logs"),
+                             "--no-picture"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env=_child_env())
+    out = report.stdout
+    assert "(5 logged, from TensorBoard)" in out or "(6 logged, from TensorBoard)" in out, out
+    assert "steps: at least 6" in out or "steps: at least 5" in out, out
+    if not applied:
+        assert "interrupted" not in out, out
+        return
+    assert report.returncode == 1 and "verdict: interrupted" in out, out
+    assert ("interrupted: stopped by SIGTERM at trainer step 5 and not continued since; its "
+            "newest checkpoint is epoch=0-step=4.ckpt: continue it with trainer.fit(model, "
+            "ckpt_path=<that checkpoint>) (trainer_runs.jsonl)") in out, out

@@ -166,9 +166,10 @@ def test_register_language_refuses_a_romanizer_that_is_not_callable() -> None:
 # -- spellings -> rows with a real tokenizer ------------------------------------------------
 
 
-def _grown_vocab(tmp_path) -> tuple[str, int, int]:
-    """A base English BPE vocab.json (XTTS layout) grown for Amharic by the library's own
-    extender: (path, base rows, grown rows)."""
+def _grown_vocab(tmp_path, start: bool = True) -> tuple[str, int, int]:
+    """A base English BPE vocab.json (XTTS layout: ``[START]`` last, moved to the new last id;
+    without ``start``, no ``[START]`` and every id kept) grown for Amharic by the library's
+    own extender: (path, base rows, grown rows)."""
     tokenizers = pytest.importorskip("tokenizers")
     from patches.integrations.tokenizer.bpe import extend_vocab_file
 
@@ -179,7 +180,8 @@ def _grown_vocab(tmp_path) -> tuple[str, int, int]:
         special_tokens=["[STOP]", "[UNK]", "[SPACE]", "[en]"])
     tok.train_from_iterator(["selam lealem", "the sea is calm", "a lamp and a seal",
                              "tea time for all", "i see the sun"] * 20, trainer=trainer)
-    tok.add_special_tokens(["[START]"])
+    if start:
+        tok.add_special_tokens(["[START]"])
     base = tmp_path / "vocab.json"
     tok.save(str(base))
     grown = tmp_path / "vocab_am.json"
@@ -286,7 +288,8 @@ def test_romanized_rows_follow_a_layout_whose_token_0_is_not_row_0(tmp_path,
     token id, the spelling would land one row off)."""
     from patches import vocab_rows
 
-    grown, base_tokens, tokens = _grown_vocab(tmp_path)
+    # no start token kept last in this layout: the tokenizer keeps every base id too
+    grown, base_tokens, tokens = _grown_vocab(tmp_path, start=False)
     filler = vocab_rows.RowLayout("filler row 0", leading_rows=1)
     monkeypatch.setattr(vocab_rows, "_layouts", [lambda owner, rows: filler
                                                  if getattr(owner, "filler", False) else None])
@@ -363,3 +366,215 @@ def test_the_same_seed_grows_the_same_rows_under_every_rule(tmp_path) -> None:
         patches.load_checkpoint(path, b, freeze=False, seed=3, row_init=rule, head_row_init=rule)
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
                                                      b.state_dict().values())), rule
+
+
+# -- the tokenizer is checked against the model it spells for --------------------------------
+
+
+def _spm_model(path) -> str:
+    """A small SentencePiece model of English text (another model's tokenizer)."""
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(["the sea is calm", "a lamp and a seal", "tea time for all",
+                                "i see the sun", "selam lealem"] * 20),
+        model_writer=out, vocab_size=40, model_type="bpe", hard_vocab_limit=False,
+        minloglevel=2, num_threads=1)
+    path.write_bytes(out.getvalue())
+    return str(path)
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("case", ["sentencepiece", "base vocab.json", "[START] at a new id"])
+def test_a_tokenizer_that_is_not_the_models_is_refused_naming_what_does_not_fit(
+        tmp_path, case: str) -> None:
+    """The spelled default read any tokenizer: another model's SentencePiece file spelled the
+    new rows from unrelated ids, the vocab.json before the extension listed its own [START] as
+    a new token. Its size and its structural tokens are checked against the model's rows:
+    one paragraph, nothing loaded."""
+    grown, base_rows, rows = _grown_vocab(tmp_path)
+    start_last = case != "[START] at a new id"  # the model's layout keeps nothing last
+    path = _tiny_checkpoint(tmp_path, base_rows, start_last=start_last)
+    model = _tiny(rows, start_last=start_last)
+    tokenizer = {"sentencepiece": lambda: _spm_model(tmp_path / "bpe.model"),
+                 "base vocab.json": lambda: str(tmp_path / "vocab.json"),
+                 "[START] at a new id": lambda: grown}[case]()
+    before = _state(model)
+    with pytest.raises(patches.CheckpointMismatchError) as raised:
+        patches.load_checkpoint(path, model, freeze=False, tokenizer=tokenizer)
+    message = str(raised.value)
+    assert f"the tokenizer {tokenizer} does not fit the model (text_embedding.weight: " \
+           f"{rows} rows" in message
+    if case == "sentencepiece":
+        import sentencepiece
+
+        size = sentencepiece.SentencePieceProcessor(model_file=tokenizer).get_piece_size()
+        assert size != rows and f"it has {size} ids and the model's text rows hold {rows} " \
+                                f"tokens ({base_rows} trained in the checkpoint" in message
+    elif case == "base vocab.json":
+        assert f"it has {base_rows} ids" in message and "no token beyond the checkpoint's" in message
+    else:
+        assert f"its own '[START]' (id {rows - 1}) would be new" in message
+    assert "Nothing was loaded" in message and "\n" not in message
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("content", ['{"model": {"gpt_layers": 30}, "languages": ["en"]}',
+                                     "not a tokenizer at all", ""])
+def test_a_file_that_is_no_tokenizer_is_the_one_checkpoint_error_paragraph(
+        tmp_path, content: str) -> None:
+    """``tokenizer=`` naming coqui's config.json let the tokenizers library's bare Exception
+    escape load_checkpoint: any read error is the loader's one paragraph."""
+    path = _tiny_checkpoint(tmp_path, 20)
+    model = TinyTextModel(vocab=24, dim=8)
+    config = tmp_path / "config.json"
+    config.write_text(content, encoding="utf-8")
+    before = _state(model)
+    with pytest.raises(patches.CheckpointError) as raised:
+        patches.load_checkpoint(path, model, freeze=False, tokenizer=str(config))
+    message = str(raised.value)
+    assert f"the tokenizer given could not be read ({config} holds " in message
+    assert "Nothing was loaded" in message and "\n" not in message
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def _loaded(tmp_path, tokenizer, sizes: tuple[str, int, int]
+            ) -> tuple[TinyTextModel, patches.LoadReport]:
+    """The tiny model (XTTS layout) grown to ``_grown_vocab``'s ``sizes``, loaded from the
+    base checkpoint with ``tokenizer``."""
+    _, base_rows, rows = sizes
+    path = _tiny_checkpoint(tmp_path, base_rows, start_last=True)
+    model = _tiny(rows, start_last=True)
+    report = patches.load_checkpoint(path, model, freeze=False, tokenizer=tokenizer)
+    return model, report
+
+
+def test_a_vocab_json_is_read_by_its_content_whatever_its_name(tmp_path) -> None:
+    """A valid vocab.json without the ``.json`` suffix was called unreadable."""
+    sizes = _grown_vocab(tmp_path)
+    renamed = tmp_path / "tokenizer"
+    renamed.write_bytes((tmp_path / "vocab_am.json").read_bytes())
+    expected, report = _loaded(tmp_path, sizes[0], sizes)
+    got, renamed_report = _loaded(tmp_path, str(renamed), sizes)
+    assert renamed_report.row_init == report.row_init and report.row_init["spelled"] >= 3
+    assert all(torch.equal(v, got.state_dict()[k]) for k, v in expected.state_dict().items())
+
+
+def test_a_hugging_face_tokenizer_object_spells_as_its_file(tmp_path) -> None:
+    """An HF tokenizer object was refused; it is read through its own ids (its backend)."""
+    transformers = pytest.importorskip("transformers")
+    sizes = _grown_vocab(tmp_path)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=sizes[0], unk_token="[UNK]")
+    expected, report = _loaded(tmp_path, sizes[0], sizes)
+    got, hf_report = _loaded(tmp_path, hf, sizes)
+    assert hf_report.row_init == report.row_init and report.row_init["spelled"] >= 3
+    assert all(torch.equal(v, got.state_dict()[k]) for k, v in expected.state_dict().items())
+
+
+# -- which romaniser spells ------------------------------------------------------------------
+
+
+def tigrinya(text: str) -> str | None:
+    """A user's romaniser for Tigrinya (Ethiopic script, as Amharic): every token 'tea'."""
+    return "tea" if any("\u1200" <= ch <= "\u137f" for ch in text) else None
+
+
+def broken(text: str) -> str | None:
+    raise ValueError("no table yet")
+
+
+def test_a_users_romanizer_wins_over_the_builtin_table_and_the_load_line_names_it(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """``register_language('ti', romanize=f)`` (the guide's example): Tigrinya shares the
+    Ethiopic script, so the built-in Amharic table spelled every token and ``f`` was never
+    called. The user's romaniser is asked first, and the load line names who spelled."""
+    sizes = grown, _, _ = _grown_vocab(tmp_path)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(grown)
+    _, amharic_report = _loaded(tmp_path, grown, sizes)
+    spelled = amharic_report.row_init["spelled"]
+    assert amharic_report.new_rows.sources.spelled_by == {
+        "the library's Amharic table ('am')": spelled}
+    assert f"; spelled by the library's Amharic table ('am'): {spelled}" in \
+        amharic_report.summary()
+    register_language("ti", romanize=tigrinya)
+    try:
+        with caplog.at_level(logging.INFO, logger="training_patches"):
+            _, report = _loaded(tmp_path, grown, sizes)
+    finally:
+        unregister_language("ti")
+    sources = report.new_rows.sources
+    assert sources.spelled_by == {"register_language('ti', romanize=tigrinya)": spelled}
+    assert sources.sources[tok.token_to_id("ሰላም")] == tuple(tok.encode("tea").ids)
+    assert f"; spelled by register_language('ti', romanize=tigrinya): {spelled}" in caplog.text
+
+
+def test_a_romanizer_that_fails_on_most_tokens_is_a_warning_with_the_count(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """A romaniser that raised on every call gave 0 spelled rows without a WARNING."""
+    sizes = _grown_vocab(tmp_path)
+    register_language("ti", romanize=broken)
+    try:
+        with caplog.at_level(logging.WARNING, logger="training_patches"):
+            _, report = _loaded(tmp_path, sizes[0], sizes)
+    finally:
+        unregister_language("ti")
+    failed, asked, first = report.new_rows.sources.failures[
+        "register_language('ti', romanize=broken)"]
+    assert failed == asked >= report.row_init["spelled"] >= 3  # Amharic's table spelled them
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w for w in warnings if "romanize=broken) failed on" in w] == [
+        f"training-patches: register_language('ti', romanize=broken) failed on {failed} of the "
+        f"{asked} new token(s) it was asked to spell (the first: {first}); those tokens went to "
+        f"the next romaniser or started by spread. Expected the token in Latin letters, or None "
+        f"for text it cannot spell: fix the function."]
+    assert first.startswith("ValueError: no table yet on ")
+
+
+def test_a_romanizer_alone_for_a_known_language_keeps_its_cleaner(monkeypatch) -> None:
+    """Adding a romaniser to a language already known (Amharic here; coqui's own in
+    test_xtts_language.py) needed replace=True, which swapped its cleaner for the plain one."""
+    from patches import languages
+
+    for table in (languages._languages, languages._romanizers):  # Amharic's, put back after
+        monkeypatch.setitem(table, "am", table["am"])
+    cleaned = languages.get_language("am").cleaner("በ2016 ዓ.ም።")
+    with pytest.raises(patches.ConfigError, match=r"already has a romaniser \(the library's "
+                                                  r"Amharic table \('am'\)\).*replace=True"):
+        register_language("am", romanize=tigrinya)
+    register_language("am", romanize=tigrinya, replace=True)
+    language = languages.get_language("am")
+    assert language.cleaner("በ2016 ዓ.ም።") == cleaned and language.aliases == ("amh",)
+    assert language.char_limit == amharic.CHAR_LIMIT
+    assert languages.romanize("ሰ") == ("tea", "am")
+
+
+def test_a_tokenizer_an_integration_found_that_does_not_fit_starts_spread_rows_and_says_so(
+        tmp_path, caplog) -> None:
+    """The trainer integrations pass the tokenizer they find (the HF Trainer's
+    processing_class, ...). One that does not fit the model is no reason to refuse a resume
+    upstream would make: a WARNING naming where it came from, the new rows by 'spread'."""
+    import logging
+
+    from patches.checkpoint.grown import TrainerResume, load_grown
+
+    caplog.set_level(logging.INFO, logger="training_patches")
+    grown, base_rows, rows = _grown_vocab(tmp_path)
+    path = _tiny_checkpoint(tmp_path, base_rows, start_last=True)
+    model = _tiny(rows, start_last=True)
+    saved = set(torch.load(path, weights_only=True)["model"])
+    resume = TrainerResume("the test trainer", tokenizer=str(tmp_path / "vocab.json"),
+                           tokenizer_source="its processing_class")
+    load_grown(path, model, saved, resume=resume)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and said[0].startswith(
+        "training-patches: the test trainer found its processing_class to spell the new "
+        "tokens with, and it cannot be used: training-patches: cannot start the new rows")
+    assert "the new rows started by 'spread' instead" in said[0]
+    assert "no tokenizer found (its processing_class, which does not fit the model)" in caplog.text

@@ -274,3 +274,175 @@ def test_resume_from_checkpoint_into_a_grown_vocabulary(run_state, no_live_freez
     wte = trainer.model.get_input_embeddings().weight
     assert torch.equal(wte[:VOCAB], trained)  # frozen after the growth, through 4 more steps
     assert not torch.equal(wte[VOCAB:], seen["weight"][VOCAB:])  # the new rows trained
+
+
+# -- what a grown resume says; one run per folder; a killed run found (issue 38, item 5) -----
+
+AMHARIC = ["ሰ", "ላ", "ም", "ሀ", "ለ", "መ", "ረ", "በ"]  # the 8 new tokens, each spelled in latin
+
+
+def _char_tokenizer(extra: list[str] = ()) -> Any:
+    """A fast HF tokenizer of VOCAB characters (its tokenizers backend a BPE without merges:
+    one id per character), with ``extra`` added tokens after them."""
+    from tokenizers import Tokenizer, models
+
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 "
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab["[UNK]"] = len(vocab)
+    assert len(vocab) == VOCAB
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tokenizer.add_tokens(list(extra))
+    return tokenizer
+
+
+def test_a_grown_resume_says_what_the_trainer_restores_and_spells_its_new_tokens(
+        run_state, no_live_freezes, tmp_path, caplog) -> None:
+    """The load line of ``resume_from_checkpoint`` into a grown vocabulary names what the
+    Trainer restores itself from checkpoint-4 (optimizer, scheduler, RNG, step 4), never
+    ``optimizer absent`` or ``resuming at 0``; the new rows are spelled with the Trainer's
+    ``processing_class`` (each Amharic token from the rows of its latin spelling), and the
+    line says so."""
+    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    out = tmp_path / "out"
+    transformers.Trainer(model=_model(), args=_saving_args(out, 4), train_dataset=_rows(),
+                         processing_class=_char_tokenizer(),
+                         data_collator=transformers.default_data_collator).train()
+    model = _model()
+    model.resize_token_embeddings(VOCAB + len(AMHARIC))
+    trainer = transformers.Trainer(
+        model=model, args=_saving_args(out, 6), train_dataset=_rows(),
+        processing_class=_char_tokenizer(AMHARIC), data_collator=transformers.default_data_collator)
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        trainer.train(resume_from_checkpoint=True)
+    (line,) = [r.getMessage() for r in caplog.records if "checkpoint-4/model.safetensors (policy"
+               in r.getMessage()]
+    said = "by the Hugging Face Trainer from checkpoint-4/"
+    assert f"optimizer restored ({said}optimizer.pt, then its moments of the grown rows " \
+           "grown by training-patches)" in line, line
+    assert f"scheduler restored ({said}scheduler.pt)" in line, line
+    assert f"step 4 restored ({said}trainer_state.json)" in line, line
+    assert f"RNG restored ({said}rng_state.pth)" in line, line
+    assert "absent (resuming at 0)" not in line and "optimizer absent" not in line, line
+    assert "(8 from their spelling)" in line, line
+    assert "new tokens spelled with the Hugging Face Trainer's processing_class" in line, line
+    assert trainer.state.global_step == 6
+
+
+def test_a_grown_resume_without_a_tokenizer_says_where_it_looked(
+        run_state, no_live_freezes, tmp_path, caplog) -> None:
+    """No processing_class: the new rows start by spread, and the line says the Trainer was
+    given none (not only that no tokenizer was given to the loader)."""
+    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    out = tmp_path / "out"
+    transformers.Trainer(model=_model(), args=_saving_args(out, 2), train_dataset=_rows()).train()
+    model = _model()
+    model.resize_token_embeddings(VOCAB + 8)
+    with caplog.at_level(logging.INFO, logger="training_patches"):
+        transformers.Trainer(model=model, args=_saving_args(out, 4),
+                             train_dataset=_rows()).train(resume_from_checkpoint=True)
+    assert "no tokenizer found (the Hugging Face Trainer was given no processing_class)" in \
+        caplog.text
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
+def test_a_second_run_into_an_output_dir_in_use_is_refused(run_state, tmp_path,
+                                                           applied) -> None:
+    """Another process trains in ``output_dir`` (it holds the folder's lock): this run is
+    refused in one paragraph naming that process, before it writes a checkpoint (upstream
+    trains on and the two overwrite each other's checkpoint-N, exit 0: the control). The
+    same process training there again (a resume) is no other run."""
+    import subprocess
+    import sys
+
+    if applied:
+        patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from patches import _runlock; "
+         "_runlock.lock_folder(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+         str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_child_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        trainer = transformers.Trainer(model=_model(), args=_saving_args(out, 2),
+                                       train_dataset=_rows())
+        if not applied:
+            trainer.train()
+            assert (out / "checkpoint-2").is_dir()
+            return
+        with pytest.raises(patches.RunFolderInUse) as refused:
+            trainer.train()
+        message = str(refused.value)
+        assert f"the Hugging Face Trainer's output folder {out} is in use by process " \
+               f"{holder.pid}" in message and "checkpoint-N folders" in message
+        assert "\n" not in message and not (out / "checkpoint-2").exists()
+    finally:
+        holder.communicate("", timeout=30)
+    transformers.Trainer(model=_model(), args=_saving_args(out, 2), train_dataset=_rows()).train()
+    transformers.Trainer(model=_model(), args=_saving_args(out, 4),
+                         train_dataset=_rows()).train(resume_from_checkpoint=True)
+    runs = [json.loads(line)["event"] for line in (out / "trainer_runs.jsonl").open()]
+    assert runs == ["start", "finished", "start", "finished"]
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of a process a test starts: this checkout's library first."""
+    import os
+
+    from processes import child_path
+
+    return dict(os.environ, PYTHONPATH=child_path(Path(__file__).parents[1]))
+
+
+KILLED = '''
+import os, signal, sys
+{auto}
+sys.path.insert(0, {tests!r})
+import transformers
+from test_transformers_trainer import _model, _rows, _saving_args
+
+class Kill(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # no handler: the process dies at once
+
+args = _saving_args({out!r}, 8)
+args.logging_steps = 1
+transformers.Trainer(model=_model(), args=args, train_dataset=_rows(),
+                     callbacks=[Kill()]).train()
+'''
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
+def test_a_run_killed_by_sigterm_is_found_and_called_interrupted(tmp_path, applied) -> None:
+    """An HF run killed by SIGTERM at step 5 (the Trainer has no handler: no word, no end):
+    ``report`` finds it (its trainer_runs.jsonl, its checkpoints' trainer_state.json),
+    calls it interrupted, exit 1, and reads the losses the Trainer logged. (It was "no run
+    found", exit 2.) Without the patches (the control) the run is found by its
+    trainer_state.json, and the report says it cannot tell how the run ended."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    script = tmp_path / "train.py"
+    script.write_text(KILLED.format(tests=str(Path(__file__).parent), out=str(out),
+                                    auto="import patches.auto" if applied else ""))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=_child_env())
+    assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]
+    report = subprocess.run([sys.executable, "-m", "patches", "report", str(out),
+                             "--no-picture"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env=_child_env())
+    if not applied:  # found, by its trainer_state.json, but nothing says how it ended
+        assert report.returncode == 1 and "verdict: checks not run" in report.stdout
+        assert "interrupted" not in report.stdout and "whether the run ended" in report.stdout
+        return
+    assert report.returncode == 1, report.stdout + report.stderr
+    assert "verdict: interrupted" in report.stdout, report.stdout
+    assert "recorded no end, and that process is gone" in report.stdout, report.stdout
+    assert ("continue it from its newest checkpoint (checkpoint-4) with "
+            "trainer.train(resume_from_checkpoint=True) (trainer_runs.jsonl)") in report.stdout
+    assert "(4 logged" in report.stdout and "checkpoint-4/trainer_state.json" in report.stdout, \
+        report.stdout

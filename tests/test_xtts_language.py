@@ -108,6 +108,34 @@ def test_register_language_takes_effect_on_existing_tokenizer(am_tiny, language_
         unregister_language("ti")
 
 
+def test_a_romanizer_added_to_a_coqui_language_keeps_coquis_cleaner(am_tiny,
+                                                                    language_patch) -> None:
+    """``register_language('ru', romanize=f)`` needed replace=True, which silently swapped
+    coqui's cleaner for the plain one ('В 2024 году' no longer spelled out in words)."""
+    from TTS.tts.layers.xtts.tokenizer import VoiceBpeTokenizer
+    from patches import languages
+
+    tokenizer = VoiceBpeTokenizer(am_tiny.vocab)
+    spoken = tokenizer.preprocess_text("В 2024 году", "ru")
+    assert "2024" not in spoken and "тысячи" in spoken  # coqui's own cleaner
+
+    def russian(text: str) -> str | None:
+        return "da" if any("\u0400" <= ch <= "\u04ff" for ch in text) else None
+
+    language = patches.register_language("ru", romanize=russian)
+    try:
+        assert tokenizer.preprocess_text("В 2024 году", "ru") == spoken
+        assert language.cleaner is None and languages.get_language("ru") is None
+        assert languages.romanize("да") == ("da", "ru")
+        with pytest.raises(patches.ConfigError, match="already has a romaniser"):
+            patches.register_language("ru", romanize=russian)
+        with pytest.raises(patches.ConfigError, match="built into coqui-tts.*romanize= alone"):
+            patches.register_language("ru", cleaner=str.lower)
+    finally:
+        assert languages.unregister_language("ru")
+    assert languages.romanize("да") is None
+
+
 def test_revert_gives_coqui_back(am_tiny, clean_patches) -> None:
     from TTS.tts.layers.xtts import tokenizer as tokenizer_module
     from TTS.tts.layers.xtts.trainer import gpt_trainer

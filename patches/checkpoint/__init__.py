@@ -57,8 +57,8 @@ SPEC = register(PatchSpec(
     name="checkpoint",
     # every iter() of a DataLoader is watched, so a checkpoint can hold where it stood
     sites=(Site("torch.utils.data.dataloader", "DataLoader.__iter__", data_position.make_iter,
-                lost="CheckpointManager.save(loader=) refuses a DataLoader's position and a "
-                     "resume starts the epoch again"),),
+                lost="CheckpointManager.save(loader=) saves no DataLoader position (a WARNING) "
+                     "and a resume starts the epoch again"),),
     describe=lambda o: (f"vocabulary-aware restore (policy {o.resume_policy}), atomic saves, "
                         f"continue from the newest valid checkpoint"),
     options=(Option("resume_policy", _resume_policy, "remap",

@@ -2,19 +2,29 @@
 
 A temporary file in the same folder is written, flushed and fsynced, renamed over the
 target with ``os.replace`` and the folder is fsynced (Lightning's ``_atomic_save`` idea).
-Free space is checked before a large write, and a write that runs out of space
+Free space is checked before a large write (the estimated size and a margin
+proportional to it: :func:`space_needed`), and a write that runs out of space
 (``ENOSPC``/``EDQUOT``, which torch reports as ``[enforce fail at inline_container.cc]``)
 becomes a :class:`~patches.checkpoint.errors.DiskFullError` naming the folder, the bytes
 needed and the bytes free. Any other write the system refuses (a read-only folder, no
 permission, over the process's file-size limit) is a
 :class:`~patches.checkpoint.errors.CheckpointWriteError` saying which, the partial file
 removed.
+
+An atomic write needs the new file beside the one it replaces, where upstream's
+``torch.save`` writes over it in place. A save that fits only in the place of the file it
+replaces is therefore never the end of a run: :func:`atomic_torch_save` leaves the old file
+whole, says in one WARNING what was not written and how much room it needs, and returns
+None; training goes on and the next save tries again (:func:`no_room`). A save that would
+not fit even there is the :class:`~patches.checkpoint.errors.DiskFullError` it always was
+(upstream's save fails on that disk too).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -22,7 +32,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -47,9 +57,17 @@ def temp_prefix(name: str) -> str:
     return f".{name}{TMP_MARK}{os.getpid()}@{host_name()}~"
 # Errors that mean "no room": the disk is full or the user's quota is spent.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-# Bytes beyond the tensors' own: zip headers and alignment per record, pickle, manifest.
-_BASE_SLACK = 1 << 20
-_PER_TENSOR_SLACK = 1024
+# What torch.save writes beside the tensors' bytes, at most: the records every file has
+# (version, byte order, the pickle's and the zip's end records: 1.3 KB for an empty dict),
+# and per tensor its pickle (rebuild call, storage key, shape, stride) and its zip record
+# (two headers, its name, the 64-byte alignment of its data: about 260 bytes measured).
+_FILE_RECORDS = 2048
+_PER_TENSOR = 512
+# The free space asked for beyond the estimate: 1/MARGIN of it (proportional to the file,
+# never a fixed floor: a 12 KB checkpoint needs about 12 KB).
+MARGIN = 32
+
+logger = logging.getLogger("training_patches")
 
 
 @dataclass(frozen=True)
@@ -111,7 +129,10 @@ def disk_free(folder: str | os.PathLike[str]) -> int | None:
 def _size(nbytes: int | None) -> str:
     if nbytes is None:
         return "an unknown number of bytes"
-    return f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB)"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes} bytes ({nbytes / (1 << shift):.1f} {unit})"
+    return f"{nbytes} bytes"
 
 
 def disk_full_error(path: Path, needed: int, free: int | None, *,
@@ -150,36 +171,100 @@ def ensure_free_space(path: str | os.PathLike[str], needed: int) -> None:
         raise disk_full_error(path, needed, free)
 
 
-def estimate_bytes(obj: Any) -> int:
-    """About how many bytes ``torch.save(obj)`` writes: every storage once, plus slack."""
+def _sizes(obj: Any) -> tuple[int, int]:
+    """(the bytes of ``obj``'s tensors, every storage once; about how many bytes
+    ``torch.save(obj)`` writes, an upper estimate: those plus the records and the pickle)."""
     seen_storages: set[tuple[str, int, int]] = set()
-    seen_objects: set[int] = set()
-    total = _BASE_SLACK
+    seen_objects: set[int] = set()  # containers of obj (alive as long as obj: ids stay theirs)
+    data, total = 0, _FILE_RECORDS
     stack = [obj]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            total += _PER_TENSOR_SLACK
+            total += _PER_TENSOR
             try:
                 storage = item.untyped_storage()
                 key = (str(item.device), storage.data_ptr(), storage.nbytes())
                 if key[1] == 0 or key not in seen_storages:
                     seen_storages.add(key)
-                    total += storage.nbytes()
+                    data += storage.nbytes()
             except (RuntimeError, NotImplementedError):  # sparse and other layouts
-                total += item.element_size() * item.numel()
+                data += item.element_size() * item.numel()
         elif isinstance(item, (dict, list, tuple, set, frozenset)):
             if id(item) in seen_objects:
                 continue
             seen_objects.add(id(item))
-            values = list(item.items()) if isinstance(item, dict) else list(item)
-            stack.extend(values)
-            total += 16 * len(values)
-        elif isinstance(item, (str, bytes)):
-            total += len(item)
+            if isinstance(item, dict):  # keys and values themselves: no pairs made here
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            else:
+                stack.extend(item)
+            total += 8 + 2 * len(item)
+        elif isinstance(item, str):
+            total += len(item.encode("utf-8", "surrogatepass")) + 5
+        elif isinstance(item, (bytes, bytearray)):
+            total += len(item) + 5
+        elif isinstance(item, (bool, type(None))):
+            total += 1
+        elif isinstance(item, (int, float)):
+            total += 9 if isinstance(item, float) or -(2**63) <= item < 2**63 else 9 + (
+                item.bit_length() // 8)
+        elif isinstance(getattr(item, "nbytes", None), int):  # numpy arrays (RNG states)
+            total += item.nbytes + 128
         else:
-            total += 16
+            total += 64
+    return data, total + data
+
+
+def estimate_bytes(obj: Any) -> int:
+    """About how many bytes ``torch.save(obj)`` writes (an upper estimate: every storage
+    once, the pickle and the zip records per tensor, the file's own records)."""
+    return _sizes(obj)[1]
+
+
+def space_needed(obj: Any) -> tuple[int, int]:
+    """(the free space a save of ``obj`` asks for: the estimate and 1/:data:`MARGIN` of it
+    more; the least its file can be: the tensors' own bytes)."""
+    least, estimate = _sizes(obj)
+    return estimate + estimate // MARGIN, least
+
+
+def file_bytes(paths: Iterable[str | os.PathLike[str]]) -> int:
+    """The bytes of the files among ``paths`` that exist."""
+    total = 0
+    for path in paths:
+        try:
+            total += os.stat(path).st_size
+        except OSError:
+            pass
     return total
+
+
+def no_room(error: DiskFullError, path: Path, least: int, replaced: list[Path]) -> bool:
+    """Whether a save that found no room for ``path`` is skipped (True: one WARNING said
+    so; the caller returns and training goes on) or raised (False: re-raise ``error``).
+
+    Skipped when the new file would fit in the place of the files it replaces
+    (``replaced``: the file at ``path``, or the checkpoints a manager's save prunes): the
+    room upstream's in-place ``torch.save`` would have written into. Raised when it would
+    not fit even there (its tensors' own bytes, ``least``, exceed the free space and those
+    files), or when it replaces nothing: upstream's save fails on that disk too."""
+    folder = path.parent
+    free = disk_free(folder)
+    old = file_bytes(replaced)
+    if not replaced or old == 0 or free is None or free + old < least:
+        return False
+    kept = ", ".join(p.name for p in replaced)
+    short = error.needed - free
+    logger.warning(
+        "training-patches: %s was NOT written: %s has %s free and this save needs about %s "
+        "beside %s (%s, kept whole: an atomic save writes the new file next to the old one "
+        "and replaces it only once the new one is complete, so that a run stopped during the "
+        "write still has a good checkpoint). Training goes on; the next save tries again. "
+        "Free %s in %s (old runs, other files), or write the checkpoints to a larger disk.",
+        path.name, folder, _size(free), _size(error.needed), kept, _size(old),
+        f"about {_size(short)}" if short > 0 else "more room", folder)
+    return True
 
 
 def _write_error(path: Path, error: OSError, needed: int | None, *,
@@ -246,19 +331,28 @@ def atomic_write(path: str | os.PathLike[str], write: Any) -> Path:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str], *, check_space: bool = True,
-                      **kwargs: Any) -> Path:
+                      **kwargs: Any) -> Path | None:
     """``torch.save`` that never leaves a torn file at ``path`` (see :func:`atomic_write`).
 
-    With ``check_space`` the folder's free space is compared with the estimated size
-    first (:class:`~patches.checkpoint.errors.DiskFullError` before a byte is written).
-    ``kwargs`` go to ``torch.save``.
+    With ``check_space`` the folder's free space is compared with what the save needs
+    first (:func:`space_needed`; :class:`~patches.checkpoint.errors.DiskFullError` before a
+    byte is written). ``kwargs`` go to ``torch.save``. Returns ``path``, or None when the
+    disk had no room for the new file beside the one it replaces but would have had in its
+    place (:func:`no_room`: one WARNING, the old file kept whole, nothing raised: a save
+    never ends a run that upstream's in-place write would have let go on).
     """
-    needed = estimate_bytes(obj)
-    if check_space:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        ensure_free_space(path, needed)
-    return write_atomically(path, lambda handle: torch.save(obj, handle, **kwargs),
-                            needed=needed).path
+    path = Path(path)
+    needed, least = space_needed(obj)
+    try:
+        if check_space:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            ensure_free_space(path, needed)
+        return write_atomically(path, lambda handle: torch.save(obj, handle, **kwargs),
+                                needed=needed).path
+    except DiskFullError as exc:
+        if no_room(exc, path, least, [path] if path.is_file() else []):
+            return None
+        raise
 
 
 def atomic_text(path: Path, text: str) -> None:
@@ -267,5 +361,5 @@ def atomic_text(path: Path, text: str) -> None:
 
 
 __all__ = ["atomic_write", "atomic_torch_save", "atomic_text", "write_atomically",
-           "estimate_bytes", "ensure_free_space", "disk_free", "Written", "TMP_MARK", "TMP_OWNER",
-           "host_name", "temp_prefix"]
+           "estimate_bytes", "space_needed", "no_room", "file_bytes", "ensure_free_space",
+           "disk_free", "Written", "TMP_MARK", "TMP_OWNER", "host_name", "temp_prefix", "MARGIN"]

@@ -38,8 +38,9 @@ class LoadOptions:
     """How :func:`~patches.checkpoint.load_checkpoint` loads (its docstring says what each
     field does). Pass one as ``options=``, or any field as a keyword (a keyword wins over
     ``options``); ``dataclasses.replace(options, seed=1)`` makes a changed copy.
-    ``row_init``/``head_row_init`` None: ``TRAINING_PATCHES_ROW_INIT`` /
-    ``TRAINING_PATCHES_HEAD_ROW_INIT`` at the time of the load."""
+    ``row_init``/``head_row_init`` None: the settings' (``TRAINING_PATCHES_ROW_INIT`` /
+    ``TRAINING_PATCHES_HEAD_ROW_INIT``, as ``apply()`` read them, or without the activation
+    line as they are at the time of the load: :func:`patches._options.current`)."""
 
     policy: str = "remap"
     freeze: bool = True

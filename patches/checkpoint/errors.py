@@ -16,6 +16,11 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not fit the model/optimizer (other than a vocabulary growth)."""
 
 
+class TokenizerMismatchError(CheckpointMismatchError):
+    """The tokenizer given for the spelled new rows cannot be read, or does not fit the
+    model; nothing was loaded."""
+
+
 class CheckpointWriteError(CheckpointError):
     """The system refused to write a checkpoint (a read-only folder, no permission, over
     the process's file-size limit, a full disk: :class:`DiskFullError`). Nothing of the save
@@ -36,4 +41,4 @@ class DiskFullError(CheckpointWriteError):
 
 
 __all__ = ["CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError",
-           "CheckpointWriteError", "DiskFullError"]
+           "TokenizerMismatchError", "CheckpointWriteError", "DiskFullError"]

@@ -55,6 +55,9 @@ class FileModel(ModelSource):
         if model_plan.rows is not None:
             rows = model_plan.rows
             how = f" ({model_plan.new_rows.describe()})" if model_plan.new_rows is not None else ""
+            sources = model_plan.new_rows.sources if model_plan.new_rows is not None else None
+            for line in sources.warnings() if sources is not None else ():
+                logger.warning("%s", line)  # a romaniser that failed on most tokens
             change = (f"grown by {rows.added} vocabulary row(s){how}"
                       if rows.added >= 0 else
                       f"cut by their last {-rows.added} vocabulary row(s) (truncate=True)")

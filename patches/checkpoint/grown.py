@@ -10,10 +10,20 @@ new rows by the row rules, the base rows frozen, anything else refused in one pa
 and, after the trainer loaded its optimizer state at the old shapes (torch's
 ``load_state_dict`` checks no shape), :func:`grow_loaded_moments` grows the moments of the
 grown rows as the library grows them (first moments 0, second moments the old rows' mean).
+
+The load line says what the resume as a whole does (:class:`TrainerResume`): the weights
+file the library loads holds no optimizer state or step of its own (an HF checkpoint's
+``model.safetensors``), or holds them under the trainer's keys (Lightning's
+``optimizer_states``, F5's ``optimizer_state_dict``), so the parts the trainer restores
+itself right after are named with the file it takes them from, never ``absent`` or
+``resuming at 0``; and the tokenizer the integration found to spell the new tokens with
+(or where it looked and found none).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,6 +31,13 @@ import torch
 
 from .._log import logger
 from ..vocab_resize import RowPlan, grow_moment, is_second_moment
+from . import _collective
+from .decide import LoadOptions, decide
+from .errors import TokenizerMismatchError
+from .load import _say
+from .parts import carry_out
+from .plan import _is_vocab_key, vocab_modules_of
+from .report import LoadReport
 
 # parameter id -> (its name, how its rows grew)
 Grown = dict[int, tuple[str, RowPlan]]
@@ -67,8 +84,6 @@ def vocabulary_growth(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Modu
     layouts name, other dimensions equal), else nothing: a shape the library does not adapt
     (a buffer that grows while training, read back by the model's own ``load_state_dict``)
     stays the trainer's business, and its own load runs as without the patches."""
-    from .plan import _is_vocab_key, vocab_modules_of  # lazy: plan imports the row rules
-
     changes = shape_changes(saved, model)
     names = vocab_modules_of(model)
     rows_only = all(_is_vocab_key(key, names) and len(old) == len(new) and old[1:] == new[1:]
@@ -76,14 +91,52 @@ def vocabulary_growth(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Modu
     return changes if rows_only else {}
 
 
-def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str],
-               strict: bool = True, ema: Any = None) -> Grown:
-    """Load ``path``'s weights into the grown ``model`` through :func:`load_checkpoint`
-    (and its EMA weights into ``ema``, grown alike); the parameters whose rows the load
-    grew, read from its report (``resized``). A key the file lacks because it is a tied alias of a key it has (a head tied to its
-    embedding, saved once) does not count as missing."""
-    from .load import load_checkpoint  # lazy: load imports this package's siblings
+@dataclass(frozen=True)
+class TrainerResume:
+    """What a trainer restores itself around the weights the library loads, for the load line.
 
+    ``trainer``: who (``"the Hugging Face Trainer"``); ``restores``: each part of
+    :data:`patches.checkpoint.PARTS` it restores (``optimizer``, ``scheduler``, ``scaler``,
+    ``step``, ``rng``) -> the file or key it reads it from (only what is there to read);
+    ``step``: the step it resumes at; ``tokenizer``: the grown tokenizer to spell the new
+    tokens with (what ``load_checkpoint``'s ``tokenizer=`` takes), or None;
+    ``tokenizer_source``: where it was found, or where the integration looked and found
+    none (said in the line either way)."""
+
+    trainer: str
+    restores: Mapping[str, str] = field(default_factory=dict)
+    step: int | None = None
+    tokenizer: Any = None
+    tokenizer_source: str = ""
+
+    def tell(self, report: LoadReport) -> None:
+        """``report`` as the whole resume has it: the parts the trainer restores are
+        ``restored`` by it, from where; the model part names the tokenizer."""
+        for name, where in self.restores.items():
+            if name == "step" and self.step is None:
+                continue  # a step nothing says: the library's word stands
+            after = (", then its moments of the grown rows grown by training-patches"
+                     if name == "optimizer" else "")
+            report.set_part(name, "restored", f"by {self.trainer} from {where}{after}",
+                            in_file=True)
+        if "step" in self.restores and self.step is not None:
+            report.step = report.saved_step = self.step
+        model = report.parts.get("model")
+        if model is not None:
+            spelled = (f"new tokens spelled with {self.tokenizer_source}" if self.tokenizer
+                       is not None else f"no tokenizer found ({self.tokenizer_source})")
+            report.set_part("model", model.status, "; ".join(
+                p for p in (model.detail, spelled) if p), in_file=model.in_file)
+
+
+def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str], *,
+               resume: TrainerResume, strict: bool = True, ema: Any = None) -> Grown:
+    """Load ``path``'s weights into the grown ``model`` as :func:`load_checkpoint` does (on
+    every rank together when a process group is up), and its EMA weights into ``ema``,
+    grown alike, the new rows spelled with ``resume.tokenizer``; the load line says what
+    ``resume`` restores. Returns the parameters whose rows the load grew, read from its
+    report (``resized``). A key the file lacks because it is a tied alias of a key it has
+    (a head tied to its embedding, saved once) does not count as missing."""
     own = model.state_dict()
     by_storage: dict[int, set[str]] = {}
     for key, value in own.items():
@@ -92,14 +145,39 @@ def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str],
     missing = [key for key in own if key not in saved_keys]
     tied = bool(missing) and all(by_storage.get(own[key].data_ptr(), set()) & saved_keys
                                  for key in missing)
-    report = load_checkpoint(path, model, strict=strict and not tied, restore_rng=False, ema=ema)
+    options = LoadOptions(strict=strict and not tied, restore_rng=False, ema=ema,
+                          tokenizer=resume.tokenizer).resolved()
+
+    def load(gate: Any = None) -> LoadReport:  # load_checkpoint's, with the resume's line
+        told = resume
+        try:
+            plan = decide(path, model, None, None, None, options)
+        except TokenizerMismatchError as exc:
+            if resume.tokenizer is None:
+                raise
+            # The integration found this tokenizer; the user never named it. A resume
+            # upstream would make is not refused over it: the new rows start by 'spread'.
+            logger.warning(
+                "training-patches: %s found %s to spell the new tokens with, and it cannot "
+                "be used: %s The resume goes on with the new rows started by 'spread' "
+                "instead; to spell them, give the trainer the tokenizer the model was grown "
+                "with.", resume.trainer, resume.tokenizer_source, exc)
+            told = dataclasses.replace(resume, tokenizer=None, tokenizer_source=(
+                f"{resume.tokenizer_source}, which does not fit the model"))
+            plan = decide(path, model, None, None, None,
+                          dataclasses.replace(options, tokenizer=None))
+
+        def say(report: LoadReport) -> None:
+            told.tell(report)
+            _say(path, report, plan.model)
+        return carry_out(plan.state, gate or (lambda: None), say, checkpoint=plan.checkpoint)
+
+    report = _collective.on_every_rank(load) if _collective.active() else load()
     params = dict(model.named_parameters(remove_duplicate=False))
     grown: Grown = {}
     for key, (before, now) in report.resized.items():  # what the load grew, as it says
         if key in params:
             grown[id(params[key])] = (key, RowPlan(old_rows=before[0], new_rows=now[0]))
-    logger.info("training-patches: %s loaded into a grown vocabulary (%s)", path,
-                ", ".join(f"{k} {list(a)}->{list(b)}" for k, (a, b) in report.resized.items()))
     return grown
 
 
@@ -125,5 +203,5 @@ def grow_loaded_moments(optimizer: Any, grown: Grown) -> list[str]:
     return done
 
 
-__all__ = ["Grown", "saved_shapes", "tensor_shapes", "shape_changes", "vocabulary_growth",
-           "load_grown", "grow_loaded_moments"]
+__all__ = ["Grown", "TrainerResume", "saved_shapes", "tensor_shapes", "shape_changes",
+           "vocabulary_growth", "load_grown", "grow_loaded_moments"]

@@ -86,8 +86,11 @@ def load_checkpoint(
             ``randn``); default ``TRAINING_PATCHES_ROW_INIT`` /
             ``TRAINING_PATCHES_HEAD_ROW_INIT``.
         tokenizer: the grown tokenizer the model was built with (a ``vocab.json``, a
-            SentencePiece ``.model``, or such an object), which the spelled rules need to
-            spell the new tokens; without it their rows start by ``spread`` (the report says so).
+            SentencePiece ``.model``, read by their content; or such an object, a Hugging Face
+            tokenizer among them), which the spelled rules need to spell the new tokens;
+            without it their rows start by ``spread`` (the report says so). It is checked
+            against the model's rows first: another size, or a structural token of its own
+            (``[START]``, its unknown token) at a new id, is a CheckpointMismatchError.
         ema: the EMA of the model (ema_pytorch's ``EMA``, torch's ``AveragedModel``, or the
             averaged copy): the file's EMA weights (``CheckpointManager.save(..., ema=)``) are
             loaded into it, vocabulary-aware: its trained rows kept, its new rows started as

@@ -32,11 +32,12 @@ from .reading import (FORMAT, MANIFEST_SUFFIX, _sha256, _what_to_do, check_file,
                       read_manifest)
 from .atomic import TMP_OWNER, host_name
 from .atomic import atomic_text as _atomic_text
-from .atomic import disk_free, disk_full_error, ensure_free_space, estimate_bytes, write_atomically
+from .atomic import (disk_free, disk_full_error, ensure_free_space, no_room, space_needed,
+                     write_atomically)
 from .errors import CheckpointError, DiskFullError
 from .optimizer import _as_list, scaler_enabled
-from .data_position import position_of
-from .ema import saved as ema_weights
+from .data_position import position_or_warn
+from .ema import saved_or_warn as ema_weights
 from .parts import saved_state
 from .rng import capture_rng_state
 from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
@@ -133,25 +134,35 @@ class CheckpointManager:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
              scheduler: Any = None, scaler: Any = None, *, loader: Any = None,
-             ema: Any = None, **extra: Any) -> Path:
-        """Write the checkpoint of ``step``; returns its path once it is complete.
+             ema: Any = None, **extra: Any) -> Path | None:
+        """Write the checkpoint of ``step``; returns its path once it is complete, or None
+        when the disk had no room for it (below: nothing written, training goes on).
 
-        ``loader``: the DataLoader the loop iterates (each rank its own): its position
-        (epoch, batches handed out, the RNG its epoch began with) is saved, and
+        ``loader``: the DataLoader the loop iterates (each rank its own; accelerate's
+        prepared loader too): its position (epoch, batches handed out, the RNG its epoch
+        began with) and what identifies its data are saved, and
         ``load_checkpoint(..., loader=)`` continues there (:mod:`.data_position`).
-        ``ema``: the model's EMA (ema_pytorch's ``EMA``, torch's ``AveragedModel``): its
-        weights are saved, and ``load_checkpoint(..., ema=)`` loads them (:mod:`.ema`).
-        ``extra`` (e.g. ``epoch=``) must be tensors or plain values; it comes back as
-        ``LoadReport.extra``.
+        ``ema``: the model's EMA (ema_pytorch's ``EMA``, torch's ``AveragedModel``, or the
+        averaged copy): its weights are saved, and ``load_checkpoint(..., ema=)`` loads them
+        (:mod:`.ema`). A loader or EMA whose state cannot be read is one WARNING and that
+        part left out of the checkpoint; the rest is saved. ``extra`` (e.g. ``epoch=``) must
+        be tensors or plain values; it comes back as ``LoadReport.extra``.
 
-        The folder's free space is checked first: :class:`DiskFullError` (nothing
-        written) when the estimated size does not fit, and the same error, with the
-        partial files removed, when the disk fills during the write. A save that fails
-        leaves none of its files behind and the other checkpoints as they were.
+        The folder's free space is checked first, for the estimated size and a margin of
+        1/32 of it. When it is short and ``keep`` prunes, the checkpoints this save would
+        prune anyway are removed first (never the newest). When the new checkpoint still
+        has no room beside the checkpoints it replaces but would fit in their place (the
+        room a save over the old file would have used), nothing is written, one WARNING says
+        what was not written and how much room it needs, the older checkpoints stay as they
+        were and None is returned: training goes on, and the next save tries again. When it
+        would not fit even there, :class:`DiskFullError` (nothing written), and the same
+        error, with the partial files removed, when the disk fills during the write (an
+        FSDP2 model's sharded folder: DiskFullError whenever it does not fit). A save that
+        fails leaves none of its files behind and the other checkpoints as they were.
 
         Under a process group call it from every rank: rank 0 writes, every rank
-        returns the same path or raises the same error. FSDP2 models are saved sharded
-        (every rank writes its shards) into :meth:`folder_for` ``(step)``.
+        returns the same path (or None) or raises the same error. FSDP2 models are saved
+        sharded (every rank writes its shards) into :meth:`folder_for` ``(step)``.
         """
         step = _as_step(step)
         _run.saw_checkpoint_folder(self.output_dir)  # the folder of the newest save wins
@@ -162,19 +173,25 @@ class CheckpointManager:
             self._claim()
         if is_sharded_model(model):
             if ema is not None:
-                raise ValueError(
-                    "training-patches: CheckpointManager.save(ema=) of an FSDP2 (sharded) model "
-                    "is not supported: its EMA copy would be saved whole on every rank. Nothing "
-                    "was written. Save the EMA weights yourself (torch.distributed.checkpoint), "
-                    "or leave ema= out.")
+                logger.warning(
+                    "training-patches: the EMA weights are left out of the checkpoint of step "
+                    "%d: CheckpointManager.save(ema=) of an FSDP2 (sharded) model is not "
+                    "supported (its EMA copy would be saved whole on every rank). The model and "
+                    "the other parts are saved. Save the EMA weights yourself "
+                    "(torch.distributed.checkpoint), or leave ema= out.", step)
             return save_sharded(self, step, model, optimizer, scheduler, scaler, extra,
                                 loader=loader)
+        where = f"the checkpoint of step {step}"
         if not self._collective():
-            data = [position_of(loader)] if loader is not None else None
+            data = None
+            if loader is not None:
+                position = position_or_warn(loader, where)
+                data = [position] if position is not None else None
             return self._write(step, model, optimizer, scheduler, scaler, extra, None, data, ema)
         # one gather for both: each rank's RNG and its loader's position
         ranks = _collective.gather_checked(
-            lambda: (capture_rng_state(), position_of(loader) if loader is not None else None))
+            lambda: (capture_rng_state(),
+                     position_or_warn(loader, where) if loader is not None else None))
         rng_ranks = [rng for rng, _ in ranks]
         data_ranks = [data for _, data in ranks]
         data = data_ranks if any(d is not None for d in data_ranks) else None
@@ -184,8 +201,9 @@ class CheckpointManager:
 
     def _write(self, step: int, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                scaler: Any, extra: dict[str, Any], rng_ranks: list[Any] | None,
-               data_ranks: list[Any] | None = None, ema: Any = None) -> Path:
-        """One process writes the file, its manifest, ``latest``; then prunes."""
+               data_ranks: list[Any] | None = None, ema: Any = None) -> Path | None:
+        """One process writes the file, its manifest, ``latest``; then prunes. None: the
+        disk had no room and training goes on (:func:`.atomic.no_room`)."""
         model_state = model.state_dict()
         optimizer_states = [o.state_dict() for o in _as_list(optimizer)]
         schedulers = [s for s in _as_list(scheduler) if s is not None]
@@ -202,12 +220,28 @@ class CheckpointManager:
         if rng_ranks:
             payload["rng_ranks"] = rng_ranks
         if ema is not None:
-            payload["ema"] = ema_weights(ema)
+            weights = ema_weights(ema, f"the checkpoint of step {step}")
+            if weights is not None:
+                payload["ema"] = weights
         path = self.path_for(step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._sweep_temp()
-        needed = estimate_bytes(payload)
-        ensure_free_space(path, needed)
+        needed, least = space_needed(payload)
+        try:
+            self._make_room(path, needed)
+            ensure_free_space(path, needed)
+            return self._write_files(path, step, payload, model, model_state, optimizer_states,
+                                     scaler, rng_ranks, needed)
+        except DiskFullError as exc:
+            if no_room(exc, path, least, self._files(self._replaced_by(path))):
+                return None
+            raise
+
+    def _write_files(self, path: Path, step: int, payload: dict[str, Any],
+                     model: torch.nn.Module, model_state: Mapping[str, torch.Tensor],
+                     optimizer_states: list[Any], scaler: Any, rng_ranks: list[Any] | None,
+                     needed: int) -> Path:
+        """The checkpoint file, its manifest, ``latest``; then the pruning."""
         nonfinite = self._nonfinite(model, model_state, optimizer_states)
         generation = self._next_generation()
         written = write_atomically(path, lambda handle: torch.save(payload, handle),
@@ -246,6 +280,48 @@ class CheckpointManager:
         info("training-patches: checkpoint step %d written to %s", step, path)
         self._prune(keep_path=path)
         return path
+
+    def _replaced_by(self, path: Path) -> list[Path]:
+        """The checkpoints a save of ``path`` replaces: an earlier file of the same step, and
+        those the pruning after it removes (``keep``), oldest first."""
+        owned = [p for p, _ in self._own() if p != path]
+        doomed = owned[:max(len(owned) + 1 - self.keep, 0)] if self.keep is not None else []
+        return ([path] if path.is_file() else []) + doomed
+
+    @staticmethod
+    def _files(checkpoints: list[Path]) -> list[Path]:
+        """The files of ``checkpoints``: each file and its manifest, a folder's files."""
+        files: list[Path] = []
+        for path in checkpoints:
+            if path.is_dir():
+                files += [p for p in sorted(path.rglob("*")) if p.is_file()]
+            else:
+                files += [p for p in (path, manifest_path(path)) if p.is_file()]
+        return files
+
+    def _make_room(self, path: Path, needed: int) -> None:
+        """When the folder has less than ``needed`` bytes free, remove first the checkpoints
+        the pruning after this save would remove anyway, never the newest one (which stays
+        until the new one is complete)."""
+        free = disk_free(self.output_dir)
+        if self.keep is None or free is None or free >= needed:
+            return
+        owned = [p for p, _ in self._own() if p != path]
+        early = [p for p in self._replaced_by(path) if p != path and owned and p != owned[-1]]
+        for old in early:
+            try:
+                if old.is_dir():
+                    remove_folder(old)
+                else:
+                    manifest_path(old).unlink(missing_ok=True)  # the manifest first (_prune)
+                    old.unlink(missing_ok=True)
+            except OSError as exc:
+                logger.warning("training-patches: could not remove the old checkpoint %s (%s)",
+                               old, exc)
+                continue
+            info("training-patches: removed %s before writing %s, not after: the folder has %d "
+                 "bytes free and the new checkpoint needs about %d (keep=%d would remove it once "
+                 "the new one is written)", old.name, path.name, free, needed, self.keep)
 
     @staticmethod
     def _nonfinite(model: torch.nn.Module, model_state: Mapping[str, torch.Tensor],

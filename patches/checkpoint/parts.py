@@ -136,6 +136,8 @@ class StatePlan:
     data_part: tuple[str, str] | None = None  # (status, detail) of the report's data part
     ema: Any = None  # the EMA passed to the load (its module)
     ema_plan: Any = None  # the EMA weights to load (a plan.ModelPlan; None: nothing to load)
+    ema_counters: Any = None  # (the EMA's counters to set, in words): ema.counters_plan
+    resume_epoch: int = 0  # the epoch a training loop continues at (LoadReport.resume_epoch)
     model_plan: Any = None  # what the source's model part decided (a file's plan.ModelPlan)
     resume_step: bool = True  # False: a weights-only start, counted from step 0
 
@@ -432,12 +434,17 @@ class DataPart(Part):
     name = "data"
 
     def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
+        ranks = plan.source.read_data() if plan.source.data_in_file else None
         plan.data, plan.data_part = _plan_data(plan.source, plan.loader, plan.effective,
-                                               resume_step)
+                                               resume_step, ranks)
+        plan.resume_epoch = _resume_epoch(plan.epoch, ranks) if resume_step else 0
 
     def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
         if plan.data is not None:
-            undo.append(data_position.arm(plan.loader, plan.data))
+            # the loader's next iter() says here when it starts the epoch over instead
+            undo.append(data_position.arm(
+                plan.loader, plan.data,
+                told=lambda why: report.set_part("data", "reset", why, in_file=True)))
 
     def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
         if plan.data_part is not None:
@@ -445,28 +452,80 @@ class DataPart(Part):
 
 
 class EmaPart(Part):
-    """The EMA weights (:mod:`.ema`): planned like the model's (keys matched, every tensor
-    checked, the vocabulary grown, the EMA's new rows started as the model's), loaded into
-    the EMA passed, before the model."""
+    """The EMA weights (:mod:`.ema`): the averaged copy inside the EMA passed, in any of its
+    forms, planned like the model's (keys matched, every tensor checked, the vocabulary
+    grown, the EMA's new rows started as the model's) and refused when it is not the same
+    thing (other shapes than the model's, no tensor matched); loaded with the EMA's counters,
+    before the model. A file's EMA that no ``ema=`` receives is a WARNING."""
 
     name = "ema"
 
     def plan(self, plan: StatePlan, remap: OptimizerRemap | None, resume_step: bool) -> None:
-        if plan.ema is not None and plan.source.ema_in_file:
-            plan.ema_plan = plan.source.plan_ema(plan.ema, plan.model_plan)
+        source = plan.source
+        if plan.ema is None or not source.ema_in_file:
+            return
+        try:
+            ema_plan = source.plan_ema(plan.ema, plan.model_plan)
+        except CheckpointError as exc:
+            if "EMA" in str(exc):  # said of the EMA already (ema.module_of)
+                raise
+            raise CheckpointMismatchError(ema_part.refusal(source.path, plan.ema, str(exc))) \
+                from None
+        if ema_plan is None:
+            return
+        model_state = getattr(plan.model_plan, "state", None)
+        other = ema_part.other_shapes(plan.ema, model_state) if isinstance(
+            model_state, Mapping) else []
+        if other:
+            raise CheckpointMismatchError(
+                f"training-patches: cannot load the EMA weights of {source.path} into "
+                f"ema={ema_part.describe(plan.ema)}: its averaged copy does not have the "
+                f"model's shapes ({'; '.join(other[:4])}{'; ...' if len(other) > 4 else ''}). "
+                f"The EMA was built before the model was resized, so its copy would stay at the "
+                f"old size and its next update would fail on it. Nothing was loaded. Build the "
+                f"EMA from the model once the model has its final size (ema_pytorch's "
+                f"EMA(model) or AveragedModel(model) after resizing), then load again.")
+        if not ema_plan.state:
+            saved = ema_part.saved_ema(source.meta) or {}
+            raise CheckpointMismatchError(
+                f"training-patches: cannot load the EMA weights of {source.path} into "
+                f"ema={ema_part.describe(plan.ema)}: none of the file's {len(saved)} EMA "
+                f"tensor(s) ({', '.join(list(saved)[:3])}) is a tensor of its averaged copy, so "
+                f"nothing would be loaded. Nothing was loaded. Pass the EMA of this model "
+                f"(ema_pytorch's EMA, torch's AveragedModel or the averaged copy), or leave "
+                f"ema= out.")
+        plan.ema_plan = ema_plan
+        plan.ema_counters = ema_part.counters_plan(plan.ema, ema_part.saved_counters(source.meta))
 
     def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
         if plan.ema_plan is None:
             return
         ema = plan.ema
+        module = ema_part.averaged_of(ema)
         undo.append(lambda s={k: v.clone() for k, v in ema.state_dict().items()}:
                     ema.load_state_dict(s))
-        ema.load_state_dict(plan.ema_plan.state, strict=False)
+        module.load_state_dict(plan.ema_plan.state, strict=False)
+        values, _ = plan.ema_counters or ({}, [])
+        buffers = dict(ema.named_buffers(recurse=False))
+        with torch.no_grad():
+            for name, value in values.items():
+                buffers[name].copy_(value)
 
     def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
-        said = ema_part.part(plan.ema_plan, plan.ema is not None, plan.source.ema_in_file)
-        if said is not None:
-            report.set_part("ema", *said, in_file=plan.source.ema_in_file)
+        counters = (plan.ema_counters or ({}, []))[1]
+        said = ema_part.part(plan.ema_plan, plan.ema is not None, plan.source.ema_in_file,
+                             counters)
+        if said is None:
+            return
+        report.set_part("ema", *said, in_file=plan.source.ema_in_file)
+        if said == ("dropped", "no ema passed"):
+            # an EMA kept on rank 0 alone (F5-TTS, most DDP loops): the other ranks pass none
+            say = logger.warning if _dist.rank() == 0 else logger.info
+            say(
+                "training-patches: %s holds EMA weights and load_checkpoint got no ema=: they were "
+                "not loaded, so an EMA built for this run starts again from the model's weights "
+                "(the average of the run so far is lost). Pass ema= (ema_pytorch's EMA, torch's "
+                "AveragedModel, or the averaged copy) to load them.", plan.source.path)
 
 
 # The parts of a checkpoint, in the order they are decided and reported; applied in it
@@ -504,10 +563,27 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
     return plan
 
 
+def _resume_epoch(epoch: int | None, ranks: list[Any] | None) -> int:
+    """The epoch a training loop continues at: the saved ``epoch`` (else the saved data
+    position's own count, else 0), or the one after it when this rank's saved position had
+    handed out every batch of that epoch (a save at an epoch's last batch: its loader starts
+    the next epoch, and so must the loop)."""
+    ranks = ranks or []
+    position = ranks[min(_dist.rank(), len(ranks) - 1)] if ranks else None
+    plain = isinstance(position, Mapping) and position.get("kind") == data_position.KIND_PLAIN
+    if epoch is None:
+        epoch = int(position["epoch"]) if plain else 0
+    length = position.get("length") if plain else None
+    complete = plain and isinstance(length, int) and int(position["batches"]) >= length
+    return epoch + 1 if complete else epoch
+
+
 def _plan_data(source: Source, loader: Any, effective: str, resume_step: bool,
+               ranks: list[Any] | None = None,
                ) -> tuple[Mapping[str, Any] | None, tuple[str, str] | None]:
     """(the position to arm ``loader`` with, the data part's (status, detail)); None for the
-    part when there is neither a saved position nor a loader."""
+    part when there is neither a saved position nor a loader. ``ranks``: every rank's saved
+    position, when already read."""
     if not source.data_in_file:
         return None, (None if loader is None else (
             "absent", f"the {source.kind} holds no data position; the loader starts as it is"))
@@ -516,7 +592,7 @@ def _plan_data(source: Source, loader: Any, effective: str, resume_step: bool,
     if effective == "reset" or not resume_step:
         why = "policy reset" if effective == "reset" else "a weights-only start counts from 0"
         return None, ("dropped", f"{why}: the loader starts as it is")
-    ranks = source.read_data() or []
+    ranks = (ranks if ranks is not None else source.read_data()) or []
     rank, world = _dist.rank(), max(_dist.world_size(), 1)
     if len(ranks) != world:
         logger.warning("training-patches: %s holds the data positions of %d rank(s) and this job "
@@ -568,8 +644,8 @@ def new_report(plan: StatePlan, **fields: Any) -> LoadReport:
     """The :class:`LoadReport` of a load, its step fields read from ``plan``."""
     return LoadReport(path=str(plan.source.path), policy=plan.effective,
                       step=plan.saved_step or 0, saved_step=plan.saved_step, epoch=plan.epoch,
-                      extra=plan.extra, optimizer_moments_resized=list(plan.moments_resized),
-                      **fields)
+                      resume_epoch=plan.resume_epoch, extra=plan.extra,
+                      optimizer_moments_resized=list(plan.moments_resized), **fields)
 
 
 def carry_out(plan: StatePlan, gate: Callable[[], None], say: Callable[[LoadReport], None],

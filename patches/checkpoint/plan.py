@@ -12,11 +12,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ..row_init import (DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, SPELLED_RULES, TAGS_FROM_START,
-                        RowSources, check_rule, romanized_sources)
+                        RowSources, TokenizerReadError, check_rule, read_tokenizer,
+                        romanized_sources)
 from ..vocab_resize import RowPlan, grow_bias, grow_rows
 from ..vocab_rows import find_vocab_modules, row_layout
 from .reading import _what_to_do, nonfinite_flags
-from .errors import CheckpointError, CheckpointMismatchError
+from .errors import CheckpointError, CheckpointMismatchError, TokenizerMismatchError
 
 # Parameter names (last two components) that carry the text vocabulary along dim 0.
 VOCAB_SUFFIXES = ("text_embedding.weight", "text_head.weight", "text_head.bias")
@@ -219,7 +220,8 @@ class NewRows:
         return self.head if self.parts[key] == "head" else self.embedding
 
     def describe(self) -> str:
-        """``embedding romanized (118 from their spelling, 2 by spread ('።')), head mean``."""
+        """``embedding romanized (118 from their spelling, 2 by spread ('።')), head mean;
+        spelled by the library's Amharic table ('am'): 118``."""
         out = []
         for part, rule in (("embedding", self.embedding), ("head", self.head)):
             if part not in self.parts.values():
@@ -232,7 +234,8 @@ class NewRows:
             else:
                 out.append(f"{part} {rule} "
                            f"({self.sources.describe(tags_from_start=bool(self.tag_rows))})")
-        return ", ".join(out)
+        spellers = self.sources.spellers() if self.sources is not None else ""
+        return ", ".join(out) + (f"; {spellers}" if spellers else "")
 
 
 def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],
@@ -356,24 +359,41 @@ def _one_value_for_tied(state: dict[str, torch.Tensor], target: Mapping[str, tor
 
 def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: RowPlan,
               row_init: str, head_row_init: str, tokenizer: Any) -> NewRows:
-    """The rule of each grown tensor, and the spelled rows when a rule is a spelled one."""
+    """The rule of each grown tensor, and the spelled rows when a rule is a spelled one: the
+    tokenizer read, checked against the model's rows (:meth:`.row_init.Tokens.mismatch`),
+    then its new tokens spelled."""
     parts = {key: "head" if _is_head(model, key) else "embedding" for key in keys}
     used = {head_row_init if part == "head" else row_init for part in parts.values()}
     sources = None
     if used & set(SPELLED_RULES) and tokenizer is not None:
+        spelled = " and ".join(map(repr, sorted(used & set(SPELLED_RULES))))
+        layout = row_layout(_vocab_owner(model, keys[0]), rows.new_rows)
         # rows before token 0 (F5-TTS's filler): token i is row i + lead
-        lead = row_layout(_vocab_owner(model, keys[0]), rows.new_rows).leading_rows
+        lead = layout.leading_rows
+        new_ids = [r - lead for r in rows.new_row_indices()]
         try:
-            sources = romanized_sources(tokenizer, [r - lead for r in rows.new_row_indices()],
-                                        trained=lambda i: 0 <= i < rows.base_rows - lead
-                                        ).shifted(lead)
-        except (OSError, TypeError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(
+            tokens = read_tokenizer(tokenizer)
+            why = tokens.mismatch(rows.new_rows - lead - layout.extra_rows,
+                                  rows.old_rows - lead - layout.extra_rows, new_ids,
+                                  rows.start_row_last)
+            if why is None:
+                sources = romanized_sources(tokens, new_ids,
+                                            trained=lambda i: 0 <= i < rows.base_rows - lead
+                                            ).shifted(lead)
+        except TokenizerReadError as exc:
+            raise TokenizerMismatchError(
                 f"training-patches: cannot start the new rows of {path} from their spelling "
-                f"(row_init {' and '.join(map(repr, sorted(used & set(SPELLED_RULES))))}): the "
-                f"tokenizer given could not be read ({exc}). "
+                f"(row_init {spelled}): the tokenizer given could not be read ({exc}). "
                 f"Nothing was loaded. Pass tokenizer= the grown tokenizer the model was built "
-                f"with (a vocab.json or a SentencePiece .model), or another row_init.") from exc
+                f"with (a vocab.json or a SentencePiece .model), or another row_init.") from None
+        if why is not None:
+            raise TokenizerMismatchError(
+                f"training-patches: cannot start the new rows of {path} from their spelling "
+                f"(row_init {spelled}): the tokenizer {tokens.name} does not fit the model "
+                f"({keys[0]}: {rows.new_rows} rows, layout '{layout.name}'): {why}. Spelled "
+                f"with it, the new rows would start from the rows of unrelated tokens. Nothing "
+                f"was loaded. Pass tokenizer= the grown tokenizer the model was built with, or "
+                f"another row_init ('spread' needs none).")
     tags = ()
     if row_init in TAGS_FROM_START and sources is not None and rows.start_row_last:
         tags = tuple(sources.tags)

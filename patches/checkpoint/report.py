@@ -39,7 +39,10 @@ class LoadReport:
     """What :func:`load_checkpoint` did.
 
     ``step`` is the step to resume at: the checkpoint's step under ``remap``, 0 under
-    ``reset``. ``resized`` maps each grown tensor to (old shape, new shape);
+    ``reset``. ``epoch`` is the epoch the file holds (``save(..., epoch=)``);
+    ``resume_epoch`` the one a training loop continues at: that epoch, or the next one when
+    the saved data position had handed out every batch of it (a save at an epoch's last
+    batch), 0 for a weights-only start (``for epoch in range(report.resume_epoch, epochs)``). ``resized`` maps each grown tensor to (old shape, new shape);
     ``kept_rows`` counts the trained rows copied unchanged into each of them.
 
     ``parts`` says, for each of :data:`PARTS` (model, optimizer, scheduler, scaler, step,
@@ -60,6 +63,7 @@ class LoadReport:
     policy: str
     step: int
     epoch: int | None = None
+    resume_epoch: int = 0
     resized: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     kept_rows: dict[str, int] = field(default_factory=dict)
     base_vocab_size: int | None = None

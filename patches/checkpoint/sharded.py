@@ -293,13 +293,14 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
         state = {"model": msd} if osd is None else {"model": msd, "optimizer": osd}
         _dcp_call("save", folder, lambda: dcp.save(state, checkpoint_id=str(folder)))
         atomic_torch_save(capture_rng_state(), folder / _rng_name(rank), check_space=False)
-        if loader is not None:
-            atomic_torch_save(data_position.position_of(loader), folder / _data_name(rank),
-                              check_space=False)
+        position = data_position.position_or_warn(loader, f"the save into {folder}") \
+            if loader is not None else None
+        if position is not None:  # a loader it cannot read: one WARNING, that part left out
+            atomic_torch_save(position, folder / _data_name(rank), check_space=False)
         if rank == 0:
             meta = saved_state(step, optimizers, [s for s in _as_list(scheduler)
                                                   if s is not None], scaler, extra)
-            meta["data_world"] = _dist.world_size() if loader is not None else None
+            meta["data_world"] = _dist.world_size() if position is not None else None
             atomic_torch_save(meta, folder / META_NAME, check_space=False)
         files = {name: {"bytes": (folder / name).stat().st_size,
                         "sha256": _sha256(folder / name)} for name in _own_files(folder, rank)}
@@ -407,6 +408,17 @@ class ShardedModel(ModelSource):
         report.set_part("model", "restored", f"{len(plan.model_plan)} tensor(s)", in_file=True)
 
 
+# The one-file weights a folder may hold instead of DCP shards (zero_to_fp32, save_pretrained).
+CONSOLIDATED = ("pytorch_model.bin", "model.safetensors", "pytorch_model.pt", "model.pt")
+
+
+def consolidated_weights(folder: Path) -> list[Path]:
+    """The one-file weights in ``folder`` when it is no DCP save (it has no ``.metadata``)."""
+    if (folder / ".metadata").exists():
+        return []
+    return [folder / name for name in CONSOLIDATED if (folder / name).is_file()]
+
+
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                  scaler: Any, *, policy: str, restore_rng: bool | None, verify_hash: bool,
                  allow_nonfinite: bool, loader: Any = None) -> Any:
@@ -414,6 +426,14 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
     the folder's checks, then every part planned and carried out as a file's are
     (:func:`.parts.plan_state`, :func:`.parts.carry_out`), the model through DCP."""
     problem = _on_writer(lambda: check_folder(path, verify_hash=verify_hash))
+    weights = consolidated_weights(path) if problem is not None else []
+    if weights:  # DeepSpeed's zero_to_fp32 output, an HF save: one file, not shards
+        raise CheckpointError(
+            f"training-patches: cannot load the folder {path} as a sharded checkpoint: it is "
+            f"no DCP save (no .metadata, no commit marker) but holds the whole weights in "
+            f"{', '.join(w.name for w in weights)} (what DeepSpeed's zero_to_fp32 and "
+            f"save_pretrained write). Nothing was loaded. Pass the file itself: "
+            f"load_checkpoint('{weights[0]}', model, ...).")
     if problem is not None:
         raise CheckpointError(
             f"training-patches: cannot load the sharded checkpoint {path}: the folder {problem}. "

@@ -55,10 +55,17 @@ def local_path(path: Any) -> Path:
     return Path(text[len("file://"):] if text.startswith("file://") else text)
 
 
-def model_tokenizer(config: Any) -> str | None:
-    """The local tokenizer file a coqui config names (``model_args.tokenizer_file``, XTTS),
-    for the loader's spelled new rows (``romanized_offset``, ``romanized``); None when it
-    names none that exists here."""
+def model_tokenizer(config: Any, model: Any = None) -> Any:
+    """The tokenizer the model was built with, for the loader's spelled new rows
+    (``romanized_offset``, ``romanized``), which checks it against the model's rows: the
+    model's own (GPTTrainer's ``xtts.tokenizer``, loaded) when ``model`` has one (under
+    ``continue_path`` the Trainer's config is the run folder's, which names the vocabulary
+    before a growth), else the local file a coqui config names (``model_args.tokenizer_file``,
+    XTTS); None when it names none that exists here."""
+    model = getattr(model, "module", model)  # under DDP
+    own = getattr(getattr(model, "xtts", None), "tokenizer", None)
+    if getattr(own, "tokenizer", None) is not None:
+        return own
     args = getattr(config, "model_args", None)
     path = getattr(args, "tokenizer_file", "") if args is not None else ""
     if isinstance(args, dict):
@@ -83,7 +90,8 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
             report = load_checkpoint(local_path(path), self.model, self.optimizer, self.scheduler,
                                      scaler, policy=_options.current().resume_policy,
                                      loader=_train_loader(self),
-                                     tokenizer=model_tokenizer(getattr(self, "config", None)))
+                                     tokenizer=model_tokenizer(getattr(self, "config", None),
+                                                               self.model))
             if "data_ranks" in report.checkpoint and getattr(self, "use_accelerate", False):
                 logger.warning(
                     "training-patches: %s holds the train loader's data position, and under "
@@ -106,7 +114,8 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
             # restore_path alone: weights only, fresh optimizer/scheduler/scaler (upstream).
             report = load_checkpoint(local_path(path), self.model, restore_rng=False,
                                      resume_step=False,
-                                     tokenizer=model_tokenizer(getattr(self, "config", None)))
+                                     tokenizer=model_tokenizer(getattr(self, "config", None),
+                                                               self.model))
             warn_weights_only(
                 report, "restore_path loads the model weights only, as upstream coqui does",
                 "To resume that run with them, pass continue_path=<its run folder> instead; to "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import weakref
 from pathlib import Path
 from typing import Any, Callable
@@ -158,8 +159,10 @@ def _record(trainer: Any, event: str, **fields: Any) -> None:
     """One line in the run folder's ``trainer_runs.jsonl`` (best effort, as every record)."""
     folder = getattr(trainer, "output_path", None)
     if folder and os.path.isdir(folder):
+        # the host: report infers a run whose start has no end, and whose process is gone
+        # from this machine, as interrupted (a SIGKILL, a lost machine)
         _run.record_in(folder, _run.TRAINER_RUNS_FILE, event, run_folder=str(folder),
-                       step=_steps(trainer), **fields)
+                       step=_steps(trainer), host=socket.gethostname(), **fields)
 
 
 def interrupted_by(trainer: Any) -> str | None:

@@ -20,9 +20,12 @@ What it adds to the generic patches:
 - **A resume into a grown vocabulary is refused in one paragraph.** ``load_checkpoint``
   cannot grow the flattened optimizer partitions; upstream stops at torch's size mismatch
   in the middle of its load. Here the module's state is checked first, and the refusal names
-  the path that works: the consolidated fp32 weights (``deepspeed.utils.zero_to_fp32``)
-  loaded with ``patches.load_checkpoint`` before ``deepspeed.initialize`` (trained rows
-  kept, new rows by the row rules, the base rows frozen; the optimizer starts fresh).
+  the path that works, with the checkpoint's folder and tag: the consolidated fp32 weights
+  (``deepspeed.utils.zero_to_fp32``) saved as one file and loaded with
+  ``patches.load_checkpoint`` before ``deepspeed.initialize`` (trained rows kept, new rows by
+  the row rules, the base rows frozen; the optimizer starts fresh). The ``zero_to_fp32.py``
+  script writes a folder: the file to load is the ``pytorch_model.bin`` in it (the refusal
+  says so: the folder itself is not a checkpoint the loader reads).
 """
 
 from __future__ import annotations
@@ -142,6 +145,39 @@ def make_step(original: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
+_loading: "weakref.WeakKeyDictionary[Any, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+def make_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``DeepSpeedEngine.load_checkpoint``: the folder and tag it loads, for the refusal of
+    :func:`make_load_module_state_dict` to name."""
+
+    @functools.wraps(original)
+    def load_checkpoint(self: Any, load_dir: Any, tag: Any = None, *args: Any,
+                        **kwargs: Any) -> Any:
+        _loading[self] = (load_dir, tag)
+        try:
+            return original(self, load_dir, tag, *args, **kwargs)
+        finally:
+            _loading.pop(self, None)
+
+    return load_checkpoint
+
+
+def _consolidate_hint(engine: Any) -> str:
+    """How to write the checkpoint's fp32 weights as the one file the library loads."""
+    load_dir, tag = _loading.get(engine, (None, None))
+    folder = repr(str(load_dir)) if load_dir is not None else "LOAD_DIR"
+    tagged = f", tag={str(tag)!r}" if tag is not None else ""
+    script = (f"{load_dir}/zero_to_fp32.py {load_dir} OUT" if load_dir is not None
+              else "LOAD_DIR/zero_to_fp32.py LOAD_DIR OUT")
+    return (f"consolidate the checkpoint's weights into one file (torch.save(deepspeed.utils."
+            f"zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint({folder}{tagged}), "
+            f"'consolidated.pt'); the script `python {script}` writes the same weights as "
+            f"OUT/pytorch_model.bin: pass that file, not the folder OUT), load that file with "
+            f"patches.load_checkpoint(path, model) BEFORE deepspeed.initialize")
+
+
 def make_load_module_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
     """``DeepSpeedEngine.load_module_state_dict``: a checkpoint of a smaller (or larger)
     vocabulary refused before anything is loaded, in one paragraph that says what to do."""
@@ -154,16 +190,16 @@ def make_load_module_state_dict(original: Callable[..., Any]) -> Callable[..., A
         if changes:
             said = "; ".join(f"{k}: checkpoint {list(a)}, model {list(b)}"
                              for k, (a, b) in changes.items())
+            load_dir, tag = _loading.get(self, (None, None))
+            where = "" if load_dir is None else f" ({load_dir}, " + (
+                f"tag {tag})" if tag is not None else "the tag its 'latest' file names)")
             raise CheckpointMismatchError(
-                f"training-patches: the DeepSpeed checkpoint being loaded was saved with "
+                f"training-patches: the DeepSpeed checkpoint being loaded{where} was saved with "
                 f"another text vocabulary than this model's ({said}). DeepSpeed's "
                 f"load_checkpoint cannot grow its flattened optimizer partitions, so nothing "
-                f"was loaded. To continue into the grown vocabulary: consolidate the "
-                f"checkpoint's weights (deepspeed.utils.zero_to_fp32."
-                f"get_fp32_state_dict_from_zero_checkpoint(load_dir), saved with torch.save), "
-                f"load them with patches.load_checkpoint(path, model) BEFORE "
-                f"deepspeed.initialize (trained rows kept, new rows by the row rules, the base "
-                f"rows frozen), and let the optimizer start fresh.")
+                f"was loaded. To continue into the grown vocabulary: "
+                f"{_consolidate_hint(self)} (trained rows kept, new rows by the row rules, "
+                f"the base rows frozen), and let the optimizer start fresh.")
         return original(self, checkpoint, *args, **kwargs)
 
     return load_module_state_dict
@@ -182,6 +218,10 @@ INTEGRATION = register_integration(Integration(
              lost="under DeepSpeed ZeRO-1/2 or bf16/fp16 the frozen base rows train (the "
                   "optimizer steps the fp32 masters), and the engine's own overflow skips go "
                   "unrecorded"),
+        Site(MODULE, "DeepSpeedEngine.load_checkpoint", make_load_checkpoint,
+             patch="checkpoint",
+             lost="the refusal of a DeepSpeed resume into a grown vocabulary cannot name the "
+                  "checkpoint's folder and tag"),
         Site(MODULE, "DeepSpeedEngine.load_module_state_dict", make_load_module_state_dict,
              patch="checkpoint",
              lost="a DeepSpeed resume into a grown vocabulary stops at torch's size mismatch "

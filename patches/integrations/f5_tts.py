@@ -1,39 +1,21 @@
 """Integration ``f5_tts``: F5-TTS's own ``Trainer`` (``f5_tts.model.trainer``, 1.1.x), on
 accelerate, with an ``ema_pytorch`` EMA model and fused AdamW.
 
-The generic patches already hold every name its step goes through: ``accelerator.backward``
-calls ``Tensor.backward`` (the NaN guard sees the loss), ``accelerator.clip_grad_norm_``
-calls ``torch.nn.utils.clip_grad_norm_``, and ``optimizer.step()`` reaches the guard's hooks
-(its fused AdamW skips a bad step on the device, by the guard's ``found_inf``). The
-vocabulary layout (``text_embed`` with its filler row 0, no head) is
-:data:`patches.integrations.layouts.F5_FILLER`, so ``TRAINING_PATCHES_BASE_VOCAB`` and
-``freeze_base_vocab`` find it.
+Sites on the Trainer: records in ``checkpoint_path`` with F5's update count; fused skips read
+at each save and at the end; the EMA's base rows kept with the model's; one run per
+``checkpoint_path`` (:mod:`.trainers`); ``model_last.pt``/``model_N.pt`` written atomically;
+``load_checkpoint`` into a grown vocabulary (spelled with ``vocab_char_map``). F5 has no
+evaluation loop: :func:`watch_reading` measures the reading gap at each save, on
+:func:`flow_matching_losses`.
 
-What this adds:
-
-- the run's records (``nonfinite_events.jsonl``, ...) go to the Trainer's
-  ``checkpoint_path`` instead of ``./training_patches`` (a folder the user set still wins),
-  each carrying F5's update count as its ``trainer_step``;
-- the fused steps' skip flags, read by the guard in batches, are read at each
-  ``save_checkpoint`` and when ``train()`` ends, so a skip just before a save or the end is
-  on disk by then;
-- the EMA's base rows are kept bit-identical while the model's are frozen (``update()``
-  lerps every row toward the model);
-- ``save_checkpoint`` writes ``model_last.pt`` and ``model_N.pt`` atomically (upstream
-  writes them in place: a kill or a full disk during a save leaves a torn
-  ``model_last.pt``, which the next start picks first and cannot read, the good one gone);
-- ``load_checkpoint`` into a model whose vocabulary grew since the save (upstream: a size
-  mismatch) loads the model and EMA weights through ``patches.load_checkpoint`` (trained
-  rows kept, new rows by the row rules, the EMA's new rows as the model's, the base rows
-  frozen in both) and grows the loaded moments of the grown rows;
-- the reading gap (``learning``): F5 has no evaluation loop, so :func:`watch_reading`
-  measures at each ``save_checkpoint``, on :func:`flow_matching_losses`.
+Design: docs/design/trainers.md
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import types
 import weakref
 from pathlib import Path
 from typing import Any
@@ -45,6 +27,7 @@ from .._log import logger
 from .._registry import Integration, Site, landed_sites, register_integration
 from ..checkpoint import atomic_torch_save, grown
 from ..checkpoint.ema import KeptRows
+from . import trainers
 from .layouts import f5_vocab_modules
 
 NAME = "f5_tts"
@@ -134,6 +117,25 @@ def make_train(original: Any) -> Any:
     return train
 
 
+def make_train_run(original: Any) -> Any:
+    """``Trainer.train`` that claims ``checkpoint_path`` for this run (on the main process;
+    another process training there: :class:`patches.RunFolderInUse`, before anything is
+    written) and records its start and end there (:mod:`.trainers`)."""
+    @functools.wraps(original)
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        folder = getattr(self, "checkpoint_path", None)
+        run = trainers.RunRecord(
+            trainer=NAME, said=NAME_SAID, overwritten="model_last.pt and model_N.pt",
+            step=lambda: int(_run.trainer_step or 0),
+            checkpoint=lambda: latest_checkpoint(folder),
+            continue_with="the same checkpoint_path (F5 resumes from model_last.pt)",
+            writes=bool(self.accelerator.is_main_process))
+        run.start(folder)
+        with run.ending():
+            return original(self, *args, **kwargs)
+    return train
+
+
 def make_save_checkpoint(original: Any) -> Any:
     """``Trainer.save_checkpoint`` that records the fused steps' waiting skips first and
     writes the file atomically (a temporary file beside it, fsync, ``os.replace``)."""
@@ -178,6 +180,58 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return Path(folder, pretrained[0]) if pretrained else None
 
 
+NAME_SAID = "F5's Trainer"
+
+
+class CharVocab:
+    """F5's ``vocab_char_map`` (each character or pinyin syllable of its ``vocab.txt`` -> its
+    id, as the model was built with it) as the loader spells new tokens with it: a token
+    is its entry, a text the ids of its characters (those the vocabulary has)."""
+
+    def __init__(self, chars: dict[str, int]) -> None:
+        self.ids = dict(chars)
+        self.tokens = {i: c for c, i in chars.items()}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        return dict(self.ids)
+
+    def id_to_token(self, index: int) -> str | None:
+        return self.tokens.get(index)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.ids.get(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> Any:
+        return types.SimpleNamespace(ids=[self.ids[c] for c in text if c in self.ids])
+
+
+def _tokenizer_of(trainer: Any) -> tuple[Any, str]:
+    """The vocabulary the model was built with (``CFM.vocab_char_map``, read from F5's
+    vocab.txt), and where; (None, why) when the model has none (it takes token ids)."""
+    chars = getattr(_model(trainer), "vocab_char_map", None)
+    cfg = getattr(trainer, "model_cfg_dict", None) or {}
+    model_cfg = cfg.get("model", {}) if isinstance(cfg, dict) else {}
+    named = model_cfg.get("tokenizer_path") if isinstance(model_cfg, dict) else None
+    if not isinstance(chars, dict) or not chars:
+        return None, "the model has no vocab_char_map (it is given token ids)"
+    return CharVocab(chars), (f"the model's vocab_char_map ({len(chars)} entries"
+                              + (f", from {named}" if named else "") + ")")
+
+
+def _resume_of(trainer: Any, ckpt: dict[str, Any], update: int) -> grown.TrainerResume:
+    """What F5's load restores itself from the checkpoint after the weights (the keys that
+    are there), the update it resumes at, and the vocabulary the new rows are spelled with."""
+    keys = {"optimizer": "optimizer_state_dict", "step": "update" if "update" in ckpt else "step"}
+    if getattr(trainer, "scheduler", None):
+        keys["scheduler"] = "scheduler_state_dict"
+    restores = {part: f"the checkpoint's {key!r}" for part, key in keys.items() if key in ckpt}
+    tokenizer, source = _tokenizer_of(trainer)
+    return grown.TrainerResume(NAME_SAID, restores, update, tokenizer, source)
+
+
 def make_load_checkpoint(original: Any) -> Any:
     """``Trainer.load_checkpoint`` that resumes a training checkpoint into a model whose
     vocabulary grew since it was saved (upstream: a size-mismatch error); upstream's load
@@ -204,13 +258,14 @@ def make_load_checkpoint(original: Any) -> Any:
         else:
             self.accelerator.wait_for_everyone()
             ckpt = torch.load(path, map_location="cpu", weights_only=True)  # as upstream reads
-            rows = grown.load_grown(path, _model(self), set(shapes), ema=ema)
+            update = int(ckpt["update"]) if "update" in ckpt else \
+                int(ckpt.get("step", 0)) // self.grad_accumulation_steps
+            rows = grown.load_grown(path, _model(self), set(shapes), ema=ema,
+                                    resume=_resume_of(self, ckpt, update))
             self.optimizer.load_state_dict(ckpt["optimizer_state_dict"])
             grown.grow_loaded_moments(self.optimizer, rows)
             if self.scheduler:
                 self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])
-            update = int(ckpt["update"]) if "update" in ckpt else \
-                int(ckpt.get("step", 0)) // self.grad_accumulation_steps
             del ckpt
         _run.trainer_step = int(update)
         return update
@@ -319,7 +374,8 @@ INTEGRATION = register_integration(Integration(
     module="f5_tts",
     describe="records in the Trainer's checkpoint_path with its update count, the fused "
              "optimizer's skips recorded by each save and the end of train(), the EMA's "
-             "base rows kept with the model's, checkpoints written atomically, a resume "
+             "base rows kept with the model's, one run per checkpoint_path with its start "
+             "and end recorded, checkpoints written atomically, a resume "
              "into a grown vocabulary, the reading gap at each save (watch_reading)",
     sites=(
         Site(MODULE, "Trainer.train", make_train, patch="nan_guard",
@@ -327,6 +383,9 @@ INTEGRATION = register_integration(Integration(
                   "folder, carry no trainer step, a fused step's skip near the end is "
                   "written only at exit, and the EMA's base rows drift while the model's "
                   "are frozen"),
+        Site(MODULE, "Trainer.train", make_train_run, patch="checkpoint",
+             lost="two F5-TTS runs into one checkpoint_path overwrite each other's "
+                  "model_last.pt, and a stopped run is not found by report"),
         Site(MODULE, "Trainer.save_checkpoint", make_save_checkpoint, patch="checkpoint",
              lost="a kill or a full disk during an F5-TTS save leaves a torn model_last.pt "
                   "that the next start cannot read"),

@@ -1,37 +1,19 @@
 """Integration ``lightning``: Lightning 2.6 (``lightning.pytorch.Trainer``).
 
-The generic patches already hold every name a Lightning step goes through: automatic
-optimization calls ``optimizer.step(closure)`` (the NaN guard runs the closure first and
-decides on its gradients), the precision plugins build ``torch.amp.GradScaler`` (a
-SafeGradScaler), and ``clip_gradients`` calls ``torch.nn.utils.clip_grad_norm_``.
+Sites on the Trainer: records in ``Trainer.log_dir`` with ``global_step``; fused skips
+recorded at each save and at the end; local checkpoints written atomically beside
+themselves; ``fit(ckpt_path=...)`` into a grown vocabulary (:mod:`patches.checkpoint.grown`,
+spelled with the module's or datamodule's ``tokenizer``); one run per ``log_dir`` with its
+``trainer_runs.jsonl`` (:mod:`.trainers`). :func:`reading_callback`: the reading gap after
+each validation (:mod:`patches.learning`).
 
-What this adds: the run's records (``nonfinite_events.jsonl``, ...) go to the Trainer's own
-folder (``Trainer.log_dir``: the logger's version folder, else ``default_root_dir``) instead
-of ``./training_patches``, and each record carries the Trainer's ``global_step`` as its
-``trainer_step``. A folder the user set (``TRAINING_PATCHES_OUTPUT_DIR``,
-``patches.set_output_dir``) still wins. The skips of fused steps, whose flags are read in
-batches, are recorded at each ``save_checkpoint`` and at the end of training.
-
-Checkpoints: Lightning's ``_atomic_save`` writes the bytes to a temporary file in the system
-temp folder and moves it over the checkpoint, without fsync. When the checkpoint folder is
-on another disk (a mounted volume), that move is a copy into the old file: a full disk or a
-kill during it leaves a torn ``last.ckpt``, the good one gone. Here a local checkpoint is
-written like every checkpoint of the library (:func:`patches.checkpoint.atomic_torch_save`:
-free space checked first, a temporary file in the same folder, fsync, ``os.replace``), so
-the previous file stays whole until the new one is. ``fit(ckpt_path=...)`` into a model
-whose vocabulary grew since the save (upstream: a size mismatch) loads the weights through
-``patches.load_checkpoint`` and grows the loaded moments of the grown rows
-(:mod:`patches.checkpoint.grown`); strategies with their own load (FSDP, DeepSpeed) are
-upstream's.
-
-The reading gap (:mod:`patches.learning`): a LightningModule's loss on one (text, audio)
-pair is its own, so :func:`reading_callback` takes a monitor that holds it and measures
-after each validation.
+Design: docs/design/trainers.md
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +21,7 @@ from typing import Any
 from .. import _run, learning, nan_guard
 from .._registry import Integration, Site, register_integration
 from ..checkpoint import atomic_torch_save, grown
+from . import trainers
 
 NAME = "lightning"
 DISTRIBUTION = "lightning"
@@ -114,6 +97,8 @@ def __getattr__(name: str) -> Any:
         return _callback_class()
     if name == "ReadingCallback":
         return _reading_class()
+    if name == "RunClaim":
+        return _claim_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -129,6 +114,63 @@ def make_fit(original: Any) -> Any:
         if not any(isinstance(c, _callback_class()) for c in self.callbacks):
             self.callbacks.append(_callback_class()())
         return original(self, *args, **kwargs)
+    return fit
+
+
+NAME_SAID = "Lightning's Trainer"
+
+
+def _folder(trainer: Any) -> Any:
+    try:
+        return trainer.log_dir or trainer.default_root_dir
+    except Exception:  # noqa: BLE001 - a logger that cannot say: the default folder
+        return getattr(trainer, "default_root_dir", None)
+
+
+def _last_checkpoint(trainer: Any) -> Any:
+    callback = getattr(trainer, "checkpoint_callback", None)
+    return (getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+            or None)
+
+
+_runs: "weakref.WeakKeyDictionary[Any, trainers.RunRecord]" = weakref.WeakKeyDictionary()
+
+
+@functools.cache
+def _claim_class() -> type:
+    """The Callback that claims the Trainer's folder and records the run's start at
+    ``on_fit_start``: after the loggers made their folders (a CSVLogger warns of a version
+    folder that is not empty when it makes its own, and deletes its metrics.csv), before
+    anything is saved. Reachable as this module's ``RunClaim`` (``__getattr__``) so that it
+    pickles."""
+    from lightning.pytorch.callbacks import Callback  # lazy: lightning is imported by now
+
+    class RunClaim(Callback):
+        def on_fit_start(self, trainer: Any, *args: Any) -> None:
+            run = _runs.get(trainer)
+            if run is not None:
+                run.start(_folder(trainer))
+
+    RunClaim.__module__, RunClaim.__qualname__ = __name__, "RunClaim"
+    return RunClaim
+
+
+def make_fit_run(original: Any) -> Any:
+    """``Trainer.fit`` that claims the Trainer's ``log_dir`` for this run (on global rank 0,
+    at ``on_fit_start``: :class:`patches.RunFolderInUse` when another process trains there,
+    before a checkpoint is written) and records its start and end there (:mod:`.trainers`)."""
+    @functools.wraps(original)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        run = trainers.RunRecord(
+            trainer=NAME, said=NAME_SAID, overwritten="checkpoints and logs",
+            step=lambda: int(self.global_step), checkpoint=lambda: _last_checkpoint(self),
+            continue_with="trainer.fit(model, ckpt_path=<that checkpoint>)",
+            writes=bool(getattr(self, "is_global_zero", True)))
+        _runs[self] = run
+        if not any(isinstance(c, _claim_class()) for c in self.callbacks):
+            self.callbacks.append(_claim_class()())
+        with run.ending():
+            return original(self, *args, **kwargs)
     return fit
 
 
@@ -158,10 +200,39 @@ def make_load_model_state_dict(original: Any) -> Any:
             changes = grown.vocabulary_growth(grown.tensor_shapes(state), module)
             if changes:  # read again from the file: the loader validates what it loads
                 self._training_patches_grown = grown.load_grown(
-                    Path(path), module, set(state), strict=strict)
+                    Path(path), module, set(state), resume=_resume_of(checkpoint, module),
+                    strict=strict)
                 return None
         return original(self, checkpoint, strict)
     return load_model_state_dict
+
+
+def _tokenizer_of(module: Any) -> tuple[Any, str]:
+    """The ``tokenizer`` the LightningModule holds, else its Trainer's datamodule's (Lightning
+    has no place of its own for one), as the loader spells new tokens with it, and where;
+    (None, where it looked) when neither has one the loader can read."""
+    trainer = getattr(module, "_trainer", None)
+    for owner, said in ((module, f"the LightningModule {type(module).__name__}"),
+                        (getattr(trainer, "datamodule", None), "the Trainer's datamodule")):
+        held = getattr(owner, "tokenizer", None) if owner is not None else None
+        if held is not None:
+            found, what = trainers.spelling_tokenizer(held)
+            return found, f"{said}'s tokenizer ({what})"
+    return None, ("neither the LightningModule nor the Trainer's datamodule has a "
+                  "`tokenizer` attribute")
+
+
+def _resume_of(checkpoint: Mapping[str, Any], module: Any) -> grown.TrainerResume:
+    """What Lightning restores itself from the checkpoint after the weights (the keys that
+    hold something), the step it resumes at, and the tokenizer."""
+    keys = {"optimizer": "optimizer_states", "scheduler": "lr_schedulers",
+            "scaler": "native_amp_scaling_state", "step": "global_step"}
+    restores = {part: f"the checkpoint's {key!r}" for part, key in keys.items()
+                if checkpoint.get(key) not in (None, [], {})}
+    step = checkpoint.get("global_step")
+    tokenizer, source = _tokenizer_of(module)
+    return grown.TrainerResume(NAME_SAID, restores, int(step) if isinstance(step, int) else None,
+                               tokenizer, source)
 
 
 def make_load_optimizer_state_dict(original: Any) -> Any:
@@ -184,12 +255,16 @@ INTEGRATION = register_integration(Integration(
     supported=SUPPORTED,
     module="lightning",
     describe="records in the Trainer's log_dir with its global_step (the step(closure) "
-             "decision is the generic guard's); checkpoints written atomically beside "
-             "themselves; fit(ckpt_path=) into a grown vocabulary",
+             "decision is the generic guard's); one run per log_dir with its start and end "
+             "recorded; checkpoints written atomically beside themselves; fit(ckpt_path=) "
+             "into a grown vocabulary",
     sites=(
         Site(MODULE, "Trainer.fit", make_fit, patch="nan_guard",
              lost="a Lightning run's records go to ./training_patches, not the Trainer's "
                   "log_dir, and carry no trainer step"),
+        Site(MODULE, "Trainer.fit", make_fit_run, patch="checkpoint",
+             lost="two Lightning runs into one log_dir overwrite each other's checkpoints, "
+                  "and a stopped run is not named interrupted by report"),
         Site("lightning.fabric.plugins.io.torch_io", "_atomic_save", make_atomic_save,
              patch="checkpoint",
              lost="a Lightning checkpoint on another disk than the temp folder is copied over "

@@ -1,32 +1,13 @@
 """Integration ``transformers_trainer``: the Hugging Face ``transformers.Trainer`` (4.57 to 5.x).
 
-The generic patches already hold every name a Trainer step goes through: ``training_step``
-backpropagates through ``Tensor.backward`` (the NaN guard sees the loss), the clip goes
-through ``accelerator.clip_grad_norm_`` to ``torch.nn.utils.clip_grad_norm_``, and
-``optimizer.step()`` reaches the guard's global hooks. Upstream itself only filters a NaN
-loss out of the *logged* loss (``logging_nan_inf_filter``) and steps the optimizer on its NaN
-gradients; its ``optimizer_step_was_skipped`` knows only accelerate's fp16 GradScaler.
-
-What this adds: the run's records (``nonfinite_events.jsonl``, ...) go to the Trainer's
-``args.output_dir`` instead of ``./training_patches``, each carrying ``state.global_step``
-as its ``trainer_step``; and the skip flags of the fused optimizer (``adamw_torch_fused``,
-the default from torch 2.8), which the guard reads only every few steps, are read at each
-``on_save`` and at ``on_train_end``, so a skip just before a save or the end is on disk when
-``train()`` returns. A folder the user set (``TRAINING_PATCHES_OUTPUT_DIR``,
-``patches.set_output_dir``) still wins.
-
-Checkpoints: the Trainer writes ``checkpoint-N/`` file by file, and
-``resume_from_checkpoint=True`` takes the highest N, so a run killed during a save resumed
-from a torn folder (or crashed reading it). Here each ``_save_checkpoint`` ends by writing
-``checkpoint-N/training_patches_complete.json`` (every file's size; written atomically,
-last), and ``get_last_checkpoint`` passes over a folder without a valid one, with a WARNING,
-wherever the output folder holds such markers (a folder saved without the patches is
-judged as upstream judges it).
-
-``resume_from_checkpoint`` into a vocabulary grown since the checkpoint (upstream: a size
-mismatch) loads a one-file checkpoint through ``patches.load_checkpoint`` and grows the
-loaded moments of the grown rows; the rest of the resume is upstream's.
+Sites on the Trainer: records in ``args.output_dir`` with ``state.global_step``; the fused
+optimizer's skip flags read at each save and at the end; ``checkpoint-N/`` marked complete
+(``training_patches_complete.json``) and a torn one never resumed; ``resume_from_checkpoint``
+into a grown vocabulary (:mod:`patches.checkpoint.grown`, spelled with ``processing_class``);
+one run per ``output_dir`` with its ``trainer_runs.jsonl`` (:mod:`.trainers`).
 :func:`reading_callback`: the reading gap at each evaluation (:mod:`patches.learning`).
+
+Design: docs/design/trainers.md
 """
 
 from __future__ import annotations
@@ -43,6 +24,7 @@ from .._log import logger
 from .._registry import Integration, Site, register_integration
 from ..checkpoint import grown
 from ..checkpoint.atomic import atomic_text
+from . import trainers
 
 NAME = "transformers_trainer"
 DISTRIBUTION = "transformers"
@@ -139,6 +121,29 @@ def make_train(original: Any) -> Any:
     return train
 
 
+NAME_SAID = "the Hugging Face Trainer"
+
+
+def make_train_run(original: Any) -> Any:
+    """``Trainer.train`` that claims ``output_dir`` for this run (another process training
+    there: :class:`patches.RunFolderInUse`, before anything is written) and records its start
+    and end in it (:mod:`.trainers`)."""
+    @functools.wraps(original)
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        folder = getattr(self.args, "output_dir", None)
+        run = trainers.RunRecord(
+            trainer=NAME, said=NAME_SAID, overwritten="checkpoint-N folders",
+            step=lambda: int(self.state.global_step),
+            checkpoint=lambda: next((path for _, path in _checkpoints(folder)
+                                     if _complete(path) is None), None),
+            continue_with="trainer.train(resume_from_checkpoint=True)",
+            writes=bool(getattr(self.args, "should_save", True)))
+        run.start(folder)
+        with run.ending():
+            return original(self, *args, **kwargs)
+    return train
+
+
 COMPLETE = "training_patches_complete.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -183,19 +188,25 @@ def _complete(folder: Path) -> str | None:
     return None
 
 
+def _checkpoints(folder: Any) -> list[tuple[int, Path]]:
+    """The ``checkpoint-N`` folders in ``folder``, the newest first (OSError: unreadable)."""
+    found = [(int(m.group(1)), Path(folder) / name) for name in os.listdir(folder)
+             if (m := _CHECKPOINT.match(name)) and (Path(folder) / name).is_dir()]
+    return sorted(found, reverse=True)
+
+
 def make_get_last_checkpoint(original: Any) -> Any:
     """``get_last_checkpoint(folder)``: the newest checkpoint folder whose save completed,
     where the folder holds completion markers; upstream's answer otherwise."""
     @functools.wraps(original)
     def get_last_checkpoint(folder: Any) -> Any:
         try:
-            found = [(int(m.group(1)), Path(folder) / name) for name in os.listdir(folder)
-                     if (m := _CHECKPOINT.match(name)) and (Path(folder) / name).is_dir()]
+            found = _checkpoints(folder)
         except OSError:
             return original(folder)
         if not any((path / COMPLETE).exists() for _, path in found):
             return original(folder)  # saved without the patches: judged as upstream does
-        for step, path in sorted(found, reverse=True):
+        for step, path in found:
             why = _complete(path)
             if why is None:
                 return str(path)
@@ -209,7 +220,40 @@ def make_get_last_checkpoint(original: Any) -> Any:
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # a checkpoint folder's one-file weights
 
 
-def _grown_load(folder: Path, model: Any) -> grown.Grown | None:
+def _tokenizer_of(trainer: Any) -> tuple[Any, str]:
+    """The tokenizer the Trainer holds (``processing_class``), as the loader spells new tokens
+    with it, and where it came from; (None, where the integration looked) when there is
+    none the loader can read."""
+    held = getattr(trainer, "processing_class", None)
+    if held is None:
+        return None, f"{NAME_SAID} was given no processing_class"
+    found, what = trainers.spelling_tokenizer(held)
+    return found, f"{NAME_SAID}'s processing_class ({what})"
+
+
+def _resume_of(trainer: Any, folder: Path) -> grown.TrainerResume:
+    """What the Trainer restores itself from ``folder`` after the weights (the files it
+    will read, those that are there), the step its trainer_state.json holds, and the
+    tokenizer the new rows are spelled with."""
+    world = int(getattr(trainer.args, "world_size", 1) or 1)
+    rng = f"rng_state_{trainer.args.process_index}.pth" if world > 1 else "rng_state.pth"
+    files = {"optimizer": ("optimizer.pt", "optimizer.bin"), "scheduler": ("scheduler.pt",),
+             "scaler": ("scaler.pt",), "rng": (rng,), "step": ("trainer_state.json",)}
+    restores = {}
+    for part, names in files.items():
+        name = next((n for n in names if (folder / n).is_file()), None)
+        if name is not None:
+            restores[part] = f"{folder.name}/{name}"
+    try:
+        step = int(json.loads((folder / "trainer_state.json").read_text(
+            encoding="utf-8"))["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        step = None
+    tokenizer, source = _tokenizer_of(trainer)
+    return grown.TrainerResume(NAME_SAID, restores, step, tokenizer, source)
+
+
+def _grown_load(trainer: Any, folder: Path, model: Any) -> grown.Grown | None:
     """Load ``folder``'s one-file weights into ``model`` through the library when a shape
     differs; None (upstream loads) when the shapes agree or there is no such file."""
     path = next((folder / name for name in WEIGHTS if (folder / name).is_file()), None)
@@ -217,9 +261,11 @@ def _grown_load(folder: Path, model: Any) -> grown.Grown | None:
         return None
     shapes = grown.saved_shapes(path)
     changes = grown.vocabulary_growth(shapes, model) if shapes else {}
+    if not changes:
+        return None
     # non-strict, as upstream's own load (missing keys are said in the load report)
-    return grown.load_grown(path, model, set(shapes), strict=False) if changes \
-        else None
+    return grown.load_grown(path, model, set(shapes), resume=_resume_of(trainer, folder),
+                            strict=False)
 
 
 def make_load_from_checkpoint(original: Any) -> Any:
@@ -231,7 +277,7 @@ def make_load_from_checkpoint(original: Any) -> Any:
         target = model if model is not None else self.model
         if not (getattr(self, "is_fsdp_enabled", False) or getattr(
                 self, "is_deepspeed_enabled", False)):
-            rows = _grown_load(Path(resume_from_checkpoint), target)
+            rows = _grown_load(self, Path(resume_from_checkpoint), target)
             if rows is not None:
                 self._training_patches_grown = rows
                 return None
@@ -259,14 +305,17 @@ INTEGRATION = register_integration(Integration(
     supported=SUPPORTED,
     module="transformers",
     describe="records in the Trainer's output_dir with its global_step, the fused "
-             "optimizer's skips recorded by each save and the end of train(), checkpoint "
-             "folders marked complete and torn ones never resumed, a resume into a grown "
-             "vocabulary",
+             "optimizer's skips recorded by each save and the end of train(), one run per "
+             "output_dir with its start and end recorded, checkpoint folders marked complete "
+             "and torn ones never resumed, a resume into a grown vocabulary",
     sites=(
         Site(MODULE, "Trainer.train", make_train, patch="nan_guard",
              lost="a Hugging Face Trainer's records go to ./training_patches, not its "
                   "output_dir, carry no trainer step, and a fused step's skip near a save "
                   "or the end is written only at exit"),
+        Site(MODULE, "Trainer.train", make_train_run, patch="checkpoint",
+             lost="two Hugging Face runs into one output_dir overwrite each other's "
+                  "checkpoints, and a run killed outright is not found by report"),
         Site(MODULE, "Trainer._save_checkpoint", make_save_checkpoint, patch="checkpoint",
              lost="a Hugging Face checkpoint folder cut short by a kill looks complete"),
         Site(MODULE, "get_last_checkpoint", make_get_last_checkpoint, patch="checkpoint",

@@ -12,12 +12,16 @@ character limit (and the XTTS config accepts its code)::
 A language's ``romanize`` (text -> Latin letters, or None) serves the pronunciation-informed
 init of new vocabulary rows (:mod:`patches.row_init`). Amharic (``am``) is registered from the
 start with :func:`patches.languages.amharic.normalize` and
-:func:`patches.languages.amharic.romanize`.
-Registering only fills this table; nothing upstream changes until the patch is applied.
+:func:`patches.languages.amharic.romanize` (the library's own table). A user's romaniser is
+asked before the library's tables (Tigrinya's shares Amharic's script), and a romaniser alone,
+for a language coqui-tts or this table already knows (``register_language("ru",
+romanize=f)``), keeps that language's cleaner and limit.
+Registering only fills these tables; nothing upstream changes until the patch is applied.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import unicodedata
@@ -30,23 +34,28 @@ from .._options import Option, flag
 from .._registry import PatchSpec, register
 from . import amharic
 
-__all__ = ["Language", "register_language", "unregister_language", "get_language",
-           "registered_languages", "plain_cleaner", "romanize", "COQUI_LANGUAGES"]
+__all__ = ["Language", "Romanizer", "Speller", "register_language", "unregister_language",
+           "get_language", "registered_languages", "romanizers", "plain_cleaner", "romanize",
+           "COQUI_LANGUAGES"]
 
 # What coqui-tts 0.28's VoiceBpeTokenizer.preprocess_text handles by itself.
 COQUI_LANGUAGES = frozenset({"ar", "cs", "de", "en", "es", "fr", "hi", "hu", "it", "ja", "ko",
                              "nl", "pl", "pt", "ru", "tr", "zh"})
 _CODE_RE = re.compile(r"^[a-z]{2,3}$")
+# The character limit of a language registered without one (coqui's for English).
+DEFAULT_CHAR_LIMIT = 250
 
 
 @dataclass(frozen=True)
 class Language:
     """A registered language: its code (``am``), text cleaner, character limit and
-    (optionally) romaniser."""
+    (optionally) romaniser. ``cleaner`` and ``char_limit`` are None only in the record
+    :func:`register_language` returns for a romaniser added to a language coqui-tts knows:
+    coqui's own cleaner and limit stay, and that language is not in this table."""
 
     code: str
-    cleaner: Callable[[str], str]
-    char_limit: int
+    cleaner: Callable[[str], str] | None
+    char_limit: int | None
     name: str = ""
     aliases: tuple[str, ...] = ()  # other codes of the same language (ISO 639-3: "amh")
     # text -> Latin letters as the base language reads them, None for text not in this
@@ -59,8 +68,30 @@ class Language:
         return (self.code, *self.aliases)
 
 
+@dataclass(frozen=True)
+class Romanizer:
+    """A romaniser as :func:`romanize` asks it: the code of its language, the function, and
+    whether it is one of the library's own tables (``builtin``: asked after every user's)."""
+
+    code: str
+    spell: Callable[[str], str | None]
+    builtin: bool = False
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        """Who it is, as the load line and its WARNING name it."""
+        if self.builtin:
+            return f"the library's {self.name or self.code} table ({self.code!r})"
+        function = getattr(self.spell, "__name__", type(self.spell).__name__)
+        return f"register_language({self.code!r}, romanize={function})"
+
+
 _lock = threading.Lock()
 _languages: dict[str, Language] = {}
+# code -> its romaniser, in registration order: registered languages' and those added to a
+# language coqui-tts knows (which has no entry in _languages)
+_romanizers: dict[str, Romanizer] = {}
 
 
 def plain_cleaner(text: str) -> str:
@@ -79,14 +110,15 @@ def base_code(code: str) -> str:
 
 
 def register_language(code: str, cleaner: Callable[[str], str] | None = None,
-                      char_limit: int = 250, *, name: str = "", aliases: tuple[str, ...] = (),
+                      char_limit: int | None = None, *, name: str = "",
+                      aliases: tuple[str, ...] = (),
                       romanize: Callable[[str], str | None] | None = None,
                       replace: bool = False) -> Language:
     """Teach the XTTS tokenizer a language (effective while ``xtts_language`` is applied).
 
     ``cleaner(text) -> text`` turns raw text into what should be spoken (numbers as
-    words, abbreviations expanded ...); ``char_limit`` is the length above which
-    coqui warns that audio may be truncated and splits text at inference. The
+    words, abbreviations expanded ...); ``char_limit`` (default 250) is the length above
+    which coqui warns that audio may be truncated and splits text at inference. The
     vocabulary must hold ``[code]`` as a special token; encoding says so clearly if
     it does not. Registering a code that is already registered, or one coqui
     handles itself (``en``, ``de`` ...), needs ``replace=True``. ``aliases`` are other
@@ -95,6 +127,13 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
     spells text of this language's script in Latin letters as the base language reads them
     (``ሰላም`` -> ``selam``) and returns None for text it cannot spell: the "romanized" rule
     of :mod:`patches.row_init` starts a new token's rows from the base rows of its spelling.
+    A user's romaniser is asked before the library's own tables (Amharic's spells every
+    Ethiopic letter, Tigrinya's too).
+
+    ``romanize=`` alone (no cleaner, limit or aliases) for a language coqui-tts or this
+    table already knows adds only the romaniser: the language keeps its cleaner and limit
+    (coqui's own for ``ru``: ``'В 2024 году'`` is still spelled out in words). Replacing a
+    romaniser the language already has needs ``replace=True``.
     """
     key = base_code(code)
     alias_keys = tuple(base_code(alias) for alias in aliases)
@@ -120,27 +159,62 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
             f"training-patches: register_language({key!r}) got romanize={romanize!r}, which is "
             f"not callable. Expected a function taking text and returning it in Latin letters "
             f"(or None when it cannot), or None for no romaniser.")
-    if isinstance(char_limit, bool) or not isinstance(char_limit, int) or char_limit < 1:
+    if char_limit is not None and (isinstance(char_limit, bool) or
+                                   not isinstance(char_limit, int) or char_limit < 1):
         raise _options.ConfigError(
             f"training-patches: register_language({key!r}) got char_limit={char_limit!r}. "
             f"Expected a whole number of characters of at least 1 (coqui uses 250 for English, "
             f"150 for Hindi).")
     with _lock:
-        if not replace and (key in _languages or key in COQUI_LANGUAGES):
-            where = "already registered" if key in _languages else "built into coqui-tts"
+        known = _languages.get(key)
+        if (romanize is not None and cleaner is None and char_limit is None and not alias_keys
+                and (known is not None or key in COQUI_LANGUAGES)):
+            language = _add_romanizer(key, known, romanize, name, replace)
+            info("training-patches: romaniser of language %r registered (%s cleaner and char "
+                 "limit kept)", key, "its" if known is not None else "coqui-tts's")
+            return language
+        if not replace and (known is not None or key in COQUI_LANGUAGES):
+            where = "already registered" if known is not None else "built into coqui-tts"
             raise _options.ConfigError(
                 f"training-patches: the language {key!r} is {where}. Pass replace=True to "
-                f"register_language to use your cleaner and limit instead.")
-        language = Language(key, cleaner or plain_cleaner, char_limit, name, alias_keys, romanize)
+                f"register_language to use your cleaner and limit instead, or pass romanize= "
+                f"alone to add a romaniser and keep its cleaner and limit.")
+        language = Language(key, cleaner or plain_cleaner,
+                            DEFAULT_CHAR_LIMIT if char_limit is None else char_limit, name,
+                            alias_keys, romanize)
         _languages[key] = language
-    info("training-patches: language %r registered (char limit %d)", key, char_limit)
+        _romanizers.pop(key, None)
+        if romanize is not None:
+            _romanizers[key] = Romanizer(key, romanize, name=name)
+    info("training-patches: language %r registered (char limit %d)", key, language.char_limit)
+    return language
+
+
+def _add_romanizer(key: str, known: Language | None, romanize: Callable[[str], str | None],
+                   name: str, replace: bool) -> Language:
+    """``romanize`` added to the known language ``key`` (registered: ``known``; else
+    coqui-tts's), its cleaner and limit kept. Called with the lock held."""
+    had = _romanizers.get(key)
+    if had is not None and not replace:
+        raise _options.ConfigError(
+            f"training-patches: the language {key!r} already has a romaniser ({had.label}). "
+            f"Pass replace=True to register_language to use yours instead.")
+    _romanizers.pop(key, None)
+    _romanizers[key] = Romanizer(key, romanize, name=name or (known.name if known else ""))
+    if known is None:
+        return Language(key, None, None, name, (), romanize)
+    language = _languages[key] = dataclasses.replace(known, romanize=romanize)
     return language
 
 
 def unregister_language(code: str) -> bool:
-    """Forget a registered language; False if it was not registered."""
+    """Forget a registered language (and its romaniser, or a romaniser added to a language
+    coqui-tts knows); False if neither was registered."""
+    key = base_code(code)
     with _lock:
-        return _languages.pop(base_code(code), None) is not None
+        language = _languages.pop(key, None)
+        romanizer = _romanizers.pop(key, None)
+    return language is not None or romanizer is not None
 
 
 def get_language(code: str) -> Language | None:
@@ -157,25 +231,57 @@ def registered_languages() -> dict[str, Language]:
     return dict(_languages)
 
 
+def romanizers() -> list[Romanizer]:
+    """Every romaniser in the order :func:`romanize` asks them: the users' (in the order they
+    were registered), then the library's own tables."""
+    found = list(_romanizers.values())
+    return [r for r in found if not r.builtin] + [r for r in found if r.builtin]
+
+
+class Speller:
+    """:func:`romanize` over many texts, recording what each romaniser did: ``asked``
+    (romaniser -> texts it was asked), ``failed`` (-> texts on which it raised or returned
+    something other than a string or None) and ``first_error`` (-> the first of those, said)."""
+
+    def __init__(self) -> None:
+        self.order = romanizers()
+        self.asked: dict[Romanizer, int] = {}
+        self.failed: dict[Romanizer, int] = {}
+        self.first_error: dict[Romanizer, str] = {}
+
+    def __call__(self, text: str) -> tuple[str, Romanizer] | None:
+        """(the spelling, the romaniser that gave it) from the first that spells ``text``."""
+        for romanizer in self.order:
+            self.asked[romanizer] = self.asked.get(romanizer, 0) + 1
+            try:
+                spelled = romanizer.spell(text)
+            except Exception as exc:  # a user's function: its failure is a fallback, counted
+                self._fail(romanizer, f"{type(exc).__name__}: {exc} on {text!r}")
+                continue
+            if spelled is not None and not isinstance(spelled, str):
+                self._fail(romanizer, f"it returned a {type(spelled).__name__} for {text!r}")
+                continue
+            if spelled and spelled.strip():
+                return spelled.strip(), romanizer
+        return None
+
+    def _fail(self, romanizer: Romanizer, why: str) -> None:
+        self.failed[romanizer] = self.failed.get(romanizer, 0) + 1
+        self.first_error.setdefault(romanizer, why)
+
+
 def romanize(text: str) -> tuple[str, str] | None:
-    """``(romanised text, language code)`` from the first registered language whose
-    romaniser spells ``text``, or None when none does. A romaniser that raises or returns
+    """``(romanised text, language code)`` from the first romaniser (:func:`romanizers`'s
+    order) that spells ``text``, or None when none does. A romaniser that raises or returns
     something other than a non-empty string counts as "cannot spell it"."""
-    for language in list(_languages.values()):
-        if language.romanize is None:
-            continue
-        try:
-            spelled = language.romanize(text)
-        except Exception:  # a user's function: its failure is a fallback, not a crash
-            continue
-        if isinstance(spelled, str) and spelled.strip():
-            return spelled.strip(), language.code
-    return None
+    found = Speller()(text)
+    return None if found is None else (found[0], found[1].code)
 
 
-# Amharic ships registered; the registration is only an entry in the table above.
+# Amharic ships registered; the registration is only an entry in the tables above.
 _languages["am"] = Language("am", _amharic_cleaner, amharic.CHAR_LIMIT, "Amharic", ("amh",),
                             amharic.romanize)
+_romanizers["am"] = Romanizer("am", amharic.romanize, builtin=True, name="Amharic")
 
 
 def _describe(options: object) -> str:

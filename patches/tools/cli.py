@@ -44,6 +44,11 @@ COMMANDS: dict[str, str] = {  # subcommand -> its module, in the order --help li
 }
 
 
+# The commands that use the library's settings (language cleaners, row rules): they check
+# them first, as activation does (doctor reports them itself; report and options read none).
+SETTINGS_FIRST = ("extend-tokenizer", "verify-tokenizer", "check-data")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser with a one-paragraph usage error: the error and where the options
     are listed, not the 10-line usage block above a bad number."""
@@ -77,6 +82,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns its exit code (130/143 after Ctrl-C/SIGTERM)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(command_of(argv)).parse_args(argv)
+    if args.command in SETTINGS_FIRST:
+        from .._api import check_settings  # lazy: only the commands that use the settings
+        from .._options import ConfigError  # lazy: as above
+
+        try:  # a bad TRAINING_PATCHES_* value: the paragraph training would stop with
+            check_settings()
+        except ConfigError as exc:
+            print(f"training-patches {args.command}: {exc}", file=sys.stderr)
+            return 2
     try:
         # check-data and extend-tokenizer say themselves what a signal left written; the
         # other commands write their one output atomically at the end: nothing half-written.

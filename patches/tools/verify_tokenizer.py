@@ -13,6 +13,7 @@ import sys
 
 from .._output import (STDOUT, OutputRefused, WriteFailed, check_output, number, tool_json,
                        write_json)
+from .._options import ConfigError
 from ..checkpoint import CheckpointError
 from ..integrations.tokenizer import TokenizerToolError
 from ..integrations.tokenizer.text import make_preprocess
@@ -30,7 +31,8 @@ manifest, cleaned as the trainer does): the UNK rate, the share of tokens from t
 extended range, characters not covered, lines that do not survive encode + decode,
 and tokens per character. With --checkpoint (model.pth): whether its text_embedding /
 text_head rows fit the vocabulary and what training-patches' loader would do with them
-(load as is, grow keeping the trained rows, or refuse) and which rows it freezes.
+(load as is, grow keeping the trained rows, or refuse), how it starts the new rows
+(TRAINING_PATCHES_ROW_INIT / TRAINING_PATCHES_HEAD_ROW_INIT) and which rows it freezes.
 
 --json FILE writes the findings as one strict JSON object ({"tool", "format", "tokenizer",
 "ok", "exit_code", "findings": [{"status", "what", "detail"}]}); --json - puts it on
@@ -74,7 +76,7 @@ def _verify(args: argparse.Namespace) -> int:
         if args.json is not None:
             write_json(args.json, findings_json(args.tokenizer, found), replace=args.force,
                        prog=PROG)
-    except (TokenizerToolError, CheckpointError) as exc:
+    except (TokenizerToolError, CheckpointError, ConfigError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except OutputRefused as exc:

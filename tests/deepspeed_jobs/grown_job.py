@@ -24,7 +24,8 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
+from deepspeed.utils.zero_to_fp32 import (  # noqa: E402
+    convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint)
 
 import patches  # noqa: E402
 
@@ -79,9 +80,13 @@ state = get_fp32_state_dict_from_zero_checkpoint(str(work), tag="step2")
 torch.save({"model": state}, work / "consolidated.pt")
 model = TinyTextModel(24, 8, "tanh")
 report = patches.load_checkpoint(work / "consolidated.pt", model)
+# the script's way (zero_to_fp32.py LOAD_DIR OUT): a folder; the refusal names its file
+convert_zero_checkpoint_to_fp32_state_dict(str(work), str(work / "fp32"), tag="step2")
+script = patches.load_checkpoint(work / "fp32" / "pytorch_model.bin",
+                                 TinyTextModel(24, 8, "tanh")).summary()
 start = model.text_embedding.weight.detach().float().clone()
 engine = engine_of(model)
 train(engine, 2, 24)
 torch.save({"refusal": refusal, "saved": saved, "consolidated": state["text_embedding.weight"],
             "start": start, "after": engine.module.text_embedding.weight.detach().float().clone(),
-            "load": report.summary()}, out)
+            "load": report.summary(), "script": script}, out)

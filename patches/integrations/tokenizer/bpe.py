@@ -134,7 +134,7 @@ def load_vocab_json(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise TokenizerToolError(
             f"the tokenizer {path} is not JSON ({type(exc).__name__}: {exc}). Expected the "
             f"XTTS vocab.json that came with the base model (a Hugging Face tokenizers file "
-            f"with a BPE \"model\"); a SentencePiece tokenizer ends in .model.") from None
+            f"with a BPE \"model\"); a SentencePiece model is a binary file.") from None
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, dict) or model.get("type") != "BPE" or \
             not isinstance(model.get("vocab"), dict) or not isinstance(model.get("merges"), list):

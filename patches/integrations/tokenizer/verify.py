@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ... import _options
+from ...row_init import SPELLED_RULES, tokenizer_format
 from ...vocab_rows import frozen_rows, new_rows
 from .bpe import START, UNK, load_vocab_json, xtts_text
 from .errors import FrontEndError, TokenizerToolError, require_file
@@ -183,10 +185,18 @@ def open_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 
 def is_json_tokenizer(path: Path) -> bool:
-    """A Hugging Face tokenizers file (by its name or its first byte), else SentencePiece."""
-    with path.open("rb") as handle:
-        head = handle.read(64).lstrip()
-    return path.suffix.lower() == ".json" or head[:1] == b"{"
+    """A Hugging Face tokenizers file, else SentencePiece: told by the content
+    (:func:`patches.row_init.tokenizer_format`, the loader's own test), whatever the name; a
+    file that is neither is read as its name says (``.json``: its error says it is not JSON)."""
+    if tokenizer_format(path) == "json":
+        return True
+    if path.suffix.lower() != ".json":
+        return False
+    try:
+        load_model_proto(path)
+    except TokenizerToolError:
+        return True
+    return False  # a SentencePiece model, whatever its name
 
 
 # -- the checks ------------------------------------------------------------------------------
@@ -281,8 +291,8 @@ def _checkpoint_findings(tok: Any, path: Path, base_size: int | None) -> list[Fi
         base_rows = base_size + tok.extra_rows if base_size is not None else None
     else:
         moved = " and moves the last row (the start token) to the new end" if start_last else ""
-        detail = (f"grows {have} -> {want} rows: keeps the {have} trained rows{moved}; the "
-                  f"new rows start at the mean of the old ones")
+        detail = (f"grows {have} -> {want} rows: keeps the {have} trained rows{moved}; "
+                  f"{_new_rows_start()}")
         base_rows = have
     found.append(Finding(OK, "loader", detail))
     if base_rows is not None and base_rows < want:
@@ -291,6 +301,16 @@ def _checkpoint_findings(tok: Any, path: Path, base_size: int | None) -> list[Fi
                              + f" stay frozen (base); rows "
                              f"{_span(_trainable(want, frozen))} train"))
     return found
+
+
+def _new_rows_start() -> str:
+    """How the loader starts the new rows, from the settings it reads (TRAINING_PATCHES_ROW_INIT,
+    TRAINING_PATCHES_HEAD_ROW_INIT): ``the new rows start by row_init romanized_offset ...``."""
+    opts = _options.current()
+    spelled = (" (from each token's spelling when the loader is given this tokenizer, else "
+               "spread)" if opts.row_init in SPELLED_RULES else "")
+    return (f"the new rows start by row_init {opts.row_init}{spelled}, the head's by "
+            f"{opts.head_row_init}")
 
 
 def _trainable(rows: int, frozen: Sequence[range]) -> range:

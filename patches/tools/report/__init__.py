@@ -72,11 +72,13 @@ class NoRunFound(FileNotFoundError):
 def no_run_message(folder: str) -> str:
     return (f"training-patches report: no run found in {folder}: it holds none of the files a "
             f"run writes (nonfinite_events.jsonl, dropped_samples.jsonl, loss_scale.jsonl, "
-            f"learning_health.jsonl, headless_runs.jsonl, TensorBoard "
-            f"events.out.tfevents.*, trainer_0_log.txt), "
+            f"learning_health.jsonl, headless_runs.jsonl, trainer_runs.jsonl, TensorBoard "
+            f"events.out.tfevents.*, trainer_0_log.txt, the Hugging Face Trainer's "
+            f"trainer_state.json, Lightning's metrics.csv), "
             f"nor does any folder below it (3 levels searched). Give the output folder of the "
-            f"run (headlessXttsTrain.py --output-dir, the coqui Trainer's output_path, or "
-            f"where a plain loop saves its checkpoints).")
+            f"run (headlessXttsTrain.py --output-dir, the coqui Trainer's output_path, the "
+            f"Hugging Face Trainer's output_dir, Lightning's log_dir, or where a plain loop "
+            f"saves its checkpoints).")
 
 
 class ReportOutputError(ValueError):
@@ -169,8 +171,8 @@ def _run_json(report: Report) -> dict[str, Any]:
                           for s in f.skips],
         "longest_skip_streak": f.longest_streak,
         "micro_batches_left_out": len(f.micro_batches),
-        "loss": {"first": list(loss[0]), "last": list(loss[-1]), "logged": len(loss)}
-        if loss else None,
+        "loss": {"first": list(loss[0]), "last": list(loss[-1]), "logged": len(loss),
+                 "source": f.loss_source} if loss else None,
         "loss_scale": {"first": f.scale[0][1], "last": f.scale[-1][1],
                        "backoffs": f.backoffs, "source": f.scale_source} if f.scale else None,
         "dropped_samples": dict(f.dropped), "oom_batches": f.ooms,

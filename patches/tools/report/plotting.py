@@ -78,9 +78,9 @@ def _mark_skips(ax: Any, f: Facts) -> None:
 def _loss(ax: Any, f: Facts) -> None:
     ax.set_title("Loss")
     if not f.losses:
-        _empty(ax, "no loss values recorded: no TensorBoard event files with training "
-                   "losses in the run folder" + (f" ({len(f.skips)} skipped steps recorded)"
-                                                 if f.skips else ""))
+        _empty(ax, "no loss values recorded: no training losses in the run folder's "
+                   "TensorBoard files, trainer_state.json or metrics.csv"
+                   + (f" ({len(f.skips)} skipped steps recorded)" if f.skips else ""))
         if not f.skips:
             return
         ax.set_xlim(-1, max(f.steps, 1))

@@ -10,6 +10,13 @@ A run leaves its files in one or two folders:
 - the output folder above it: ``headless_runs.jsonl`` (headlessXttsTrain.py) and
   ``dropped_samples.jsonl``, and the patches' files when an output folder was set.
 
+The trainers that keep their own logs are read too, for the losses, the learning rate and
+the gradient norm: the Hugging Face Trainer's ``trainer_state.json`` (its ``log_history``,
+in ``output_dir`` and each ``checkpoint-N/``: the folder holding them is the run),
+Lightning's ``CSVLogger`` ``metrics.csv`` (its version folder is the run), and, besides the
+coqui Trainer's tags, the TensorBoard tags the HF Trainer (``train/loss``) and a Lightning
+module (``train_loss``, ...) write (:func:`trainer_series`).
+
 A job of several ranks writes one file per rank (``nonfinite_events.rank1.jsonl``,
 :func:`patches._run.rank_file_name`): they are read as the records of the plain name,
 merged, each record keeping its ``"rank"`` (taken from the file name when an older
@@ -22,8 +29,11 @@ a JSON object is counted, never fatal; so is an unreadable TensorBoard file.
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +52,19 @@ TB_PREFIX = "events.out.tfevents."
 # the step records, written where the run's report folder is (patches._run.report_dir).
 _RUN_FILES = (EVENTS, OOM, SCALE, LEARNING)
 MAX_DEPTH = 3  # <output-dir>/<run>/... is depth 1; deeper trees are not searched
+HF_STATE = "trainer_state.json"  # the Hugging Face Trainer's, in output_dir and checkpoint-N/
+HF_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
+CSV_METRICS = "metrics.csv"  # Lightning's CSVLogger, in its version folder
+# The series a trainer logs under its own names (after the coqui Trainer's TrainIterStats/):
+# the HF Trainer's (TensorBoard "train/loss", trainer_state.json "loss"), and what Lightning
+# modules and their callbacks commonly log (self.log("train_loss"), LearningRateMonitor's
+# "lr-AdamW"); the first name found is read.
+SERIES_NAMES = {
+    "loss": ("train/loss", "loss", "train_loss", "train_loss_step", "training_loss",
+             "train/loss_step", "loss_step"),
+    "lr": ("train/learning_rate", "learning_rate", "lr", "lr-*"),
+    "grad_norm": ("train/grad_norm", "grad_norm", "grad_norm_step", "grad_2.0_norm_total"),
+}
 
 
 @dataclass
@@ -59,6 +82,11 @@ class Run:
     tb_incomplete: list[str] = field(default_factory=list)  # a file cut off or damaged
     newest: float = 0.0  # mtime of its newest file
     run_ids: list[str] = field(default_factory=list)  # set when a folder held several runs
+    # the trainer's own logs (trainer_state.json, metrics.csv): name -> series, and its file
+    logged: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    logged_from: str | None = None
+    # the HF Trainer's newest state: its path, global_step and max_steps
+    hf_state: dict[str, Any] | None = None
 
     def get(self, name: str) -> list[dict[str, Any]]:
         """The records of every ``name`` file of this run (run folder first)."""
@@ -131,8 +159,28 @@ def _is_trainer_log(name: str) -> bool:
     return name.startswith("trainer_") and name.endswith("_log.txt")
 
 
+def _is_csv_metrics(folder: str, names: list[str]) -> bool:
+    """A Lightning CSVLogger's ``metrics.csv`` (its header has a ``step`` column)."""
+    if CSV_METRICS not in names:
+        return False
+    try:
+        with open(os.path.join(folder, CSV_METRICS), encoding="utf-8", errors="replace") as f:
+            return "step" in next(csv.reader(f), [])
+    except OSError:
+        return False
+
+
+def _trainer_logs(folder: str, names: list[str]) -> bool:
+    """The folder holds a trainer's own logs: the HF Trainer's state (in it or in a
+    ``checkpoint-N/`` below it), or a Lightning ``metrics.csv``."""
+    return (HF_STATE in names or _is_csv_metrics(folder, names)
+            or any(HF_CHECKPOINT.match(n) and os.path.isfile(os.path.join(folder, n, HF_STATE))
+                   for n in names))
+
+
 def _marker_folders(root: str) -> dict[str, list[str]]:
-    """Folder -> its file names, for every folder under ``root`` holding a run's file."""
+    """Folder -> its file and folder names, for every folder under ``root`` holding a run's
+    file (an HF ``checkpoint-N/`` counts for the folder above it)."""
     found: dict[str, list[str]] = {}
     root = os.path.abspath(root)
     base_depth = root.rstrip(os.sep).count(os.sep)
@@ -140,9 +188,12 @@ def _marker_folders(root: str) -> dict[str, list[str]]:
         if folder.rstrip(os.sep).count(os.sep) - base_depth >= MAX_DEPTH:
             dirs[:] = []
         dirs.sort()
+        if folder != root and HF_CHECKPOINT.match(os.path.basename(folder)):
+            dirs[:] = []  # an HF checkpoint's files are the folder above's (its state)
+            continue
         if any(_is_jsonl(n) or n.startswith(TB_PREFIX) or _is_trainer_log(n)
-               for n in names):
-            found[folder] = sorted(names)
+               for n in names) or _trainer_logs(folder, names + dirs):
+            found[folder] = sorted(names + dirs)
     return found
 
 
@@ -156,7 +207,8 @@ def find_runs(root: str, *, scalars: bool = True) -> list[Run]:
     folders = _marker_folders(root)
     own = [f for f, names in folders.items()
            if _has_tb(names) or any(_is_trainer_log(n) for n in names)
-           or any(split_rank_name(n)[0] in _RUN_FILES for n in names)]
+           or any(split_rank_name(n)[0] in _RUN_FILES for n in names)
+           or _trainer_logs(f, names)]
     # A plain loop's folder is a run, unless a trainer's run folder lies below it: then
     # its records (written there because an output folder was set) belong to that run.
     own = [f for f in own if not any(o != f and o.startswith(f + os.sep) for o in own)
@@ -171,6 +223,7 @@ def find_runs(root: str, *, scalars: bool = True) -> list[Run]:
         run = Run(folder=folder, shared_folders=sorted(shared, key=len))
         for place in [folder, *run.shared_folders]:
             _read_folder(run, place, folders[place])
+        read_trainer_logs(run, folders)
         if scalars:
             read_scalars(run, [n for n in folders[folder] if n.startswith(TB_PREFIX)])
         runs.extend(split_by_run_id(run))
@@ -371,6 +424,99 @@ def read_scalars(run: Run, tb_names: list[str]) -> None:
             run.tb_incomplete.append(f"{path} could not be read fully "
                                      f"({type(exc).__name__}: {exc})")
     run.scalars = {tag: sorted(values.items()) for tag, values in by_tag.items()}
+
+
+def _hf_state(path: str) -> dict[str, Any] | None:
+    """An HF ``trainer_state.json``'s ``global_step`` (-1: none), ``max_steps`` and
+    ``log_history``; None when unreadable."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            state = json.load(handle)
+        step, history = state.get("global_step"), state.get("log_history")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(history, list):
+        return None
+    return {"path": path, "log_history": history, "max_steps": state.get("max_steps"),
+            "global_step": step if isinstance(step, int) and not isinstance(step, bool) else -1}
+
+
+def _number(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _series(rows: list[tuple[Any, dict[str, Any]]], names: tuple[str, ...]
+            ) -> list[tuple[int, float]]:
+    """(step, value) of the first of ``names`` (``lr-*``: any name so starting) that ``rows``
+    hold, by step."""
+    keys = {k for _, row in rows for k, v in row.items() if v not in (None, "")}
+    for name in names:
+        found = sorted(k for k in keys if k == name or (name.endswith("*")
+                                                        and k.startswith(name[:-1])))
+        if not found:
+            continue
+        series: dict[int, float] = {}
+        for step, row in rows:
+            value = _number(row.get(found[0]))
+            if isinstance(step, int) and value is not None:
+                series[step] = value
+        return sorted(series.items())
+    return []
+
+
+def read_trainer_logs(run: Run, folders: dict[str, list[str]]) -> None:
+    """The losses, learning rate and gradient norm a trainer logged in its own files, from
+    the run's folder or a folder above it (the first that has them): the HF Trainer's
+    ``trainer_state.json`` of the most steps (``output_dir``'s or a ``checkpoint-N/``'s:
+    each holds the history up to it), else Lightning's ``metrics.csv``."""
+    for place in [run.folder, *run.shared_folders]:
+        names = folders.get(place, [])
+        paths = [os.path.join(place, HF_STATE)] if HF_STATE in names else []
+        paths += [os.path.join(place, n, HF_STATE) for n in names if HF_CHECKPOINT.match(n)]
+        states = [state for path in paths if (state := _hf_state(path)) is not None]
+        if states:
+            newest = max(states, key=lambda state: state["global_step"])
+            rows = [(entry.get("step"), entry) for entry in newest.pop("log_history")
+                    if isinstance(entry, dict)]
+            run.logged_from, run.hf_state = newest["path"], newest
+        elif _is_csv_metrics(place, names):
+            path = os.path.join(place, CSV_METRICS)
+            try:
+                with open(path, encoding="utf-8", errors="replace", newline="") as handle:
+                    rows = [(_whole_step(row.get("step")), row) for row in csv.DictReader(handle)]
+            except (OSError, csv.Error) as exc:
+                logger.warning("report: cannot read %s (%s)", path, exc)
+                continue
+            run.logged_from = path
+        else:
+            continue
+        run.logged = {kind: series for kind, names_ in SERIES_NAMES.items()
+                      if (series := _series(rows, names_))}
+        return
+
+
+def _whole_step(value: Any) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and number.is_integer() and number >= 0 else None
+
+
+def trainer_series(run: Run, kind: str) -> tuple[list[tuple[int, float]], str | None]:
+    """The run's ``kind`` series (``loss``, ``lr``, ``grad_norm``) under a trainer's own
+    names (:data:`SERIES_NAMES`) when the coqui Trainer's tags are not there: TensorBoard
+    first, then the trainer's files (:func:`read_trainer_logs`); with where it was read
+    (None: nowhere)."""
+    rows = [(step, {tag: value}) for tag, series in run.scalars.items()
+            for step, value in series]
+    series = _series(rows, SERIES_NAMES[kind])
+    if series:
+        return series, "TensorBoard"
+    if run.logged.get(kind):
+        return run.logged[kind], run.logged_from
+    return [], None
 
 
 def scalar(run: Run, name: str, group: str = "TrainIterStats") -> list[tuple[int, float]]:

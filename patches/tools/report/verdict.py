@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ TB_INCOMPLETE = "incomplete TensorBoard file"
 NOT_CHECKED = "checks not run"
 UNWRITTEN = "records not written"
 INTERRUPTED = "interrupted"
+FAILED = "stopped by an error"
 # a live verdict of patches.learning still holding at the run's end is named by its kind,
 # language and step: "not reading the text (am) since step 1200" (learning.NOT_READING, ...)
 LR_DISCONTINUITY = "LR discontinuity at resume"  # + " (step N)"
@@ -185,6 +187,9 @@ class Facts:
     impossible: Counter[str] = field(default_factory=Counter)  # file -> records left out
     not_checked: list[str] = field(default_factory=list)  # checks that could not run, why
     interrupted: dict[str, Any] | None = None  # the run's last record, when it is a stop
+    failed: dict[str, Any] | None = None  # the run's last record, when it is an error
+    running: dict[str, Any] | None = None  # the start of a run whose process still runs
+    loss_source: str | None = None  # where the losses were read (None: nowhere)
     readings: dict[str, list[ReadingPoint]] = field(default_factory=dict)  # language -> by step
     live_verdicts: list[LiveVerdict] = field(default_factory=list)  # holding or ended
     resumes: list[ResumeCheck] = field(default_factory=list)
@@ -314,20 +319,81 @@ def _names_folder(recorded: Any, folder: str) -> bool:
         os.path.basename(os.path.normpath(recorded)) == os.path.basename(os.path.normpath(folder)))
 
 
-def _interruption(run: Run) -> dict[str, Any] | None:
-    """The run's interruption, when its last start/stop record says it was stopped by a
-    signal and not (yet) continued to its end: headless_runs.jsonl (headlessXttsTrain.py)
-    or, for any coqui Trainer, the run folder's trainer_runs.jsonl. Either file's last
-    record of this folder counts (the headless one, with more to say, first)."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # someone else's process, or a pid this system cannot have: not "gone"
+    return True
+
+
+def _last_record(run: Run) -> dict[str, Any] | None:
+    """The run's last start/stop record that says how it ended: of headless_runs.jsonl
+    (headlessXttsTrain.py) and a trainer integration's trainer_runs.jsonl (the coqui
+    Trainer's, the HF Trainer's, Lightning's, F5's: in the run's folder or a folder above
+    it, as the HF Trainer's output_dir is above its TensorBoard folder), each file's last
+    record of this folder counts: an ``interrupted`` one first (the headless one, with more
+    to say, before the other), then a ``failed`` one, then a ``start`` that names its host
+    and process (the run recorded no end), then any; None when neither file has one."""
+    lasts = []
     for name in (reading.HEADLESS, reading.TRAINER_RUNS):
+        places = [run.folder] + (run.shared_folders if name == reading.TRAINER_RUNS else [])
         last = None
         for record in run.get(name):
             if (record.get("event") in ("start", "interrupted", "finished", "failed")
-                    and _names_folder(record.get("run_folder"), run.folder)):
+                    and any(_names_folder(record.get("run_folder"), p) for p in places)):
                 last = record
-        if last is not None and last.get("event") == "interrupted":
-            return {**last, "recorded_in": name}
-    return None
+        if last is not None:
+            lasts.append({**last, "recorded_in": name})
+    for event in ("interrupted", "failed"):
+        found = next((last for last in lasts if last.get("event") == event), None)
+        if found is not None:
+            return found
+    return next((last for last in lasts if _unended(last)), lasts[0] if lasts else None)
+
+
+def _unended(record: dict[str, Any]) -> bool:
+    """A ``start`` that names its host and process: the run recorded no end."""
+    return record.get("event") == "start" and isinstance(record.get("host"), str) and \
+        isinstance(record.get("pid"), int) and not isinstance(record.get("pid"), bool)
+
+
+def _ending(run: Run, f: Facts) -> None:
+    """How the run ended, from its last start/stop record: stopped by a signal and not
+    continued since (``f.interrupted``), stopped by an error (``f.failed``); or, when it
+    recorded its start and no end, by its process: gone from this host (killed outright:
+    SIGKILL, a SIGTERM nothing handled, out of memory; ``f.interrupted``), still running
+    (``f.running``), or on another host (a check not run)."""
+    last = _last_record(run)
+    state = run.hf_state
+    if last is None and state is not None and isinstance(state["max_steps"], int) \
+            and 0 <= state["global_step"] < state["max_steps"]:
+        f.not_checked.append(
+            f"whether the run ended: it recorded no start or end (no {reading.TRAINER_RUNS}: "
+            f"the patches were off), and its newest trainer_state.json "
+            f"({state['path']}) is at step {state['global_step']} of max_steps "
+            f"{state['max_steps']}: stopped, stopped early on purpose, or still running")
+    if last is None:
+        return
+    event = last.get("event")
+    if event == "interrupted":
+        f.interrupted = last
+    elif event == "failed":
+        f.failed = last
+    elif _unended(last):
+        if last["host"] != socket.gethostname():
+            f.not_checked.append(
+                f"whether the run ended: it recorded its start on {last['host']} (process "
+                f"{last['pid']}, {last['recorded_in']}) and no end, and a process of another "
+                f"machine cannot be looked at from here")
+        elif _pid_alive(last["pid"]):
+            f.running = last
+        else:
+            newest = os.path.dirname(state["path"]) if state is not None else ""
+            f.interrupted = {**last, "gone": True, "checkpoint": newest if
+                             reading.HF_CHECKPOINT.match(os.path.basename(newest)) else None}
 
 
 def _cause_rank(kind: str) -> int:
@@ -407,10 +473,17 @@ def facts(run: Run) -> Facts:
         series = _finite(reading.scalar(run, name))
         if series:
             f.losses[name] = series
+    f.loss_source = "TensorBoard" if f.losses else None
     f.lr = _finite(reading.scalar(run, "current_lr"))
+    grad_norm = _finite(reading.scalar(run, "grad_norm"))
+    if not f.losses:  # another trainer's own names (the HF Trainer's, a Lightning module's)
+        series, f.loss_source = reading.trainer_series(run, "loss")
+        if series:
+            f.losses["loss"] = series
+        f.lr = f.lr or reading.trainer_series(run, "lr")[0]
+        grad_norm = grad_norm or reading.trainer_series(run, "grad_norm")[0]
     skipped = set(skips)  # coqui logs a non-finite norm as 0: a skipped step has none
-    f.grad_norm = [(s, v) for s, v in _finite(reading.scalar(run, "grad_norm"))
-                   if s not in skipped]
+    f.grad_norm = [(s, v) for s, v in grad_norm if s not in skipped]
 
     if scale_records:
         f.scale_source = reading.SCALE
@@ -453,7 +526,7 @@ def facts(run: Run) -> Facts:
     else:
         f.ranks = {}
     f.patch_stats = _patch_stats(run)
-    f.interrupted = _interruption(run)
+    _ending(run, f)
     _learning(run, f)
     guard_steps = int(f.patch_stats.get("nan_guard", {}).get("steps", 0))
     if guard_steps:  # the guard's own count of the run's optimizer steps, recorded at its end
@@ -462,7 +535,7 @@ def facts(run: Run) -> Facts:
         seen = [s + 1 for series in (*f.losses.values(), f.lr, f.grad_norm)
                 for s, _ in series[-1:]]
         seen += [_steps_at_least(r) for name in (reading.EVENTS, reading.SCALE, reading.OOM,
-                                                 reading.LEARNING)
+                                                 reading.LEARNING, reading.TRAINER_RUNS)
                  for r in run.get(name)]
         f.steps = max([0] + seen)
     _checks_not_run(run, f)
@@ -615,14 +688,13 @@ def verdict(f: Facts) -> list[Finding]:
     found: list[Finding] = []
     steps = max(f.steps, 1)
     if f.interrupted is not None:
-        stop = f.interrupted
-        checkpoint = stop.get("checkpoint")
-        found.append(Finding(INTERRUPTED, (
-            f"stopped by {stop.get('signal') or 'a signal'} at trainer step "
-            f"{stop.get('step', '?')} and not continued since; "
-            + (f"{os.path.basename(str(checkpoint))} was written: continue it with "
-               f"--resume auto" if checkpoint else "no checkpoint was written then")
-            + f" ({stop.get('recorded_in', reading.HEADLESS)})")))
+        found.append(Finding(INTERRUPTED, _interrupted_detail(f.interrupted)))
+    if f.failed is not None:
+        stop = f.failed
+        found.append(Finding(FAILED, (
+            f"stopped at trainer step {stop.get('step', '?')} by "
+            f"{stop.get('error') or 'an error'}, and not continued since "
+            f"({stop.get('recorded_in', reading.HEADLESS)})")))
     not_checked = list(f.not_checked)
     if f.freeze is not None and f.freeze.get("checked") is False:
         not_checked.append(f"the frozen rows: {f.freeze['detail']}")
@@ -694,6 +766,27 @@ def verdict(f: Facts) -> list[Finding]:
             f"patch_stats.evidence): the figures above miss them; the run's log names the "
             f"file and the error, and lists the records")))
     return found
+
+
+def _interrupted_detail(stop: dict[str, Any]) -> str:
+    """Why the run is called interrupted, and how to continue it."""
+    where = f" ({stop.get('recorded_in', reading.HEADLESS)})"
+    how = stop.get("continue_with")
+    checkpoint = stop.get("checkpoint")
+    name = os.path.basename(str(checkpoint)) if checkpoint else None
+    if stop.get("gone"):
+        return (f"the run started at trainer step {stop.get('step', '?')} (process "
+                f"{stop.get('pid')}) and recorded no end, and that process is gone from this "
+                f"machine: it was killed (SIGKILL, a SIGTERM nothing handled, out of memory) "
+                f"or died; continue it from its newest checkpoint"
+                + (f" ({name})" if name else "") + (f" with {how}" if how else "") + where)
+    return (f"stopped by {stop.get('signal') or 'a signal'} at trainer step "
+            f"{stop.get('step', '?')} and not continued since; "
+            + (f"{name} was written: continue it with --resume auto" if name and not how
+               else f"its newest checkpoint is {name}: continue it with {how}" if name
+               else f"no checkpoint was written: start it again" + (
+                   f" ({how} resumes from the newest one there is)" if how else ""))
+            + where)
 
 
 def _fmt(value: float | None, spec: str = ".3g") -> str:
@@ -848,8 +941,12 @@ def describe(f: Facts, findings: list[Finding]) -> list[str]:
     lines.append(f"steps: {f.steps if f.steps_known else f'at least {f.steps} (not recorded)'}"
                  + (f"; loss {loss[0][1]:.4g} at step {loss[0][0]} -> "
                                         f"{loss[-1][1]:.4g} at step {loss[-1][0]} "
-                                        f"({len(loss)} logged)" if loss else
-                                        "; no loss logged to TensorBoard"))
+                                        f"({len(loss)} logged, from {f.loss_source})" if loss
+                                        else "; no loss logged (TensorBoard, the HF Trainer's "
+                                             "trainer_state.json, Lightning's metrics.csv)"))
+    if f.running is not None:
+        lines.append(f"running: process {f.running.get('pid')} on this machine, started "
+                     f"{f.running.get('time', '?')}, has recorded no end yet")
     kinds = Counter(s.kind for s in f.skips)
     lines.append(f"skipped steps: {len(f.skips)}" + (
         " (" + ", ".join(f"{k} {n}" for k, n in kinds.items()) + ") at steps "

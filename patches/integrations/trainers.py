@@ -1,0 +1,161 @@
+"""What the integrations of the trainers that run their own loop share (the Hugging Face
+Trainer, Lightning, F5-TTS): one run per folder, its start and end recorded, and the
+tokenizer the trainer holds. The coqui Trainer's are :mod:`.coqui_checkpoint` and
+:mod:`.coqui_interrupt`.
+
+- :func:`claim`: the folder the trainer writes its checkpoints into is locked for this
+  process (:func:`patches._runlock.lock_folder`) before it writes there: a second run into a
+  folder another process trains in is :class:`patches.RunFolderInUse`, one paragraph naming
+  that process, nothing written (upstream: the two overwrote each other's checkpoints, exit
+  0). The lock goes when the process ends, however it ends; a later run in the same folder
+  (a resume) takes it again.
+- :class:`RunRecord`: ``start`` when the run begins (the folder claimed then), and its end
+  (``finished``, ``interrupted`` with the signal, ``failed`` with the error) in the folder's
+  ``trainer_runs.jsonl``, which ``training-patches report`` reads. Each record names the
+  host and the process, so that a run killed outright (SIGKILL, or a SIGTERM the trainer
+  does not handle), which records no end, is told from one still running.
+- :func:`spelling_tokenizer`: the tokenizer a trainer holds, as ``load_checkpoint``'s
+  ``tokenizer=`` reads it, to spell a grown vocabulary's new tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .. import _run, _runlock
+from .._interrupt import TrainingInterrupted
+
+
+def claim(folder: Any, *, trainer: str, overwritten: str) -> None:
+    """Lock ``folder`` (made when missing) for this process: :class:`patches.RunFolderInUse`
+    when another process holds it. Call it on the one process that writes there."""
+    if not folder or "://" in str(folder):
+        return  # no local folder: nothing to lock
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    _runlock.lock_folder(folder, what=f"{trainer}'s output folder", overwritten=overwritten)
+
+
+def signal_of(exc: BaseException | None) -> str | None:
+    """The signal an exception (or one it was raised while handling) stands for: Ctrl-C's
+    ``KeyboardInterrupt``, the library's :class:`TrainingInterrupted`, Lightning's
+    ``SIGTERMException``; None for any other error."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, TrainingInterrupted):
+            return exc.name
+        if isinstance(exc, KeyboardInterrupt):
+            return "SIGINT"
+        if type(exc).__name__ == "SIGTERMException":
+            return "SIGTERM"
+        exc = exc.__context__
+    return None
+
+
+def _record(folder: Any, event: str, **fields: Any) -> None:
+    if folder and os.path.isdir(folder):
+        _run.record_in(folder, _run.TRAINER_RUNS_FILE, event, run_folder=str(folder),
+                       host=socket.gethostname(), **fields)
+
+
+class RunRecord:
+    """One run of a trainer in its folder: :meth:`start` claims the folder (:func:`claim`)
+    and records ``start`` in its ``trainer_runs.jsonl``; :meth:`ending` records how the run
+    ended: ``finished``; ``interrupted`` (the signal, the step, the newest ``checkpoint()``
+    and ``continue_with``, how the trainer resumes it); or ``failed`` (the error).
+    ``trainer``: the integration's name; ``said``: the trainer as the refusal names it;
+    ``overwritten``: what two runs in the folder would overwrite; ``step()``: the trainer's
+    step count; ``writes``: False on the processes that do not write there (nothing is
+    claimed or recorded)."""
+
+    def __init__(self, *, trainer: str, said: str, overwritten: str, step: Callable[[], int],
+                 checkpoint: Callable[[], Any], continue_with: str, writes: bool = True) -> None:
+        self.trainer, self.said, self.overwritten = trainer, said, overwritten
+        self.step, self.checkpoint, self.continue_with = step, checkpoint, continue_with
+        self.writes = writes
+        self.folder: Any = None  # set by start()
+
+    @staticmethod
+    def _safely(read: Callable[[], Any]) -> Any:
+        try:
+            return read()
+        except Exception:  # noqa: BLE001 - a record never stops the trainer's own end
+            return None
+
+    def start(self, folder: Any) -> None:
+        """Claim ``folder`` for this run (:class:`patches.RunFolderInUse` when another
+        process trains there) and record the start."""
+        if not self.writes or self.folder is not None:
+            return
+        claim(folder, trainer=self.said, overwritten=self.overwritten)
+        self.folder = folder
+        _record(folder, "start", trainer=self.trainer, step=self._safely(self.step),
+                continue_with=self.continue_with)
+
+    @contextlib.contextmanager
+    def ending(self) -> Iterator[None]:
+        """Record how the run inside ended, once it started; its exception is raised again
+        as it was."""
+        try:
+            yield
+        except BaseException as exc:
+            if self.folder is not None:
+                self._end(exc)
+            raise
+        if self.folder is not None:
+            self._end(None)
+
+    def _end(self, exc: BaseException | None) -> None:
+        step = self._safely(self.step)
+        said = signal_of(exc)
+        if exc is None or (isinstance(exc, SystemExit) and said is None
+                           and exc.code in (0, None)):
+            _record(self.folder, "finished", step=step)
+        elif said is not None:
+            found = self._safely(self.checkpoint)
+            _record(self.folder, "interrupted", signal=said, step=step,
+                    checkpoint=str(found) if found else None, continue_with=self.continue_with)
+        else:
+            _record(self.folder, "failed", step=step,
+                    error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        self.folder = None
+
+
+def _reads(tokenizer: Any) -> bool:
+    """Whether the loader reads ``tokenizer`` as it is (a ``tokenizers.Tokenizer``, a
+    SentencePiece processor, or an object with their two methods)."""
+    return (hasattr(tokenizer, "id_to_token") or hasattr(tokenizer, "id_to_piece")) and \
+        hasattr(tokenizer, "encode")
+
+
+def spelling_tokenizer(held: Any) -> tuple[Any, str]:
+    """``held`` (what a trainer or its model holds as its tokenizer) as the loader's
+    ``tokenizer=`` reads it, and what it is: a ``tokenizers.Tokenizer`` or SentencePiece
+    processor as it is; a Hugging Face tokenizer's ``backend_tokenizer`` (a fast one) or
+    ``sp_model`` (a SentencePiece one); a processor's ``tokenizer``'s; a path to a
+    ``vocab.json`` or ``.model`` file. (None, why not) for anything else."""
+    if held is None:
+        return None, "none"
+    inner = getattr(held, "tokenizer", None)
+    if inner is not None and not isinstance(inner, str) and not _reads(held):
+        held = inner
+    name = type(held).__name__
+    if _reads(held):
+        return held, name
+    for attr, kind in (("backend_tokenizer", "its tokenizers backend"),
+                       ("sp_model", "its SentencePiece model")):
+        found = getattr(held, attr, None)
+        if found is not None and _reads(found):
+            return found, f"{name}, {kind}"
+    if isinstance(held, (str, os.PathLike)) and str(held).endswith((".json", ".model")) \
+            and os.path.isfile(held):
+        return os.fspath(held), os.fspath(held)
+    return None, (f"a {name}, which has no tokenizers backend or SentencePiece model to "
+                  f"spell with")
+
+
+__all__ = ["RunRecord", "claim", "signal_of", "spelling_tokenizer"]
