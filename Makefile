@@ -34,7 +34,7 @@ test: setup
 
 # The unit tier, under a minute on 2 cores: no coqui (xtts), nothing slow (subprocess
 # matrices, real trainings), no torchrun (distributed). --check-markers (tests/conftest.py)
-# fails a test run here that imports coqui or whose call takes over 2 s.
+# fails a test run here that imports coqui, and lists (never fails) one whose call takes over 2 s.
 FAST := not slow and not xtts and not distributed
 test-fast: setup
 	$(PY) -m pytest -q -m "$(FAST)" --check-markers

@@ -333,13 +333,13 @@ def preflight(args: argparse.Namespace) -> Settings:
 
     Runs before anything is built or written; each problem is one :class:`UsageError`
     paragraph (exit code 2), found with the library's own validators
-    (:mod:`patches.integrations.xtts_preflight`). Only the match of model.pth's keys with
+    (:mod:`patches.tools.xtts_preflight`). Only the match of model.pth's keys with
     the model waits for the model, and is checked before the Trainer is built (see
     :func:`train`). No input file is changed.
     """
     if _ACTIVATION_ERROR is not None:
         raise _ACTIVATION_ERROR
-    from patches.integrations import xtts_preflight as pf
+    from patches.tools import xtts_preflight as pf
 
     try:
         options = pf.check_settings()
@@ -549,22 +549,14 @@ def _record(output_dir: Path, event: str, **fields: Any) -> None:
 
 
 def _load_report_record(report: Any) -> dict[str, Any] | None:
-    if report is None:
-        return None
-    freeze = getattr(report, "freeze", None)
-    return {"path": report.path, "policy": report.policy,
-            "base_vocab_size": report.base_vocab_size, "vocab_size": report.vocab_size,
-            "resized": {k: [list(old), list(new)] for k, (old, new) in report.resized.items()},
-            "kept_rows": dict(report.kept_rows), "start_row_moved": report.start_row_moved,
-            "frozen_rows": ([[r.start, r.stop - 1] for r in freeze.rows]
-                            if freeze is not None else None)}
+    return None if report is None else report.as_record()
 
 
 def extended_vocab(s: Settings) -> Path:
     """``--extend-vocab``: the base vocab.json extended for ``s.language`` in the output
-    folder (reused on a resume); see :func:`patches.integrations.tokenizer.bpe.extend_for_run`."""
-    from patches.integrations.tokenizer import TokenizerToolError
-    from patches.integrations.tokenizer.bpe import extend_for_run
+    folder (reused on a resume); see :func:`patches.tools.tokenizer.bpe.extend_for_run`."""
+    from patches.tools.tokenizer import TokenizerToolError
+    from patches.tools.tokenizer.bpe import extend_for_run
 
     try:
         path, _, _ = extend_for_run(s.files["vocab"], s.extend_vocab, s.output_dir, s.language)
@@ -621,7 +613,7 @@ def train(s: Settings) -> dict[str, Any]:
         config, eval_split=s.eval_manifest is not None)
     model = GPTTrainer.init_from_config(config)
     if s.base_keys is not None:  # pre-flight's last check: model.pth is this model's
-        from patches.integrations.xtts_preflight import PreflightError, check_model_keys
+        from patches.tools.xtts_preflight import PreflightError, check_model_keys
 
         try:
             check_model_keys(s.files["model"], model.xtts, keys=s.base_keys)

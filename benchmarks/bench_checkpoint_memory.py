@@ -13,6 +13,20 @@ and the usual ``torch.load(weights_only=True)`` + ``load_state_dict`` of both st
 Each line also gives the load's wall time (the checks read the file once more).
 
 Run: ``.venv/bin/python benchmarks/bench_checkpoint_memory.py [--vocab 24000] [--hidden 1024]``
+
+Time at a real size (issue 41), ``--time-rounds N``: one process builds the model (``--depth``
+transformer-shaped blocks of ``--width`` channels: qkv, out, MLP up and down, 12 x width^2
+weights each, between a ``--vocab`` x width embedding and head) and an AdamW with its
+moments, then runs N interleaved rounds (the order flipped each round) of ``torch.save(path)``
+against ``CheckpointManager.save``, and of ``torch.load`` + ``load_state_dict`` against
+``load_checkpoint`` (hash verified, the default) and ``load_checkpoint(verify_hash=False)``;
+medians, and each round's ratio to torch's. ``CheckpointManager.save`` fsyncs its file and
+torch.save does not: ``torch.save`` + ``os.fsync`` is timed too. Beside the wall clock, the
+CPU seconds of the calling thread (its critical path when another core is free: the hash and
+the finite scans run in threads of their own) and of the whole process, which a machine busy
+with other work stretches less than the wall clock.
+
+    .venv/bin/python benchmarks/bench_checkpoint_memory.py --width 1024 --depth 12 --time-rounds 3
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def _build(vocab: int, hidden: int, layers: int):
+def _build(vocab: int, hidden: int, layers: int, depth: int = 0):
     import torch
     from torch import nn
 
@@ -48,17 +62,21 @@ def _build(vocab: int, hidden: int, layers: int):
     model = nn.Module()
     model.text_embedding = nn.Embedding(vocab, hidden)
     model.body = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)])
+    model.blocks = nn.ModuleList(  # the GPT's shapes: qkv, out, MLP up and down
+        nn.ModuleDict({"qkv": nn.Linear(hidden, 3 * hidden), "out": nn.Linear(hidden, hidden),
+                       "up": nn.Linear(hidden, 4 * hidden), "down": nn.Linear(4 * hidden, hidden)})
+        for _ in range(depth))
     model.text_head = nn.Linear(hidden, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, optimizer
 
 
-def write(path: Path, vocab: int, hidden: int, layers: int) -> int:
+def write(path: Path, vocab: int, hidden: int, layers: int, depth: int = 0) -> int:
     import torch
 
     from patches.checkpoint import CheckpointManager
 
-    model, optimizer = _build(vocab, hidden, layers)
+    model, optimizer = _build(vocab, hidden, layers, depth)
     for p in model.parameters():  # one real step so the Adam moments exist
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()
@@ -66,13 +84,13 @@ def write(path: Path, vocab: int, hidden: int, layers: int) -> int:
     return saved.stat().st_size
 
 
-def measure(path: str, vocab: int, hidden: int, layers: int, how: str) -> dict:
+def measure(path: str, vocab: int, hidden: int, layers: int, how: str, depth: int = 0) -> dict:
     import torch
 
     torch.set_num_threads(1)
     from patches.checkpoint import load_checkpoint
 
-    model, optimizer = _build(vocab, hidden, layers)
+    model, optimizer = _build(vocab, hidden, layers, depth)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status("VmRSS")
     ru_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -95,19 +113,131 @@ def measure(path: str, vocab: int, hidden: int, layers: int, how: str) -> dict:
             "rss_after_delta": _status("VmRSS") - before, "seconds": seconds}
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if len(values) % 2 else \
+        sum(sorted(values)[len(values) // 2 - 1:len(values) // 2 + 1]) / 2
+
+
+def time_rounds(folder: Path, vocab: int, hidden: int, layers: int, depth: int,
+                rounds: int) -> None:
+    """Interleaved save and load rounds in this process (see the module docstring)."""
+    import gc
+
+    import torch
+
+    from patches.checkpoint import CheckpointManager, load_checkpoint
+
+    torch.set_num_threads(1)
+    model, optimizer = _build(vocab, hidden, layers, depth)
+    for p in model.parameters():  # one real step so the Adam moments exist
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    plain = folder / "plain.pt"
+    manager = CheckpointManager(folder / "managed", keep=1)
+
+    def torch_save() -> None:
+        torch.save({"model": model.state_dict(), "optimizer": [optimizer.state_dict()]}, plain)
+
+    def torch_save_fsync() -> None:
+        torch_save()
+        fd = os.open(plain, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    step = [0]
+
+    def manager_save() -> None:
+        step[0] += 1
+        manager.save(step[0], model, optimizer)
+
+    saves = {"torch.save": torch_save, "torch.save+fsync": torch_save_fsync,
+             "CheckpointManager.save": manager_save}
+    times: dict[str, list[float]] = {name: [] for name in saves}
+    main_cpu: dict[str, list[float]] = {name: [] for name in saves}
+    all_cpu: dict[str, list[float]] = {name: [] for name in saves}
+
+    def timed(name: str, call) -> None:
+        gc.collect()
+        try:  # each load as in a fresh process: no hash remembered from an earlier one
+            from patches.checkpoint import digest
+            digest._verified.clear()
+        except ImportError:  # a tree from before the remembered hashes
+            pass
+        start, main0, all0 = time.perf_counter(), time.thread_time(), time.process_time()
+        call()
+        times[name].append(time.perf_counter() - start)
+        main_cpu[name].append(time.thread_time() - main0)
+        all_cpu[name].append(time.process_time() - all0)
+
+    for r in range(rounds):
+        for name in (list(saves) if r % 2 == 0 else list(reversed(saves))):
+            timed(name, saves[name])
+    path = manager.checkpoints()[-1]
+    size = path.stat().st_size
+
+    def torch_load() -> None:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"][0])
+
+    loads = {"torch.load+load_state_dict": torch_load,
+             "load_checkpoint": lambda: load_checkpoint(path, model, optimizer, freeze=False),
+             "load_checkpoint(verify_hash=False)": lambda: load_checkpoint(
+                 path, model, optimizer, freeze=False, verify_hash=False),
+             "resume('auto') + load_checkpoint": lambda: load_checkpoint(
+                 manager.resume("auto"), model, optimizer, freeze=False)}
+    for table in (times, main_cpu, all_cpu):
+        table.update({name: [] for name in loads})
+    for r in range(rounds):
+        for name in (list(loads) if r % 2 == 0 else list(reversed(loads))):
+            timed(name, loads[name])
+    params = sum(p.numel() for p in model.parameters())
+    print(f"machine: {platform.machine()} {os.cpu_count()} cpus, {platform.platform()}, "
+          f"python {platform.python_version()}, torch {torch.__version__}, 1 torch thread; "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"model: vocab {vocab}, width {hidden}, {depth} blocks + {layers} linear layers, "
+          f"{params / 1e6:.0f} M params + AdamW; file {size / 1e9:.2f} GB; {rounds} rounds")
+    print("| what | wall s, median (each round) | wall ratio | calling thread CPU s | ratio "
+          "| process CPU s | ratio |")
+    print("|---|---|---|---|---|---|---|")
+
+    def ratio(table: dict[str, list[float]], name: str) -> float:
+        base = table["torch.save" if name in saves else "torch.load+load_state_dict"]
+        return _median([v / b for v, b in zip(table[name], base)])
+
+    for name, values in times.items():
+        print(f"| {name} | {_median(values):.2f} ({', '.join(f'{v:.2f}' for v in values)}) "
+              f"| {ratio(times, name):.2f} | {_median(main_cpu[name]):.2f} "
+              f"| {ratio(main_cpu, name):.2f} | {_median(all_cpu[name]):.2f} "
+              f"| {ratio(all_cpu, name):.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=24000)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", "--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="plain width x width linear layers (default 8, 0 with --depth)")
+    parser.add_argument("--depth", type=int, default=0,
+                        help="transformer-shaped blocks (12 x width^2 weights each)")
+    parser.add_argument("--time-rounds", type=int, default=0,
+                        help="time saves and loads in N interleaved rounds in one process")
     parser.add_argument("--child", nargs=2, metavar=("PATH", "HOW"))
     args = parser.parse_args()
+    if args.layers is None:
+        args.layers = 0 if args.depth else 8
+    if args.time_rounds:
+        with tempfile.TemporaryDirectory() as tmp:
+            time_rounds(Path(tmp), args.vocab, args.hidden, args.layers, args.depth,
+                        args.time_rounds)
+        return
     if args.child:
         print(json.dumps(measure(args.child[0], args.vocab, args.hidden, args.layers,
-                                 args.child[1])))
+                                 args.child[1], args.depth)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        size = write(Path(tmp), args.vocab, args.hidden, args.layers)
+        size = write(Path(tmp), args.vocab, args.hidden, args.layers, args.depth)
         path = str(next(Path(tmp).glob("ckpt_*.pt")))
         print(f"machine: {platform.machine()} {os.cpu_count()} cpus, {platform.platform()}, "
               f"python {platform.python_version()}")
@@ -117,7 +247,7 @@ def main() -> None:
             out = subprocess.run(
                 [sys.executable, "-W", "ignore", __file__, "--vocab", str(args.vocab),
                  "--hidden", str(args.hidden), "--layers", str(args.layers),
-                 "--child", path, how],
+                 "--depth", str(args.depth), "--child", path, how],
                 cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), TRAINING_PATCHES_QUIET="1"),
                 check=True, capture_output=True, text=True).stdout
             result = json.loads(out.strip().splitlines()[-1])

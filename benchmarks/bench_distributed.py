@@ -14,7 +14,12 @@ GPU a rank, each step timed to its end (``torch.cuda.synchronize``); the GPU sui
 (benchmarks/gpu/test_gpu_multi.py) does that.
 
 Run: .venv/bin/python benchmarks/bench_distributed.py [--rounds N] [--steps N] [--only ddp]
-     [--device cuda] [--breakdown]
+     [--device cuda] [--breakdown] [--width 128] [--depth 2] [--vocab 0]
+
+``--width``/``--depth``/``--vocab``: bench_overhead.py's model at that size (``--vocab V``: a
+text model of V rows, token ids as input; the freeze is not applied here: it does no
+communication of its own). ``--collectives`` also counts, on rank 0, the collectives of
+one patched and one unpatched step (torch's profiler: every ``c10d::`` operation).
 
 ``--breakdown`` also prints, per setting, the median time of each phase of the step
 (forward, backward, clip, optimizer step) patched and unpatched, and of the NaN guard's
@@ -56,6 +61,8 @@ def block(model, opt, steps: int, data, device: str,
     import torch
     import torch.distributed as dist
 
+    from bench_overhead import loss_of
+
     flag = torch.zeros(3, device=device)
 
     x, y = data
@@ -63,7 +70,7 @@ def block(model, opt, steps: int, data, device: str,
     for _ in range(steps):
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss = loss_of(model(x), y)
         t_fwd = time.perf_counter()
         loss.backward()
         t_bwd = time.perf_counter()
@@ -99,14 +106,25 @@ def _timed_agreement(sink: list[float]) -> None:
     nan_guard._agree = timed
 
 
-def rank_main(setting: str, rounds: int, steps: int, device: str, breakdown: bool) -> None:
+def _collectives(model, opt, data, device: str) -> int:
+    """Collectives of one step (torch's profiler: every ``c10d::`` operation)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        block(model, opt, 1, data, device)
+    return sum(1 for event in prof.events() if event.name.startswith("c10d::"))
+
+
+def rank_main(setting: str, rounds: int, steps: int, device: str, breakdown: bool,
+              width: int = 128, depth: int = 2, vocab: int = 0,
+              collectives: bool = False) -> None:
     """One rank of the job (started by torchrun with ``--rank-job``)."""
     sys.path[:0] = [ROOT, HERE]
     import torch
     import torch.distributed as dist
 
     import patches
-    from bench_overhead import make_model
+    from bench_overhead import make_data, make_model
 
     torch.set_num_threads(1)
     if device == "cuda":
@@ -114,29 +132,33 @@ def rank_main(setting: str, rounds: int, steps: int, device: str, breakdown: boo
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank = dist.get_rank()
     _, wrapping, fused = SETTINGS[setting]
-    model = make_model().to(device)
+    model = make_model(width, depth, vocab).to(device)
     if wrapping == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model[0].layers:
+        for layer in (model.body if vocab else model[0]).layers:
             fully_shard(layer)
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     generator = torch.Generator().manual_seed(rank)
-    data = (torch.randn(8, 64, 128, generator=generator).to(device),
-            torch.randn(8, 64, 128, generator=generator).to(device))
+    data = tuple(t.to(device) for t in make_data(width, vocab, generator))
     patches.revert()
     phases: dict[str, dict[str, list[float]]] = {"patched": {}, "unpatched": {}}
     agreement: list[float] = []
     bare_ratios: list[float] = []
     if breakdown:
         _timed_agreement(agreement)
+    counted = {}
     try:
         block(model, opt, 3, data, device)  # warm-up, unpatched
+        if collectives:
+            counted["unpatched"] = _collectives(model, opt, data, device)
         patches.apply(quiet=True)
         block(model, opt, 3, data, device)  # warm-up, patched (a crash shows here)
+        if collectives:
+            counted["patched"] = _collectives(model, opt, data, device)
         timed: dict[str, list[float]] = {"patched": [], "unpatched": []}
         ratios = []
         for r in range(rounds):
@@ -163,13 +185,17 @@ def rank_main(setting: str, rounds: int, steps: int, device: str, breakdown: boo
         med = {k: statistics.median(v) * 1e3 for k, v in timed.items()}
         print(f"RESULT {med['unpatched']:.2f} {med['patched']:.2f} "
               f"{statistics.median(ratios):.3f}", flush=True)
+        if counted:
+            print(f"PHASE collectives a step: unpatched {counted['unpatched']}, patched "
+                  f"{counted['patched']}", flush=True)
         if breakdown:
             for name in PHASES:
                 u, p = (statistics.median(phases[m][name]) * 1e3
                         for m in ("unpatched", "patched"))
                 print(f"PHASE {name}: unpatched {u:.2f} ms, patched {p:.2f} ms", flush=True)
             if agreement:
-                print(f"PHASE of which the guard's agreement all-reduce: "
+                print(f"PHASE of which the guard's agreement (its all-reduce; under DDP "
+                      f"the flags the reduction carried): "
                       f"{statistics.median(agreement) * 1e3:.2f} ms median "
                       f"({len(agreement)} calls)", flush=True)
             print(f"PHASE unpatched + one bare 3-float all-reduce before the step, over "
@@ -198,14 +224,16 @@ def _free_port() -> int:
 
 
 def run_setting(setting: str, rounds: int, steps: int, timeout: float,
-                device: str = "cpu", breakdown: bool = False) -> str:
+                device: str = "cpu", breakdown: bool = False, size: tuple[str, ...] = (),
+                collectives: bool = False) -> str:
     """One torchrun job; its table row (or what went wrong)."""
     label = SETTINGS[setting][0]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
                "--max-restarts=0", os.path.abspath(__file__), "--rank-job", setting,
                "--rounds", str(rounds), "--steps", str(steps), "--device", device]
-    command += ["--breakdown"] if breakdown else []
+    command += (["--breakdown"] if breakdown else []) + list(size)
+    command += ["--collectives"] if collectives else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
     env.update(OMP_NUM_THREADS="1", TRAINING_PATCHES_QUIET="1")
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -238,17 +266,27 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="also print each phase's median time (forward, backward, clip, "
                         "optimizer step) and the NaN guard's agreement all-reduce, rank 0")
+    parser.add_argument("--width", type=int, default=128, help="channels of the model")
+    parser.add_argument("--depth", type=int, default=2, help="transformer layers")
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="a text model of this many rows (0: the plain model)")
+    parser.add_argument("--collectives", action="store_true",
+                        help="also count the collectives of one step, patched and unpatched")
     parser.add_argument("--rank-job", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_job:
-        rank_main(args.rank_job, args.rounds, args.steps, args.device, args.breakdown)
+        rank_main(args.rank_job, args.rounds, args.steps, args.device, args.breakdown,
+                  args.width, args.depth, args.vocab, args.collectives)
         return
+    size = ("--width", str(args.width), "--depth", str(args.depth), "--vocab", str(args.vocab))
     import torch
 
     where = ("gloo, 1 thread a rank" if args.device == "cpu" else
              f"NCCL, {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__},"
-          f" 2 ranks (torchrun, {where}), {args.rounds} rounds x {args.steps} steps")
+          f" 2 ranks (torchrun, {where}), {args.rounds} rounds x {args.steps} steps, width "
+          f"{args.width}, depth {args.depth}" + (f", {args.vocab} text rows" if args.vocab
+                                                  else ""))
     print(f"| step ({args.device.upper()}, small transformer, 2 ranks) | unpatched ms | patched ms "
           "| ratio (median of rounds) |")
     print("|---|---|---|---|", flush=True)
@@ -257,7 +295,7 @@ def main() -> None:
         if args.only in key:
             start = time.perf_counter()
             row = run_setting(key, args.rounds, args.steps, args.timeout, args.device,
-                              args.breakdown)
+                              args.breakdown, size, args.collectives)
             failed |= "FAILED" in row or "hung" in row
             print(row, f"<!-- {time.perf_counter() - start:.0f} s -->", flush=True)
     sys.exit(1 if failed else 0)

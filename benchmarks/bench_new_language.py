@@ -74,8 +74,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 # The library arms that start new rows by a rule other than the default (embedding, head):
 # each with the library's freeze, clean runs only. "library" itself uses the defaults
-# (romanized_offset embedding, spread head); library_mean is the default before issue 25,
-# library_romanized_spread the default from then until the offset.
+# (spelling embedding, spread head, since issue 38); library_mean is the default before
+# issue 25, library_romanized_spread the default from then until the offset (romanized_offset,
+# issue 25 to issue 38).
 RULE_ARMS = {
     "library_romanized_spread": ("romanized", "spread"),
     "library_mean": ("mean", "mean"),
@@ -97,7 +98,7 @@ ARM_TEXT = {
     "notes_stale": "notes before their fix: fresh opt, old sched",
     "hooks_std002": "std-0.02 rows + the notes' grad hooks",
     "plain_std002": "std-0.02 rows, nothing frozen",
-    "library": "library: default rows (romanized_offset/spread), freeze, guard",
+    "library": "library: default rows (spelling/spread), freeze, guard",
     "library_unfrozen": "library without the freeze",
     "library_resume": "library + resume after 2nd growth",
     **{arm: f"library, {emb} rows / {head} head, freeze" for arm, (emb, head) in RULE_ARMS.items()},
@@ -384,7 +385,7 @@ def _rows(vocab: Path) -> int:
 def _encode(vocab: Path, lines: list[str], lang: str) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    from patches.integrations.tokenizer.bpe import xtts_text
+    from patches.tools.tokenizer.bpe import xtts_text
 
     tok = Tokenizer.from_file(str(vocab))
     return [e.ids for e in tok.encode_batch([xtts_text(t, lang) for t in lines])]

@@ -8,6 +8,10 @@ Import time: ``from utils import training_patches`` after ``import torch``, in
 fresh interpreters (median of several).
 
 Run: .venv/bin/python benchmarks/bench_overhead.py [--rounds N] [--steps N] [--only TEXT]
+     [--width 128] [--depth 2] [--vocab 0] [--base 12000]
+     (--vocab V: a text model, V-row text_embedding and text_head, tokens as input, its
+     base rows of --base tokens frozen in the patched blocks: XTTS's size is --width 1024
+     --vocab 24000 --base 12000)
      .venv/bin/python benchmarks/bench_overhead.py --import-only
 """
 
@@ -29,12 +33,45 @@ import torch  # noqa: E402
 import patches  # noqa: E402
 
 
-def make_model() -> torch.nn.Module:
+class TextModel(torch.nn.Module):
+    """``make_model``'s layers between a text embedding and a text head of ``vocab`` rows."""
+
+    def __init__(self, vocab: int, body: torch.nn.Module, width: int) -> None:
+        super().__init__()
+        self.text_embedding = torch.nn.Embedding(vocab, width)
+        self.body = body
+        self.text_head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.text_head(self.body(self.text_embedding(tokens)))
+
+
+def make_model(width: int = 128, depth: int = 2, vocab: int = 0) -> torch.nn.Module:
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256,
+    layer = torch.nn.TransformerEncoderLayer(d_model=width, nhead=max(1, width // 32),
+                                             dim_feedforward=2 * width,
                                              batch_first=True, dropout=0.0)
-    return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=2),
-                               torch.nn.Linear(128, 128))
+    body = torch.nn.TransformerEncoder(layer, num_layers=depth)
+    if vocab:
+        return TextModel(vocab, body, width)
+    return torch.nn.Sequential(body, torch.nn.Linear(width, width))
+
+
+def make_data(width: int = 128, vocab: int = 0, generator: torch.Generator | None = None,
+              batch: int = 8, length: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target): floats for the plain model, token ids for a text model."""
+    if vocab:
+        tokens = torch.randint(0, vocab, (batch, length + 1), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:]
+    return (torch.randn(batch, length, width, generator=generator),
+            torch.randn(batch, length, width, generator=generator))
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if y.dtype == torch.long:  # a text model's logits and token ids
+        return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]),
+                                                 y.reshape(-1))
+    return torch.nn.functional.mse_loss(out.float(), y)
 
 
 def block(model: torch.nn.Module, opt: torch.optim.Optimizer, amp: bool, steps: int,
@@ -47,7 +84,7 @@ def block(model: torch.nn.Module, opt: torch.optim.Optimizer, amp: bool, steps: 
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss = loss_of(model(x), y)
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
@@ -63,11 +100,16 @@ def block(model: torch.nn.Module, opt: torch.optim.Optimizer, amp: bool, steps: 
 
 
 def step_ratio(amp: bool, rounds: int, steps: int, names: list[str] | None = None,
-               fused: bool = False) -> dict[str, float]:
-    model = make_model()
+               fused: bool = False, width: int = 128, depth: int = 2, vocab: int = 0,
+               base: int = 12000) -> dict[str, float]:
+    from patches import vocab_freeze
+
+    model = make_model(width, depth, vocab)
     # fused=True: the guard hands its flag to the kernel (found_inf) and reads nothing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-    data = (torch.randn(8, 64, 128), torch.randn(8, 64, 128))
+    data = make_data(width, vocab)
+    # a text model: its base rows frozen in the patched blocks (as BASE_VOCAB would)
+    freeze = vocab and (names is None or "vocab_freeze" in names)
     patches.revert()
     block(model, opt, amp, 5, data)  # warm-up
     timed: dict[str, list[float]] = {"patched": [], "unpatched": []}
@@ -78,8 +120,12 @@ def step_ratio(amp: bool, rounds: int, steps: int, names: list[str] | None = Non
         for mode in order:
             if mode == "patched":
                 patches.apply(names, quiet=True)
+                handle = patches.freeze_base_vocab(model, base) if freeze else None
+                block(model, opt, amp, 1, data)  # a new freeze's first step: one-time work
             else:
                 patches.revert()
+                for handle in vocab_freeze.live_freezes():
+                    handle.remove()
             times = block(model, opt, amp, steps, data)
             timed[mode] += times
             block_median[mode] = statistics.median(times)
@@ -138,6 +184,19 @@ def import_overhead(runs: int = 7) -> float:
     return statistics.median(samples)
 
 
+def runtime_lines() -> str:
+    """What ``import patches.auto`` loads (issue 40's runtime): its modules and their lines,
+    counted in a fresh interpreter."""
+    code = ("import sys, torch, patches.auto\n"
+            "mods = [m for m in sys.modules if m == 'patches' or m.startswith('patches.')]\n"
+            "files = [sys.modules[m].__file__ for m in mods if getattr(sys.modules[m], '__file__', None)]\n"
+            "print(len(mods), sum(sum(1 for _ in open(f, encoding='utf-8')) for f in files))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                         env=dict(os.environ, TRAINING_PATCHES_QUIET="1"),
+                         capture_output=True, text=True, check=True).stdout.split()
+    return f"{out[-2]} modules, {out[-1]} lines"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
@@ -146,6 +205,12 @@ def main() -> None:
                         help="torch threads (1: steadier timings on a shared 2-core machine)")
     parser.add_argument("--import-only", action="store_true",
                         help="measure only the import time (median of 7 fresh interpreters)")
+    parser.add_argument("--width", type=int, default=128, help="channels of the model")
+    parser.add_argument("--depth", type=int, default=2, help="transformer layers")
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="a text model of this many rows (0: the plain model)")
+    parser.add_argument("--base", type=int, default=12000,
+                        help="with --vocab: base tokens frozen in the patched blocks")
     parser.add_argument("--only", default="",
                         help="run only the step rows whose label contains this text "
                              "(e.g. 'fused')")
@@ -155,7 +220,7 @@ def main() -> None:
           f" threads {torch.get_num_threads()}")
     if args.import_only:
         print(f"import utils.training_patches after torch: {import_overhead() * 1e3:.1f} ms "
-              f"(median of 7)")
+              f"(median of 7); it loads {runtime_lines()}")
         return
     print("| step (CPU, small transformer) | unpatched ms | patched ms | ratio (median of rounds) |")
     print("|---|---|---|---|")
@@ -170,7 +235,8 @@ def main() -> None:
             ("fp16 autocast + GradScaler + clip, all default patches", True, None, False)):
         if args.only not in label:
             continue
-        r = step_ratio(amp, args.rounds, args.steps, names, fused)
+        r = step_ratio(amp, args.rounds, args.steps, names, fused, args.width, args.depth,
+                       args.vocab, args.base)
         print(f"| {label} | {r['unpatched_ms']:.2f} | {r['patched_ms']:.2f} | {r['ratio']:.3f} |")
     if args.only:
         return

@@ -15,7 +15,7 @@ deletes a file someone else left there):
    command lines printed, both with ``--extend-vocab data/metadata.csv``: the first extends
    the base vocabulary into ``finetune/vocab_am.json`` (``[am]``, every character and BPE
    pieces of the cleaned Amharic transcripts; base ids kept, ``[START]`` moved last, as XTTS
-   does; see :mod:`patches.integrations.tokenizer.bpe`), the second reuses it. The first run also has
+   does; see :mod:`patches.tools.tokenizer.bpe`), the second reuses it. The first run also has
    ``--inject-nan-step`` (a forward hook makes
    one batch NaN, which the NaN guard skips and records) and ``--interrupt-after-step``
    (the process sends itself SIGINT; the coqui Trainer writes a checkpoint and exits
@@ -466,9 +466,11 @@ def checks(s: dict[str, Any]) -> list[tuple[str, bool]]:
          bool(s["kept_rows"]) and all(v == base_rows for v in s["kept_rows"].values())),
         ("at least one checkpoint was written", len(s["checkpoints_written"]) >= 1),
         ("--resume auto continued after the interruption",
+         # at the step the interruption stopped at: no step trained twice or left out
          s["resumed_at_step"] is not None and s["interrupted_at_step"] is not None
-         and s["resumed_at_step"] > s["interrupted_at_step"]
-         and s["final_step"] is not None and s["final_step"] > s["resumed_at_step"]),
+         and s["resumed_at_step"] == s["interrupted_at_step"]
+         and s["final_step"] is not None and s["final_step"] > s["resumed_at_step"]
+         and s["steps_trained"] == s["final_step"]),
         ("no sample was dropped", s["dropped_samples"] == 0),
     ]
 

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from . import _options
 from ._imports import when_imported
-from ._upstream import UpstreamVersion, distribution_version, upstream_version
+from ._upstream import UpstreamVersion, distribution_version, upstream_version, version_in
 
 logger = logging.getLogger("training_patches")
 
@@ -252,14 +252,11 @@ def _wanted_sites(spec: PatchSpec) -> list[tuple[Site, str | None]]:
 def version_problem(integ: Integration, found: UpstreamVersion) -> Problem | None:
     """A Problem when the upstream this process runs is outside the integration's range
     (or a vendored copy whose version cannot be read)."""
-    from packaging.specifiers import SpecifierSet  # lazy: ~10 ms, only for an installed upstream
-    from packaging.version import InvalidVersion, Version  # lazy: as above
-
     if found.version is None and not found.vendored:
         return None  # not installed: the banner says so, nothing lands
     try:
-        ok = found.version is not None and Version(found.version) in SpecifierSet(integ.supported)
-    except InvalidVersion:
+        ok = found.version is not None and version_in(found.version, integ.supported)
+    except ValueError:  # packaging's InvalidVersion
         ok = False
     if ok:
         return None

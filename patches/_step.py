@@ -44,6 +44,8 @@ class StepContext:
         # grad_clip writes, nan_guard takes (once): the latest clip's gradient ids and its
         # non-finite flag on the device, so one reduction serves the clip and the guard
         self._clip: tuple[frozenset[int], torch.Tensor] | None = None
+        # nan_guard writes, vocab_freeze takes: id(optimizer) -> this step skipped?
+        self._decisions: dict[int, bool | torch.Tensor] = {}
         # The phases as they run, while recording(); None (the default) records nothing.
         self.phases: list[str] | None = None
 
@@ -101,6 +103,26 @@ class StepContext:
     def forget_clip(self) -> None:
         """Drop the latest clip's flag unread (a step that judges its gradients otherwise)."""
         self._clip = None
+
+    # -- the decision (written by nan_guard, taken by vocab_freeze) -----------------
+
+    def put_decision(self, optimizer: Any, skipped: bool | torch.Tensor) -> None:
+        """The guard decided ``optimizer``'s step: skipped (a bool, or a fused step's
+        device flag, never read here)."""
+        self._decisions[id(optimizer)] = skipped
+
+    def forget_decision(self, optimizer: Any) -> None:
+        """The step is over: its decision is not the next step's."""
+        self._decisions.pop(id(optimizer), None)
+
+    def take_decision(self, optimizer: Any) -> bool | torch.Tensor | None:
+        """Whether this step of ``optimizer`` is skipped: the guard's decision, else the
+        ``found_inf`` a GradScaler hands a fused step (an attribute of the optimizer, a
+        device flag), else None (no one decided: the step is taken)."""
+        decision = self._decisions.pop(id(optimizer), None)
+        if decision is None:
+            decision = getattr(optimizer, "found_inf", None)
+        return decision
 
     # -- the phase recorder ---------------------------------------------------------
 

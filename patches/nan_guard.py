@@ -1,7 +1,9 @@
 """``nan_guard``: skip every optimizer step whose loss or gradients are NaN/Inf, exactly.
 
-Torch's global optimizer step hooks decide each step (one reduction, agreed across ranks);
-a bad step leaves parameters, moments and step counts as they were, is recorded in
+Torch's global optimizer step hooks decide each step (one reduction, agreed across ranks:
+under DDP by flags a communication hook carries in DDP's own gradient reduction, no
+collective of its own; under FSDP2 by one all-reduce, as its ranks judge different shards
+and its reduce-scatter has no hook: see "DDP: the decision rides..." below); a bad step leaves parameters, moments and step counts as they were, is recorded in
 ``nonfinite_events.jsonl`` (:data:`EVENTS_FILE`) and, after ``max_bad_steps`` in a row,
 stops the run with :class:`NonFiniteTrainingError`. Steps a GradScaler protects are left
 to it; what the scaler and the clip tell it comes through the step context
@@ -21,6 +23,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -78,6 +81,9 @@ class _State:
         self.loss_from_backward = False  # pending_loss came from Tensor.backward
         self.events_path: str | None = None
         self.replaying = False  # find_nonfinite_source is re-running a batch
+        # DDP, flags carried by the reduction: whether the ranks' last decisions differed
+        self.diverged: torch.Tensor | None = None
+        self.leaving_out = False  # the backward of a micro-batch left out is running
         self.lock = threading.Lock()
 
 
@@ -152,26 +158,195 @@ def _remember_loss(loss: torch.Tensor, bad: torch.Tensor, opts: _options.Options
     _state.window_count += 1
 
 
-def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None
+def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
+           optimizer: torch.optim.Optimizer | None = None, sharded: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every rank's decision: (any rank's flag, any rank's non-finite loss flag, whether
     any rank kept a micro-batch of this step).
 
-    One all-reduce (MAX) of a plain three-element tensor: DTensors are never reduced (a
-    collective on one has no sharding strategy). The second value tells a rank whose
-    gradients are non-finite only because a peer's NaN loss reached them through the
-    gradient sync that the peer saw it. The third tells a rank that left out every
-    micro-batch of the step whether a peer kept one (else the step has no gradient
-    anywhere). Without a process group: ``(bad, None, None)``.
+    Under DDP, from the flags the gradient reduction carried (no collective; see "DDP: the
+    decision rides the gradient reduction" above). Otherwise one all-reduce (MAX) of a
+    plain three-element tensor: DTensors are never reduced (a collective on one has no
+    sharding strategy). The second value tells a rank whose gradients are non-finite only
+    because a peer's NaN loss reached them through the gradient sync that the peer saw it.
+    The third tells a rank that left out every micro-batch of the step whether a peer kept
+    one (else the step has no gradient anywhere). Without a process group:
+    ``(bad, None, None)``.
     """
     if not _dist.collectives():
         return bad, None, None
+    if optimizer is not None and not sharded:
+        received = _carried(optimizer, bad.device)
+        if received is not None:
+            return _agree_carried(optimizer, bad, received)
     dist = torch.distributed
     shared = torch.stack([bad, bad_loss if bad_loss is not None else torch.zeros_like(bad),
                           torch.full_like(bad, not _state.kept_none)]).to(torch.float32)
     dist.all_reduce(shared, op=dist.ReduceOp.MAX)
     agreed = shared > 0
+    carrier = _carriers.get(optimizer) if optimizer is not None else None
+    if carrier is not None:  # agreed: the next reduction carries it as this rank's last
+        carrier.last_skip = agreed[0].to(torch.float32)
     return agreed[0], agreed[1], agreed[2]
+
+
+# -- DDP: the decision rides the gradient reduction -----------------------------------
+#
+# Under DistributedDataParallel the guard makes no collective of its own. A DDP
+# communication hook (registered at an optimizer's first guarded step, on the DDP module
+# that holds its parameters) reduces every bucket exactly as DDP's default does (divide by
+# the world size, all-reduce SUM) and appends three numbers to the first bucket (DDP keeps
+# it at 1 MiB): whether this rank's loss is non-finite or a spike, whether it is
+# non-finite, whether this rank kept a micro-batch of the step. Summed over the ranks they
+# are the agreement. The gradients' own flag needs none: a non-finite gradient on any rank
+# before the reduction is non-finite in the reduced gradient of every rank.
+#
+# Falls back to the agreement all-reduce (and says so, once) where that is not enough: the
+# DDP module has a communication hook of the user's (DDP allows one), no DDP module holds
+# the optimizer's parameters (a process group used by hand, FSDP2), a step whose last
+# reduction carried no flags or another loss than the one decided on. Those conditions are
+# host state that every rank meets alike, so the ranks always agree on which way is taken.
+# What no reduction carries: a change that one rank alone makes to its gradients AFTER the
+# reduction (the ranks' gradients are equal once reduced, so only a rank-local edit there
+# can make one rank's decision differ). The next step's reduction carries each rank's last
+# decision, and ranks that decided differently raise NonFiniteTrainingError there, naming it.
+#
+# FSDP2 keeps the collective: each rank checks only its own shards of the reduce-scattered
+# gradients, whose flags exist only after the reduction, and a non-finite element reaches
+# only the rank holding its shard; so there is nothing to carry the flag in, and no rank
+# can know another's without a collective. (FSDP2 has no communication hook for its
+# reduce-scatter either.)
+
+_CARRIED = 4  # loss bad (non-finite or spike), loss non-finite, kept a micro-batch, last skip
+
+
+class _Carrier:
+    """One DDP module's communication hook state: the flags its last reduction carried."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.received: torch.Tensor | None = None  # the sums over the ranks
+        self.fresh = False  # a reduction carried flags since the last decision
+        self.last_skip: torch.Tensor | None = None  # this rank's last decision (device)
+        self.world = 1
+
+
+def _loss_flags(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """This rank's flags for the reduction under way (no host read)."""
+    loss = None if _state.leaving_out else _state.pending_loss
+    zero = torch.zeros((), dtype=torch.bool, device=device)
+    if loss is None:
+        bad = nonfinite = zero
+    else:
+        value = loss.to(device)
+        nonfinite = ~torch.isfinite(value)
+        spike = _spike_flag(value, _options.current())
+        bad = nonfinite if spike is None else nonfinite | spike
+    kept = not (0 < _state.backwards <= _state.left_out)
+    return bad, nonfinite, kept
+
+
+def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
+    # (no annotations: DDP compares them with its own objects, and this module's are text)
+    dist = torch.distributed
+    group = carrier.group if carrier.group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    buffer.div_(world)  # DDP's default: the mean of the ranks' gradients
+    # DDP cannot take a hook back: after revert() (on every rank alike) it reduces plainly
+    if bucket.index() != 0 or not _hooks:
+        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(
+            lambda fut: fut.value()[0])
+    bad, nonfinite, kept = _loss_flags(buffer.device)
+    last = carrier.last_skip
+    last = (torch.zeros((), device=buffer.device) if last is None else last.to(buffer.device))
+    flags = torch.stack([bad.to(buffer.dtype), nonfinite.to(buffer.dtype),
+                         torch.full((), float(kept), dtype=buffer.dtype, device=buffer.device),
+                         last.to(buffer.dtype)])
+    joined = torch.cat([buffer, flags])
+    carrier.world = world
+
+    def split(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = fut.value()[0]
+        buffer.copy_(out[:-_CARRIED])
+        carrier.received = out[-_CARRIED:].clone()
+        carrier.fresh = True
+        return buffer
+    return dist.all_reduce(joined, group=group, async_op=True).get_future().then(split)
+
+
+# optimizer -> the carrier of the DDP module holding its parameters, or None (fall back)
+_carriers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Carrier | None] = (
+    weakref.WeakKeyDictionary())
+
+
+def _ddp_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The DistributedDataParallel modules holding any of the optimizer's parameters."""
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [m for m in _run.live_modules() if isinstance(m, ddp_type)
+            and any(id(p) in params for p in m.module.parameters())]
+
+
+def _carrier_of(optimizer: torch.optim.Optimizer) -> _Carrier | None:
+    """The carrier of ``optimizer``'s DDP module: registered at its first guarded step
+    (found once per optimizer); None where the guard keeps its own all-reduce."""
+    if optimizer in _carriers:
+        return _carriers[optimizer]
+    carrier = None
+    found = _ddp_of(optimizer)
+    if len(found) == 1:
+        ddp = found[0]
+        carrier = getattr(ddp, "_training_patches_carrier", None)
+        if carrier is None:
+            carrier = _Carrier(ddp.process_group)
+            try:  # (kept for the module's life: DDP has no way to unregister a hook)
+                if getattr(ddp, "_comm_hooks", None):
+                    raise RuntimeError("a communication hook is registered already")
+                ddp.register_comm_hook(carrier, _carrying_hook)
+                ddp._training_patches_carrier = carrier
+            except (RuntimeError, ValueError) as exc:  # the user's hook (DDP allows one)
+                carrier = None
+                logger.warning(
+                    "nan_guard: the DistributedDataParallel model has a communication hook of "
+                    "its own (%s), and DDP allows only one: the guard cannot carry its skip "
+                    "decision in the gradient reduction, so EVERY STEP MAKES ONE EXTRA "
+                    "ALL-REDUCE (3 floats) to agree it across the ranks. Exact either way; to "
+                    "save the collective, leave DDP's default reduction in place.",
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else "registered")
+    elif found:
+        logger.debug("nan_guard: %d DDP modules hold the optimizer's parameters; the skip "
+                     "decision is agreed by its own all-reduce", len(found))
+    _carriers[optimizer] = carrier
+    return carrier
+
+
+def _carried(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
+    """The flags the step's last reduction carried (sums over the ranks), when a reduction
+    carried them since the last decision; else None (agree by all-reduce). Only what every
+    rank knows alike decides which (never a loss value: a rank that left out a non-finite
+    micro-batch knows something its peers do not)."""
+    carrier = _carrier_of(optimizer)
+    if carrier is None or not carrier.fresh or carrier.received is None:
+        return None
+    carrier.fresh = False
+    return carrier.received.to(device)
+
+
+def _agree_carried(optimizer: torch.optim.Optimizer, bad: torch.Tensor,
+                   received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The agreement from the carried sums, with no collective: any rank's loss flag or this
+    rank's gradient flag (the same on every rank: the gradients are reduced)."""
+    carrier = _carriers[optimizer]
+    agreed = received > 0
+    last = received[3]
+    # every rank's last decision was carried: anything but none or all of them skipped is
+    # ranks that diverged (a rank-local change of its gradients after the reduction)
+    diverged = (last > 0) & (last < carrier.world - 0.5)  # type: ignore[union-attr]
+    _state.diverged = diverged
+    decided = bad | agreed[0]
+    carrier.last_skip = decided.to(torch.float32)  # type: ignore[union-attr]
+    return decided, agreed[1], agreed[2]
 
 
 def _local_flag(flag: torch.Tensor) -> torch.Tensor:
@@ -232,6 +407,7 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
     grads = _grads(optimizer)
     loss = _state.pending_loss
     _state.pending_loss = None
+    _state.diverged = None
     if not grads and loss is None:
         return
     sharded = bool(grads) and _dist.is_dtensor(grads[0])
@@ -255,7 +431,7 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
         bad_loss = ~torch.isfinite(loss)
         spike = _spike_flag(loss, opts)
         bad = bad | bad_loss if spike is None else bad | bad_loss | spike
-    bad, any_bad_loss, any_kept = _agree(bad, bad_loss)
+    bad, any_bad_loss, any_kept = _agree(bad, bad_loss, optimizer, sharded)
     if _state.kept_none and any_kept is not None and not bool(any_kept):
         # Every micro-batch of this step was non-finite on every rank: the zero gradients
         # they left (see _zero_leaf_gradients) go, as one process leaves None, so the
@@ -274,6 +450,7 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
         optimizer.found_inf = bad.to(torch.float32)  # type: ignore[attr-defined]
         _state.set_found_inf.add(id(optimizer))
         _state.decisions[id(optimizer)] = bad
+        context.put_decision(optimizer, bad)
         _state.deferred.append((_state.host_steps, bad, bad_grad, loss, spike,
                                 {"trainer_step": _run.trainer_step,
                                  "samples": list(_run.batch_ids),
@@ -285,8 +462,14 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
         context.mark("step")  # the kernel applies it or skips it on the device
         return
 
-    skipped = bool(bad.item())  # the one host sync of a guarded step
+    if _state.diverged is not None:  # DDP, the flags carried: read with the decision
+        skipped, diverged = (bool(v) for v in torch.stack([bad, _state.diverged]).tolist())
+        if diverged:
+            _raise_diverged()
+    else:
+        skipped = bool(bad.item())  # the one host sync of a guarded step
     _state.decisions[id(optimizer)] = skipped
+    context.put_decision(optimizer, skipped)
     if not skipped:
         _state.streak = 0
         if loss is not None:
@@ -308,6 +491,7 @@ def _post_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> None:
     if _step.CONTEXT.phases is not None and not _protected(optimizer, kwargs):
         _step.CONTEXT.mark("record")  # the guard's step ends (a scaler's ends at update())
+    _step.CONTEXT.forget_decision(optimizer)
     if not _step.CONTEXT.scaler_stepping:
         # Backwards inside the step (LBFGS evaluating its closure again) belong to it, not
         # to the next step: they are no accumulation. A scaler's update() ends its steps.
@@ -460,6 +644,18 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
                        _run.where_recorded(path))
     if _state.streak >= opts.max_bad_steps:
         _raise(step)
+
+
+def _raise_diverged() -> None:
+    raise NonFiniteTrainingError(
+        f"nan_guard: the ranks did not all take the same decision at the last optimizer step "
+        f"(optimizer step {_state.host_steps - 1}): some skipped it and some took it, so the "
+        f"DDP replicas now differ. Under DDP every rank's gradients are equal once reduced, and "
+        f"the guard carries the loss flags in that reduction; ranks can only decide "
+        f"differently when code on one rank changes its gradients AFTER the reduction (an "
+        f"edit of p.grad between backward() and step() on one rank). Change gradients before "
+        f"the reduction (a tensor hook, or the loss), or the same way on every rank. Seen on "
+        f"rank {_dist.rank()} of {_dist.world_size()}; every rank stops here.")
 
 
 def _raise(step: int) -> None:
@@ -645,8 +841,12 @@ def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
                 # them waiting (a hang, or gloo aborting on mismatched collectives). So it
                 # runs, with exactly the same communication, and every parameter takes a
                 # zero gradient from it: the same micro-batch is left out on every rank.
-                with _zero_leaf_gradients(self):
-                    result = original(self, gradient, retain_graph, create_graph, inputs)
+                _state.leaving_out = True  # its loss is no flag of the step's (DDP's carrier)
+                try:
+                    with _zero_leaf_gradients(self):
+                        result = original(self, gradient, retain_graph, create_graph, inputs)
+                finally:
+                    _state.leaving_out = False
                 # Recorded (and replayed) only now: a replay's backward on this rank alone
                 # while DDP still expects this micro-batch's gradients would start a
                 # reduction of its own.

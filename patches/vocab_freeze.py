@@ -1,7 +1,9 @@
 """``vocab_freeze``: keep the base rows of an extended text vocabulary bit-identical.
 
 :func:`freeze_base_vocab` (a :class:`VocabFreeze` handle) zeroes the base rows' gradients
-and copies the rows back after every optimizer step, for any optimizer; :func:`frozen_rows`
+and keeps the optimizer off those rows (a row-wise optimizer steps a view of the trainable
+rows: nothing stored, nothing copied), or copies the rows back after every optimizer step
+(any other optimizer); :func:`frozen_rows`
 and :func:`new_rows` (from :mod:`patches.vocab_rows`, with the row layouts the integrations
 register: XTTS's ``[START]`` kept last) say which rows are base.
 ``TRAINING_PATCHES_BASE_VOCAB`` turns it on without code changes. Also public:
@@ -24,7 +26,7 @@ from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
-from . import _dist, _options, _run
+from . import _dist, _options, _run, _step
 from ._log import info, logger
 from ._options import INT64_MAX, Option, positive_int
 from ._registry import PatchSpec, register
@@ -247,13 +249,17 @@ _global_hook: Any = None
 
 
 def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    held = _held_now.pop(optimizer, ())
+    skipped = _skipped_now.pop(optimizer, None)
     for handle in list(_live):
-        handle._after_step(optimizer, args, kwargs)
+        handle._after_step(optimizer, args, kwargs, held=id(handle) in held, skipped=skipped)
 
 
 def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _put_back(optimizer)  # a step that raised left the row views in its groups
     for handle in list(_live):
         handle._follow_swaps()
+    _hook_optimizer(optimizer)
 
 
 _global_pre_hook: Any = None
@@ -266,6 +272,110 @@ def _ensure_global_hooks() -> None:
         if _global_hook is None:
             _global_hook = register_optimizer_step_post_hook(_after_any_step)
             _global_pre_hook = register_optimizer_step_pre_hook(_before_any_step)
+
+
+# -- keeping the optimizer off the frozen rows ------------------------------------------
+#
+# For an optimizer whose update of an element depends only on that element's gradient, its
+# own state and the group's numbers (these classes, exactly: not subclasses), stepping a
+# row-slice view of a tensor gives those rows bit for bit what stepping the whole tensor
+# gives them. So, for the step, the optimizer's group holds a view of the TRAINABLE rows in
+# place of the frozen tensor (its state: views of the same rows of the tensor's state), and
+# the frozen rows are never touched: no weight decay, no momentum, no copy back, and no
+# stored copy of them. The view is put back right after the step. Every other optimizer
+# (LBFGS, a closure, a sparse gradient, a DTensor, a class not listed) keeps the restore.
+_ROW_WISE: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adamax, torch.optim.RMSprop)
+
+
+@dataclass
+class _Swap:
+    """One frozen tensor replaced, for one step, by a view of its trainable rows."""
+
+    group: dict[str, Any]
+    index: int
+    param: nn.Parameter
+    view: nn.Parameter
+    rows: range
+
+
+# optimizer -> its swaps in this step (per-optimizer hooks run after every global pre-hook,
+# so the NaN guard has decided with the whole gradients, and before every global post-hook)
+_swaps: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_Swap]] = (
+    weakref.WeakKeyDictionary())
+# optimizer -> ids of the freezes whose rows this step held (read by the global post-hook)
+_held_now: weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]] = (
+    weakref.WeakKeyDictionary())
+# optimizer -> whether this step is skipped: a bool, a device flag, or None (no one decided)
+_skipped_now: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = (
+    weakref.WeakKeyDictionary())
+_hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Per-optimizer hooks on an optimizer that steps frozen tensors (once). Called from a
+    global pre-hook: torch reads the optimizer's own pre-hooks after the global ones, so
+    they run in this very step."""
+    if optimizer in _hooked or not any(h._holds(optimizer) for h in live_freezes()):
+        return
+    _hooked[optimizer] = [optimizer.register_step_pre_hook(_before_this_step),
+                          optimizer.register_step_post_hook(_after_this_step),
+                          optimizer.register_state_dict_pre_hook(_put_back),
+                          optimizer.register_load_state_dict_pre_hook(
+                              lambda opt, state: _put_back(opt))]
+
+
+def _before_this_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _put_back(optimizer)
+    decision = _skipped_now[optimizer] = _step.CONTEXT.take_decision(optimizer)
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    # A closure's backward would make new gradients after the views took theirs, unless the
+    # NaN guard ran it already (it decides after running it; the step's call gets its result)
+    row_wise = type(optimizer) in _ROW_WISE and (closure is None or decision is not None)
+    held: set[int] = set()
+    for handle in live_freezes():
+        if handle._holds(optimizer):
+            if row_wise and handle._hold(optimizer):
+                held.add(id(handle))
+            else:
+                handle._keep_copy()  # restored after this step: the copy must exist
+    _held_now[optimizer] = held
+
+
+def _after_this_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _put_back(optimizer)
+
+
+def _put_back(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """The frozen tensors back in the optimizer's groups, the views' state written into
+    theirs (one-time copies only where the step created state: its first step)."""
+    swaps = _swaps.pop(optimizer, None)
+    if not swaps:
+        return
+    state = optimizer.state
+    for swap in swaps:
+        if swap.index < len(swap.group["params"]) and \
+                swap.group["params"][swap.index] is swap.view:
+            swap.group["params"][swap.index] = swap.param
+        view_state = state.pop(swap.view, None)
+        if not view_state:
+            continue
+        full = state[swap.param]
+        for key, value in view_state.items():
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(swap.view.shape):
+                whole = full.get(key)
+                if isinstance(whole, torch.Tensor) and whole.shape == swap.param.shape:
+                    if value.data_ptr() == whole[swap.rows.start].data_ptr():
+                        continue  # a view of the tensor's own state: updated in place
+                else:  # created by this step (the first): the frozen rows' state is zero
+                    whole = full[key] = torch.zeros(swap.param.shape, dtype=value.dtype,
+                                                    device=value.device)
+                with torch.no_grad():
+                    whole[swap.rows.start:swap.rows.stop].copy_(value)
+            else:
+                full[key] = value
 
 
 def _track(handle: VocabFreeze) -> None:
@@ -303,7 +413,12 @@ class VocabFreeze:
         self.start_row_last = start_row_last
         self.rows = frozen_rows(vocab_size, base_vocab_size, start_row_last=start_row_last)
         self.until_step = until_step
-        self.steps = 0
+        self._steps = 0  # steps known on the host to be taken
+        # Fused steps whose skip flags stay on the device: their number, and the sum of
+        # their flags (one tiny add a step, read only when the count could reach until_step)
+        self._device_steps = 0
+        self._device_skips: torch.Tensor | None = None
+        self._copy_dropped = False  # a held step dropped the stored copy (no longer needed)
         self.released = False
         self._entries = entries
         self._ids = {id(entry.param) for entry in entries}
@@ -323,21 +438,24 @@ class VocabFreeze:
         return new_rows(self.vocab_size, self.base_vocab_size, start_row_last=self.start_row_last)
 
     def frozen_values(self) -> dict[str, torch.Tensor]:
-        """The stored base rows of each tensor (the values they are kept at)."""
-        return {entry.path: entry.stored for entry in self._entries if entry.stored is not None}
+        """The base rows of each tensor (the values they are kept at): the stored copy, or
+        where held steps made it unneeded, a copy of the rows themselves."""
+        if self.released:
+            return {}
+        return {entry.path: entry.stored if entry.stored is not None else self._base(entry)
+                for entry in self._entries}
 
     def kept_rows(self) -> list[tuple[nn.Parameter, list[tuple[range, torch.Tensor]]]]:
         """Each frozen tensor with the rows it is kept at: ``(param, [(rows, values)])``,
         this rank's rows of it (for a trainer that keeps its own copies of the weights,
         such as DeepSpeed's fp32 master partitions, to put back as well)."""
         out = []
-        for entry in self._entries:
-            if entry.stored is None:
-                continue
+        for entry in self._entries if not self.released else ():
+            stored = entry.stored if entry.stored is not None else self._base(entry)
             pieces, start = [], 0
             for r in entry.local_rows:
                 n = r.stop - r.start
-                pieces.append((r, entry.stored[start:start + n]))
+                pieces.append((r, stored[start:start + n]))
                 start += n
             out.append((entry.param, pieces))
         return out
@@ -352,8 +470,8 @@ class VocabFreeze:
     def frozen_numel(self) -> int:
         """Frozen elements over all ranks (whole tensors, not this rank's shards)."""
         rows = sum(len(r) for r in self.rows)
-        return sum(rows * math.prod(entry.param.shape[1:])
-                   for entry in self._entries if entry.stored is not None)
+        return 0 if self.released else sum(rows * math.prod(entry.param.shape[1:])
+                                           for entry in self._entries)
 
     @staticmethod
     def _base(entry: _Entry) -> torch.Tensor:
@@ -376,6 +494,7 @@ class VocabFreeze:
                     self._rehook(entry, current)
                 self._map_rows(entry)
                 entry.stored = self._base(entry)
+        self._copy_dropped = False
 
     # -- hooks ---------------------------------------------------------------
 
@@ -475,9 +594,73 @@ class VocabFreeze:
         self._holders[optimizer] = (size, held)
         return held
 
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _hold(self, optimizer: torch.optim.Optimizer) -> bool:
+        """For this step, put a view of each frozen tensor's trainable rows in the
+        optimizer's group in its place (see ``_ROW_WISE``). False, and nothing changed,
+        where that cannot be exact: a DTensor, a sparse gradient, trainable rows that are
+        not one block, a tensor the optimizer holds twice."""
+        trained = self.new_rows
+        if not len(trained):
+            return False  # every row frozen: nothing to step
+        where: dict[int, tuple[dict[str, Any], int]] = {}
+        for group in optimizer.param_groups:
+            for index, p in enumerate(group["params"]):
+                if id(p) in self._ids:
+                    if id(p) in where:
+                        return False
+                    where[id(p)] = (group, index)
+        swaps = []
+        for entry in self._entries:
+            param = entry.param
+            if id(param) not in where:
+                continue
+            grad = param.grad
+            if _dist.is_dtensor(param) or (grad is not None and grad.is_sparse) or \
+                    entry.local_rows != tuple(self.rows) or param.shape[0] != self.vocab_size:
+                return False
+            group, index = where[id(param)]
+            view = nn.Parameter(param.detach()[trained.start:trained.stop])
+            if grad is not None:
+                view.grad = grad[trained.start:trained.stop]
+            swaps.append(_Swap(group, index, param, view, trained))
+        state = optimizer.state
+        for swap in swaps:
+            full = state.get(swap.param)
+            if full:
+                state[swap.view] = {
+                    key: (value[trained.start:trained.stop]
+                          if isinstance(value, torch.Tensor) and value.shape == swap.param.shape
+                          else value) for key, value in full.items()}
+            swap.group["params"][swap.index] = swap.view
+        _swaps.setdefault(optimizer, []).extend(swaps)
+        if self._entries and all(entry.stored is not None for entry in self._entries):
+            # Nothing moves the frozen rows now: the copy of them is no longer needed.
+            self._copy_dropped = True
+            for entry in self._entries:
+                entry.stored = None
+        return True
+
+    def _keep_copy(self) -> None:
+        """The stored copy of the base rows, taken now if an earlier held step dropped it
+        (the rows are still exactly the kept ones: only held steps ran since)."""
+        if self._copy_dropped:
+            with torch.no_grad():
+                for entry in self._entries:
+                    if entry.stored is None:
+                        entry.stored = self._base(entry)
+            self._copy_dropped = False
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any, *,
+                    held: bool = False, skipped: Any = None) -> None:
         if self.released or not self._holds(optimizer):
             return
+        if not held:
+            self._restore()
+        self._count(skipped)
+
+    def _restore(self) -> None:
+        """Copy the stored base rows back (an optimizer that was not kept off them)."""
+        self._keep_copy()
         with torch.no_grad():
             for entry in self._entries:
                 stored = entry.stored
@@ -492,11 +675,32 @@ class VocabFreeze:
                     n = r.stop - r.start
                     param[r.start:r.stop].copy_(stored[start:start + n])
                     start += n
-        self.steps += 1
-        if self.until_step is not None and self.steps >= self.until_step:
+
+    def _count(self, skipped: Any) -> None:
+        """Count a step toward ``until_step`` if it was taken. ``skipped``: the step's
+        decision (None: no one decided, taken; a device flag, a fused step's: kept on the
+        device and read only when the count could reach ``until_step``)."""
+        if skipped is None or skipped is False:
+            self._steps += 1
+        elif isinstance(skipped, torch.Tensor):
+            flag = skipped.detach().reshape(-1)[:1].to(torch.int64)
+            self._device_skips = flag if self._device_skips is None else self._device_skips + flag
+            self._device_steps += 1
+        if self.until_step is None or self._steps + self._device_steps < self.until_step:
+            return
+        if self.steps >= self.until_step:
             self.remove()
             info("%s Released the base vocabulary after %d optimizer steps: all %d rows train "
                  "from now on", TAG, self.steps, self.vocab_size)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken under the freeze (a skipped step does not count)."""
+        if self._device_skips is not None:
+            skips, self._device_skips = self._device_skips, None
+            self._steps += self._device_steps - int(skips.item())
+            self._device_steps = 0
+        return self._steps
 
     def remove(self) -> None:
         """Stop freezing: take every hook out and drop the stored rows."""
@@ -537,7 +741,8 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
         modules: the embedding/head modules (objects or dotted paths); their ``weight``
             and ``bias`` are frozen row-wise. Default: ``text_embedding`` and ``text_head``.
         until_step: release the freeze after this many optimizer steps (two-stage
-            recipe: new rows first, then everything). Steps a GradScaler skips do not count.
+            recipe: new rows first, then everything). Steps a GradScaler or the NaN guard
+            skips do not count.
         start_row_last: whether the base vocabulary's start-text row sits in the last
             row (XTTS); ``None`` decides with the owner's registered layout
             (:func:`patches.vocab_rows.row_layout`).
@@ -626,7 +831,8 @@ def _log_start(handle: VocabFreeze, model: nn.Module,
     until = (f", released after {handle.until_step} optimizer steps"
              if handle.until_step is not None else "")
     info("%s Freezing %d of %d rows (%s; %d rows train, %s) of %s: %s parameters, %s of the "
-         "model's %s; gradients zeroed, rows restored after every optimizer step%s", TAG,
+         "model's %s; gradients zeroed, rows held out of torch's optimizers' steps (restored "
+         "after the step of any other optimizer)%s", TAG,
          frozen_rows_n, vocab, _percent(frozen_rows_n, vocab), vocab - frozen_rows_n,
          _percent(vocab - frozen_rows_n, vocab), ", ".join(handle.paths), f"{frozen:,}",
          _percent(frozen, total), f"{total:,}", until)
@@ -649,8 +855,8 @@ def _describe_patch(opts: _options.Options) -> str:
     return (f"waiting: at the first optimizer step, freeze the text rows of the first {base} "
             f"tokens of the model it trains (XTTS, IndexTTS UnifiedVoice, any with "
             f"text_embedding/text_head, Hugging Face models through get_input_embeddings; "
-            f"gradients zeroed, rows restored after each step), or warn that no such model "
-            f"was found")
+            f"gradients zeroed, rows held out of the optimizer's step or restored after it), or "
+            f"warn that no such model was found")
 
 
 # Set when an optimizer's first step found no model to freeze and no freeze was live: the
@@ -756,6 +962,7 @@ def _discover(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             for entry in handle._entries:
                 if entry.param.grad is not None:
                     handle._zero_grad_rows(entry.param)
+    _hook_optimizer(optimizer)  # this very step is held already
     if not live_freezes() and _not_applied is None:
         _warn_not_applied(optimizer, base)
 

@@ -11,7 +11,7 @@ model's ``text_embedding``/``text_head`` owner is looked for: the model itself a
 :func:`register_owner_paths`, each where its registration puts it.
 
 Used by :mod:`patches.vocab_freeze` (the freeze), :mod:`patches.checkpoint` (the loader's
-growth) and :mod:`patches.integrations.tokenizer.verify` (the rows a tokenizer check reports); it
+growth) and :mod:`patches.tools.tokenizer.verify` (the rows a tokenizer check reports); it
 imports nothing of the package, and not torch, so the tokenizer tools stay light.
 """
 

@@ -143,10 +143,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # TTS...``/``import trainer...`` raise ModuleNotFoundError): one that needs it fails, or is
 # skipped by importorskip and that skip is turned into a failure; a code path that falls back
 # without coqui passes. A test file that imports coqui when it is collected, or a test that
-# takes a tiny_xtts fixture, fails too. A test not marked ``slow`` fails when its call took
-# more than SLOW_S seconds of both wall-clock and CPU time (this process plus the
-# subprocesses it waited for): a machine busy with other work stretches the wall clock, not
-# the CPU time, and torch's threads stretch the CPU time, not the wall clock.
+# takes a tiny_xtts fixture, fails too. Time is reported, never failed (issue 41): a test not
+# marked ``slow`` whose call took more than SLOW_S seconds is listed at the end of the run
+# with its wall-clock and CPU time (this process plus the subprocesses it waited for), to be
+# marked ``slow`` or made faster. A slower or busier machine than the one a test was written
+# on stretches both clocks, so no number of seconds can fail a test without failing it there.
 
 COQUI = ("TTS", "trainer")
 SLOW_S = 2.0
@@ -157,7 +158,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--check-markers", action="store_true", default=False,
         help=f"run tests not marked xtts with coqui (TTS, trainer) hidden and fail those that "
-             f"need it; fail tests not marked slow whose call takes over {SLOW_S:g} s")
+             f"need it; list (never fail) tests not marked slow whose call takes over "
+             f"{SLOW_S:g} s")
 
 
 def _is_coqui(name: str) -> bool:
@@ -275,16 +277,21 @@ def _marker_faults(item: pytest.Item) -> list[str]:
                               + [f"uses fixture {name}" for name in fixtures])
             faults.append(f"it needs coqui ({found}) but is not marked xtts: add "
                           f"@pytest.mark.xtts (or pytestmark = pytest.mark.xtts in its file)")
-    if item.get_closest_marker("slow") is None and _ITEM_TIME_KEY in item.stash:
-        wall, cpu = item.stash[_ITEM_TIME_KEY]
-        if min(wall, cpu) > SLOW_S:
-            faults.append(f"its call took {wall:.1f} s wall clock and {cpu:.1f} s CPU time "
-                          f"(over {SLOW_S:g} s) but it is not marked slow: add "
-                          f"@pytest.mark.slow, or make it faster")
-        elif wall > SLOW_S:
-            item.config.stash.setdefault(_WAITS_KEY, []).append(
-                f"{item.nodeid}: {wall:.1f} s wall clock, {cpu:.1f} s CPU")
     return faults
+
+
+def _slow_note(item: pytest.Item) -> str | None:
+    """The line the end of the run lists for ``item`` when it is not marked ``slow`` and its
+    call took over :data:`SLOW_S` s by either clock (None: nothing to say). A report, never
+    a failure: the seconds depend on the machine and on what else it runs."""
+    if item.get_closest_marker("slow") is not None or _ITEM_TIME_KEY not in item.stash:
+        return None
+    wall, cpu = item.stash[_ITEM_TIME_KEY]
+    if max(wall, cpu) <= SLOW_S:
+        return None
+    why = ("mark it slow or make it faster" if min(wall, cpu) > SLOW_S
+           else "by one clock only: waiting, or a machine busy with other work")
+    return f"{item.nodeid}: {wall:.1f} s wall clock, {cpu:.1f} s CPU ({why})"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -297,6 +304,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.longrepr = (f"--check-markers: {item.nodeid} skips without coqui (an "
                            f"importorskip) but is not marked xtts: add @pytest.mark.xtts")
     elif report.when == "call" and report.passed:
+        note = _slow_note(item)
+        if note is not None:
+            item.config.stash.setdefault(_WAITS_KEY, []).append(note)
         faults = _marker_faults(item)
         if faults:
             report.outcome = "failed"
@@ -306,12 +316,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    """Under --check-markers: unmarked tests slow by the wall clock only (waiting, or a
-    machine busy with other work) are listed, not failed."""
+    """Under --check-markers: unmarked tests whose call took over SLOW_S s are listed (a
+    report: never failed)."""
     waits = config.stash.get(_WAITS_KEY, []) if _checking(config) else []
     if waits:
-        terminalreporter.write_sep("-", f"--check-markers: over {SLOW_S:g} s by the wall clock "
-                                        f"only (not failed)")
+        terminalreporter.write_sep("-", f"--check-markers: not marked slow, over {SLOW_S:g} s "
+                                        f"(reported, not failed)")
         for line in waits:
             terminalreporter.write_line(line)
 

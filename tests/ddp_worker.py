@@ -10,8 +10,12 @@ import torch.distributed as dist
 
 def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int],
            scaler: bool = False) -> None:
-    """30 steps of a DDP model, a NaN written into rank 0's gradient after the all-reduce at
-    the ``inject`` steps. ``scaler``: through a (patched) ``torch.amp.GradScaler("cpu")``."""
+    """30 steps of a DDP model, a NaN written into rank 0's gradient at the ``inject`` steps.
+    ``scaler``: through a (patched) ``torch.amp.GradScaler("cpu")``, the NaN written after
+    the all-reduce (the scaler agrees its flag by an all-reduce of its own); without, before
+    it (a tensor hook): the guard carries its flags in DDP's reduction (issue 41), so a
+    gradient one rank alone edits after it is stopped, not agreed
+    (tests/distributed/test_ddp_collectives.py)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -27,12 +31,22 @@ def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int],
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         amp = torch.amp.GradScaler("cpu", init_scale=256.0) if scaler else None
         torch.manual_seed(100 + rank)  # each rank its own data
+        poison = [False]
+
+        def before_the_reduction(grad: torch.Tensor) -> torch.Tensor:
+            if poison[0]:
+                grad = grad.clone()
+                grad[0, 0] = float("nan")
+            return grad
+        if not amp:
+            model.module[0].weight.register_hook(before_the_reduction)
         for step in range(1, 31):
             opt.zero_grad()
             x = torch.randn(16, 8)
             loss = model(x).pow(2).mean()
+            poison[0] = not amp and rank == 0 and step in inject
             (amp.scale(loss) if amp else loss).backward()  # gradients are all-reduced here
-            if rank == 0 and step in inject:
+            if amp and rank == 0 and step in inject:
                 # a fault after the all-reduce, on one rank only
                 model.module[0].weight.grad[0, 0] = float("nan")
             if amp:

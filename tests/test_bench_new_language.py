@@ -57,8 +57,8 @@ def test_quick_run_writes_table_json_and_plot_with_every_kind_of_arm(tmp_path: P
         assert runs[arm, True]["base_row_drift"] == 0.0, arm  # freeze_base_vocab: exact
     # each rule arm started its new rows by its rule, read back from the load report
     assert "embedding romanized (" in runs["library_romanized", True]["load"]
-    # the library arm by the defaults: spelled rows moved apart, [am] as [START]
-    assert ("embedding romanized_offset (" in runs["library", True]["load"]
+    # the library arm by the defaults: spelled rows, [am] as [START]
+    assert ("embedding spelling (" in runs["library", True]["load"]
             and "1 language tag(s) as the start token ('[am]')" in runs["library", True]["load"])
     assert "embedding std0.02, head std0.02" in runs["library_std002", True]["load"]
     assert runs["library_unfrozen", True]["base_row_drift"] > 0.0

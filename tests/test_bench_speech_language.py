@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # One code path with another row rule each (the rules themselves: tests/test_row_init.py):
 # the default spelled rule and one drawn rule stand for the six (each arm is a process of its
 # own).
-RULES = ("romanized_offset", "std0.02")
+RULES = ("spelling", "std0.02")
 
 
 @pytest.mark.skipif(shutil.which("espeak-ng") is None,
@@ -46,7 +46,7 @@ def test_quick_run_writes_table_json_and_plot_with_two_rules(tmp_path: Path) -> 
         assert run["row_init"]["embedding"] == rule == run["row_init"]["head"]
         assert run["base_row_drift"] == 0.0, rule  # freeze_base_vocab: exact
         assert [p[0] for p in run["curve"]] == [0, 1, 2, 3, 4]
-    spelled = runs["romanized_offset"]["row_init"]
+    spelled = runs["spelling"]["row_init"]
     rows = result["rows"]
     # every new token spelled, fallen back, or (the [am] tag) started as [START]
     assert spelled["tags_from_start"] == ["[am]"]
@@ -54,7 +54,7 @@ def test_quick_run_writes_table_json_and_plot_with_two_rules(tmp_path: Path) -> 
     assert spelled["spelled"] > spelled["fallback"]  # most new Amharic tokens spell
     assert result["corpus"]["amharic_utterances"] > 0 and result["corpus"]["unk_tokens_amharic"] == 0
     table = (out / "table.md").read_text(encoding="utf-8")
-    assert sum(line.startswith("| romanized_offset/") or line.startswith("| std0.02/")
+    assert sum(line.startswith("| spelling/") or line.startswith("| std0.02/")
                for line in table.splitlines()) == 2
     assert (out / "speech_language.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "work").exists()  # --clean removes speech, codes and base models

@@ -190,7 +190,7 @@ def test_remap_grows_vocab_keeps_trained_rows_and_optimizer_state(tmp_path, capl
     assert report.base_vocab_size == 20 and report.vocab_size == 28 and not report.start_row_moved
     # New rows by the default rules with no tokenizer to spell them (-> spread): finite,
     # around the old mean at the old rows' own per-channel spread, all different.
-    assert report.row_init == {"embedding": "romanized_offset", "head": "spread", "spelled": 0,
+    assert report.row_init == {"embedding": "spelling", "head": "spread", "spelled": 0,
                                "fallback": 8, "fallback_tokens": [], "no_tokenizer": True}
     new_rows = new_emb[20:]
     assert torch.isfinite(new_rows).all()

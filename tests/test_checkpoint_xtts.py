@@ -76,7 +76,7 @@ def test_restore_74_to_82_keeps_every_trained_row(tiny_xtts, tiny_xtts_extended_
     # spread, its bias at the old mean; the [am] tag (row 73) in all three as [START].
     new_rows = new_emb[73:81].clone()
     assert torch.isfinite(new_rows).all()
-    assert ("embedding romanized_offset (7 from their spelling, 1 language tag(s) as the start "
+    assert ("embedding spelling (7 from their spelling, 1 language tag(s) as the start "
             "token ('[am]')), head spread") in caplog.text
     assert torch.equal(new_emb[73], emb[73]) and torch.equal(head.weight.detach()[73], head_w[73])
     assert head.bias[73] == head_b[73]

@@ -30,6 +30,15 @@ GENERIC, INTEGRATIONS, TOOLS = 0, 1, 2
 # the old console-script path ``patches.cli`` are the command line.
 ENTRY_LAYERS = {"patches": INTEGRATIONS, "patches.auto": INTEGRATIONS,
                 "patches.__main__": TOOLS, "patches.cli": TOOLS}
+# Old names of modules that moved up to the tools layer (issue 40), kept one release as
+# deprecated aliases: each is the moved module itself (a package: its public names), so it
+# sits in the tools layer with it, and ``import patches.auto`` reaches none of them.
+DEPRECATED_ALIASES = {
+    "patches.integrations.tokenizer": "patches.tools.tokenizer",
+    **{f"patches.integrations.tokenizer.{name}": f"patches.tools.tokenizer.{name}"
+       for name in ("bpe", "errors", "spm", "text", "verify")},
+    "patches.integrations.xtts_preflight": "patches.tools.xtts_preflight",
+}
 # Imports of a private name (``_x``: a module, function, class or constant) from another
 # package that remain today, each with why it is allowed (importer -> imported name).
 PRIVATE_ALLOWED: set[str] = set()
@@ -39,7 +48,8 @@ PRIVATE_ALLOWED: set[str] = set()
 UPSTREAM_WORDS = ("xtts", "indextts", "start_text_token", "number_text_tokens",
                   "unifiedvoice", "gpttrainer")
 # Generic modules that still hold one (module: word), each with why it is allowed. Empty: the
-# tokenizer library (XTTS's vocab.json, its text cleaner) lives in patches/integrations/tokenizer.
+# tokenizer library (XTTS's vocab.json, its text cleaner) lives in patches/tools/tokenizer,
+# the rules the runtime checks in patches/integrations/xtts_vocab.py.
 UPSTREAM_ALLOWED: set[str] = set()
 
 # An import inside a function hides an edge of the graph from its reader: one stays there only
@@ -120,6 +130,8 @@ def layer(name: str) -> int:
     """The layer of a module (see the module docstring)."""
     if name in ENTRY_LAYERS:
         return ENTRY_LAYERS[name]
+    if name in DEPRECATED_ALIASES:
+        return TOOLS
     for prefix, level in (("patches.tools", TOOLS), ("patches.integrations", INTEGRATIONS)):
         if name == prefix or name.startswith(prefix + "."):
             return level
@@ -252,11 +264,10 @@ def test_the_private_read_rule_can_fail() -> None:
                                       "patches.integrations.coqui_trainer: nan_guard._state"]
 
 
-def test_import_patches_auto_loads_no_tool() -> None:
-    """``import patches.auto`` (and so ``import patches``) reaches no tool module: the
-    module-level imports from it, with the parent packages each one runs first."""
-    graph = import_graph(local=False)
-    seen, todo = set(), ["patches.auto"]
+def reached(graph: dict[str, set[str]], start: str = "patches.auto") -> set[str]:
+    """The modules ``start`` may load: its imports and theirs, with the parent packages each
+    one runs first."""
+    seen, todo = set(), [start]
     while todo:
         name = todo.pop()
         if name in seen:
@@ -264,8 +275,53 @@ def test_import_patches_auto_loads_no_tool() -> None:
         seen.add(name)
         parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
         todo += [*graph.get(name, ()), *parents]
-    assert sorted(n for n in seen if layer(n) == TOOLS) == []
-    assert "patches.integrations.coqui_trainer" in seen  # the walk does reach the patches
+    return seen
+
+
+def test_import_patches_auto_loads_no_tool() -> None:
+    """``import patches.auto`` (and so ``import patches``) never reaches a tool module (issue
+    40): not the command line (``patches.tools``, ``patches.cli``, its output rules
+    ``patches.tools._output``), not the tokenizer tools, not headlessXttsTrain.py's pre-flight,
+    nor their old names, by a module-level import nor by one inside a function (run on a
+    call: a freeze checked against a tokenizer reads it with the runtime's own
+    ``integrations.xtts_vocab``)."""
+    for local in (False, True):
+        seen = reached(import_graph(local=local))
+        assert sorted(n for n in seen if layer(n) == TOOLS) == []
+        assert "patches.integrations.coqui_trainer" in seen  # the walk reaches the patches
+
+
+def test_the_reach_rule_can_fail() -> None:
+    graph = {"patches.auto": {"patches._api"}, "patches._api": {"patches.checkpoint.atomic"},
+             "patches.checkpoint.atomic": {"patches.tools._output"},
+             "patches.integrations.xtts_gpt": {"patches.integrations.tokenizer.verify"}}
+    assert sorted(n for n in reached(graph) if layer(n) == TOOLS) == ["patches.tools",
+                                                                     "patches.tools._output"]
+    graph["patches._api"].add("patches.integrations.xtts_gpt")
+    assert "patches.integrations.tokenizer.verify" in reached(graph)
+    assert layer("patches.integrations.tokenizer.verify") == TOOLS
+
+
+def test_the_moved_modules_answer_to_their_old_names() -> None:
+    """Each old name is the moved module itself (one module object: one class of each
+    error), with a DeprecationWarning; nothing else lives in the alias files."""
+    import importlib
+    import warnings
+
+    modules = _modules()
+    assert set(DEPRECATED_ALIASES) <= set(modules)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for old, new in DEPRECATED_ALIASES.items():
+            sys.modules.pop(old, None)
+            moved = importlib.import_module(new)
+            if old == "patches.integrations.tokenizer":
+                assert importlib.import_module(old).TokenizerToolError is moved.TokenizerToolError
+            else:
+                assert importlib.import_module(old) is moved, old
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    for old in DEPRECATED_ALIASES:
+        assert len(modules[old].read_text(encoding="utf-8").splitlines()) < 20, old
 
 
 @pytest.mark.slow
@@ -275,7 +331,9 @@ def test_a_command_imports_only_its_own_tool() -> None:
     module and the CLI only."""
     code = ("import sys\n"
             "import patches.auto\n"
-            "print(sorted(m for m in sys.modules if m.startswith('patches.tools')))\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('patches.tools', 'patches.cli',"
+            " 'patches._output', 'patches.integrations.tokenizer', "
+            "'patches.integrations.xtts_preflight'))))\n"
             "from patches.tools import cli\n"
             "cli.build_parser(cli.command_of(['doctor', '--json', '-']))\n"
             "print(sorted(m for m in sys.modules if m.startswith('patches.tools')))\n")
@@ -285,7 +343,8 @@ def test_a_command_imports_only_its_own_tool() -> None:
                           text=True, timeout=300, check=True)
     after_auto, after_parser = done.stdout.splitlines()
     assert after_auto == "[]"
-    assert after_parser == str(["patches.tools", "patches.tools.cli", "patches.tools.doctor"])
+    assert after_parser == str(["patches.tools", "patches.tools._output", "patches.tools.cli",
+                                "patches.tools.doctor"])
 
 
 def test_no_import_cycles() -> None:

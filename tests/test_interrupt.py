@@ -136,6 +136,9 @@ def test_a_coqui_trainer_stopped_by_a_signal_is_recorded_and_reported_interrupte
                             env=dict(os.environ, PYTHONPATH=child_path(Path(__file__).parents[1])))
     assert "verdict: interrupted" in report.stdout, report.stdout + report.stderr
     assert f"stopped by SIGTERM at trainer step {last['step']}" in report.stdout
+    # the way this trainer continues (not headlessXttsTrain.py's --resume auto)
+    assert f"continue it with continue_path={folder}" in report.stdout, report.stdout
+    assert "--resume auto" not in report.stdout
     assert "(trainer_runs.jsonl)" in report.stdout
     _run.reset()  # the Trainer's folder stays this test's
 

@@ -188,3 +188,35 @@ def test_records_reach_logging_configured_after_the_import_line(tmp_path: Path) 
     assert "applying training patches" in result.stderr  # visible with nothing configured
     assert "a record after the user's config" in (tmp_path / "user.log").read_text()
     assert "a record after the user's config" not in result.stderr  # no duplicate on stderr
+
+
+def test_activation_reads_versions_without_packaging_or_the_email_parser(monkeypatch) -> None:
+    """Issue 41: every integration's range is compared without importing ``packaging``
+    (about 5 ms of the import line) and each version read from its metadata's header
+    without importlib's email parsing; the answers are packaging's and importlib's."""
+    import email
+    import importlib.metadata
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from patches import _upstream
+
+    ranges = sorted({integ.supported for integ in _registry.integrations().values()}
+                    | {"==1.2", ">1.2", "<=2.0.0"})
+    versions = ["0.3", "0.4.9", "0.5", "1", "1.0.0", "1.2", "1.2.0", "1.2.1", "2.0.0.0", "2.6.5",
+                "2.7", "0.28.0", "0.29", "4.57.0", "5.24.0", "6", "0.19.0", "0.20"]
+    expected = {(v, r): Version(v) in SpecifierSet(r) for v in versions for r in ranges}
+    names = [d for d in ("torch", "wrapt", "packaging") if _upstream.distribution_version(d)]
+    known = {d: importlib.metadata.version(d) for d in names}
+    _upstream.distribution_version.cache_clear()
+    for name in ("packaging", "packaging.specifiers", "packaging.version"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    monkeypatch.setattr(email, "message_from_string", None)  # importlib's parser: unusable
+    try:
+        assert {(v, r): _upstream.version_in(v, r) for v in versions for r in ranges} == expected
+        assert {d: _upstream.distribution_version(d) for d in names} == known
+    finally:
+        _upstream.distribution_version.cache_clear()
+    with pytest.raises(ImportError):  # an unusual version still goes to packaging
+        _upstream.version_in("1.0rc1", ">=1.0")

@@ -75,7 +75,7 @@ def test_xtts_vocab_extended_with_amharic_keeps_ids_merges_and_english(files, tm
                                                                        capsys) -> None:
     from tokenizers import Tokenizer
 
-    from patches.integrations.tokenizer.bpe import xtts_text
+    from patches.tools.tokenizer.bpe import xtts_text
 
     out = tmp_path / "vocab_am.json"
     before = _sha(files["vocab"])
@@ -258,10 +258,10 @@ def test_verify_checkpoint_rows(files, tmp_path, capsys) -> None:
     assert rc == 0, stdout
     assert f"grows 74 -> {size} rows" in stdout and "moves the last row" in stdout
     # how the loader starts the new rows: its rules, not "the mean of the old ones"
-    assert "the new rows start by row_init romanized_offset (from each token's spelling" in \
+    assert "the new rows start by row_init spelling (from each token's spelling" in \
         stdout and "the head's by spread" in stdout and "mean of the old" not in stdout
     assert f"rows 0..72 and {size - 1}..{size - 1} stay frozen (base); rows 73..{size - 2} " \
-           f"train" in stdout
+           f"train: set TRAINING_PATCHES_BASE_VOCAB=74 " in stdout
     # a fine-tuned checkpoint of this vocabulary: loads as is
     rc, stdout, _ = _main(capsys, *common, _checkpoint(tmp_path / "ft.pth", size))
     assert rc == 0 and "loads the rows as they are" in stdout
@@ -779,10 +779,10 @@ def test_a_missing_file_is_one_paragraph_naming_it(tmp_path: Path, reader: str,
                                                    expected: str) -> None:
     import importlib
 
-    from patches.integrations.tokenizer import TokenizerToolError
+    from patches.tools.tokenizer import TokenizerToolError
 
     module, function = reader.split(".")
-    read = getattr(importlib.import_module(f"patches.integrations.tokenizer.{module}"), function)
+    read = getattr(importlib.import_module(f"patches.tools.tokenizer.{module}"), function)
     missing = tmp_path / "absent.file"
     with pytest.raises(TokenizerToolError) as raised:
         read(missing)

@@ -5,7 +5,8 @@ By concern: :mod:`.reading` (file checks, manifests, ``read_checkpoint``), :mod:
 and :mod:`.optimizer` (what goes where), :mod:`.parts` (the checkpoint's state as units, one
 plan/apply/report for a file and a folder), :mod:`.decide` and :mod:`.file_model` (a file's
 source and its model part), :mod:`.load` (the door and the report), :mod:`.report`, :mod:`.rng`,
-:mod:`.atomic`, :mod:`.manager`, :mod:`.sharded`, :mod:`.data_position` (where each rank's
+:mod:`.atomic`, :mod:`.digest` (the SHA-256 beside the reads and writes), :mod:`.manager`,
+:mod:`.sharded`, :mod:`.data_position` (where each rank's
 DataLoader stood), :mod:`.grown` (a trainer's own resume into a grown vocabulary),
 :mod:`.errors`. It imports torch, the
 standard library and generic sibling modules only, never an integration. The design:
@@ -68,8 +69,8 @@ SPEC = register(PatchSpec(
                     "`reset` starts all three fresh", shown_default="`remap`"),
              Option("row_init", _row_rule("row_init"), DEFAULT_ROW_INIT, " / ".join(ROW_INITS),
                     "how the text embedding's new rows start when the vocabulary grows "
-                    "(`romanized_offset` and `romanized` need the tokenizer; without it "
-                    "`spread`)",
+                    "(`spelling` and `romanized` need the tokenizer; without it `spread`; "
+                    "`romanized_offset` is deprecated)",
                     shown_default=f"`{DEFAULT_ROW_INIT}`"),
              Option("head_row_init", _row_rule("head_row_init"), DEFAULT_HEAD_ROW_INIT,
                     " / ".join(ROW_INITS),

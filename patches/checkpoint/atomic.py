@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .. import _output
-from .errors import CheckpointWriteError, DiskFullError
+from .digest import update_while
+from .errors import CheckpointWriteError, DiskFullError, write_refused
 
 # Marks the temporary files of an atomic write; the writer's pid and host follow it
 # (``<pid>@<host>~``), so that a sweep on a shared filesystem can tell its own host's
@@ -80,8 +80,9 @@ class Written:
 
 
 class _Sink:
-    """The file handed to the writer: counts and (optionally) hashes what is written and
-    keeps the ``OSError`` a failed write raised (torch turns it into a RuntimeError)."""
+    """The file handed to the writer: counts and (optionally) hashes what is written (a
+    large block in a thread while it is written: :func:`.digest.update_while`) and keeps
+    the ``OSError`` a failed write raised (torch turns it into a RuntimeError)."""
 
     def __init__(self, handle: Any, digest: Any) -> None:
         self._handle = handle
@@ -91,12 +92,11 @@ class _Sink:
 
     def write(self, data: Any) -> int:
         try:
-            written = self._handle.write(data)
+            written = (self._handle.write(data) if self._digest is None
+                       else update_while(self._digest, data, self._handle.write))
         except OSError as exc:
             self.error = exc
             raise
-        if self._digest is not None:
-            self._digest.update(data)
         self.size += memoryview(data).nbytes
         return written
 
@@ -274,7 +274,7 @@ def _write_error(path: Path, error: OSError, needed: int | None, *,
     if error.errno in _NO_SPACE:
         return disk_full_error(path, max(needed or 0, written), disk_free(path.parent),
                                written=written)
-    said = _output.write_failed(path, error, again="save again")
+    said = write_refused(path, error, again="save again")
     return CheckpointWriteError(f"training-patches: {said} The files already in {path.parent} "
                                 f"are unchanged.")
 

@@ -351,10 +351,21 @@ def identity(loader: Any) -> dict[str, Any]:
             "dataset": fingerprint if isinstance(fingerprint, str) else None}
 
 
-def position_of(loader: Any) -> dict[str, Any]:
+def yielded(loader: Any) -> int | None:
+    """How many batches the epoch's iterator of ``loader`` has handed out (None when not
+    known): read after a step, it is what :func:`position_of` counts then (``yielded=``)."""
+    watch = _WATCHED.get(_inner(loader)) if loader is not None else None
+    iterator = watch.iterator() if watch is not None else None
+    count = getattr(iterator, "_num_yielded", None)
+    return None if count is None else int(count)
+
+
+def position_of(loader: Any, *, yielded: int | None = None) -> dict[str, Any]:
     """The position of ``loader`` now, as stored in a checkpoint (plain values and tensors),
     with what identifies its data (:func:`identity`) and the fingerprint of the sample order
-    up to it.
+    up to it. ``yielded``: the iterator's count of batches handed out to use instead of
+    its count now (the position after the last finished step, where a batch was read
+    since).
 
     Raises ValueError (one paragraph: what was found, what to do) when it cannot be known."""
     if _stateful(loader):
@@ -379,7 +390,8 @@ def position_of(loader: Any) -> dict[str, Any]:
     ahead = 0 if inner is loader or vars(loader).get("end_of_dataloader", True) else 1
     order, iterator = watch.order, watch.iterator()
     if iterator is not None:
-        yielded = getattr(iterator, "_num_yielded", None)
+        if yielded is None:
+            yielded = getattr(iterator, "_num_yielded", None)
         if yielded is None:  # torch's DataLoader iterator no longer counts what it handed out
             raise ValueError(
                 f"training-patches: cannot read the data position of this DataLoader: its "

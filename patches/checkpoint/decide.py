@@ -25,7 +25,7 @@ from .file_model import FileModel, plan_tensors
 from .optimizer import _as_list, _remap_optimizer_state
 from .parts import RNG_KEYS, STEP_KEYS, Source, StatePlan, plan_state
 from .plan import MODEL_KEYS, ModelPlan
-from .reading import read_checkpoint
+from .reading import open_checkpoint
 from .rng import state_for_rank
 
 logger = logging.getLogger("training_patches")
@@ -125,10 +125,30 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     """The :class:`LoadPlan` of loading the file ``path`` into these objects: read, validate,
     plan the rows, plan the optimizer state and the other parts (in that order: the first
     problem found is the one raised). Raises :class:`CheckpointError` or
-    :class:`CheckpointMismatchError`; nothing passed in is changed."""
+    :class:`CheckpointMismatchError`; nothing passed in is changed.
+
+    The manifest's SHA-256 is read in a thread meanwhile (issue 41: beside ``torch.load``
+    and the tensor checks, which read every byte too, not in a pass of its own before them)
+    and waited for before the plan is returned. A file that fails to plan is refused as
+    changed or damaged when its hash does not match (that refusal comes first)."""
     options = options.resolved()
-    ckpt = read_checkpoint(path, mmap=options.mmap, verify_hash=options.verify_hash,
-                           trusted=options.trusted)
+    ckpt, verification = open_checkpoint(path, mmap=options.mmap,
+                                         verify_hash=options.verify_hash,
+                                         trusted=options.trusted)
+    try:
+        plan = _decide(path, ckpt, model, optimizer, scheduler, scaler, options)
+    except Exception:
+        verification.wait()  # a changed file is refused as changed, not as what it became
+        raise
+    except BaseException:
+        verification.cancel()
+        raise
+    verification.wait()
+    return plan
+
+
+def _decide(path: Path, ckpt: dict[str, Any], model: torch.nn.Module, optimizer: Any,
+            scheduler: Any, scaler: Any, options: LoadOptions) -> LoadPlan:
     # A bare state dict has no step, optimizer, ... (its keys are tensor names).
     bare = not any(isinstance(ckpt.get(k), Mapping) for k in MODEL_KEYS)
     meta: Mapping[str, Any] = {} if bare else ckpt

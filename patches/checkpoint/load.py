@@ -82,8 +82,8 @@ def load_checkpoint(
             what the file held that the start lost.
         row_init, head_row_init: how the new rows of the text embedding and of the text
             head start when the vocabulary grew (:mod:`patches.row_init`:
-            ``romanized_offset``, ``romanized``, ``spread``, ``mean``, ``std0.02``,
-            ``randn``); default ``TRAINING_PATCHES_ROW_INIT`` /
+            ``spelling``, ``romanized``, ``spread``, ``mean``, ``std0.02``,
+            ``randn``; ``romanized_offset`` deprecated); default ``TRAINING_PATCHES_ROW_INIT`` /
             ``TRAINING_PATCHES_HEAD_ROW_INIT``.
         tokenizer: the grown tokenizer the model was built with (a ``vocab.json``, a
             SentencePiece ``.model``, read by their content; or such an object, a Hugging Face

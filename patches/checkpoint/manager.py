@@ -27,7 +27,8 @@ from .._runlock import RunFolderInUse, lock_folder
 from .._version import __version__
 from .._log import info
 from . import _collective
-from .reading import (FORMAT, MANIFEST_SUFFIX, _sha256, _what_to_do, check_file,
+from .digest import beside, sha256_file
+from .reading import (FORMAT, MANIFEST_SUFFIX, _what_to_do, check_file,
                       iter_tensors, manager_checkpoints, manifest_path, nonfinite_flags,
                       read_manifest)
 from .atomic import TMP_OWNER, host_name
@@ -241,15 +242,18 @@ class CheckpointManager:
                      model: torch.nn.Module, model_state: Mapping[str, torch.Tensor],
                      optimizer_states: list[Any], scaler: Any, rng_ranks: list[Any] | None,
                      needed: int) -> Path:
-        """The checkpoint file, its manifest, ``latest``; then the pruning."""
-        nonfinite = self._nonfinite(model, model_state, optimizer_states)
+        """The checkpoint file, its manifest, ``latest``; then the pruning. The finite scan
+        runs in a thread beside the write (both read every tensor; issue 41)."""
+        scan = beside(lambda: self._nonfinite(model, model_state, optimizer_states))
         generation = self._next_generation()
+        # A write that fails leaves the scan to end by itself (it only reads; its result unused).
         written = write_atomically(path, lambda handle: torch.save(payload, handle),
                                    digest=True, needed=needed)
         try:
+            nonfinite = scan()
             size, sha = written.size, written.sha256
             if path.stat().st_size != size:  # torch wrote out of order: hash the file itself
-                size, sha = path.stat().st_size, _sha256(path)
+                size, sha = path.stat().st_size, sha256_file(path)
             manifest = {
                 "format": FORMAT,
                 "written_by": f"training-patches {__version__} CheckpointManager",

@@ -235,7 +235,14 @@ class NewRows:
                 out.append(f"{part} {rule} "
                            f"({self.sources.describe(tags_from_start=bool(self.tag_rows))})")
         spellers = self.sources.spellers() if self.sources is not None else ""
-        return ", ".join(out) + (f"; {spellers}" if spellers else "")
+        why = ""
+        if ("embedding" in self.parts.values() and self.embedding == DEFAULT_ROW_INIT
+                and self.sources is not None):
+            # why this rule: the user did not choose it, so say what it is for and the knob
+            why = ("; embedding rule: the default (each row from its spelling, the same for "
+                   "every seed; TRAINING_PATCHES_ROW_INIT=std0.02 keeps the base language "
+                   "closer: docs/design/row_init.md)")
+        return ", ".join(out) + (f"; {spellers}" if spellers else "") + why
 
 
 def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],

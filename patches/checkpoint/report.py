@@ -3,6 +3,7 @@ runtime counters a checkpoint carries."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -112,6 +113,19 @@ class LoadReport:
         elif {rows.embedding, rows.head} & set(SPELLED_RULES):
             out.update(spelled=0, fallback=rows.added, fallback_tokens=[], no_tokenizer=True)
         return out
+
+    def as_record(self) -> dict[str, Any]:
+        """The load as a run records it where it starts (``base_weights`` of
+        headless_runs.jsonl and trainer_runs.jsonl): the file (absolute), the vocabulary's
+        growth and the frozen row ranges, which ``report`` checks the run's checkpoints
+        against."""
+        freeze = self.freeze
+        return {"path": os.path.abspath(self.path), "policy": self.policy,
+                "base_vocab_size": self.base_vocab_size, "vocab_size": self.vocab_size,
+                "resized": {k: [list(old), list(new)] for k, (old, new) in self.resized.items()},
+                "kept_rows": dict(self.kept_rows), "start_row_moved": self.start_row_moved,
+                "frozen_rows": ([[r.start, r.stop - 1] for r in freeze.rows]
+                                if freeze is not None else None)}
 
     def set_part(self, name: str, status: str, detail: str = "", *,
                  in_file: bool = False) -> None:

@@ -42,6 +42,7 @@ from .._log import info
 from . import _collective, data_position
 from .reading import iter_tensors, nonfinite_flags
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
+from .digest import sha256_file
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import _as_list, scaler_enabled
 from .parts import ModelSource, Source, StatePlan, carry_out, plan_state, saved_state
@@ -83,14 +84,6 @@ def _on_every_rank(fn: Callable[[Callable[..., None]], Any], *, gather: bool) ->
         return [result] if gather else result
     result = _collective.on_every_rank(fn)
     return _collective.all_gather(result) if gather else result
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- reading
@@ -142,7 +135,7 @@ def check_folder(folder: str | os.PathLike[str], *, verify_hash: bool = True) ->
             size = path.stat().st_size
             if size != info_.get("bytes"):
                 return f"has {name} of {size} bytes, its manifest says {info_.get('bytes')}"
-            if verify_hash and _sha256(path) != info_.get("sha256"):
+            if verify_hash and sha256_file(path) != info_.get("sha256"):
                 return f"has {name} whose SHA-256 does not match its manifest (damaged)"
         except OSError as exc:
             return f"lacks {name} ({exc.strerror or exc})"
@@ -303,7 +296,7 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
             meta["data_world"] = _dist.world_size() if position is not None else None
             atomic_torch_save(meta, folder / META_NAME, check_space=False)
         files = {name: {"bytes": (folder / name).stat().st_size,
-                        "sha256": _sha256(folder / name)} for name in _own_files(folder, rank)}
+                        "sha256": sha256_file(folder / name)} for name in _own_files(folder, rank)}
         return {"files": files, "nonfinite": nonfinite,
                 "shapes": {k: list(v.shape) for k, v in msd.items()
                            if isinstance(v, torch.Tensor)},

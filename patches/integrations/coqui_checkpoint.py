@@ -29,6 +29,7 @@ XTTS's own checkpoint sites (``gpt_checkpoint``, ``xtts_checkpoint``) are in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -57,7 +58,7 @@ def local_path(path: Any) -> Path:
 
 def model_tokenizer(config: Any, model: Any = None) -> Any:
     """The tokenizer the model was built with, for the loader's spelled new rows
-    (``romanized_offset``, ``romanized``), which checks it against the model's rows: the
+    (``spelling``, ``romanized``), which checks it against the model's rows: the
     model's own (GPTTrainer's ``xtts.tokenizer``, loaded) when ``model`` has one (under
     ``continue_path`` the Trainer's config is the run folder's, which names the vocabulary
     before a growth), else the local file a coqui config names (``model_args.tokenizer_file``,
@@ -102,6 +103,11 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
                 # as upstream: +1 so that a restored model is not checkpointed at once
                 self.total_steps_done = report.step + 1
                 self.epochs_done = report.epoch or 0
+                # coqui saves inside a step, before counting it: a file's step N holds N + 1
+                # steps (a checkpoint written on a signal is stored the same way)
+                info("training-patches: continue_path: %s holds step %d in coqui's count; the "
+                     "run continues at trainer step %d", path, report.step,
+                     self.total_steps_done)
             else:
                 self.total_steps_done = 0
                 self.epochs_done = 0
@@ -147,14 +153,33 @@ def _train_loader(trainer: Any) -> Any:
     return trainer.train_loader
 
 
-_saving: list[Any] = []  # the Trainer whose save_checkpoint is running
+@dataclasses.dataclass(frozen=True)
+class AfterStep:
+    """What a checkpoint written between two steps needs of the moment the last step ended:
+    the RNG (one process) and the batches the train loader had handed out. A signal can
+    come while the next batch is read, after its samples drew from ``random``."""
+
+    rng: dict[str, Any] | None
+    yielded: int | None
+
+
+def after_step(trainer: Any) -> AfterStep:
+    """:class:`AfterStep` of ``trainer`` now (read at the end of each ``train_step``)."""
+    return AfterStep(rng=capture_rng_state() if _dist.world_size() <= 1 else None,
+                     yielded=data_position.yielded(getattr(trainer, "train_loader", None)))
+
+
+_saving: list[tuple[Any, AfterStep | None]] = []  # the Trainer whose save_checkpoint runs
 
 
 @contextlib.contextmanager
-def saving_from(trainer: Any):
+def saving_from(trainer: Any, between_steps: AfterStep | None = None):
     """While ``trainer`` saves a checkpoint: :func:`make_save_fsspec` adds its train
-    loader's data position to what it writes."""
-    _saving.append(trainer)
+    loader's data position to what it writes. ``between_steps``: the save is not coqui's
+    own (which runs inside a step, before the step is counted) but one after the last step
+    ended: the file holds the state of that moment, and its ``step`` is one less than the
+    steps done, as coqui's own saves count it (``continue_path`` resumes at ``step + 1``)."""
+    _saving.append((trainer, between_steps))
     try:
         yield
     finally:
@@ -164,21 +189,27 @@ def saving_from(trainer: Any):
 def _with_data_position(state: Any) -> Any:
     """``state`` with this process's train loader position (``data_ranks``), when a Trainer
     is saving a checkpoint and its loader's position is known."""
-    loader = getattr(_saving[-1], "train_loader", None) if _saving else None
+    trainer, between = _saving[-1] if _saving else (None, None)
+    loader = getattr(trainer, "train_loader", None)
     if loader is None or not isinstance(state, dict) or "step" not in state:
         return state
+    extra: dict[str, Any] = {}
+    if between is not None:
+        extra["step"] = max(int(state["step"]) - 1, 0)
     try:
-        position = data_position.position_of(loader)
+        position = data_position.position_of(
+            loader, yielded=between.yielded if between is not None else None)
     except ValueError as exc:
         info("training-patches: the coqui checkpoint is saved without the data position: %s",
              str(exc)[:300])
-        return state
-    extra: dict[str, Any] = {"data_ranks": [position]}
+        return {**state, **extra}
+    extra["data_ranks"] = [position]
     if "rng" not in state and _dist.world_size() <= 1:
         # One process: its RNG too, which continue_path restores, so that what the samples
         # draw when they are read (XTTS's dataset picks them with ``random``) continues as
         # in the stopped run. (Under DDP only rank 0 saves: its RNG is not every rank's.)
-        extra["rng"] = capture_rng_state()
+        extra["rng"] = (between.rng if between is not None and between.rng is not None
+                        else capture_rng_state())
     return {**state, **extra}
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import _run, nan_guard
-from . import coqui_checkpoint
+from . import coqui_checkpoint, xtts_gpt
 from .._interrupt import Interruption, TrainingInterrupted
 from .._log import logger
 
@@ -44,6 +44,9 @@ PATCH = "checkpoint"
 _interruptions: "weakref.WeakKeyDictionary[Any, Interruption]" = weakref.WeakKeyDictionary()
 _started_at: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _saved_at: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+# Per Trainer: the state when its last step ended; the interruption's save while it runs.
+_after_step: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_between_steps: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def _steps(trainer: Any) -> int:
@@ -58,7 +61,8 @@ def make_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
         interruption = Interruption()
         _interruptions[self] = interruption
         _started_at[self] = _steps(self)
-        _record(self, "start")
+        base = xtts_gpt.base_load(getattr(self, "model", None))
+        _record(self, "start", **({"base_weights": base.as_record()} if base is not None else {}))
         with interruption.installed():
             original(self)
         if interruption.signum is not None:
@@ -86,6 +90,25 @@ def make_uninterrupted(original: Callable[..., Any]) -> Callable[..., Any]:
     return uninterrupted
 
 
+def make_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer.train_step`` as :func:`make_uninterrupted`, which also keeps what a
+    checkpoint written on an interruption needs of the moment the step ended
+    (:func:`.coqui_checkpoint.after_step`): a signal may come while the next batch is read."""
+
+    @functools.wraps(original)
+    def train_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        interruption = _interruptions.get(self)
+        if interruption is None:
+            return original(self, *args, **kwargs)
+        with interruption.step():
+            result = original(self, *args, **kwargs)
+            _after_step[self] = coqui_checkpoint.after_step(self)
+            return result
+
+    train_step._training_patch = PATCH  # type: ignore[attr-defined]
+    return train_step
+
+
 def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     """``Trainer.save_checkpoint`` that remembers the step it saved, and first records the
     skips of fused steps whose flags still wait on the device (they are read in batches):
@@ -94,7 +117,8 @@ def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         nan_guard.settle()
-        with coqui_checkpoint.saving_from(self):  # the file gets the data position
+        between = _between_steps.get(self)
+        with coqui_checkpoint.saving_from(self, between):  # the file gets the data position
             result = original(self, *args, **kwargs)
         _saved_at[self] = _steps(self)
         return result
@@ -142,12 +166,18 @@ def on_interrupt(trainer: Any, stop: TrainingInterrupted) -> None:
     elif not wanted:
         saved = "no checkpoint written (save_on_interrupt is off)"
     else:
-        trainer.save_checkpoint()
+        # the state after the last finished step, counted as coqui counts its own saves
+        _between_steps[trainer] = _after_step.get(trainer) or coqui_checkpoint.after_step(trainer)
+        try:
+            trainer.save_checkpoint()
+        finally:
+            _between_steps.pop(trainer, None)
         saved = (f"checkpoint_{steps}.pth written; continue from that run folder "
                  f"(continue_path)")
     checkpoint = folder / f"checkpoint_{steps}.pth"
     _record(trainer, "interrupted", signal=stop.name,
-            checkpoint=str(checkpoint) if checkpoint.is_file() else None)
+            checkpoint=str(checkpoint) if checkpoint.is_file() else None,
+            continue_with=f"continue_path={folder} (the trainer's --continue_path)")
     logger.warning("training-patches: interrupted by %s after trainer step %d in %s: %s",
                    stop.name, steps, folder, saved)
     callbacks = getattr(trainer, "callbacks", None)
@@ -173,5 +203,6 @@ def interrupted_by(trainer: Any) -> str | None:
     return TrainingInterrupted(interruption.signum).name
 
 
-__all__ = ["make_fit", "make_inner_fit", "make_uninterrupted", "make_save_checkpoint",
+__all__ = ["make_fit", "make_inner_fit", "make_uninterrupted", "make_train_step",
+           "make_save_checkpoint",
            "on_interrupt", "interrupted_by"]

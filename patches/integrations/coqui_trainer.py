@@ -262,9 +262,10 @@ INTEGRATION = register_integration(Integration(
         Site(MODULE, "Trainer._fit", coqui_interrupt.make_inner_fit, patch="checkpoint",
              lost="SIGTERM (a cloud machine stopping) or SIGHUP kills a coqui run with no "
                   "checkpoint"),
-        Site(MODULE, "Trainer.train_step", coqui_interrupt.make_uninterrupted,
+        Site(MODULE, "Trainer.train_step", coqui_interrupt.make_train_step,
              patch="checkpoint",
-             lost="a signal stops a coqui step half-way (weights half-updated)"),
+             lost="a signal stops a coqui step half-way (weights half-updated), and the "
+                  "checkpoint written on a signal continues one step off, with other draws"),
         Site(MODULE, "Trainer.save_best_model", coqui_interrupt.make_uninterrupted,
              patch="checkpoint", lost="a signal stops the epoch's best-model save half-way"),
         Site(MODULE, "Trainer.save_checkpoint", coqui_interrupt.make_save_checkpoint,

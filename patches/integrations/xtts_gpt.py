@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from typing import Any, Callable, Sequence
 
 from .. import _options, languages
@@ -28,7 +29,9 @@ from .._registry import Integration, Site, is_enabled, register_integration
 from ..checkpoint import load_checkpoint, warn_weights_only
 from ..vocab_freeze import TAG, VocabFreezeError, freeze_base_vocab
 from ..vocab_rows import describe_rows, frozen_rows, row_layout
+from ..row_init import tokenizer_format
 from .coqui_checkpoint import is_local, local_path, model_tokenizer
+from .xtts_vocab import FAIL, XttsVocab, parse_vocab_json
 
 NAME = "xtts_gpt"
 DISTRIBUTION = "coqui-tts"
@@ -40,6 +43,19 @@ _XTTS_IGNORED = ("torch_mel_spectrogram_style_encoder", "torch_mel_spectrogram_d
 
 def _xtts_state_filter(key: str) -> bool:
     return key.split(".")[0] not in _XTTS_IGNORED
+
+
+# Per GPTTrainer: the load of its base weights (xtts_checkpoint or gpt_checkpoint), which the
+# coqui Trainer's run records where it starts (report checks the frozen rows against it).
+_base_loads: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def base_load(model: Any) -> Any:
+    """The LoadReport of the base weights loaded into ``model`` (a GPTTrainer), or None."""
+    try:
+        return _base_loads.get(model)
+    except TypeError:  # not weak-referenceable: not a GPTTrainer
+        return None
 
 
 def make_gpt_trainer_load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,6 +74,7 @@ def make_gpt_trainer_load_checkpoint(original: Callable[..., Any]) -> Callable[.
         report = load_checkpoint(local_path(checkpoint_path), self.xtts, strict=strict,
                                  restore_rng=False, key_filter=_xtts_state_filter,
                                  resume_step=False, tokenizer=model_tokenizer(config))
+        _base_loads[self] = report
         if not eval:
             warn_weights_only(
                 report, "xtts_checkpoint loads the model weights only (GPTTrainer builds no "
@@ -89,6 +106,7 @@ def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
     report = load_checkpoint(path, gpt_trainer.xtts.gpt, restore_rng=False, freeze=freeze,
                              strict=True, key_filter=gpt_keys, resume_step=False,
                              tokenizer=model_tokenizer(getattr(gpt_trainer, "config", None)))
+    _base_loads[gpt_trainer] = report
     warn_weights_only(
         report, "gpt_checkpoint loads the GPT weights only (GPTTrainer builds no optimizer "
         "before it, and the coqui Trainer counts from step 0)",
@@ -126,27 +144,23 @@ def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
     its code or a registered alias), the model's start/stop token ids against the
     tokenizer's, the rows against the ids, and a frozen row that would keep a base row for
     another token (a [START] dropped or moved into the new range). Empty when all agree."""
-    # The tokenizer tools (~9 ms) are no part of `import patches` (patches/integrations/tokenizer/__init__):
-    # they load when a freeze is checked.
-    from .tokenizer.errors import TokenizerToolError  # lazy: heavy (the tokenizer tools)
-    from .tokenizer.verify import FAIL, open_tokenizer  # lazy: heavy (the tokenizer tools)
-
     try:
-        tok = open_tokenizer(tokenizer_file)
-    except (TokenizerToolError, OSError, ValueError) as exc:
+        if tokenizer_format(tokenizer_file) != "json":
+            return []  # a SentencePiece model: not an XTTS vocabulary
+        tok = XttsVocab.of(parse_vocab_json(tokenizer_file))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return [f"the tokenizer {tokenizer_file} could not be read to check it ({exc})"]
-    if not hasattr(tok, "vocab"):
-        return []  # a SentencePiece model: not an XTTS vocabulary
-    problems = [f"{f.what} {f.detail}" for f in tok.special_findings(None) if f.status == FAIL]
+    problems = [f"{what} {detail}" for status, what, detail in tok.special_findings(None)
+                if status == FAIL]
     for given in dict.fromkeys(languages.base_code(lang) for lang in data_languages if lang):
         registered = languages.get_language(given)
         # XTTS writes Chinese as [zh-cn] (VoiceBpeTokenizer.encode)
         codes = [given, *(["zh-cn"] if given == "zh" else [])] + [
             c for c in (registered.codes if registered else ()) if c != given]
         if not any(f"[{code}]" in tok.specials for code in codes):
-            problems += [f"dataset language {given!r}: {f.what} {f.detail}"
-                         for f in tok.special_findings(given) if f.status == FAIL
-                         and f.what == f"[{given}]"]
+            problems += [f"dataset language {given!r}: {what} {detail}"
+                         for status, what, detail in tok.special_findings(given)
+                         if status == FAIL and what == f"[{given}]"]
     for attr, token in (("start_text_token", "[START]"), ("stop_text_token", "[STOP]")):
         model_id, tok_id = getattr(gpt, attr, None), tok.vocab.get(token)
         if tok_id is not None and model_id != tok_id:

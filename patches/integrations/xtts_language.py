@@ -86,11 +86,11 @@ def language_token_code(tokenizer: Any, given: str, language: languages.Language
     for code in candidates:
         if _is_special(backend, f"[{code}]"):
             return code
-    _check_language_token(tokenizer, language.code, vocab_file)
+    check_language_token(tokenizer, language.code, vocab_file)
     return language.code
 
 
-def _check_language_token(tokenizer: Any, code: str, vocab_file: Any) -> None:
+def check_language_token(tokenizer: Any, code: str, vocab_file: Any) -> None:
     """Raise :class:`LanguageTokenMissingError` unless ``[code]`` encodes as one special token."""
     token = f"[{code}]"
     backend = tokenizer.tokenizer

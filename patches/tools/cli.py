@@ -9,9 +9,9 @@
     training-patches options             every TRAINING_PATCHES_* setting, its default and owner
 
 Each prints for a person and exits non-zero when something needs attention. Shared by all
-(patches/_output.py): a usage error (an unknown option, a number out of its range) is one
+(patches/tools/_output.py): a usage error (an unknown option, a number out of its range) is one
 paragraph on stderr with exit 2; Ctrl-C and SIGTERM end a command with exit 130/143 and
-one line, no traceback; every output file follows one rule (:func:`patches._output.check_output`).
+one line, no traceback; every output file follows one rule (:func:`patches.tools._output.check_output`).
 `report`, `verify-tokenizer`, `doctor` and `check-data` write a strict JSON object with
 ``--json FILE`` (``--json -``: on stdout, instead of the text).
 """
@@ -26,7 +26,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from .._version import __version__
-from .._output import Interrupted, WriteFailed, stop_on_signals
+from ._output import Interrupted, WriteFailed, stop_on_signals
 
 # Each subcommand lives in its own module, which has ``register(sub)``: it adds its parser
 # with ``set_defaults(handler=...)``; a handler takes the parsed args and returns the exit

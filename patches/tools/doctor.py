@@ -19,7 +19,7 @@ import patches
 from .. import _registry, _upstream
 from .._api import check_settings
 from .._options import OPTIONS, ConfigError, owner_text
-from .._output import STDOUT, OutputRefused, WriteFailed, check_output, tool_json, write_json
+from ._output import STDOUT, OutputRefused, WriteFailed, check_output, tool_json, write_json
 
 OK, WARN, FAIL = "ok  ", "warn", "FAIL"
 PROG = "training-patches doctor"

@@ -5,7 +5,7 @@
     training-patches extend-tokenizer checkpoints/bpe.model --corpus train.csv \\
         --language am --output bpe_am.model
 
-The library is :mod:`patches.integrations.tokenizer`; this module is its command line.
+The library is :mod:`patches.tools.tokenizer`; this module is its command line.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .._output import (Interrupted, OutputExists, OwnKind, WriteFailed, number, stop_on_signals,
+from ._output import (Interrupted, OutputExists, OwnKind, WriteFailed, number, stop_on_signals,
                        write_file)
-from ..integrations.tokenizer import TokenizerToolError
-from ..integrations.tokenizer.bpe import DEFAULT_NEW_PIECES, extend_vocab_file, load_vocab_json
-from ..integrations.tokenizer.errors import FrontEndError
-from ..integrations.tokenizer.text import (MAX_WORD_CHARS, check_output, check_word_lengths, make_preprocess,
+from .tokenizer import TokenizerToolError
+from .tokenizer.bpe import DEFAULT_NEW_PIECES, extend_vocab_file, load_vocab_json
+from .tokenizer.errors import FrontEndError
+from .tokenizer.text import (MAX_WORD_CHARS, check_output, check_word_lengths, make_preprocess,
                               read_lines, sample_base_text)
-from ..integrations.tokenizer.verify import is_json_tokenizer
+from .tokenizer.verify import is_json_tokenizer
 
 PROG = "training-patches extend-tokenizer"
 # Beyond these the tokenizers' trainers overflow (a traceback, or a Rust panic): a million
@@ -91,7 +91,7 @@ def tokenizer_kind(json_kind: bool) -> OwnKind:
                 return head.lstrip()[:1] == b"{" and bool(load_vocab_json(path))
             if head[:1] != b"\n":  # a ModelProto starts with its pieces (field 1)
                 return False
-            from ..integrations.tokenizer.spm import load_model_proto  # lazy: sentencepiece+protobuf, .model only
+            from .tokenizer.spm import load_model_proto  # lazy: sentencepiece+protobuf, .model only
             return bool(load_model_proto(path))
         except (OSError, TokenizerToolError):
             return False
@@ -169,7 +169,7 @@ def _extend_checked(args: argparse.Namespace) -> tuple[list[str], Any, Path]:
                                 new_pieces=args.new_pieces, min_frequency=args.min_frequency,
                                 base_text=base_text, base_text_source=source, write=write)
     else:
-        from ..integrations.tokenizer.spm import extend_model_file  # lazy: sentencepiece+protobuf, .model only
+        from .tokenizer.spm import extend_model_file  # lazy: sentencepiece+protobuf, .model only
 
         ext = extend_model_file(src, texts, out, new_pieces=args.new_pieces,
                                 base_text=base_text, base_text_source=source, write=write)

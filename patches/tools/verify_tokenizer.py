@@ -3,7 +3,7 @@
     training-patches verify-tokenizer vocab_am.json --base base/vocab.json --language am \\
         --text data/train.csv --checkpoint base/model.pth
 
-The checks are :func:`patches.integrations.tokenizer.verify.verify`; this module is their command line.
+The checks are :func:`patches.tools.tokenizer.verify.verify`; this module is their command line.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._output import (STDOUT, OutputRefused, WriteFailed, check_output, number, tool_json,
+from ._output import (STDOUT, OutputRefused, WriteFailed, check_output, number, tool_json,
                        write_json)
 from .._options import ConfigError
 from ..checkpoint import CheckpointError
-from ..integrations.tokenizer import TokenizerToolError
-from ..integrations.tokenizer.text import make_preprocess
-from ..integrations.tokenizer.verify import FAIL, verify
+from .tokenizer import TokenizerToolError
+from .tokenizer.text import make_preprocess
+from .tokenizer.verify import FAIL, verify
 
 PROG = "training-patches verify-tokenizer"
 
@@ -45,7 +45,7 @@ JSON_FORMAT = 1  # raised when a key changes meaning or goes away
 
 
 def findings_json(tokenizer: str, found: list) -> dict:
-    """The ``--json`` object of a list of :class:`patches.integrations.tokenizer.verify.Finding`."""
+    """The ``--json`` object of a list of :class:`patches.tools.tokenizer.verify.Finding`."""
     failed = any(f.status == FAIL for f in found)
     return {"tool": PROG, "format": JSON_FORMAT, "tokenizer": tokenizer, "ok": not failed,
             "exit_code": 1 if failed else 0,

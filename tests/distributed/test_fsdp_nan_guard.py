@@ -20,10 +20,15 @@ def test_nan_on_one_rank_is_skipped_exactly_on_both(tmp_path, mode: str, variant
     results = [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
     for rank, result in enumerate(results):
         stats = result["stats"]
-        assert (stats["steps"], stats["skipped"], stats["peer_skips"]) == (12, 4, 2)
+        # DDP: rank 1's NaN gradient is made before the sync, which brings it to rank 0's
+        # own gradient: rank 0 sees it itself (fsdp_nan.py says why)
+        peer_skips = 0 if mode == "ddp" and rank == 0 else 2
+        assert (stats["steps"], stats["skipped"], stats["peer_skips"]) == (12, 4, peer_skips)
         assert stats["nonfinite_losses"] == (2 if rank == 0 else 0)
         kinds = {event["step"]: event["kind"] for event in result["events"]}
         mine, peers = (LOSS_STEPS, GRAD_STEPS) if rank == 0 else (GRAD_STEPS, LOSS_STEPS)
+        if mode == "ddp" and rank == 0:
+            mine, peers = LOSS_STEPS | GRAD_STEPS, set()
         assert {step: kinds[step] for step in peers} == dict.fromkeys(peers, "peer_nonfinite")
         assert all(kinds[step] in ("nonfinite_loss", "nonfinite_grad") for step in mine)
         assert sorted(kinds) == sorted(LOSS_STEPS | GRAD_STEPS)

@@ -1,19 +1,15 @@
-"""Tokenizer tools: extend and verify the tokenizer of a new language.
-
-- :mod:`.bpe`: an XTTS ``vocab.json`` (Hugging Face ``tokenizers`` BPE) extended with
-  ``[lang]``, every character and learned pieces of a corpus; base ids and merges kept.
-- :mod:`.spm`: a SentencePiece ``.model`` (IndexTTS) with pieces appended; ids kept.
-- :mod:`.verify`: sizes, id ranges, special tokens, UNK rate and coverage on a text or a
-  manifest, and whether a checkpoint's text-embedding rows fit the vocabulary.
-- :mod:`.text`: the corpus as the trainer sees it (cleaner, G2P) and safe output.
-
-The command-line doors are ``training-patches extend-tokenizer`` and ``verify-tokenizer``.
-Nothing here is imported by the patches; ``tokenizers`` and ``sentencepiece`` load only
-when a function needs them.
-"""
+"""Deprecated alias of :mod:`patches.tools.tokenizer` (issue 40: the tokenizer tools moved to
+the tools layer, so that ``import patches.auto`` never carries them). ``import
+patches.integrations.tokenizer.bpe`` (and ``.errors``, ``.spm``, ``.text``, ``.verify``) still
+gives the moved module itself, with a DeprecationWarning, for one release."""
 
 from __future__ import annotations
 
-from .errors import TokenizerToolError
+import warnings
+
+from ...tools.tokenizer import TokenizerToolError
+
+warnings.warn("patches.integrations.tokenizer moved to patches.tools.tokenizer; the old name "
+              "is a deprecated alias for one release", DeprecationWarning, stacklevel=2)
 
 __all__ = ["TokenizerToolError"]

@@ -97,7 +97,7 @@ def analyse_many(paths: Sequence[str], workers: int) -> Iterator[dict[str, Any]]
     """:func:`analyse_audio` for each path, in order, over ``workers`` processes.
 
     The workers end with the generator: when it is closed early or an exception (a
-    signal's :class:`~patches._output.Interrupted`) passes through it, they are terminated
+    signal's :class:`~patches.tools._output.Interrupted`) passes through it, they are terminated
     at once instead of finishing the queue, so nothing outlives the command holding its
     stdout."""
     if workers <= 1 or len(paths) < 2:

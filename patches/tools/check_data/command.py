@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..._output import (STDOUT, Interrupted, OutputExists, OutputRefused, OwnKind, WriteFailed,
+from .._output import (STDOUT, Interrupted, OutputExists, OutputRefused, OwnKind, WriteFailed,
                         check_output, number, stop_on_signals, tool_json, write_file,
                         write_json)
 from .checks import (MAX_TEXT_LENGTH, MAX_WAV_LENGTH, MIN_SECONDS, MIN_SNR_DB, RATE_TOLERANCE,
@@ -138,7 +138,7 @@ MANIFEST_KIND = OwnKind("a coqui manifest (header audio_file|text|speaker_name)"
 
 
 def _check_outputs(args: argparse.Namespace, rows: Sequence[Row] | None = None) -> None:
-    """The shared output rule (:func:`patches._output.check_output`) for --json and
+    """The shared output rule (:func:`patches.tools._output.check_output`) for --json and
     --clean-manifest: never the manifest, the tokenizer or (with ``rows``) an audio file it
     names, never each other; an existing file only with --force, and (once ``rows`` are
     known, so that an audio file is named as such) only one of the command's own kind."""

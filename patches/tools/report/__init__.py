@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._log import logger
-from ..._output import STDOUT, OutputExists, WriteFailed, check_output, tool_json, write_json
+from .._output import STDOUT, OutputExists, WriteFailed, check_output, tool_json, write_json
 from .freeze_check import check_frozen_rows
 from .plotting import render, save
 from .reading import Run, find_runs, read_jsonl
@@ -205,7 +205,7 @@ def report_json(folder: str | os.PathLike[str], reports: list[Report], png: str 
 
 
 def check_json_out(path: str, folder: str, png: str | None, force: bool) -> bool:
-    """The shared output rule (:func:`patches._output.check_output`) for ``--json``:
+    """The shared output rule (:func:`patches.tools._output.check_output`) for ``--json``:
     never the picture, never a file of a run under ``folder`` (its records, TensorBoard
     files, checkpoints) and, with --force or without, no file but a report JSON written
     before. Returns whether a file is there."""
@@ -279,9 +279,12 @@ def _report(args: argparse.Namespace) -> int:
             out = None if in_run else out
         elif os.path.isdir(out):
             out = os.path.join(out, REPORT_NAME)
+    kept = None  # a picture the report drew before, left as it is (no --force)
     try:
         if args.json is not None:
             check_json_out(args.json, folder, out, args.force)
+        if out is not None and check_out(out) and not args.force:
+            kept, out = out, None  # the text verdict still comes: a re-check is routine
         if out is None:
             runs = find_runs(folder)
             if not runs:
@@ -315,6 +318,9 @@ def _report(args: argparse.Namespace) -> int:
             print(f"  {other.run.folder}: {other.headline}")
     if args.no_picture:
         print("picture: not drawn (--no-picture)")
+    elif kept is not None:
+        print(f"picture: not drawn: {kept} exists (the report drew it before; it is left as "
+              f"it is: --force draws it again, --out another name)")
     elif in_run:
         print("picture: not drawn: the current folder is the run's own folder, which the "
               "report writes into only when asked (--out FILE.png)")

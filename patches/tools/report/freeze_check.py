@@ -1,7 +1,9 @@
 """Did the frozen base-vocabulary rows stay put? Checked from the files of the run.
 
 A run records its freeze where it starts: headlessXttsTrain.py writes the base model file
-and the frozen row ranges into ``headless_runs.jsonl`` (``base_weights``). The check
+and the frozen row ranges into ``headless_runs.jsonl`` (``base_weights``), any coqui
+Trainer whose GPTTrainer loaded its base weights (``xtts_checkpoint``, ``gpt_checkpoint``)
+into ``trainer_runs.jsonl``. The check
 compares those rows of the text embedding and text head in the run's newest checkpoint
 with the base model's rows, bit for bit (``max |checkpoint - base|``); relative paths are
 resolved from the working directory the run recorded. Without such a record nothing is
@@ -19,14 +21,14 @@ from ...checkpoint import read_checkpoint
 from . import reading
 from .reading import Run
 
-VOCAB_TENSORS = ("gpt.text_embedding.weight", "gpt.text_head.weight", "gpt.text_head.bias")
+VOCAB_TENSORS = ("text_embedding.weight", "text_head.weight", "text_head.bias")
 
 
 def _freeze_records(run: Run) -> tuple[dict[str, Any] | None, list[str]]:
     """The start record of ``run`` that names a freeze, and the relative run folders of
     freeze records that could not be resolved (neither is this run's, as far as known)."""
     unresolved = []
-    for record in run.get(reading.HEADLESS):
+    for record in [*run.get(reading.HEADLESS), *run.get(reading.TRAINER_RUNS)]:
         weights = record.get("base_weights")
         if record.get("event") != "start" or not (
                 isinstance(weights, dict) and weights.get("frozen_rows") and weights.get("path")):
@@ -48,8 +50,10 @@ def _newest_checkpoint(folder: str) -> str | None:
 def _vocab_tensors(path: str) -> dict[str, Any]:
     state = read_checkpoint(path)
     state = state.get("model", state) if isinstance(state, dict) else {}
+    # XTTS's model.pth and the coqui Trainer's checkpoints hold gpt.*; a gpt_checkpoint the
+    # bare GPT's keys
     return {suffix: value for suffix in VOCAB_TENSORS for key, value in state.items()
-            if key.endswith(suffix)}
+            if key == suffix or key.endswith("." + suffix)}
 
 
 def _not_checked(why: str) -> dict[str, Any]:
@@ -88,7 +92,7 @@ def check_frozen_rows(run: Run) -> dict[str, Any] | None:
         if new is None or old.shape[0] != len(rows) or int(rows.max()) >= new.shape[0]:
             continue
         worst = max(worst, float((new.index_select(0, rows).float() - old.float()).abs().max()))
-        compared.append(name.split(".", 1)[1])
+        compared.append(name)
     if not compared:
         return _not_checked(f"the row layout of {base_path} and {checkpoint} does not match "
                             f"the recorded frozen rows {weights['frozen_rows']}")

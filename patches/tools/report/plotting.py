@@ -16,7 +16,7 @@ import math
 import textwrap
 from typing import Any
 
-from ..._output import write_file
+from .._output import write_file
 from .reading import DROPPED
 from .verdict import LEARNING_DEFAULTS, Facts, Finding, headline
 

@@ -22,8 +22,9 @@
   thread, so ``finally`` blocks run (temporary files removed, worker pools ended) and the
   command exits 143 (130) with one line instead of a traceback or orphaned workers.
 
-Importing this module imports no torch (only :func:`json_text` reaches :mod:`patches._run`
-for its ``strict_json``).
+It lives in the tools layer (issue 40): ``import patches.auto`` never loads it; the
+checkpoint writer says a refused write with the same words (:func:`patches.checkpoint.errors.
+write_refused`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from ._run import strict_json
+from .._run import strict_json
+from ..checkpoint.errors import write_refused
 
 
 STDOUT = "-"  # --json -: the JSON object on stdout
@@ -66,28 +68,11 @@ class WriteFailed(OSError):
         self.cause = cause
 
 
-# Why a write failed, by errno, and what to do about it.
-_WRITE_FAILURES = {
-    errno.ENOSPC: ("the disk is full", "Free space there, or write to another disk"),
-    errno.EDQUOT: ("your disk quota is spent", "Free space in your quota, or write elsewhere"),
-    errno.EROFS: ("the file system is read-only", "Write to a writable folder"),
-    errno.EACCES: ("permission was denied", "Write to a folder you may write to"),
-    errno.EPERM: ("the operation is not permitted", "Write to a folder you may write to"),
-    errno.EFBIG: ("the file would pass this process's file-size limit (ulimit -f)",
-                  "Raise the limit (ulimit -f unlimited), or write a smaller output"),
-}
-
-
 def write_failed(path: str | os.PathLike[str], error: OSError, *,
                  again: str = "run the command again") -> WriteFailed:
     """The :class:`WriteFailed` paragraph for ``error`` raised while writing ``path``:
     what the system said, that nothing partial is left, and what to do (then ``again``)."""
-    why, todo = _WRITE_FAILURES.get(error.errno or 0, (
-        error.strerror or str(error) or type(error).__name__, "Write to another place"))
-    return WriteFailed(
-        f"could not write {os.fspath(path)}: {why} ({error.strerror or error}). No partial "
-        f"file was left, and a file that was at that path is unchanged. {todo}, then "
-        f"{again}.", error)
+    return WriteFailed(write_refused(path, error, again=again), error)
 
 
 class Interrupted(BaseException):
