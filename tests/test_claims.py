@@ -145,11 +145,13 @@ def _first_update_ratio(tmp_path: Path, old: int = 24, new: int = 32,
     return float(moved[old:].mean() / moved[:old].mean())
 
 
+@pytest.mark.slow  # trains two small models (2 s): not in the unit tier
 def test_new_rows_first_update_is_like_an_old_rows(tmp_path: Path) -> None:
     ratio = _first_update_ratio(tmp_path)
     assert ratio < 3.0
 
 
+@pytest.mark.slow  # trains two small models (2 s): not in the unit tier
 def test_zero_seeded_second_moments_make_new_rows_jump(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: new rows' second moment seeded with zeros (what padding does)."""

@@ -62,6 +62,7 @@ def _run(how: str, env: dict[str, str], tmp_path: Path) -> dict:
      "unknown environment variable(s) TRAINING_PATCHES_BASEVOCAB (did you mean "
      "TRAINING_PATCHES_BASE_VOCAB?)"),
 ], ids=["read", "bad value", "misspelled"])
+@pytest.mark.slow  # two Python processes each (3 s): not in the unit tier
 def test_a_setting_means_the_same_with_or_without_the_activation_line(
         tmp_path: Path, env: dict[str, str], expected: dict | str) -> None:
     without = _run("plain", env, tmp_path)
