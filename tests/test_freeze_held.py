@@ -178,6 +178,18 @@ class _MyAdamW(torch.optim.AdamW):
     """A subclass may step otherwise: it keeps the copy back."""
 
 
+def _closure_steps(model, opt, batches) -> None:
+    """One ``opt.step(closure)`` per batch, the closure computing the loss (as Lightning's
+    automatic optimization does)."""
+    for x, y in batches:
+        def closure(x=x, y=y):
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(model, x, y)
+            loss.backward()
+            return loss
+        opt.step(closure)
+
+
 @pytest.mark.parametrize("make", [
     lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.01, initial_accumulator_value=0.1),
     lambda p: _MyAdamW(p, lr=1e-2, weight_decay=0.1),
@@ -189,13 +201,7 @@ def test_other_optimizers_keep_the_copy_back(make, no_live_freezes) -> None:
     opt = make(model.parameters())
     before = [p.detach().clone() for p in _vocab(model)]
     handle = freeze_base_vocab(model, BASE)
-    for x, y in _batches(4):
-        def closure(x=x, y=y):
-            opt.zero_grad(set_to_none=True)
-            loss = _loss(model, x, y)
-            loss.backward()
-            return loss
-        opt.step(closure)
+    _closure_steps(model, opt, _batches(4))
     assert handle.steps == 4
     for p, b in zip(_vocab(model), before):
         assert torch.equal(p.detach()[:BASE], b[:BASE])
@@ -232,13 +238,7 @@ def test_a_closure_the_guard_ran_is_held_one_it_did_not_is_copied_back(
     handle._restore = lambda: (restores.append(1), restore())
 
     def run(steps: int, seed: int) -> None:
-        for x, y in _batches(steps, seed=seed):
-            def closure(x=x, y=y):
-                opt.zero_grad(set_to_none=True)
-                loss = _loss(model, x, y)
-                loss.backward()
-                return loss
-            opt.step(closure)
+        _closure_steps(model, opt, _batches(steps, seed=seed))
     run(3, seed=1)
     assert len(restores) == 3  # no guard: copied back
     nan_guard.reset()

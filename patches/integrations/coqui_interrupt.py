@@ -74,9 +74,12 @@ def make_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
     return fit
 
 
-def make_uninterrupted(original: Callable[..., Any]) -> Callable[..., Any]:
+def make_uninterrupted(original: Callable[..., Any], *,
+                       on_end: Callable[[Any], None] | None = None) -> Callable[..., Any]:
     """A Trainer method (``train_step``, ``save_best_model``) that a signal interrupts only
-    once it has ended: an optimizer step or a save stopped half-way leaves nothing usable."""
+    once it has ended: an optimizer step or a save stopped half-way leaves nothing usable.
+    ``on_end(trainer)`` runs when it has ended, before a signal that came meanwhile is
+    raised."""
 
     @functools.wraps(original)
     def uninterrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -84,29 +87,24 @@ def make_uninterrupted(original: Callable[..., Any]) -> Callable[..., Any]:
         if interruption is None:
             return original(self, *args, **kwargs)
         with interruption.step():
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            if on_end is not None:
+                on_end(self)
+            return result
 
     uninterrupted._training_patch = PATCH  # type: ignore[attr-defined]
     return uninterrupted
+
+
+def _keep_after_step(trainer: Any) -> None:
+    _after_step[trainer] = coqui_checkpoint.after_step(trainer)
 
 
 def make_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
     """``Trainer.train_step`` as :func:`make_uninterrupted`, which also keeps what a
     checkpoint written on an interruption needs of the moment the step ended
     (:func:`.coqui_checkpoint.after_step`): a signal may come while the next batch is read."""
-
-    @functools.wraps(original)
-    def train_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        interruption = _interruptions.get(self)
-        if interruption is None:
-            return original(self, *args, **kwargs)
-        with interruption.step():
-            result = original(self, *args, **kwargs)
-            _after_step[self] = coqui_checkpoint.after_step(self)
-            return result
-
-    train_step._training_patch = PATCH  # type: ignore[attr-defined]
-    return train_step
+    return make_uninterrupted(original, on_end=_keep_after_step)
 
 
 def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
