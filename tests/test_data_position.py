@@ -193,3 +193,12 @@ def test_a_position_that_cannot_be_replayed_never_raises_into_the_loop(checkpoin
     assert batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert "could not continue epoch 0 at batch 1" in caplog.text
     assert "starts from its beginning" in caplog.text
+
+
+def test_the_count_read_after_each_step_is_none_for_a_loader_it_cannot_watch() -> None:
+    """data_position.yielded runs after every coqui training step: a trainer whose loader is
+    a plain list (not weak-referenceable) gets None, never an error in its step."""
+    from patches.checkpoint import data_position
+
+    assert data_position.yielded([[1, 2], [3, 4]]) is None
+    assert data_position.yielded(None) is None

@@ -354,7 +354,10 @@ def identity(loader: Any) -> dict[str, Any]:
 def yielded(loader: Any) -> int | None:
     """How many batches the epoch's iterator of ``loader`` has handed out (None when not
     known): read after a step, it is what :func:`position_of` counts then (``yielded=``)."""
-    watch = _WATCHED.get(_inner(loader)) if loader is not None else None
+    try:  # read after every coqui step: whatever a trainer's loader is, never an error
+        watch = _WATCHED.get(_inner(loader)) if loader is not None else None
+    except TypeError:  # not weak-referenceable (a list, a generator's owner): not watched
+        return None
     iterator = watch.iterator() if watch is not None else None
     count = getattr(iterator, "_num_yielded", None)
     return None if count is None else int(count)
