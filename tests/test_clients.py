@@ -431,7 +431,9 @@ if __name__ == "__main__":
 RANK_PROBE = """
 import os, sys, torch
 patches = sys.modules.get("patches")
-print("rank", os.environ["RANK"], "patched", int(bool(patches and patches.applied())))
+# one file per rank: two ranks printing to one pipe interleave their lines
+with open(f"rank{os.environ['RANK']}.txt", "w") as out:
+    out.write(f"rank {os.environ['RANK']} patched {int(bool(patches and patches.applied()))}")
 """
 
 
@@ -445,6 +447,7 @@ def test_launcher_reaches_spawned_workers_and_torchrun_ranks(tmp_path) -> None:
 
     (tmp_path / "ranks.py").write_text(RANK_PROBE)
     torchrun = Path(sys.executable).with_name("torchrun")
-    output = _run(LAUNCHER + [str(torchrun), "--standalone", "--nproc_per_node", "2",
-                              "ranks.py"], tmp_path, _env())
-    assert "rank 0 patched 1" in output and "rank 1 patched 1" in output
+    _run(LAUNCHER + [str(torchrun), "--standalone", "--nproc_per_node", "2", "ranks.py"],
+         tmp_path, _env())
+    assert [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)] == [
+        "rank 0 patched 1", "rank 1 patched 1"]
