@@ -8,12 +8,19 @@
   process dies, however it dies, so a killed run never leaves a stale lock. A second
   process asking for the same folder gets :class:`RunFolderInUse`, one paragraph naming
   the process that holds it.
+- :func:`side_folder`: for a folder another trainer owns (the HF Trainer's ``output_dir``,
+  Lightning's ``default_root_dir``, F5's checkpoint folder), the hidden folder beside it,
+  ``.<name>.training-patches``, that holds the lock (``lock_folder(..., beside=True)``)
+  and the run records, so that the trainer's folder holds exactly what the trainer wrote:
+  code that lists it (upstream's own tests do) finds no file of ours.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -25,6 +32,7 @@ except ImportError:  # Windows: no flock; folders are still claimed by mkdir
     fcntl = None  # type: ignore[assignment]
 
 LOCK_NAME = ".training-patches.lock"
+SIDE_SUFFIX = ".training-patches"
 
 # The locks this process holds: folder -> its open lock file (closing it would let go).
 _held: dict[str, int] = {}
@@ -50,6 +58,42 @@ def claim_new_folder(path: str | os.PathLike[str]) -> Path:
                          f"exist; give the run another name or folder.")
 
 
+def side_folder(folder: str | os.PathLike[str]) -> Path:
+    """``.<name>.training-patches`` beside ``folder`` (not created here)."""
+    folder = Path(os.path.abspath(folder))
+    return folder.parent / f".{folder.name}{SIDE_SUFFIX}"
+
+
+def is_side_folder(name: str) -> bool:
+    """Whether a folder's name is a :func:`side_folder`'s."""
+    return name.startswith(".") and name.endswith(SIDE_SUFFIX) and len(name) > len(SIDE_SUFFIX) + 1
+
+
+def _drop_orphan_sides() -> None:
+    """At exit: the side folders of folders that are gone (a removed temporary folder)
+    would only be litter beside them."""
+    for key in list(_sides):
+        if not os.path.isdir(key):
+            shutil.rmtree(_sides.pop(key), ignore_errors=True)
+
+
+_sides: dict[str, Path] = {}  # folder -> the side folder this process made use of
+
+
+def ensure_side_folder(folder: str | os.PathLike[str]) -> Path:
+    """:func:`side_folder` of ``folder``, created when missing (best effort); removed at
+    this process's exit if ``folder`` is gone by then."""
+    side = side_folder(folder)
+    try:
+        side.mkdir(exist_ok=True)
+    except OSError:
+        pass  # a read-only parent: the writes into it say so, best effort
+    if not _sides:
+        atexit.register(_drop_orphan_sides)
+    _sides[os.path.abspath(folder)] = side
+    return side
+
+
 def _holder(lock: Path) -> str:
     try:
         found: Any = json.loads(lock.read_text(encoding="utf-8"))
@@ -62,17 +106,18 @@ def _holder(lock: Path) -> str:
 
 
 def lock_folder(folder: str | os.PathLike[str], *, what: str = "run folder",
-                overwritten: str = "checkpoints and config.json") -> Path:
-    """Lock ``folder`` for this process (again: nothing to do); returns the lock file.
+                overwritten: str = "checkpoints and config.json", beside: bool = False) -> Path:
+    """Lock ``folder`` for this process (again: nothing to do); returns the lock file, in
+    ``folder`` or, with ``beside``, in its :func:`side_folder`.
 
     Raises :class:`RunFolderInUse` when another process holds it. Where the system has no
     ``flock`` (Windows, some network mounts) or the lock file cannot be made (a read-only
     folder), nothing is locked."""
+    lock = (ensure_side_folder(folder) if beside else Path(folder)) / LOCK_NAME
     if fcntl is None:
-        return Path(folder) / LOCK_NAME
+        return lock
     folder = Path(folder)
     key = os.path.realpath(folder)
-    lock = folder / LOCK_NAME
     if key in _held:
         return lock
     try:
@@ -106,4 +151,5 @@ def holds(folder: str | os.PathLike[str]) -> bool:
     return os.path.realpath(folder) in _held
 
 
-__all__ = ["LOCK_NAME", "RunFolderInUse", "claim_new_folder", "lock_folder", "holds"]
+__all__ = ["LOCK_NAME", "RunFolderInUse", "claim_new_folder", "ensure_side_folder",
+           "holds", "is_side_folder", "lock_folder", "side_folder"]

@@ -244,9 +244,9 @@ def test_a_failed_save_leaves_the_last_checkpoint_whole(run_state, tmp_path, mon
         return
     again = torch.load(last, weights_only=True)
     assert again["update"] == saved["update"] == BATCHES
-    # no temporary file left: the checkpoint, and the run's lock and start/end records
-    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
-        ".training-patches.lock", "model_last.pt", "trainer_runs.jsonl"]
+    # no temporary file left: the checkpoint only (the run's lock and start/end records are
+    # beside the folder)
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["model_last.pt"]
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "integration_off"])
@@ -355,7 +355,8 @@ def test_a_second_run_into_a_checkpoint_path_in_use_is_refused(run_state, tmp_pa
     folder.mkdir()
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from patches import _runlock; "
-         "_runlock.lock_folder(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+         "_runlock.lock_folder(sys.argv[1], beside=True); print('held', flush=True); "
+         "sys.stdin.read()",
          str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=child_path(Path(__file__).parents[1])))
     try:
@@ -372,5 +373,6 @@ def test_a_second_run_into_a_checkpoint_path_in_use_is_refused(run_state, tmp_pa
     finally:
         holder.communicate("", timeout=30)
     _train(folder, Clips())
-    runs = [json.loads(line) for line in (folder / "trainer_runs.jsonl").open()]
+    side = patches._runlock.side_folder(folder)
+    runs = [json.loads(line) for line in (side / "trainer_runs.jsonl").open()]
     assert [(r["event"], r["step"]) for r in runs] == [("start", 0), ("finished", BATCHES)]

@@ -374,20 +374,26 @@ def test_a_second_fit_into_a_log_dir_in_use_is_refused(clean_patches, tmp_path) 
     (tmp_path / "run").mkdir()
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from patches import _runlock; "
-         "_runlock.lock_folder(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+         "_runlock.lock_folder(sys.argv[1], beside=True); print('held', flush=True); "
+         "sys.stdin.read()",
          str(tmp_path / "run")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env=_child_env())
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(patches.RunFolderInUse, match=f"in use by process {holder.pid}"):
             _quiet_trainer(tmp_path / "run", 2).fit(TinyText(20))
-        assert not (tmp_path / "run" / "trainer_runs.jsonl").exists()
+        assert not (side := patches._runlock.side_folder(tmp_path / "run")).exists() or \
+            not (side / "trainer_runs.jsonl").exists()
     finally:
         holder.communicate("", timeout=30)
     _quiet_trainer(tmp_path / "run", 2).fit(TinyText(20))
     _quiet_trainer(tmp_path / "run", 2).fit(TinyText(20))
-    runs = [json.loads(line) for line in (tmp_path / "run" / "trainer_runs.jsonl").open()]
+    runs = [json.loads(line) for line in (side / "trainer_runs.jsonl").open()]
     assert [(r["event"], r["step"]) for r in runs] == [("start", 0), ("finished", 2)] * 2
+    # the lock and the records are beside the folder: it holds what Lightning wrote
+    # (upstream's own tests list default_root_dir exactly)
+    assert not [p.name for p in (tmp_path / "run").rglob("*")
+                if "training-patches" in p.name or p.name == "trainer_runs.jsonl"]
 
 
 def _child_env() -> dict[str, str]:

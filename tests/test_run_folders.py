@@ -74,6 +74,31 @@ def test_a_folder_locked_by_another_process_is_refused_until_it_ends(tmp_path: P
     assert json.loads((folder / LOCK_NAME).read_text())["pid"] == os.getpid()
 
 
+def test_a_lock_beside_a_trainers_folder_refuses_alike_and_leaves_no_litter(
+        tmp_path: Path) -> None:
+    """``beside=True`` (the HF, Lightning and F5 integrations): the lock refuses a second
+    process as in the folder, the trainer's folder holds nothing of ours, and a process that
+    ends after its folder was removed (a temporary folder) removes the side folder too."""
+    folder = tmp_path / "output_dir"
+    folder.mkdir()
+    with another_process(lambda: lock_folder(folder, beside=True)) as pid:
+        with pytest.raises(RunFolderInUse, match=f"is in use by process {pid} on "):
+            lock_folder(folder, beside=True)
+    assert list(folder.iterdir()) == []
+    assert (tmp_path / ".output_dir.training-patches" / LOCK_NAME).is_file()
+    gone, kept = tmp_path / "gone", tmp_path / "kept"
+    for each in (gone, kept):
+        each.mkdir()
+        subprocess.run([sys.executable, "-c",
+                        "import shutil, sys; from patches._runlock import lock_folder; "
+                        "lock_folder(sys.argv[1], beside=True); "
+                        "sys.argv[2] == 'rm' and shutil.rmtree(sys.argv[1])",
+                        str(each), "rm" if each is gone else "keep"], check=True,
+                       env=dict(os.environ, PYTHONPATH=child_path(ROOT)), timeout=120)
+    assert not (tmp_path / ".gone.training-patches").exists()
+    assert (tmp_path / ".kept.training-patches" / LOCK_NAME).is_file()
+
+
 @pytest.mark.xtts
 def test_coqui_runs_started_in_the_same_minute_get_their_own_folders(tmp_path: Path,
                                                                      monkeypatch) -> None:

@@ -361,7 +361,8 @@ def test_a_second_run_into_an_output_dir_in_use_is_refused(run_state, tmp_path,
     out.mkdir()
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from patches import _runlock; "
-         "_runlock.lock_folder(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+         "_runlock.lock_folder(sys.argv[1], beside=True); print('held', flush=True); "
+         "sys.stdin.read()",
          str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_child_env())
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -382,8 +383,12 @@ def test_a_second_run_into_an_output_dir_in_use_is_refused(run_state, tmp_path,
     transformers.Trainer(model=_model(), args=_saving_args(out, 2), train_dataset=_rows()).train()
     transformers.Trainer(model=_model(), args=_saving_args(out, 4),
                          train_dataset=_rows()).train(resume_from_checkpoint=True)
-    runs = [json.loads(line)["event"] for line in (out / "trainer_runs.jsonl").open()]
+    side = patches._runlock.side_folder(out)
+    runs = [json.loads(line)["event"] for line in (side / "trainer_runs.jsonl").open()]
     assert runs == ["start", "finished", "start", "finished"]
+    # the lock and the records are beside output_dir: it holds what the HF Trainer wrote
+    # (upstream's own tests list it exactly)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4"]
 
 
 def _child_env() -> dict[str, str]:

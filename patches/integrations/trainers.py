@@ -4,14 +4,17 @@ tokenizer the trainer holds. The coqui Trainer's are :mod:`.coqui_checkpoint` an
 :mod:`.coqui_interrupt`.
 
 - :func:`claim`: the folder the trainer writes its checkpoints into is locked for this
-  process (:func:`patches._runlock.lock_folder`) before it writes there: a second run into a
+  process (:func:`patches._runlock.lock_folder`, the lock in the hidden
+  ``.<name>.training-patches`` folder beside it, so that the trainer's folder holds only
+  what the trainer writes) before it writes there: a second run into a
   folder another process trains in is :class:`patches.RunFolderInUse`, one paragraph naming
   that process, nothing written (upstream: the two overwrote each other's checkpoints, exit
   0). The lock goes when the process ends, however it ends; a later run in the same folder
   (a resume) takes it again.
 - :class:`RunRecord`: ``start`` when the run begins (the folder claimed then), and its end
   (``finished``, ``interrupted`` with the signal, ``failed`` with the error) in the folder's
-  ``trainer_runs.jsonl``, which ``training-patches report`` reads. Each record names the
+  ``trainer_runs.jsonl`` (beside it, in ``.<name>.training-patches``), which
+  ``training-patches report`` reads with the folder. Each record names the
   host and the process, so that a run killed outright (SIGKILL, or a SIGTERM the trainer
   does not handle), which records no end, is told from one still running.
 - :func:`spelling_tokenizer`: the tokenizer a trainer holds, as ``load_checkpoint``'s
@@ -36,7 +39,8 @@ def claim(folder: Any, *, trainer: str, overwritten: str) -> None:
     if not folder or "://" in str(folder):
         return  # no local folder: nothing to lock
     Path(folder).mkdir(parents=True, exist_ok=True)
-    _runlock.lock_folder(folder, what=f"{trainer}'s output folder", overwritten=overwritten)
+    _runlock.lock_folder(folder, what=f"{trainer}'s output folder", overwritten=overwritten,
+                         beside=True)
 
 
 def signal_of(exc: BaseException | None) -> str | None:
@@ -58,8 +62,8 @@ def signal_of(exc: BaseException | None) -> str | None:
 
 def _record(folder: Any, event: str, **fields: Any) -> None:
     if folder and os.path.isdir(folder):
-        _run.record_in(folder, _run.TRAINER_RUNS_FILE, event, run_folder=str(folder),
-                       host=socket.gethostname(), **fields)
+        _run.record_in(_runlock.ensure_side_folder(folder), _run.TRAINER_RUNS_FILE, event,
+                       run_folder=str(folder), host=socket.gethostname(), **fields)
 
 
 class RunRecord:

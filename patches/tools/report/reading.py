@@ -38,7 +38,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import _run
+from ... import _run, _runlock
 from ..._log import logger
 
 # the run's own files, named where the patches write them (patches._run)
@@ -187,14 +187,24 @@ def _marker_folders(root: str) -> dict[str, list[str]]:
     for folder, dirs, names in os.walk(root):
         if folder.rstrip(os.sep).count(os.sep) - base_depth >= MAX_DEPTH:
             dirs[:] = []
-        dirs.sort()
+        # a side folder's records are read with the folder they are beside (_side_names)
+        dirs[:] = sorted(d for d in dirs if not _runlock.is_side_folder(d))
         if folder != root and HF_CHECKPOINT.match(os.path.basename(folder)):
             dirs[:] = []  # an HF checkpoint's files are the folder above's (its state)
             continue
         if any(_is_jsonl(n) or n.startswith(TB_PREFIX) or _is_trainer_log(n)
-               for n in names) or _trainer_logs(folder, names + dirs):
+               for n in names) or _trainer_logs(folder, names + dirs) or _side_names(folder):
             found[folder] = sorted(names + dirs)
     return found
+
+
+def _side_names(folder: str) -> list[str]:
+    """The record files in the hidden folder beside ``folder`` where a trainer integration
+    keeps its lock and ``trainer_runs.jsonl`` (:func:`patches._runlock.side_folder`)."""
+    try:
+        return sorted(n for n in os.listdir(_runlock.side_folder(folder)) if _is_jsonl(n))
+    except OSError:
+        return []
 
 
 def find_runs(root: str, *, scalars: bool = True) -> list[Run]:
@@ -223,6 +233,7 @@ def find_runs(root: str, *, scalars: bool = True) -> list[Run]:
         run = Run(folder=folder, shared_folders=sorted(shared, key=len))
         for place in [folder, *run.shared_folders]:
             _read_folder(run, place, folders[place])
+            _read_folder(run, str(_runlock.side_folder(place)), _side_names(place))
         read_trainer_logs(run, folders)
         if scalars:
             read_scalars(run, [n for n in folders[folder] if n.startswith(TB_PREFIX)])
