@@ -7,7 +7,7 @@ Each measurement runs in a fresh subprocess: import torch and patches, build the
 and the (empty) optimizer, reset the kernel's high-water mark (``/proc/self/clear_refs``
 ``5``), take ``VmRSS``, load, and read ``VmHWM``; ``ru_maxrss`` is reported beside it.
 Compared: ``patches.load_checkpoint`` (``torch.load(mmap=True, weights_only=True)``, the
-SHA-256 of the manifest verified and every tensor checked for NaN/Inf before anything is
+manifest's digest verified and every tensor checked for NaN/Inf before anything is
 touched), the same with those checks off (``verify_hash=False, allow_nonfinite=True``),
 and the usual ``torch.load(weights_only=True)`` + ``load_state_dict`` of both states.
 Each line also gives the load's wall time (the checks read the file once more).
@@ -21,10 +21,15 @@ moments, then runs N interleaved rounds (the order flipped each round) of ``torc
 against ``CheckpointManager.save``, and of ``torch.load`` + ``load_state_dict`` against
 ``load_checkpoint`` (hash verified, the default) and ``load_checkpoint(verify_hash=False)``;
 medians, and each round's ratio to torch's. ``CheckpointManager.save`` fsyncs its file and
-torch.save does not: ``torch.save`` + ``os.fsync`` is timed too. Beside the wall clock, the
+torch.save does not: ``torch.save`` + ``os.fsync`` is timed too. Every save writes a new file
+and then removes the one before it, as ``CheckpointManager(keep=1)`` does. Beside the wall clock, the
 CPU seconds of the calling thread (its critical path when another core is free: the hash and
 the finite scans run in threads of their own) and of the whole process, which a machine busy
-with other work stretches less than the wall clock.
+with other work stretches less than the wall clock. The manifest's digest is BLAKE3 chunks
+(the default); the save and load with SHA-256 chunks (what a copy without the ``blake3``
+package records) and the load of a manifest with the whole file's SHA-256 (written before the
+chunked digest) are timed too, the load through a hard link to the same file with its own
+manifest.
 
     .venv/bin/python benchmarks/bench_checkpoint_memory.py --width 1024 --depth 12 --time-rounds 3
 """
@@ -133,19 +138,26 @@ def time_rounds(folder: Path, vocab: int, hidden: int, layers: int, depth: int,
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    plain = folder / "plain.pt"
     manager = CheckpointManager(folder / "managed", keep=1)
+    step = [0]
 
-    def torch_save() -> None:
+    def torch_save() -> Path:
+        # A new file per save, the previous one removed after (a trainer's checkpoint_<step>
+        # files, kept 1, as the manager does): torch.save over the same file instead made the
+        # next new file's write cost 3x the CPU here (the truncated file's pages and blocks
+        # freed meanwhile), which an interleaved round then charged to whatever came next.
+        step[0] += 1
+        plain = folder / f"plain_{step[0]}.pt"
         torch.save({"model": model.state_dict(), "optimizer": [optimizer.state_dict()]}, plain)
+        for old in folder.glob("plain_*.pt"):
+            if old != plain:
+                old.unlink()
+        return plain
 
     def torch_save_fsync() -> None:
-        torch_save()
-        fd = os.open(plain, os.O_RDONLY)
+        fd = os.open(torch_save(), os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-
-    step = [0]
 
     def manager_save() -> None:
         step[0] += 1
@@ -153,6 +165,23 @@ def time_rounds(folder: Path, vocab: int, hidden: int, layers: int, depth: int,
 
     saves = {"torch.save": torch_save, "torch.save+fsync": torch_save_fsync,
              "CheckpointManager.save": manager_save}
+    try:
+        from patches.checkpoint import digest
+        chunked = hasattr(digest, "ChunkedDigest")
+    except ImportError:  # a tree from before the digest module
+        chunked = False
+    if chunked:
+        sha_manager = CheckpointManager(folder / "managed_sha256", keep=1)
+
+        def manager_save_sha256() -> None:
+            step[0] += 1
+            blake3, digest._blake3 = digest._blake3, None  # as a copy without blake3
+            try:
+                sha_manager.save(step[0], model, optimizer)
+            finally:
+                digest._blake3 = blake3
+
+        saves["CheckpointManager.save (SHA-256 chunks)"] = manager_save_sha256
     times: dict[str, list[float]] = {name: [] for name in saves}
     main_cpu: dict[str, list[float]] = {name: [] for name in saves}
     all_cpu: dict[str, list[float]] = {name: [] for name in saves}
@@ -187,6 +216,25 @@ def time_rounds(folder: Path, vocab: int, hidden: int, layers: int, depth: int,
                  path, model, optimizer, freeze=False, verify_hash=False),
              "resume('auto') + load_checkpoint": lambda: load_checkpoint(
                  manager.resume("auto"), model, optimizer, freeze=False)}
+    algorithm = "SHA-256 of the whole file"
+    if chunked:
+        from patches.checkpoint import manifest_path
+
+        manifest = json.loads(manifest_path(path).read_text())
+        algorithm = f"{manifest['digest']['algorithm']} chunks"
+        for name, record in (("SHA-256 chunks", "sha256"), ("old manifest: SHA-256", None)):
+            link = folder / name.replace(" ", "_").replace(":", "") / path.name
+            link.parent.mkdir()
+            os.link(path, link)  # the same inode: the same page cache
+            other = dict(manifest)
+            if record is None:
+                del other["digest"]
+                other["sha256"] = digest.sha256_file(link)
+            else:
+                other["digest"] = digest.file_record(link, record)
+            manifest_path(link).write_text(json.dumps(other))
+            loads[f"load_checkpoint ({name})"] = (
+                lambda link=link: load_checkpoint(link, model, optimizer, freeze=False))
     for table in (times, main_cpu, all_cpu):
         table.update({name: [] for name in loads})
     for r in range(rounds):
@@ -197,7 +245,8 @@ def time_rounds(folder: Path, vocab: int, hidden: int, layers: int, depth: int,
           f"python {platform.python_version()}, torch {torch.__version__}, 1 torch thread; "
           f"load average {os.getloadavg()[0]:.1f} at the end")
     print(f"model: vocab {vocab}, width {hidden}, {depth} blocks + {layers} linear layers, "
-          f"{params / 1e6:.0f} M params + AdamW; file {size / 1e9:.2f} GB; {rounds} rounds")
+          f"{params / 1e6:.0f} M params + AdamW; file {size / 1e9:.2f} GB; {rounds} rounds; "
+          f"digest: {algorithm}")
     print("| what | wall s, median (each round) | wall ratio | calling thread CPU s | ratio "
           "| process CPU s | ratio |")
     print("|---|---|---|---|---|---|---|")

@@ -1,8 +1,8 @@
-"""The checkpoint's checks cost no pass of their own (issue 41): a load hashes the file in a
-thread beside ``torch.load`` and the checks, ``resume('auto')`` then ``load_checkpoint`` read
-the file for its hash once, a save hashes the bytes as they are written and scans for NaN/Inf
-beside the write, the scan is one min/max reduction per tensor; a changed file is still
-refused, whichever check meets it first."""
+"""The checkpoint's checks cost no pass of their own (issue 41): a load hashes the file's
+chunks in threads beside ``torch.load`` and the checks, ``resume('auto')`` then
+``load_checkpoint`` read the file for its hash once, a save hashes the bytes as they are
+written and scans for NaN/Inf beside the write, the scan is one min/max reduction per tensor;
+a changed file is still refused, whichever check meets it first."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ def test_the_hash_is_read_while_torch_load_runs(tmp_path, monkeypatch):
     path, _ = _saved(tmp_path / "run")
     loading = threading.Event()
     seen: list[bool] = []
-    real_hash, real_load = digest._hash, torch.load
+    real_hash, real_load = digest._hash_chunks, torch.load
 
     def hash_after_load_began(*args, **kwargs):
         seen.append(loading.wait(timeout=30))
@@ -62,7 +63,7 @@ def test_the_hash_is_read_while_torch_load_runs(tmp_path, monkeypatch):
         loading.set()
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(digest, "_hash", hash_after_load_began)
+    monkeypatch.setattr(digest, "_hash_chunks", hash_after_load_began)
     monkeypatch.setattr(torch, "load", load)
     model, opt = _objects(seed=1)
     load_checkpoint(path, model, opt, freeze=False)
@@ -90,7 +91,7 @@ def test_a_file_changed_after_its_hash_was_remembered_is_refused(tmp_path, monke
     _flip(path, model[0].weight)
     target = _objects(seed=1)
     kept = target[0][0].weight.detach().clone()
-    with pytest.raises(CheckpointError, match="SHA-256"):
+    with pytest.raises(CheckpointError, match="BLAKE3 digest in its manifest"):
         load_checkpoint(path, *target, freeze=False)
     assert torch.equal(target[0][0].weight, kept)
 
@@ -101,7 +102,7 @@ def test_a_changed_file_that_also_fails_to_plan_is_refused_as_changed(tmp_path, 
     path, model = _saved(tmp_path / "run")
     _flip(path, model[0].weight)
     other = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64))  # does not fit either
-    with pytest.raises(CheckpointError, match="SHA-256"):
+    with pytest.raises(CheckpointError, match="BLAKE3 digest in its manifest"):
         load_checkpoint(path, other, freeze=False)
 
 
@@ -134,7 +135,7 @@ def test_the_manifest_hash_is_the_files_with_blocks_over_the_parallel_size(tmp_p
     from patches.checkpoint.reading import read_manifest
 
     manifest, _ = read_manifest(path)
-    assert manifest.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert manifest.digest["chunks"] == [blake3.blake3(path.read_bytes()).hexdigest()]
 
 
 def test_the_save_scans_for_nonfinite_tensors_while_it_writes(tmp_path, monkeypatch):
@@ -179,7 +180,7 @@ def test_the_saved_file_is_hashed_as_it_is_written_beside_each_large_block(tmp_p
     written = atomic.write_atomically(tmp_path / "f.bin", lambda handle: handle.write(block),
                                       digest=True)
     assert calls == [len(block)]
-    assert written.sha256 == hashlib.sha256(block).hexdigest()
+    assert written.digest["chunks"] == [blake3.blake3(block).hexdigest()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -215,7 +216,7 @@ def test_a_hash_that_cannot_run_refuses_the_load(tmp_path, monkeypatch):
     def fails(*args, **kwargs):
         raise MemoryError("no room for the buffer")
 
-    monkeypatch.setattr(digest, "_hash", fails)
+    monkeypatch.setattr(digest, "_hash_chunks", fails)
     target = _objects(seed=1)
     kept = target[0][0].weight.detach().clone()
     with pytest.raises(CheckpointError, match="verify"):

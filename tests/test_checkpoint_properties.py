@@ -124,7 +124,7 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
                                                                   max_size=4),
     max_leaves=12)
-REAL_KEYS = ("format", "file", "step", "generation", "bytes", "sha256", "nonfinite",
+REAL_KEYS = ("format", "file", "step", "generation", "bytes", "digest", "sha256", "nonfinite",
              "vocab_size", "param_shapes", "amp", "time", "written_by")
 
 

@@ -250,7 +250,7 @@ def test_flipped_byte_in_the_text_embedding_is_refused_by_the_hash(tmp_path, cap
     _flip_inside(path, model.text_embedding.weight)
     target = _objects(seed=3)
     before = _state_of(*target)
-    with pytest.raises(CheckpointError, match="SHA-256") as info:
+    with pytest.raises(CheckpointError, match="does not match the BLAKE3 digest") as info:
         load_checkpoint(path, *target, freeze=False)
     assert str(path) in str(info.value) and "verify_hash=False" in str(info.value)
     assert _same(_state_of(*target), before)
@@ -708,7 +708,7 @@ def test_atomic_torch_save_checks_the_space_too(tmp_path, monkeypatch):
 BAD_MANIFESTS = {
     "a_list": "[1, 2, 3]",
     "step_fifty": None,  # filled in from the real manifest below
-    "missing_sha256": None,
+    "missing_digest": None,
     "negative_generation": None,
     "null": "null",
     "not_json": "{not json",
@@ -725,8 +725,8 @@ def _bad_manifest(real: dict, kind: str) -> str:
     data = dict(real)
     if kind == "step_fifty":
         data["step"] = "fifty"
-    elif kind == "missing_sha256":
-        del data["sha256"]
+    elif kind == "missing_digest":
+        del data["digest"]
     elif kind == "negative_generation":
         data["generation"] = -1
     else:

@@ -23,7 +23,6 @@ not fit even there is the :class:`~patches.checkpoint.errors.DiskFullError` it a
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
@@ -36,7 +35,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .digest import update_while
+from .digest import ChunkedDigest, update_while
 from .errors import CheckpointWriteError, DiskFullError, write_refused
 
 # Marks the temporary files of an atomic write; the writer's pid and host follow it
@@ -72,11 +71,12 @@ logger = logging.getLogger("training_patches")
 
 @dataclass(frozen=True)
 class Written:
-    """A completed atomic write: where, how many bytes, and their SHA-256 (when asked)."""
+    """A completed atomic write: where, how many bytes, and their ``digest`` record (when
+    asked: :class:`.digest.ChunkedDigest`, the manifest's field)."""
 
     path: Path
     size: int
-    sha256: str | None
+    digest: dict[str, Any] | None
 
 
 class _Sink:
@@ -281,7 +281,8 @@ def _write_error(path: Path, error: OSError, needed: int | None, *,
 
 def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], *,
                      digest: bool = False, needed: int | None = None) -> Written:
-    """:func:`atomic_write` that also returns the size and (``digest``) SHA-256 written.
+    """:func:`atomic_write` that also returns the size and (``digest``) the digest record of
+    the bytes written (:class:`.digest.ChunkedDigest`).
 
     The hash is taken from the bytes as they are written, so the file is not read back.
     ``needed`` (the estimated size) goes into the paragraph of a full disk.
@@ -298,7 +299,7 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], 
     sink: _Sink | None = None
     try:
         with os.fdopen(fd, "wb") as handle:
-            sink = _Sink(handle, hashlib.sha256() if digest else None)
+            sink = _Sink(handle, ChunkedDigest() if digest else None)
             write(sink)
             handle.flush()
             os.fsync(handle.fileno())
@@ -315,8 +316,8 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], 
         raise
     _fsync_dir(path.parent)
     size = sink.size
-    sha = sink._digest.hexdigest() if sink._digest is not None else None
-    return Written(path, size, sha)
+    record = sink._digest.record() if sink._digest is not None else None
+    return Written(path, size, record)
 
 
 def atomic_write(path: str | os.PathLike[str], write: Any) -> Path:

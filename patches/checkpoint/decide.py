@@ -127,7 +127,7 @@ def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, s
     problem found is the one raised). Raises :class:`CheckpointError` or
     :class:`CheckpointMismatchError`; nothing passed in is changed.
 
-    The manifest's SHA-256 is read in a thread meanwhile (issue 41: beside ``torch.load``
+    The manifest's digest is read in threads meanwhile (issue 41: beside ``torch.load``
     and the tensor checks, which read every byte too, not in a pass of its own before them)
     and waited for before the plan is returned. A file that fails to plan is refused as
     changed or damaged when its hash does not match (that refusal comes first)."""

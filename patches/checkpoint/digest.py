@@ -1,40 +1,89 @@
-"""The checkpoint's SHA-256, taken where the bytes pass anyway (issue 41).
+"""The checkpoint's digest, taken where the bytes pass anyway (issue 41).
 
-One helper hashes a file (:func:`sha256_file`: a file's manifest check, a sharded folder's
-shards). A load does not wait for it: the reader runs it in a thread while ``torch.load`` and
-the loader's checks run (``hashlib`` and file reads release the GIL;
-:class:`patches.checkpoint.reading.Verification`) and waits only before it changes anything.
-A save hashes the bytes as ``torch.save`` writes them, a large block in a thread while it is
-written (:func:`update_while`), and scans for NaN/Inf beside the write (:func:`beside`).
-A hash is remembered while the file's inode, size and times are those it had when the hash
-began and were older than it by more than any timestamp granularity (:data:`SETTLED_S`):
-``resume('auto')`` then ``load_checkpoint`` read the file for its hash once. A write after
-the hash began changes the file's change time (ctime), which no process can set back.
+A manifest vouches for its file with a ``digest`` record (:data:`DIGEST_VERSION` 1): the
+file cut into chunks of ``chunk_bytes`` (:data:`CHUNK_BYTES`, the last one to the end of the
+file), each hashed on its own with ``algorithm``: ``"blake3"`` (the ``blake3`` package:
+about 5 GB/s on one core, four times SHA-256's 1.2-1.5 GB/s, so that the check keeps up with
+``torch.load`` instead of being the load's critical path) or ``"sha256"`` where that package
+is missing. Both are cryptographic: a file that changed is refused, whether by accident or
+on purpose. Chunks let several threads hash one file (hashers and reads release the GIL:
+:func:`file_chunks`) and name the bytes that changed. Manifests written before the record
+hold ``sha256``, the SHA-256 of the whole file, which is still read and checked
+(:func:`sha256_file`).
+
+A load does not wait for the hash: the reader runs it in a thread while ``torch.load`` and
+the loader's checks run (:class:`patches.checkpoint.reading.Verification`) and waits only
+before it changes anything. A save hashes the bytes as ``torch.save`` writes them, a large
+block in a thread while it is written (:func:`update_while` with a :class:`ChunkedDigest`),
+and scans for NaN/Inf beside the write (:func:`beside`). A hash is remembered while the
+file's inode, size and times are those it had when the hash began and were older than it by
+more than any timestamp granularity (:data:`SETTLED_S`): ``resume('auto')`` then
+``load_checkpoint`` read the file for its hash once. A write after the hash began changes
+the file's change time (ctime), which no process can set back.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import mmap
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-# Bytes per read: large enough that hashlib releases the GIL and a read is one system call.
+# The blake3 module (a declared dependency), imported at the first digest, not with the
+# package (4 ms of `import patches.auto`); None where it is missing: a copy of patches/
+# without it writes SHA-256 chunks instead (tests set None to stand for that).
+_NOT_LOADED: Any = object()
+_blake3: Any = _NOT_LOADED
+
+
+def _blake3_module() -> Any:
+    global _blake3
+    if _blake3 is _NOT_LOADED:
+        try:
+            import blake3  # lazy: 4 ms of the import line, needed only at a digest
+        except ImportError:
+            blake3 = None
+        _blake3 = blake3
+    return _blake3
+
+# Bytes per read of a whole-file SHA-256: large enough that hashlib releases the GIL and a
+# read is one system call.
 BLOCK = 1 << 22
+# Bytes per read of a chunk: the buffer stays in the core's cache between the read and the
+# hash (1 MiB: 0.42 s of CPU for 1.8 GB with BLAKE3 here, 4 MiB: 0.46 s).
+READ_BLOCK = 1 << 20
+# Bytes per hash call from a memory map: a stop is seen within one of them.
+MAPPED_BLOCK = 16 << 20
 # A write of at least this many bytes is hashed in a thread while it is written.
 PARALLEL_BYTES = 1 << 20
 # How much older than the hash a file's times must be for its result to be remembered: more
 # than any file system's timestamp granularity (Linux: a clock tick; FAT: 2 s).
 SETTLED_S = 3.0
+# The manifest's "digest" record: its version, the chunk size saves use, the algorithms read.
+DIGEST_VERSION = 1
+CHUNK_BYTES = 64 << 20
+ALGORITHMS = ("blake3", "sha256")
+NAMES = {"blake3": "BLAKE3", "sha256": "SHA-256"}
+# At most this many threads hash one file's chunks.
+MAX_WORKERS = 8
 
-# (real path, device, inode, size, mtime_ns, ctime_ns) -> SHA-256 hex of a file whose times
-# were settled when it was hashed.
-_verified: dict[tuple[Any, ...], str] = {}
+# (real path, device, inode, size, mtime_ns, ctime_ns[, algorithm, chunk_bytes]) -> the
+# SHA-256 hex, or the chunks' digests, of a file whose times were settled when it was hashed.
+_verified: dict[tuple[Any, ...], Any] = {}
 _verified_lock = threading.Lock()
 # Bytes read for a hash in this process (tests count them: a load reads its file once).
 bytes_hashed = 0
+_count_lock = threading.Lock()
+
+
+def _counted(count: int) -> None:
+    global bytes_hashed
+    with _count_lock:  # chunks are hashed by several threads at once
+        bytes_hashed += count
 
 
 def _identity(path: Path) -> tuple[tuple[Any, ...], float]:
@@ -44,9 +93,19 @@ def _identity(path: Path) -> tuple[tuple[Any, ...], float]:
              st.st_ctime_ns), max(st.st_mtime_ns, st.st_ctime_ns) / 1e9)
 
 
+def _remember(key: tuple[Any, ...], changed: float, started: float, result: Any) -> None:
+    if started - changed > SETTLED_S:
+        with _verified_lock:
+            _verified[key] = result
+
+
+def _remembered(key: tuple[Any, ...]) -> Any:
+    with _verified_lock:
+        return _verified.get(key)
+
+
 def _hash(path: Path, stop: threading.Event | None = None) -> str | None:
     """SHA-256 of ``path`` (None: stopped). Reads into one reused buffer."""
-    global bytes_hashed
     key, changed = _identity(path)
     started = time.time()
     digest = hashlib.sha256()
@@ -60,11 +119,9 @@ def _hash(path: Path, stop: threading.Event | None = None) -> str | None:
             if not count:
                 break
             digest.update(view[:count])
-            bytes_hashed += count
+            _counted(count)
     result = digest.hexdigest()
-    if started - changed > SETTLED_S:
-        with _verified_lock:
-            _verified[key] = result
+    _remember(key, changed, started, result)
     return result
 
 
@@ -73,11 +130,232 @@ def sha256_file(path: str | os.PathLike[str], stop: threading.Event | None = Non
     ``stop`` set: the reading ends at the next block and "" is returned."""
     path = Path(path)
     try:
-        with _verified_lock:
-            known = _verified.get(_identity(path)[0])
+        known = _remembered(_identity(path)[0])
     except OSError:
         known = None
     return known or _hash(path, stop) or ""
+
+
+def default_algorithm() -> str:
+    """The algorithm a save uses: ``"blake3"`` where the package is installed, else
+    ``"sha256"``."""
+    return "blake3" if _blake3_module() is not None else "sha256"
+
+
+def can_check(algorithm: str) -> bool:
+    """Whether this process can compute ``algorithm`` (BLAKE3 needs the blake3 package)."""
+    return algorithm == "sha256" or (algorithm == "blake3" and _blake3_module() is not None)
+
+
+def _hasher(algorithm: str) -> Any:
+    module = _blake3_module() if algorithm == "blake3" else None
+    if module is not None:
+        return module.blake3()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"cannot compute the {algorithm!r} digest here")
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    """How many chunks a digest record of a ``size``-byte file lists (one for an empty one)."""
+    return max(1, -(-size // chunk_bytes))
+
+
+class ChunkedDigest:
+    """The ``digest`` record of a stream of bytes fed in order through :meth:`update` (a
+    save: the bytes as torch.save writes them; the file is not read back)."""
+
+    def __init__(self, algorithm: str | None = None, chunk_bytes: int | None = None) -> None:
+        self.algorithm = algorithm or default_algorithm()
+        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
+        self._chunks: list[str] = []
+        self._current = _hasher(self.algorithm)
+        self._filled = 0
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            take = min(self.chunk_bytes - self._filled, view.nbytes)
+            self._current.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.chunk_bytes:
+                self._chunks.append(self._current.hexdigest())
+                self._current, self._filled = _hasher(self.algorithm), 0
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's ``digest``: version, algorithm, chunk size, each chunk's hex."""
+        chunks = list(self._chunks)
+        if self._filled or not chunks:
+            chunks.append(self._current.hexdigest())
+        return {"version": DIGEST_VERSION, "algorithm": self.algorithm,
+                "chunk_bytes": self.chunk_bytes, "chunks": chunks}
+
+
+def _workers(count: int, beside_load: bool = True) -> int:
+    """Threads for ``count`` chunks: every core, but the one the load runs on when the hash
+    runs beside it."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    return max(1, min(count, cpus - beside_load, MAX_WORKERS))
+
+
+def _read_chunk(handle: Any, view: memoryview, hasher: Any, start: int, length: int | None,
+                stop: threading.Event | None) -> bool:
+    """Hash ``length`` bytes (None: to the end) of the file from ``start``, read into
+    ``view``; False: stopped."""
+    handle.seek(start)
+    while length is None or length > 0:
+        if stop is not None and stop.is_set():
+            return False
+        read = handle.readinto(view if length is None or length >= len(view)
+                               else view[:length])
+        if not read:
+            break
+        hasher.update(view[:read])
+        _counted(read)
+        if length is not None:
+            length -= read
+    return True
+
+
+def _mapped_chunk(mapping: mmap.mmap, mapped: memoryview, hasher: Any, start: int,
+                  length: int | None, stop: threading.Event | None) -> bool:
+    """:func:`_read_chunk` from the file's mapping: no copy into a buffer (0.31 against
+    0.42 s of CPU for 1.8 GB with BLAKE3 here). Each block's pages are dropped from the
+    mapping once hashed: they stay in the page cache, and the process's resident size does
+    not count the file twice (torch's own mapping of it is counted already)."""
+    end = len(mapped) if length is None else min(start + length, len(mapped))
+    for low in range(start, end, MAPPED_BLOCK):
+        if stop is not None and stop.is_set():
+            return False
+        high = min(low + MAPPED_BLOCK, end)
+        with mapped[low:high] as block:  # released: the map closes after
+            hasher.update(block)
+            _counted(len(block))
+        if hasattr(mapping, "madvise"):  # not on Windows
+            aligned = low - low % mmap.PAGESIZE
+            mapping.madvise(mmap.MADV_DONTNEED, aligned, high - aligned)
+    return True
+
+
+def _hash_chunks(path: Path, algorithm: str, chunk_bytes: int, count: int,
+                 stop: threading.Event | None, expected: list[str] | None,
+                 mapped: bool = False, beside_load: bool = False) -> list[str | None] | None:
+    """Each chunk's digest, hashed by :func:`_workers` threads (the calling thread one of
+    them); the last chunk reads to the end of the file, so bytes appended show. None:
+    ``stop`` was set. With ``expected``, a chunk that differs ends the others (the chunks
+    not hashed then are None). ``mapped``: read through a memory map of the file (only where
+    the load maps it too: a file cut short while mapped faults the process). ``beside_load``:
+    leave one core to the load."""
+    found: list[str | None] = [None] * count
+    order = itertools.count()  # next() of it is atomic: each chunk is taken once
+    differs = threading.Event()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        mapping: mmap.mmap | None = None
+        view: memoryview | None = None
+        try:
+            with open(path, "rb", buffering=0) as handle:
+                if mapped and os.fstat(handle.fileno()).st_size:
+                    mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                    view = memoryview(mapping)
+                else:
+                    view = memoryview(bytearray(READ_BLOCK))
+                while True:
+                    index = next(order)
+                    if index >= count or differs.is_set() or (stop is not None
+                                                              and stop.is_set()):
+                        return
+                    hasher = _hasher(algorithm)
+                    length = chunk_bytes if index < count - 1 else None
+                    hash_chunk = (lambda *args: _mapped_chunk(mapping, *args)) if mapping \
+                        is not None else (lambda *args: _read_chunk(handle, *args))
+                    if not hash_chunk(view, hasher, index * chunk_bytes, length, stop):
+                        return
+                    found[index] = hasher.hexdigest()
+                    if expected is not None and (index >= len(expected)
+                                                 or found[index] != expected[index]):
+                        differs.set()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the calling thread
+            errors.append(exc)
+            differs.set()
+        finally:
+            if view is not None:
+                view.release()
+            if mapping is not None:
+                mapping.close()
+
+    threads = [threading.Thread(target=work, daemon=True, name="training-patches digest")
+               for _ in range(_workers(count, beside_load) - 1)]
+    for thread in threads:
+        thread.start()
+    work()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    if stop is not None and stop.is_set():
+        return None
+    return found
+
+
+def file_chunks(path: str | os.PathLike[str], algorithm: str, chunk_bytes: int,
+                stop: threading.Event | None = None, expected: list[str] | None = None,
+                mapped: bool = False, beside_load: bool = False,
+                ) -> list[str | None] | None:
+    """The digests of the file's chunks (see :func:`_hash_chunks`); remembered, when all
+    were hashed, for a file unchanged since."""
+    path = Path(path)
+    key, changed = _identity(path)
+    key += (algorithm, chunk_bytes)
+    known = _remembered(key)
+    if known is not None:
+        return list(known)
+    started = time.time()
+    found = _hash_chunks(path, algorithm, chunk_bytes, chunk_count(key[3], chunk_bytes), stop,
+                         expected, mapped, beside_load)
+    if found is not None and None not in found:
+        _remember(key, changed, started, tuple(found))
+    return found
+
+
+def file_record(path: str | os.PathLike[str], algorithm: str | None = None) -> dict[str, Any]:
+    """The ``digest`` record of a file already written (a save whose writer seeked)."""
+    algorithm = algorithm or default_algorithm()
+    chunk_bytes = CHUNK_BYTES
+    chunks = file_chunks(path, algorithm, chunk_bytes) or []  # no stop: every chunk hashed
+    return {"version": DIGEST_VERSION, "algorithm": algorithm, "chunk_bytes": chunk_bytes,
+            "chunks": [str(chunk) for chunk in chunks]}
+
+
+def mismatch(path: str | os.PathLike[str], record: dict[str, Any],
+             stop: threading.Event | None = None, *, mapped: bool = False,
+             beside_load: bool = False) -> str | None:
+    """Why the file's bytes are not those its ``digest`` record vouches for (a chunk that
+    differs, by its byte range), or None: they are, or ``stop`` was set. ``mapped`` and
+    ``beside_load``: see :func:`_hash_chunks`."""
+    algorithm, chunk_bytes, chunks = record["algorithm"], record["chunk_bytes"], record["chunks"]
+    found = file_chunks(path, algorithm, chunk_bytes, stop, expected=chunks, mapped=mapped,
+                        beside_load=beside_load)
+    if found is None:
+        return None
+    name = NAMES[algorithm]
+    if len(found) != len(chunks):
+        return (f"does not match the {name} digest in its manifest: it has {len(found)} "
+                f"chunk(s) of {chunk_bytes} bytes, the manifest lists {len(chunks)}")
+    for index, (have, want) in enumerate(zip(found, chunks)):
+        if have is not None and have != want:
+            start = index * chunk_bytes
+            end = f"{start + chunk_bytes - 1}" if index < len(chunks) - 1 else "the end"
+            where = (f": bytes {start} to {end} (chunk {index + 1} of {len(chunks)}) differ"
+                     if len(chunks) > 1 else "")
+            return (f"does not match the {name} digest in its manifest{where} (changed or "
+                    f"damaged on disk)")
+    return None
 
 
 def beside(work: Callable[[], Any]) -> Callable[[], Any]:
@@ -117,5 +395,7 @@ def update_while(digest: Any, data: Any, write: Callable[[Any], int]) -> int:
         hashed()  # joined before returning: the data is valid only during the call
 
 
-__all__ = ["sha256_file", "beside", "update_while", "BLOCK", "PARALLEL_BYTES",
-           "SETTLED_S"]
+__all__ = ["sha256_file", "file_chunks", "file_record", "mismatch", "ChunkedDigest",
+           "default_algorithm", "can_check", "chunk_count", "beside", "update_while", "BLOCK",
+           "READ_BLOCK", "PARALLEL_BYTES", "SETTLED_S", "DIGEST_VERSION", "CHUNK_BYTES",
+           "ALGORITHMS"]

@@ -62,8 +62,9 @@ def load_checkpoint(
         seed: seed of the noise of new rows (the result is reproducible).
         key_filter: keep only the checkpoint's model keys for which it returns True
             (e.g. drop the DVAE of an XTTS GPTTrainer checkpoint).
-        verify_hash: with a manifest beside the file, check its SHA-256 (the size is
-            always checked). False skips the hash for speed and logs that it did.
+        verify_hash: with a manifest beside the file, check its digest (each chunk's
+            BLAKE3, or an older manifest's SHA-256; the size is always checked), in threads
+            beside ``torch.load``. False skips the hash and logs that it did.
         allow_nonfinite: load NaN/Inf weights and optimizer moments (refused by default;
             buffers may always hold +-Inf, as attention masks do).
         truncate: when the model's vocabulary is SMALLER than the checkpoint's because the

@@ -27,7 +27,7 @@ from .._runlock import RunFolderInUse, lock_folder
 from .._version import __version__
 from .._log import info
 from . import _collective
-from .digest import beside, sha256_file
+from .digest import beside, file_record
 from .reading import (FORMAT, MANIFEST_SUFFIX, _what_to_do, check_file,
                       iter_tensors, manager_checkpoints, manifest_path, nonfinite_flags,
                       read_manifest)
@@ -251,9 +251,9 @@ class CheckpointManager:
                                    digest=True, needed=needed)
         try:
             nonfinite = scan()
-            size, sha = written.size, written.sha256
+            size, record = written.size, written.digest
             if path.stat().st_size != size:  # torch wrote out of order: hash the file itself
-                size, sha = path.stat().st_size, sha256_file(path)
+                size, record = path.stat().st_size, file_record(path)
             manifest = {
                 "format": FORMAT,
                 "written_by": f"training-patches {__version__} CheckpointManager",
@@ -261,7 +261,7 @@ class CheckpointManager:
                 "step": step,
                 "generation": generation,
                 "bytes": size,
-                "sha256": sha,
+                "digest": record,
                 "nonfinite": nonfinite,
                 "vocab_size": _vocab_size(model_state),
                 "param_shapes": {k: list(v.shape) for k, v in model_state.items()},

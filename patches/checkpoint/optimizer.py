@@ -5,7 +5,11 @@ step: snapshot and restore of an optimizer, and the restart of all three togethe
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
+import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -290,17 +294,86 @@ def restore_optimizer(optimizer: torch.optim.Optimizer,
     optimizer.param_groups = groups
 
 
-def _detach_from_file(state: Mapping[Any, Any]) -> None:
-    """Rewrite memory-mapped optimizer tensors in place, bit for bit.
+def _file_mappings(path: Path) -> list[tuple[int, int]]:
+    """The address ranges where this process maps ``path`` privately (torch.load's
+    ``mmap=True``), read from ``/proc/self/maps``, matched by path or by device and inode;
+    [] where there is no such file (not Linux)."""
+    try:
+        st = os.stat(path)
+        real = os.path.realpath(path)
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges: list[tuple[int, int]] = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5 or fields[1][3:] != "p":
+            continue
+        major, minor = (int(part, 16) for part in fields[3].split(":"))
+        same_inode = (int(fields[4]) == st.st_ino
+                      and (major, minor) == (os.major(st.st_dev), os.minor(st.st_dev)))
+        if same_inode or (len(fields) == 6 and fields[5] == real):
+            low, high = (int(part, 16) for part in fields[0].split("-"))
+            ranges.append((low, high))
+    return ranges
 
-    They stay in the checkpoint's private mapping, but each page becomes the process's
-    own copy: a later in-place rewrite of that file cannot change or fault them, and the
-    memory is counted once (no second copy as ``clone()`` would make).
+
+def _release(start: int, end: int) -> None:
+    """Drop this process's view of the mapped pages wholly inside [start, end): a private
+    file mapping reads them from the file again if touched, so nothing is lost."""
+    page = mmap.PAGESIZE
+    low, high = -(-start // page) * page, end // page * page
+    if high > low:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), mmap.MADV_DONTNEED)
+
+
+# Bytes of a mapped tensor copied before their pages are dropped: the load's peak resident
+# memory stays the file's size and this much.
+_SLICE_BYTES = 16 << 20
+
+
+def _copied_out(value: torch.Tensor) -> torch.Tensor:
+    """A copy of the mapped ``value`` in memory of its own, its mapped pages dropped slice by
+    slice as they are copied."""
+    if not value.is_contiguous():
+        copy = value.clone()
+        _release(value.data_ptr(), value.data_ptr() + value.numel() * value.element_size())
+        return copy
+    copy = torch.empty_like(value, memory_format=torch.contiguous_format)
+    source, target = value.view(-1), copy.view(-1)
+    step = max(1, _SLICE_BYTES // value.element_size())
+    for first in range(0, source.numel(), step):
+        piece = source[first:first + step]
+        target[first:first + step].copy_(piece)
+        _release(piece.data_ptr(), piece.data_ptr() + piece.numel() * piece.element_size())
+    return copy
+
+
+def _detach_from_file(state: Mapping[Any, Any], path: Path | None = None) -> None:
+    """Give the CPU tensors of a loaded optimizer state memory of their own, not the
+    checkpoint's memory-mapped file: a later in-place rewrite of that file cannot change or
+    fault them.
+
+    On Linux each tensor inside the file's mapping is copied and its mapped pages dropped
+    as they are copied, so that the memory is counted once (peak about 1.0x the file). Writing each page in place
+    instead (a copy-on-write fault per 4 KiB page) cost 3x the copy here (issue 41: 0.70
+    against 0.26 s of CPU for 1.2 GB of AdamW moments). Elsewhere, or when the mapping is not
+    found, each tensor is rewritten in place, bit for bit.
     """
+    ranges = (_file_mappings(path) if path is not None and sys.platform.startswith("linux")
+              and hasattr(mmap, "MADV_DONTNEED") else [])
     for entry in state.values():
-        for value in entry.values():
-            if (isinstance(value, torch.Tensor) and value.numel() > 0 and value.device.type == "cpu"
-                    and value.is_contiguous()):
+        for key, value in list(entry.items()):
+            if not isinstance(value, torch.Tensor) or value.numel() == 0 \
+                    or value.device.type != "cpu":
+                continue
+            storage = value.untyped_storage()
+            start = storage.data_ptr()
+            end = start + storage.nbytes()
+            if any(low <= start and end <= high for low, high in ranges):
+                entry[key] = _copied_out(value)
+            elif not ranges and value.is_contiguous():
                 value.view(-1).view(torch.uint8).bitwise_or_(0)
 
 

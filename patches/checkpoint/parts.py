@@ -252,7 +252,7 @@ class OptimizerPart(Part):
                 snap = snapshot_optimizer(opt)
                 undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
                 opt.load_state_dict(state)
-                _detach_from_file(opt.state)
+                _detach_from_file(opt.state, plan.source.path)
             if plan.optimizers:
                 report.restored.append("optimizer")
             return

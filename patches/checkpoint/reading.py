@@ -25,6 +25,7 @@ import torch
 
 from .._log import info
 from .atomic import TMP_MARK as _TMP_MARK
+from . import digest as _digest
 from .digest import sha256_file
 from .errors import CheckpointError, UnsafeCheckpointError
 
@@ -47,17 +48,20 @@ class Manifest:
 
     ``generation`` orders saves by when they were written (None: written before
     generations existed; older than any with one). ``nonfinite`` names the tensors that
-    held NaN/Inf when saved (None: not recorded).
+    held NaN/Inf when saved (None: not recorded). ``digest`` is the file's chunked digest
+    record (:mod:`.digest`; None in a manifest written before it, which has ``sha256``, the
+    SHA-256 of the whole file; a newer one has no ``sha256``).
     """
 
     file: str
     step: int
     bytes: int
-    sha256: str
+    sha256: str | None
     generation: int | None = None
     nonfinite: tuple[str, ...] | None = None
     vocab_size: int | None = None
     data: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    digest: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def order(self) -> tuple[int, int]:
         """Sort key, newest last: the generation, then the step (for old manifests)."""
@@ -73,27 +77,62 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _check_digest(record: Any, size: int) -> None:
+    """``ValueError`` when the manifest's ``digest`` record is not one this version reads:
+    ``version`` 1, ``algorithm`` ``"blake3"`` or ``"sha256"``, ``chunk_bytes`` (whole number
+    >= 1), ``chunks`` (64 hex digits each, one per ``chunk_bytes`` of the file's ``bytes``,
+    the last one shorter; one for an empty file)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"'digest' is {_shown(record)}, expected an object")
+    version = record.get("version")
+    if version != _digest.DIGEST_VERSION or not _is_count(version):
+        raise ValueError(f"'digest' has version {_shown(version)}; this training-patches "
+                         f"reads version {_digest.DIGEST_VERSION} (a newer one wrote it?)")
+    if record.get("algorithm") not in _digest.ALGORITHMS:
+        raise ValueError(f"'digest.algorithm' is {_shown(record.get('algorithm'))}, expected "
+                         f"one of {', '.join(_digest.ALGORITHMS)}")
+    chunk_bytes = record.get("chunk_bytes")
+    if not _is_count(chunk_bytes) or chunk_bytes < 1:
+        raise ValueError(f"'digest.chunk_bytes' is {_shown(chunk_bytes)}, expected a whole "
+                         f"number >= 1")
+    chunks = record.get("chunks")
+    if not isinstance(chunks, list) or not all(
+            isinstance(c, str) and _SHA256.fullmatch(c) for c in chunks):
+        raise ValueError(f"'digest.chunks' is {_shown(chunks)}, expected a list of 64 hex "
+                         f"digits each")
+    if len(chunks) != _digest.chunk_count(size, chunk_bytes):
+        raise ValueError(f"'digest.chunks' lists {len(chunks)} chunk(s), a file of {size} bytes "
+                         f"has {_digest.chunk_count(size, chunk_bytes)} of {chunk_bytes} bytes")
+
+
 def parse_manifest(data: Any) -> Manifest:
     """A :class:`Manifest` from parsed JSON; ``ValueError`` (short reason) when the shape is
     wrong. Required: ``format`` (this library's), ``file`` (a name), ``step`` and
-    ``bytes`` (whole numbers >= 0), ``sha256`` (64 hex digits). Optional, checked when
-    present: ``generation`` (whole number >= 0), ``nonfinite`` (list of names),
+    ``bytes`` (whole numbers >= 0), and ``digest`` (the chunked digest record, see
+    :func:`_check_digest`) or, in a manifest written before it, ``sha256`` (64 hex digits:
+    the whole file's SHA-256; with both, ``digest`` is the one checked). Optional, checked
+    when present: ``generation`` (whole number >= 0), ``nonfinite`` (list of names),
     ``vocab_size`` (whole number or null), ``param_shapes`` (name -> list of sizes),
     ``amp`` (true/false), ``written_by`` and ``time`` (text)."""
     if not isinstance(data, dict):
         raise ValueError(f"it is a JSON {type(data).__name__}, expected an object")
     if data.get("format") != FORMAT:
         raise ValueError(f"'format' is {_shown(data.get('format'))}, expected {FORMAT!r}")
-    for name in ("file", "step", "bytes", "sha256"):
+    for name in ("file", "step", "bytes"):
         if name not in data:
             raise ValueError(f"it has no {name!r}")
+    if "digest" not in data and "sha256" not in data:
+        raise ValueError("it has no 'digest' (nor the 'sha256' of older manifests)")
     if not isinstance(data["file"], str) or not data["file"] or "/" in data["file"]:
         raise ValueError(f"'file' is {_shown(data['file'])}, expected a file name")
     for name in ("step", "bytes"):
         if not _is_count(data[name]):
             raise ValueError(f"{name!r} is {_shown(data[name])}, expected a whole number >= 0")
-    if not isinstance(data["sha256"], str) or not _SHA256.fullmatch(data["sha256"]):
+    if "sha256" in data and (not isinstance(data["sha256"], str)
+                             or not _SHA256.fullmatch(data["sha256"])):
         raise ValueError(f"'sha256' is {_shown(data['sha256'])}, expected 64 hex digits")
+    if "digest" in data:
+        _check_digest(data["digest"], data["bytes"])
     generation = data.get("generation")
     if generation is not None and not _is_count(generation):
         raise ValueError(f"'generation' is {_shown(generation)}, expected a whole number >= 0")
@@ -114,9 +153,9 @@ def parse_manifest(data: Any) -> Manifest:
         if name in data and not isinstance(data[name], str):
             raise ValueError(f"{name!r} is {_shown(data[name])}, expected text")
     return Manifest(file=data["file"], step=data["step"], bytes=data["bytes"],
-                    sha256=data["sha256"], generation=generation,
+                    sha256=data.get("sha256"), generation=generation,
                     nonfinite=tuple(nonfinite) if nonfinite is not None else None,
-                    vocab_size=vocab, data=data)
+                    vocab_size=vocab, data=data, digest=data.get("digest"))
 
 
 def manifest_path(checkpoint: str | os.PathLike[str]) -> Path:
@@ -244,9 +283,29 @@ def _safetensors_installed() -> bool:
 _HASH_MISMATCH = "does not match the SHA-256 in its manifest (changed or damaged on disk)"
 
 
+def _integrity_problem(path: Path, manifest: Manifest, stop: threading.Event | None = None,
+                       beside_load: bool = False, mapped: bool = False,
+                       ) -> tuple[str, str] | None:
+    """(kind, reason) when ``path`` is not the file its manifest vouches for, else None (or
+    ``stop`` was set): its ``digest`` record (its chunks in threads on every core, but the
+    load's one ``beside_load``; read through a memory map where the load maps the file too:
+    ``mapped``), else the whole file's SHA-256."""
+    record = manifest.digest
+    if record is None:
+        found = sha256_file(path, stop)
+        return None if found == manifest.sha256 or (stop is not None and stop.is_set()) \
+            else ("hash", _HASH_MISMATCH)
+    if not _digest.can_check(record["algorithm"]):
+        return "unverifiable", (f"cannot be verified here: its manifest's digest is "
+                                f"{_digest.NAMES[record['algorithm']]} and the "
+                                f"{record['algorithm']} package is not installed")
+    reason = _digest.mismatch(path, record, stop, mapped=mapped, beside_load=beside_load)
+    return None if reason is None else ("hash", reason)
+
+
 def _check(path: Path, verify_hash: bool, *, hash_now: bool = True) -> tuple[str, str] | None:
     """(kind, reason) of the first problem of ``path``, or None (see :func:`check_file`).
-    ``hash_now=False``: the manifest's SHA-256 (or the zip's CRC-32s) is left to the caller
+    ``hash_now=False``: the manifest's digest (or the zip's CRC-32s) is left to the caller
     (a :class:`Verification` beside the load), everything else is checked."""
     try:
         if not path.is_file():
@@ -263,8 +322,10 @@ def _check(path: Path, verify_hash: bool, *, hash_now: bool = True) -> tuple[str
     if manifest is not None:
         if manifest.bytes != size:
             return "size", f"has {size} bytes but its manifest says {manifest.bytes}"
-        if verify_hash and hash_now and sha256_file(path) != manifest.sha256:
-            return "hash", _HASH_MISMATCH
+        if verify_hash and hash_now:
+            problem = _integrity_problem(path, manifest)
+            if problem is not None:
+                return problem
     is_st, problem = _safetensors_check(path, size)
     if is_st:
         if problem is not None:
@@ -301,7 +362,8 @@ def check_file(path: str | os.PathLike[str], *, verify_hash: bool = True) -> str
     """Why ``path`` is not a loadable checkpoint, or None when it looks complete.
 
     With a manifest beside it (written last by :class:`CheckpointManager`) the manifest
-    must pass its schema, the size must match and, with ``verify_hash``, the SHA-256.
+    must pass its schema, the size must match and, with ``verify_hash``, its digest (each
+    chunk's BLAKE3 or SHA-256; an older manifest's SHA-256 of the whole file).
     Without one, the file must be a zip archive whose directory (written at the very
     end) is intact and, with ``verify_hash``, whose records match the CRC-32s torch
     stored; or torch's legacy format (its magic number first); or a safetensors file
@@ -447,6 +509,12 @@ def _problem_error(path: Path, kind: str, reason: str) -> CheckpointError:
             f"after it was saved, damaged on disk or in a copy does not match. Nothing was "
             f"loaded. {_what_to_do(path)} If you changed it on purpose and trust it, load it "
             f"with verify_hash=False (the size is still checked) or move the manifest away.")
+    if kind == "unverifiable":
+        return CheckpointError(
+            f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
+            f"Nothing was loaded; {path} was left as it is. Install it (pip install blake3, a "
+            f"dependency of training-patches) and load again, or load it with "
+            f"verify_hash=False (the size is still checked).")
     if kind == "crc":
         return CheckpointError(
             f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
@@ -470,9 +538,9 @@ def _problem_error(path: Path, kind: str, reason: str) -> CheckpointError:
         return CheckpointError(
             f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
             f"Expected the JSON manifest CheckpointManager writes (format {FORMAT!r}, with "
-            f"'file', 'step', 'bytes' and 'sha256'); without a valid one the file cannot be "
-            f"verified. Nothing was loaded. {_what_to_do(path)} If you trust the file, move "
-            f"{man.name} away and load it again.")
+            f"'file', 'step', 'bytes' and 'digest', or an older one's 'sha256'); without a "
+            f"valid one the file cannot be verified. Nothing was loaded. {_what_to_do(path)} "
+            f"If you trust the file, move {man.name} away and load it again.")
     return CheckpointError(
         f"training-patches: cannot load the checkpoint {path}: the file {reason}. Expected a "
         f"complete file written by torch.save; a save interrupted half-way leaves such a "
@@ -499,15 +567,18 @@ def _numpy_data_globals() -> list[Any]:
 
 
 class Verification:
-    """The integrity check of a file being loaded (its manifest's SHA-256, or without a
+    """The integrity check of a file being loaded (its manifest's digest, or without a
     manifest the CRC-32s of its zip records), run in a thread beside the load from the
-    start. :meth:`wait` before changing anything: it raises the refusal a changed or damaged
-    file always got. :meth:`cancel` stops a hash at its next block."""
+    start (the digest's chunks in several threads where there are cores to spare). :meth:`wait`
+    before changing anything: it raises the refusal a changed or damaged file always got.
+    :meth:`cancel` stops a hash at its next block."""
 
-    def __init__(self, path: Path, expected: str | None, crc: bool) -> None:
+    def __init__(self, path: Path, expected: Manifest | None, crc: bool,
+                 mapped: bool = False) -> None:
         self.path = path
         self._stop = threading.Event()
         self._expected = expected
+        self._mapped = mapped
         self._found: list[tuple[str, str] | None] = []
         self._thread = None
         if expected is not None or crc:
@@ -519,9 +590,8 @@ class Verification:
         if self._expected is None:
             crc = _zip_crc_problem(self.path)
             return None if crc is None else ("crc", crc)
-        found = sha256_file(self.path, self._stop)
-        matches = found == self._expected or self._stop.is_set()
-        return None if matches else ("hash", _HASH_MISMATCH)
+        return _integrity_problem(self.path, self._expected, self._stop, beside_load=True,
+                                  mapped=self._mapped)
 
     def _run(self) -> None:
         try:
@@ -546,7 +616,8 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
     """``torch.load(path, weights_only=True)``, memory-mapped when the file is a zip archive.
 
     With a manifest beside the file, its schema and the file's size are checked, and
-    with ``verify_hash`` (the default) its SHA-256: a file that changed after it was
+    with ``verify_hash`` (the default) its digest (each 64 MiB chunk's BLAKE3, or SHA-256;
+    an older manifest's SHA-256 of the whole file): a file that changed after it was
     saved is refused. Without a manifest, ``verify_hash`` checks the CRC-32 of every
     record of the zip archive instead. Either is read in a thread while ``torch.load`` runs
     (beside the load, not in a pass before it: :func:`open_checkpoint`).
@@ -572,7 +643,7 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
 def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
                     verify_hash: bool = True, trusted: bool = False,
                     ) -> tuple[dict[str, Any], Verification]:
-    """:func:`read_checkpoint` that does not wait for the manifest's SHA-256: (the loaded
+    """:func:`read_checkpoint` that does not wait for the manifest's digest: (the loaded
     dict, its :class:`Verification`, still running). The caller calls ``wait()`` before it
     changes anything with what was loaded (the loader: before applying the first part).
     Every other check has passed when this returns; a failure of the load itself waits
@@ -589,9 +660,10 @@ def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
                 raise _unsafe_error(path, unsafe)
         raise _problem_error(path, kind, reason)
     manifest, _ = read_manifest(path)
+    is_zip = zipfile.is_zipfile(path)
     verification = Verification(
-        path, manifest.sha256 if manifest is not None and verify_hash else None,
-        crc=verify_hash and manifest is None and zipfile.is_zipfile(path))
+        path, manifest if manifest is not None and verify_hash else None,
+        crc=verify_hash and manifest is None and is_zip, mapped=mmap and is_zip)
     try:
         return _load(path, mmap=mmap, verify_hash=verify_hash, trusted=trusted,
                      has_manifest=manifest is not None), verification
@@ -608,7 +680,7 @@ def _load(path: Path, *, mmap: bool, verify_hash: bool, trusted: bool,
     """The file's dict through torch.load (or safetensors); the checks have passed."""
     if not verify_hash and (has_manifest or zipfile.is_zipfile(path)):
         info("training-patches: the %s of %s was not checked (verify_hash=False)",
-             "SHA-256" if has_manifest else "CRC-32", path)
+             "digest" if has_manifest else "CRC-32", path)
     if _safetensors_check(path, path.stat().st_size)[0]:
         return _read_safetensors(path)
     use_mmap = mmap and zipfile.is_zipfile(path)
