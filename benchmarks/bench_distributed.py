@@ -3,7 +3,7 @@
 The method of bench_overhead.py on every rank of a real torchrun job: the same small
 transformer step (AdamW, ``clip_grad_norm_(..., 1.0)``), the model wrapped in
 ``DistributedDataParallel`` or sharded with FSDP2's ``fully_shard``; blocks of steps
-patched and unpatched alternate (``patches.apply``/``revert`` in the running job, the order
+patched and unpatched alternate (``patches.advanced.apply``/``revert`` in the running job, the order
 flipped every round), and the ratio is the median over rounds of patched/unpatched block
 medians, read on rank 0 (a DDP/FSDP2 step waits for both ranks, so rank 0's time is the
 job's). Each setting is its own torchrun job: one that crashes or hangs is reported as
@@ -45,19 +45,26 @@ SETTINGS = {
     "ddp": ("DDP, fp32 + clip, all default patches", "ddp", False),
     "ddp-fused": ("DDP, fp32 + clip, fused AdamW, all default patches", "ddp", True),
     "fsdp2": ("FSDP2 (fully_shard), fp32 + clip, all default patches", "fsdp2", False),
+    "ddp-scaler": ("DDP, loss-scaled (GradScaler, unscale_, clip), all default patches", "ddp",
+                   False),
 }
+# Settings whose step runs through a GradScaler (torch's unpatched, SafeGradScaler patched;
+# on the CPU a "cpu" scaler: the same scale, unscale and skip as fp16 on a GPU).
+SCALED = {"ddp-scaler"}
 
 
 PHASES = ("forward", "backward", "clip", "optimizer step")
 
 
 def block(model, opt, steps: int, data, device: str,
-          phases: dict[str, list[float]] | None = None, bare_flag: bool = False) -> list[float]:
+          phases: dict[str, list[float]] | None = None, bare_flag: bool = False,
+          scaler=None) -> list[float]:
     """bench_overhead.py's fp32 step (AdamW, clip 1.0), each timed to its end on a GPU;
     with ``phases``, each phase's time is appended there too (CPU: no sync needed); with
     ``bare_flag``, one all-reduce (MAX) of 3 floats and its host read before the optimizer
     step, as the NaN guard's agreement does, and nothing else (what that collective alone
-    costs in this step)."""
+    costs in this step). With ``scaler``: the loss scaled, ``unscale_`` before the clip (timed
+    with it), ``scaler.step`` and ``update`` as the optimizer step."""
     import torch
     import torch.distributed as dist
 
@@ -72,14 +79,20 @@ def block(model, opt, steps: int, data, device: str,
         opt.zero_grad(set_to_none=True)
         loss = loss_of(model(x), y)
         t_fwd = time.perf_counter()
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         t_bwd = time.perf_counter()
+        if scaler is not None:
+            scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         t_clip = time.perf_counter()
         if bare_flag:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             bool(flag[0])
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         if device == "cuda":
             torch.cuda.synchronize()
         end = time.perf_counter()
@@ -106,12 +119,12 @@ def _timed_agreement(sink: list[float]) -> None:
     nan_guard._agree = timed
 
 
-def _collectives(model, opt, data, device: str) -> int:
+def _collectives(model, opt, data, device: str, scaler=None) -> int:
     """Collectives of one step (torch's profiler: every ``c10d::`` operation)."""
     import torch
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        block(model, opt, 1, data, device)
+        block(model, opt, 1, data, device, scaler=scaler)
     return sum(1 for event in prof.events() if event.name.startswith("c10d::"))
 
 
@@ -145,6 +158,12 @@ def rank_main(setting: str, rounds: int, steps: int, device: str, breakdown: boo
     generator = torch.Generator().manual_seed(rank)
     data = tuple(t.to(device) for t in make_data(width, vocab, generator))
     patches.revert()
+    scalers: dict[str, object] = dict.fromkeys(("patched", "unpatched"))
+    if setting in SCALED:
+        from patches.grad_scaler import SafeGradScaler
+
+        scalers = {"patched": SafeGradScaler(device, init_scale=1024.0),
+                   "unpatched": torch.amp.GradScaler(device, init_scale=1024.0)}
     phases: dict[str, dict[str, list[float]]] = {"patched": {}, "unpatched": {}}
     agreement: list[float] = []
     bare_ratios: list[float] = []
@@ -152,28 +171,30 @@ def rank_main(setting: str, rounds: int, steps: int, device: str, breakdown: boo
         _timed_agreement(agreement)
     counted = {}
     try:
-        block(model, opt, 3, data, device)  # warm-up, unpatched
+        block(model, opt, 3, data, device, scaler=scalers["unpatched"])  # warm-up, unpatched
         if collectives:
-            counted["unpatched"] = _collectives(model, opt, data, device)
-        patches.apply(quiet=True)
-        block(model, opt, 3, data, device)  # warm-up, patched (a crash shows here)
+            counted["unpatched"] = _collectives(model, opt, data, device, scalers["unpatched"])
+        patches.advanced.apply(quiet=True)
+        # warm-up, patched (a crash shows here)
+        block(model, opt, 3, data, device, scaler=scalers["patched"])
         if collectives:
-            counted["patched"] = _collectives(model, opt, data, device)
+            counted["patched"] = _collectives(model, opt, data, device, scalers["patched"])
         timed: dict[str, list[float]] = {"patched": [], "unpatched": []}
         ratios = []
         for r in range(rounds):
             order = ["patched", "unpatched"] if r % 2 == 0 else ["unpatched", "patched"]
             medians = {}
             for mode in order:
-                patches.apply(quiet=True) if mode == "patched" else patches.revert()
+                patches.advanced.apply(quiet=True) if mode == "patched" else patches.revert()
                 times = block(model, opt, steps, data, device,
-                              phases[mode] if breakdown else None)
+                              phases[mode] if breakdown else None, scaler=scalers[mode])
                 timed[mode] += times
                 medians[mode] = statistics.median(times)
             ratios.append(medians["patched"] / medians["unpatched"])
             if breakdown:  # the unpatched step plus one bare all-reduce of the flag
                 patches.revert()
-                times = block(model, opt, steps, data, device, None, bare_flag=True)
+                times = block(model, opt, steps, data, device, None, bare_flag=True,
+                              scaler=scalers["unpatched"])
                 bare_ratios.append(statistics.median(times) / medians["unpatched"])
     except Exception as exc:  # every rank meets the same failure at the same step
         if rank == 0:

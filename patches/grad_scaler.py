@@ -16,11 +16,12 @@ record of what it skipped. SafeGradScaler is a ``torch.amp.GradScaler`` (so
 - optionally backs off only after ``hysteresis`` consecutive overflows (as
   DeepSpeed and Megatron do). With ``hysteresis=1`` its scale follows torch's
   exactly;
-- under a process group of more than one rank, agrees the overflow flag across the
-  ranks (one all-reduce, MAX, of one scalar per unscale): a non-finite gradient that
-  appears on one rank after DDP's gradient sync (a hook, a clip, a custom reduction)
-  makes every rank skip, so the scales, step counts and replicas stay identical.
-  Torch's GradScaler decides per rank, and its replicas then diverge.
+- under a process group of more than one rank, makes every rank skip the same steps, so
+  the scales, step counts and replicas stay identical: under DDP with no collective of
+  its own where DDP reduced every gradient it checks (a non-finite gradient of any rank is
+  then in every rank's; its flag rides DDP's reduction: ranks that a later edit on one rank
+  made decide differently raise :class:`RanksDivergedError` at the next step), else one
+  all-reduce (MAX) of one scalar.
 
 FSDP's ``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``) becomes :func:`sharded_scaler_class`: a
 subclass of it and of SafeGradScaler, so the same defaults, counters and floor hold,
@@ -44,7 +45,7 @@ import torch.amp.grad_scaler as _torch_grad_scaler
 import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 
-from . import _dist, _options, _run, _step
+from . import _ddp, _dist, _options, _run, _step
 from ._counters import DeviceCounters
 from ._log import info, logger
 from ._options import (FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, INT64_MAX, ConfigError, Option,
@@ -87,6 +88,11 @@ def on_iteration_end(callback: Callable[[], None]) -> None:
 
 class LossScaleFloorError(FloatingPointError):
     """Gradients stayed non-finite with the loss scale already at its floor."""
+
+
+class RanksDivergedError(FloatingPointError):
+    """Under DDP the ranks took different skip decisions at the last step (a gradient
+    changed on one rank after DDP's reduction): the replicas differ."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -136,7 +142,7 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
     """A ``torch.amp.GradScaler`` with safe defaults, skip counters and a floor.
 
     Arguments left as ``None`` come from the options (``TRAINING_PATCHES_*``
-    variables or ``patches.apply(...)``); arguments a trainer passes win.
+    variables or ``patches.advanced.apply(...)``); arguments a trainer passes win.
     ``repr()`` of the class and of a scaler names the torch class the user built
     (``SafeGradScaler(torch.cuda.amp.GradScaler)``).
     """
@@ -188,6 +194,11 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         self._tp_last_loss: torch.Tensor | None = None  # read only when a step overflowed
         self._tp_floor_skips = 0
         self._tp_last_good_step = 0
+        # DDP: id(optimizer) -> the carrier's reduction count at its last unscale, and
+        # whether the ranks' previous decisions differed (a device flag, read with the next)
+        self._tp_reduced_seen: dict[int, int] = {}
+        self._tp_diverged: dict[int, torch.Tensor] = {}
+        self._tp_diverged_unread: torch.Tensor | None = None  # fused steps: read when logging
         # Host copy of scale, growth tracker, skip streak and hysteresis, advanced from the
         # overflow flag torch already syncs; None while unknown (then resynced when logging).
         self._tp_mirror: dict[str, Any] | None = self._fresh_mirror()
@@ -243,8 +254,31 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         # optimizers' _check_inf_per_device.
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         if not self._tp_agrees_itself and _dist.collectives():
-            _agree_found_inf(per_device, found_inf)
+            self._tp_agree(optimizer, per_device, found_inf)
         return per_device
+
+    def _tp_agree(self, optimizer: torch.optim.Optimizer,
+                  per_device: dict[torch.device, torch.Tensor], like: torch.Tensor) -> None:
+        """Every rank's overflow flags for ``optimizer`` set alike. Where DDP reduced every
+        gradient it holds since its last unscale, they are already (each rank checked the
+        same reduced gradients): no collective; this rank's flag rides the next reduction,
+        which tells whether the ranks decided alike. Else one all-reduce. Which way is host
+        state every rank meets alike (structure, the reductions DDP ran); see
+        docs/design/step.md, "Under DDP"."""
+        carrier = _ddp.use_for_scaler(optimizer)
+        if carrier is None:
+            _agree_found_inf(per_device, like)
+            return
+        key = id(optimizer)
+        # None at its first unscale: what made these gradients is unknown, so agree
+        seen, self._tp_reduced_seen[key] = self._tp_reduced_seen.get(key), carrier.reductions
+        carrier.fresh = False  # a decision since the reduction (the guard's test too)
+        if seen is not None and carrier.reductions > seen and carrier.covers(optimizer):
+            self._tp_diverged[key] = carrier.diverged()
+            decided = _found_on_rank(per_device, like)
+        else:
+            decided = _agree_found_inf(per_device, like)
+        carrier.last_skip = decided  # this rank's decision: the next reduction carries it
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if self._enabled and not any(p.grad is not None for group in optimizer.param_groups
@@ -257,8 +291,8 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
                 state["found_inf_per_device"][scale.device] = torch.ones(
                     (), dtype=torch.float32, device=scale.device)
                 if not self._tp_agrees_itself and _dist.collectives():
-                    # the peers' unscale all-reduces their flags: meet them there
-                    _agree_found_inf(state["found_inf_per_device"], scale)
+                    # the peers' unscale may all-reduce their flags: meet them there
+                    self._tp_agree(optimizer, state["found_inf_per_device"], scale)
                 state["stage"] = _torch_grad_scaler.OptState.STEPPED
                 self._tp_found_host.append(True)
                 _step.CONTEXT.mark("decide")
@@ -269,12 +303,25 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
             # A fused optimizer's kernel read found_inf and stepped or skipped on the device:
             # no host decision to mark, only that the step ran.
             _step.CONTEXT.mark("step")
+            diverged = self._tp_diverged.pop(id(optimizer), None)
+            if diverged is not None:  # no host read per step: read with the next stats line
+                unread = self._tp_diverged_unread
+                self._tp_diverged_unread = diverged if unread is None else unread | diverged
         return result
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
                         *args: Any, **kwargs: Any) -> Any:
         # The same single sync torch makes; its answer also feeds the host mirror.
-        found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        flags = list(optimizer_state["found_inf_per_device"].values())
+        diverged = self._tp_diverged.pop(id(optimizer), None)
+        if diverged is None:
+            found = bool(sum(v.item() for v in flags))
+        else:  # DDP, flags carried: read with the first device's flag, no sync of its own
+            first, split = torch.stack([flags[0].reshape(()).float(),
+                                        diverged.to(flags[0].device).float()]).tolist()
+            if split:
+                _raise_diverged()
+            found = bool(first + sum(v.item() for v in flags[1:]))
         self._tp_found_host.append(found)
         context = _step.CONTEXT
         context.mark("decide")
@@ -414,6 +461,9 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
                 "learning rate, checking the data, or training in fp32/bf16.", after, step)
 
     def _log_stats(self, step: int) -> None:
+        unread, self._tp_diverged_unread = self._tp_diverged_unread, None
+        if unread is not None and bool(unread):  # fused steps under DDP (one read)
+            _raise_diverged()
         state = self._read_device_state()
         self._tp_mirror = {k: state[k] for k in ("scale", "tracker", "streak", "left")}
         share = 100.0 * state["skipped"] / max(state["steps"], 1)
@@ -483,16 +533,38 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         return state
 
 
-def _agree_found_inf(per_device: dict[torch.device, torch.Tensor],
-                     found_inf: torch.Tensor) -> None:
-    """Every rank's overflow flags set to whether any rank overflowed: one all-reduce of
-    one scalar (also from a rank with no gradient on any device, so no rank waits alone)."""
-    local = found_inf.new_zeros(())
+def _found_on_rank(per_device: dict[torch.device, torch.Tensor],
+                   like: torch.Tensor) -> torch.Tensor:
+    """Whether this rank overflowed on any device (a scalar on ``like``'s device)."""
+    local = like.new_zeros((), dtype=torch.float32)
     for flag in per_device.values():
         local = torch.maximum(local, flag.to(local.device, non_blocking=True).reshape(()))
+    return local
+
+
+def _agree_found_inf(per_device: dict[torch.device, torch.Tensor],
+                     like: torch.Tensor) -> torch.Tensor:
+    """Every rank's overflow flags set to whether any rank overflowed: one all-reduce of
+    one scalar (also from a rank with no gradient on any device, so no rank waits alone).
+    Returns the agreed flag."""
+    local = _found_on_rank(per_device, like)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     for flag in per_device.values():
         flag.copy_(local.to(flag.device, non_blocking=True).reshape(flag.shape))
+    return local
+
+
+def _raise_diverged() -> None:
+    raise RanksDivergedError(
+        f"SafeGradScaler: the ranks did not all take the same decision at the last optimizer "
+        f"step: some skipped it for an overflow and some took it, so the DDP replicas (and "
+        f"their loss scales) now differ. Under DDP every rank's gradients are equal once "
+        f"reduced, so the scaler's overflow check agrees with no collective of its own; ranks "
+        f"can only decide differently when code on one rank changes its gradients AFTER the "
+        f"reduction (an edit of p.grad between backward() and scaler.step() on one rank). "
+        f"Change gradients before the reduction (a tensor hook, or the loss), or the same way "
+        f"on every rank. Seen on rank {_dist.rank()} of {_dist.world_size()}; every rank "
+        f"stops here.")
 
 
 class CudaSafeGradScaler(SafeGradScaler):

@@ -23,7 +23,6 @@ import math
 import os
 import threading
 import warnings
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -31,7 +30,7 @@ from torch.nn.utils import get_total_norm
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
-from . import _dist, _options, _run, _step
+from . import _ddp, _dist, _options, _run, _step
 from ._log import info, logger
 from ._options import (INT64_MAX, ConfigError, Option, flag, nonnegative_float, positive_int,
                        window)
@@ -184,7 +183,7 @@ def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
                           torch.full_like(bad, not _state.kept_none)]).to(torch.float32)
     dist.all_reduce(shared, op=dist.ReduceOp.MAX)
     agreed = shared > 0
-    carrier = _carriers.get(optimizer) if optimizer is not None else None
+    carrier = _ddp.known_carrier(optimizer) if optimizer is not None else None
     if carrier is not None:  # agreed: the next reduction carries it as this rank's last
         carrier.last_skip = agreed[0].to(torch.float32)
     return agreed[0], agreed[1], agreed[2]
@@ -193,8 +192,8 @@ def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
 # -- DDP: the decision rides the gradient reduction -----------------------------------
 #
 # Under DistributedDataParallel the guard makes no collective of its own. A DDP
-# communication hook (registered at an optimizer's first guarded step, on the DDP module
-# that holds its parameters) reduces every bucket exactly as DDP's default does (divide by
+# communication hook (patches/_ddp.py, shared with SafeGradScaler; registered at an
+# optimizer's first guarded step, on the DDP module that holds its parameters) reduces every bucket exactly as DDP's default does (divide by
 # the world size, all-reduce SUM) and appends three numbers to the first bucket (DDP keeps
 # it at 1 MiB): whether this rank's loss is non-finite or a spike, whether it is
 # non-finite, whether this rank kept a micro-batch of the step. Summed over the ranks they
@@ -217,20 +216,6 @@ def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
 # can know another's without a collective. (FSDP2 has no communication hook for its
 # reduce-scatter either.)
 
-_CARRIED = 4  # loss bad (non-finite or spike), loss non-finite, kept a micro-batch, last skip
-
-
-class _Carrier:
-    """One DDP module's communication hook state: the flags its last reduction carried."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.received: torch.Tensor | None = None  # the sums over the ranks
-        self.fresh = False  # a reduction carried flags since the last decision
-        self.last_skip: torch.Tensor | None = None  # this rank's last decision (device)
-        self.world = 1
-
-
 def _loss_flags(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """This rank's flags for the reduction under way (no host read)."""
     loss = None if _state.leaving_out else _state.pending_loss
@@ -246,87 +231,12 @@ def _loss_flags(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]
     return bad, nonfinite, kept
 
 
-def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
-    # (no annotations: DDP compares them with its own objects, and this module's are text)
-    dist = torch.distributed
-    group = carrier.group if carrier.group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    buffer = bucket.buffer()
-    buffer.div_(world)  # DDP's default: the mean of the ranks' gradients
-    # DDP cannot take a hook back: after revert() (on every rank alike) it reduces plainly
-    if bucket.index() != 0 or not _hooks:
-        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(
-            lambda fut: fut.value()[0])
-    bad, nonfinite, kept = _loss_flags(buffer.device)
-    last = carrier.last_skip
-    last = (torch.zeros((), device=buffer.device) if last is None else last.to(buffer.device))
-    flags = torch.stack([bad.to(buffer.dtype), nonfinite.to(buffer.dtype),
-                         torch.full((), float(kept), dtype=buffer.dtype, device=buffer.device),
-                         last.to(buffer.dtype)])
-    joined = torch.cat([buffer, flags])
-    carrier.world = world
-
-    def split(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        out = fut.value()[0]
-        buffer.copy_(out[:-_CARRIED])
-        carrier.received = out[-_CARRIED:].clone()
-        carrier.fresh = True
-        return buffer
-    return dist.all_reduce(joined, group=group, async_op=True).get_future().then(split)
-
-
-# optimizer -> the carrier of the DDP module holding its parameters, or None (fall back)
-_carriers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Carrier | None] = (
-    weakref.WeakKeyDictionary())
-
-
-def _ddp_of(optimizer: torch.optim.Optimizer) -> list[Any]:
-    """The DistributedDataParallel modules holding any of the optimizer's parameters."""
-    ddp_type = torch.nn.parallel.DistributedDataParallel
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [m for m in _run.live_modules() if isinstance(m, ddp_type)
-            and any(id(p) in params for p in m.module.parameters())]
-
-
-def _carrier_of(optimizer: torch.optim.Optimizer) -> _Carrier | None:
-    """The carrier of ``optimizer``'s DDP module: registered at its first guarded step
-    (found once per optimizer); None where the guard keeps its own all-reduce."""
-    if optimizer in _carriers:
-        return _carriers[optimizer]
-    carrier = None
-    found = _ddp_of(optimizer)
-    if len(found) == 1:
-        ddp = found[0]
-        carrier = getattr(ddp, "_training_patches_carrier", None)
-        if carrier is None:
-            carrier = _Carrier(ddp.process_group)
-            try:  # (kept for the module's life: DDP has no way to unregister a hook)
-                if getattr(ddp, "_comm_hooks", None):
-                    raise RuntimeError("a communication hook is registered already")
-                ddp.register_comm_hook(carrier, _carrying_hook)
-                ddp._training_patches_carrier = carrier
-            except (RuntimeError, ValueError) as exc:  # the user's hook (DDP allows one)
-                carrier = None
-                logger.warning(
-                    "nan_guard: the DistributedDataParallel model has a communication hook of "
-                    "its own (%s), and DDP allows only one: the guard cannot carry its skip "
-                    "decision in the gradient reduction, so EVERY STEP MAKES ONE EXTRA "
-                    "ALL-REDUCE (3 floats) to agree it across the ranks. Exact either way; to "
-                    "save the collective, leave DDP's default reduction in place.",
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else "registered")
-    elif found:
-        logger.debug("nan_guard: %d DDP modules hold the optimizer's parameters; the skip "
-                     "decision is agreed by its own all-reduce", len(found))
-    _carriers[optimizer] = carrier
-    return carrier
-
-
 def _carried(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
     """The flags the step's last reduction carried (sums over the ranks), when a reduction
     carried them since the last decision; else None (agree by all-reduce). Only what every
     rank knows alike decides which (never a loss value: a rank that left out a non-finite
     micro-batch knows something its peers do not)."""
-    carrier = _carrier_of(optimizer)
+    carrier = _ddp.carrier_of(optimizer)
     if carrier is None or not carrier.fresh or carrier.received is None:
         return None
     carrier.fresh = False
@@ -337,13 +247,11 @@ def _agree_carried(optimizer: torch.optim.Optimizer, bad: torch.Tensor,
                    received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The agreement from the carried sums, with no collective: any rank's loss flag or this
     rank's gradient flag (the same on every rank: the gradients are reduced)."""
-    carrier = _carriers[optimizer]
+    carrier = _ddp.known_carrier(optimizer)
     agreed = received > 0
-    last = received[3]
     # every rank's last decision was carried: anything but none or all of them skipped is
     # ranks that diverged (a rank-local change of its gradients after the reduction)
-    diverged = (last > 0) & (last < carrier.world - 0.5)  # type: ignore[union-attr]
-    _state.diverged = diverged
+    _state.diverged = carrier.diverged()  # type: ignore[union-attr]
     decided = bad | agreed[0]
     carrier.last_skip = decided.to(torch.float32)  # type: ignore[union-attr]
     return decided, agreed[1], agreed[2]
@@ -1009,11 +917,13 @@ def _nothing_found_reason(model: torch.nn.Module) -> str:
 
 def _enable(options: Any) -> None:
     _step.CONTEXT.on_iteration_end(_step_boundary)
+    _ddp.carry_loss_flags(_loss_flags)
     _hooks.append(register_optimizer_step_pre_hook(_pre_hook))
     _hooks.append(register_optimizer_step_post_hook(_post_hook))
 
 
 def _disable() -> None:
+    _ddp.carry_loss_flags(None)
     while _hooks:
         _hooks.pop().remove()
 

@@ -10,12 +10,11 @@ import torch.distributed as dist
 
 def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int],
            scaler: bool = False) -> None:
-    """30 steps of a DDP model, a NaN written into rank 0's gradient at the ``inject`` steps.
-    ``scaler``: through a (patched) ``torch.amp.GradScaler("cpu")``, the NaN written after
-    the all-reduce (the scaler agrees its flag by an all-reduce of its own); without, before
-    it (a tensor hook): the guard carries its flags in DDP's reduction (issue 41), so a
-    gradient one rank alone edits after it is stopped, not agreed
-    (tests/distributed/test_ddp_collectives.py)."""
+    """30 steps of a DDP model, a NaN written into rank 0's gradient at the ``inject`` steps,
+    before the all-reduce (a tensor hook); ``scaler``: through a (patched)
+    ``torch.amp.GradScaler("cpu")``. The guard and the scaler both agree through DDP's
+    reduction (issue 41), so a gradient one rank alone edits after it is stopped, not agreed
+    (tests/distributed/test_ddp_collectives.py, test_ddp_scaler_collectives.py)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -24,7 +23,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int],
         from patches import nan_guard
 
         nan_guard.reset()
-        patches.apply(["nan_guard", "grad_scaler"] if scaler else ["nan_guard"], output_dir=os.path.join(out_dir, f"rank{rank}"), quiet=True)
+        patches.advanced.apply(["nan_guard", "grad_scaler"] if scaler else ["nan_guard"], output_dir=os.path.join(out_dir, f"rank{rank}"), quiet=True)
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(
             torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)))
@@ -38,17 +37,13 @@ def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int],
                 grad = grad.clone()
                 grad[0, 0] = float("nan")
             return grad
-        if not amp:
-            model.module[0].weight.register_hook(before_the_reduction)
+        model.module[0].weight.register_hook(before_the_reduction)
         for step in range(1, 31):
             opt.zero_grad()
             x = torch.randn(16, 8)
             loss = model(x).pow(2).mean()
-            poison[0] = not amp and rank == 0 and step in inject
+            poison[0] = rank == 0 and step in inject  # on one rank only
             (amp.scale(loss) if amp else loss).backward()  # gradients are all-reduced here
-            if amp and rank == 0 and step in inject:
-                # a fault after the all-reduce, on one rank only
-                model.module[0].weight.grad[0, 0] = float("nan")
             if amp:
                 amp.step(opt)
                 amp.update()

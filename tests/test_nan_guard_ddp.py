@@ -36,9 +36,10 @@ def test_fault_on_one_rank_is_skipped_on_both(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_scaler_overflow_on_one_rank_is_skipped_on_both(tmp_path) -> None:
-    """fp16-style loss scaling under DDP: torch's GradScaler decides per rank, so a
-    non-finite gradient on one rank after the sync is skipped there only and the replicas
-    diverge. SafeGradScaler agrees the overflow flag: same skips, same scale, same weights."""
+    """fp16-style loss scaling under DDP: a non-finite gradient on one rank (before the
+    reduction, which spreads it) is skipped on both: same skips, same scale, same weights,
+    with no collective of the scaler's own (tests/distributed/test_ddp_scaler_collectives.py;
+    one rank's edit after the reduction stops every rank there)."""
     inject = [4, 11, 12, 25]
     mp.spawn(worker, args=(2, free_port(), str(tmp_path), inject, True), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]

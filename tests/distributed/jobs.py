@@ -124,6 +124,16 @@ def ranks(script: str | Path, *args: object, nproc: int = 2, env: dict[str, str]
     return subprocess.CompletedProcess(command, rc, out, None)
 
 
+def rank_results(script: str | Path, out: Path, *args: object, nproc: int = 2,
+                 timeout: float = 240) -> list[dict]:
+    """Run ``script OUT *args`` as :func:`ranks` does and load what each rank saved as
+    ``OUT/result<rank>.pt`` (the rank scripts' convention), in rank order."""
+    import torch  # lazy: the launcher tests of this module need no torch
+
+    ranks(script, str(out), *args, nproc=nproc, timeout=timeout)
+    return [torch.load(Path(out) / f"result{rank}.pt") for rank in range(nproc)]
+
+
 def _wait_ranks(procs: list[subprocess.Popen], deadline: float) -> bool:
     """Wait for every rank; stop the rest when one fails (torchrun's agent does), and all
     of them past ``deadline``. Returns whether the deadline was passed."""

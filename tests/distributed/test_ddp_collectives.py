@@ -16,8 +16,7 @@ SCRIPT = jobs.HERE / "ranks" / "ddp_collectives.py"
 
 
 def _results(tmp_path, *args: str) -> list[dict]:
-    jobs.ranks(SCRIPT, str(tmp_path), *args, timeout=240)
-    return [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
+    return jobs.rank_results(SCRIPT, tmp_path, *args)
 
 
 @pytest.mark.parametrize("variant", ["foreach", "fused"])

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import patches
-from patches import NonFiniteTrainingError, _run, nan_guard
+from patches import _run, nan_guard
+from patches.advanced import NonFiniteTrainingError
 from tiny_gpt import TinyGPT, batch, end_job, full_state, loss_of, read_events
 
 out, mode = sys.argv[1], sys.argv[2]
@@ -61,7 +62,7 @@ step()
 step()  # DDP rebuilds its buckets after the first step
 result["unpatched"] = collectives(4)
 _run.set_output_dir(os.path.join(out, f"rank{rank}"))
-patches.apply(quiet=True)  # every default patch
+patches.advanced.apply(quiet=True)  # every default patch
 step()  # the guard's first step under DDP: finds the DDP module, registers its hook
 result["patched"] = collectives(4)
 if mode in ("count", "userhook"):
@@ -83,7 +84,7 @@ if mode == "count":  # the carried flags change no gradient: the same weights, b
     for patched in (False, True):
         patches.revert()
         if patched:
-            patches.apply(quiet=True)
+            patches.advanced.apply(quiet=True)
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(TinyGPT(), bucket_cap_mb=0.005)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1,

@@ -31,7 +31,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    patches.apply()
+    patches.advanced.apply()
     _run.set_output_dir(report_dir)
     torch.manual_seed(0)
     model = DDP(TinyGPT())

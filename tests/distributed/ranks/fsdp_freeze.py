@@ -108,7 +108,7 @@ elif what == "refuse":
     head = model.text_head
     head.weight = torch.nn.Parameter(DTensor.from_local(head.weight.detach(), mesh, [Partial()]))
     try:
-        patches.freeze_base_vocab(model, 64)
+        patches.advanced.freeze_base_vocab(model, 64)
         result["error"] = None
     except VocabFreezeError as exc:
         result["error"] = str(exc)

@@ -28,7 +28,7 @@ if "MASTER_ADDR" in os.environ:
     dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 patches = sys.modules.get("patches")
-applied = patches.applied() if patches is not None else None
+applied = patches.advanced.applied() if patches is not None else None
 with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
     json.dump({"rank": rank, "world": world, "executable": sys.executable,
                "local_rank": os.environ.get("LOCAL_RANK"), "applied": applied}, handle)

@@ -1,0 +1,172 @@
+"""DDP's own gradient reduction carrying the patches' skip flags (issue 41): one
+communication hook per ``DistributedDataParallel`` module, shared by nan_guard and
+grad_scaler, reduces every bucket as DDP's default does and appends :data:`CARRIED` numbers
+to the first, so a patched DDP step makes exactly the collectives of an unpatched one.
+Public to the patches: :class:`Carrier`, :func:`carrier_of`, :func:`known_carrier`,
+:func:`carry_loss_flags`, :func:`use_for_scaler`.
+
+Design: docs/design/nan_guard.md ("No collective of its own under DDP") and
+docs/design/step.md ("Under DDP").
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from . import _run
+from ._log import logger
+
+CARRIED = 4  # loss bad (non-finite or spike), loss non-finite, kept a micro-batch, last skip
+
+# nan_guard's flags of the reduction under way, (bad, nonfinite, kept), while it is applied
+LossFlags = Callable[[torch.device], "tuple[torch.Tensor, torch.Tensor, bool]"]
+_loss_flags: LossFlags | None = None
+
+
+def carry_loss_flags(flags: LossFlags | None) -> None:
+    """nan_guard hands the hook its loss flags when applied, None when reverted (then a
+    hook no SafeGradScaler uses reduces plainly: DDP cannot take a hook back)."""
+    global _loss_flags
+    _loss_flags = flags
+
+
+class Carrier:
+    """One DDP module's communication hook state: the flags its last reduction carried."""
+
+    def __init__(self, ddp: Any) -> None:
+        self.group = ddp.process_group
+        # ids of the parameters DDP reduces, read from its buckets at the first reduction
+        # (its own choice: requires_grad when it was built, not ignored); None until then
+        self.reduced: frozenset[int] | None = None
+        self._bucketed: set[int] = set()
+        self.received: torch.Tensor | None = None  # the sums over the ranks
+        self.fresh = False  # nan_guard: a reduction carried flags since its last decision
+        self.last_skip: torch.Tensor | None = None  # this rank's last decision (device)
+        self.world = 1
+        # Complete reductions that carried the flags (the last bucket launched after a first
+        # that carried them): SafeGradScaler's "were these gradients all reduced?"
+        self.reductions = 0
+        self.carrying_now = False  # the reduction under way carries them
+        # A SafeGradScaler relies on it: carry for the module's life (sticky, so that every
+        # rank carries alike; a weak set would depend on each rank's garbage collection)
+        self.for_scaler = False
+
+    def covers(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether DDP reduces every parameter of ``optimizer`` that takes a gradient
+        (structure only: the same on every rank)."""
+        reduced = self.reduced
+        return reduced is not None and all(
+            id(p) in reduced for group in optimizer.param_groups for p in group["params"]
+            if p.requires_grad)
+
+    def diverged(self) -> torch.Tensor:
+        """Whether the ranks' last decisions, carried by the last reduction, differ (some
+        skipped, some stepped): a device flag, read with the next decision."""
+        last = self.received[3]  # type: ignore[index]
+        return (last > 0) & (last < self.world - 0.5)
+
+
+def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
+    # (no annotations: DDP compares them with its own objects, and this module's are text)
+    dist = torch.distributed
+    group = carrier.group if carrier.group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    buffer.div_(world)  # DDP's default: the mean of the ranks' gradients
+    if bucket.index() == 0:  # DDP launches buckets in index order: 0 starts a reduction
+        carrier.carrying_now = _loss_flags is not None or carrier.for_scaler
+    carried = bucket.index() == 0 and carrier.carrying_now
+    if carrier.reduced is None:
+        carrier._bucketed.update(id(p) for p in bucket.parameters())
+    if bucket.is_last():  # every bucket launched: this rank's gradients are all reduced
+        carrier.reductions += carrier.carrying_now
+        carrier.carrying_now = False
+        if carrier.reduced is None:
+            carrier.reduced = frozenset(carrier._bucketed)
+    if not carried:
+        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(
+            lambda fut: fut.value()[0])
+    if _loss_flags is not None:
+        bad, nonfinite, kept = _loss_flags(buffer.device)
+    else:  # only a SafeGradScaler uses it: no loss flags, its last decision
+        bad = nonfinite = torch.zeros((), dtype=torch.bool, device=buffer.device)
+        kept = True
+    last = carrier.last_skip
+    last = (torch.zeros((), device=buffer.device) if last is None else last.to(buffer.device))
+    flags = torch.stack([bad.to(buffer.dtype), nonfinite.to(buffer.dtype),
+                         torch.full((), float(kept), dtype=buffer.dtype, device=buffer.device),
+                         last.to(buffer.dtype)])
+    joined = torch.cat([buffer, flags])
+    carrier.world = world
+
+    def split(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = fut.value()[0]
+        buffer.copy_(out[:-CARRIED])
+        carrier.received = out[-CARRIED:].clone()
+        carrier.fresh = True
+        return buffer
+    return dist.all_reduce(joined, group=group, async_op=True).get_future().then(split)
+
+
+# optimizer -> the carrier of the DDP module holding its parameters, or None (fall back)
+_carriers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Carrier | None] = (
+    weakref.WeakKeyDictionary())
+
+
+def _ddp_of(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The DistributedDataParallel modules holding any of the optimizer's parameters."""
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [m for m in _run.live_modules() if isinstance(m, ddp_type)
+            and any(id(p) in params for p in m.module.parameters())]
+
+
+def known_carrier(optimizer: torch.optim.Optimizer) -> Carrier | None:
+    """The carrier :func:`carrier_of` found for ``optimizer``, if it was asked already."""
+    return _carriers.get(optimizer)
+
+
+def carrier_of(optimizer: torch.optim.Optimizer) -> Carrier | None:
+    """The carrier of ``optimizer``'s DDP module: registered at the first step a patch asks
+    (found once per optimizer); None where the patches keep their own all-reduce."""
+    if optimizer in _carriers:
+        return _carriers[optimizer]
+    carrier = None
+    found = _ddp_of(optimizer)
+    if len(found) == 1:
+        ddp = found[0]
+        carrier = getattr(ddp, "_training_patches_carrier", None)
+        if carrier is None:
+            carrier = Carrier(ddp)
+            try:  # (kept for the module's life: DDP has no way to unregister a hook)
+                if getattr(ddp, "_comm_hooks", None):
+                    raise RuntimeError("a communication hook is registered already")
+                ddp.register_comm_hook(carrier, _carrying_hook)
+                ddp._training_patches_carrier = carrier
+            except (RuntimeError, ValueError) as exc:  # the user's hook (DDP allows one)
+                carrier = None
+                logger.warning(
+                    "training-patches: the DistributedDataParallel model has a communication "
+                    "hook of its own (%s), and DDP allows only one: the skip decision (the "
+                    "NaN guard's, SafeGradScaler's overflow flag) cannot ride the gradient "
+                    "reduction, so EVERY STEP MAKES ONE EXTRA ALL-REDUCE (a few floats) to "
+                    "agree it across the ranks. Exact either way; to save the collective, "
+                    "leave DDP's default reduction in place.",
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else "registered")
+    elif found:
+        logger.debug("training-patches: %d DDP modules hold the optimizer's parameters; the "
+                     "skip decision is agreed by its own all-reduce", len(found))
+    _carriers[optimizer] = carrier
+    return carrier
+
+
+def use_for_scaler(optimizer: torch.optim.Optimizer) -> Carrier | None:
+    """The carrier of ``optimizer`` for a SafeGradScaler: it carries the flags from the
+    next reduction on (for the module's life); None where it cannot (fall back)."""
+    carrier = carrier_of(optimizer)
+    if carrier is not None:
+        carrier.for_scaler = True
+    return carrier
