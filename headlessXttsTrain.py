@@ -381,7 +381,7 @@ def setup_logging(output_dir: Path) -> Path:
     # Set before any data is read or any step runs, through the API (the environment
     # variable is read once, at activation): dropped_samples.jsonl and
     # nonfinite_events.jsonl go to <output-dir>, beside train.log, for every run in it.
-    patches.set_output_dir(output_dir)
+    patches.advanced.set_output_dir(output_dir)
     log_file = output_dir / LOG_NAME
     handler = logging.FileHandler(log_file, encoding="utf-8")
     _log_handler = handler
@@ -779,7 +779,7 @@ def _user_error(error: BaseException) -> bool:
     if isinstance(error, (ImportError, ValueError)):
         return True
     try:
-        from patches import PatchSiteError
+        from patches.advanced import PatchSiteError
     except ImportError:
         return False
     return isinstance(error, PatchSiteError)

@@ -724,7 +724,7 @@ def run_worker(arm: str, arm_dir: str, env: dict[str, str]) -> None:
         import patches.auto  # noqa: F401 - what the library asks of a user: the first line
 
         import patches
-        patches.reset_runtime_state()
+        patches.advanced.reset_runtime_state()
     import torch
 
     torch.set_num_threads(1)
@@ -735,7 +735,7 @@ def run_worker(arm: str, arm_dir: str, env: dict[str, str]) -> None:
     for seed in range(cfg["seeds"]):
         for nan_at in (None, cfg["nan_at"]) if arm in NAN_ARMS else (None,):
             if arm in LIBRARY_ARMS:
-                patches.reset_runtime_state()
+                patches.advanced.reset_runtime_state()
             results.append(run_arm(arm, seed, cfg, data, workdir, nan_at))
     (workdir / "result.json").write_text(json.dumps(results))
 

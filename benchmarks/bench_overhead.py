@@ -119,8 +119,8 @@ def step_ratio(amp: bool, rounds: int, steps: int, names: list[str] | None = Non
         block_median = {}
         for mode in order:
             if mode == "patched":
-                patches.apply(names, quiet=True)
-                handle = patches.freeze_base_vocab(model, base) if freeze else None
+                patches.advanced.apply(names, quiet=True)
+                handle = patches.advanced.freeze_base_vocab(model, base) if freeze else None
                 block(model, opt, amp, 1, data)  # a new freeze's first step: one-time work
             else:
                 patches.revert()
@@ -147,7 +147,7 @@ def cuda_syncs_per_step(steps: int = 20) -> str:
                                 ("on, fused AdamW", ["nan_guard"], True)):
         patches.revert()
         if names:
-            patches.apply(names, quiet=True)
+            patches.advanced.apply(names, quiet=True)
         model = make_model().cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, capturable=not fused)
         x = torch.randn(8, 64, 128, device="cuda")

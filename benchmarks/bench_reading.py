@@ -134,14 +134,14 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], work: Path, out: Path) -> 
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.jsonl"):
         old.unlink()
-    patches.set_output_dir(folder)
+    patches.advanced.set_output_dir(folder)
     log = logging.getLogger("training_patches")
     handler = logging.FileHandler(folder / "training_patches.log", mode="w")
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     # every evaluation measured (the verdicts' resolution); the time budget is its own figure
-    patches.apply(["learning", "resume_check"], reading_budget=1.0)
+    patches.advanced.apply(["learning", "resume_check"], reading_budget=1.0)
 
     data = sabotage(torch.load(work / f"data_{cfg['data_key']}.pt", weights_only=False), arm, seed)
     base_path = work / f"base_{cfg['base_key']}_seed{seed}.pt"
@@ -155,7 +155,7 @@ def run_arm(arm: str, seed: int, cfg: dict[str, Any], work: Path, out: Path) -> 
     warm = max(1, steps // 10)
     opt = bsl.make_optimizer(model, lr)
     sched = make_scheduler(opt, steps, warm)
-    patches.freeze_base_vocab(model, data["rows"]["base"])
+    patches.advanced.freeze_base_vocab(model, data["rows"]["base"])
     pools = data["pools"]
     monitor = learning.LearningMonitor(probe_of(data), audio_losses)
     points: list[dict[str, Any]] = []

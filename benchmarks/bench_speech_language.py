@@ -15,7 +15,7 @@ The speech-shaped sibling of ``bench_new_language.py`` (issue 25), small enough 
 4. **Arms**: the base checkpoint loaded into a model built with the grown tokenizer by
    ``patches.load_checkpoint(row_init=..., head_row_init=..., tokenizer=...)``, then a
    fine-tune on Amharic (with or without about 10% English samples mixed in), with the
-   base rows frozen by ``patches.freeze_base_vocab`` (on, off, or released after a quarter
+   base rows frozen by ``patches.advanced.freeze_base_vocab`` (on, off, or released after a quarter
    of the steps), at a low or a high learning rate. Every arm of a seed sees the same
    Amharic samples in the same order.
 
@@ -507,7 +507,7 @@ def run_arm(spec: dict[str, Any], seed: int, cfg: dict[str, Any], work: Path) ->
     freeze = None
     if spec["freeze"] != "off":
         until = steps // 4 if spec["freeze"] == "until" else None
-        freeze = patches.freeze_base_vocab(model, data["rows"]["base"], until_step=until)
+        freeze = patches.advanced.freeze_base_vocab(model, data["rows"]["base"], until_step=until)
     # rows_first: for the first quarter only the text rows train (with the freeze on, the new
     # ones alone); the transformer, the audio side and the conditioning wait
     rows_first = steps // 4 if spec["freeze"] == "rows_first" else 0

@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from patches import freeze_base_vocab  # noqa: E402
+from patches.advanced import freeze_base_vocab  # noqa: E402
 from demo.xtts_tiny import build_tiny_xtts  # noqa: E402
 from patches.integrations.layouts import start_row_is_last  # noqa: E402
 from patches.vocab_rows import frozen_rows  # noqa: E402

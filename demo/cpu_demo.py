@@ -19,7 +19,7 @@ import patches
 
 def main(argv: list[str] | None = None) -> int:
     """Activate the patches (what the one import line does), then train and summarise."""
-    patches.activate()
+    patches.advanced.activate()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--inject", type=int, nargs="*", default=[12, 13, 40],

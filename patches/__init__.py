@@ -1,8 +1,15 @@
 """training-patches: numerically safe, resumable fine-tuning of TTS GPT models.
 
-Importing this package changes nothing; :func:`apply` and :func:`revert` are the
-only doors. ``from utils import training_patches`` (or ``import patches.auto``)
+Importing this package changes nothing; :func:`patches.advanced.apply` and :func:`revert`
+are the only doors. ``from utils import training_patches`` (or ``import patches.auto``)
 applies the default set once. See TRAINING_PATCHES_README.md.
+
+The public core (``__all__``) is what a user of an XTTS fine-tune needs: ``load_checkpoint``,
+``CheckpointManager``, ``stats``/``status``/``revert``, the errors and the report these raise
+or return, and :mod:`patches.advanced`, which holds every other public name (choosing patches
+and options by hand, a plain loop's own scaler/clip/freeze, the learning monitor, languages,
+runtime inspection). Their old top-level spellings (``patches.apply``: deprecated) still
+answer, as aliases for one release (:func:`__getattr__`).
 
 Layout, in three layers (``tests/test_import_graph.py``): the generic patches (one module
 each, with the core ``_*`` modules, ``checkpoint`` and ``languages``) import torch and each
@@ -13,6 +20,8 @@ both and is never imported from here.
 
 from __future__ import annotations
 
+import warnings
+
 from ._version import __version__  # noqa: E402,F401
 
 # Each patch module registers its PatchSpec; the order here is the banner's order.
@@ -20,33 +29,39 @@ from . import (  # noqa: E402,F401
     autocast, grad_scaler, grad_clip, nan_guard, anomaly, checkpoint, vocab_freeze, languages,
     dataset_guard, oom_guard, learning, resume_check)
 from . import integrations  # noqa: E402,F401  (registers the upstream integrations)
-from ._api import (  # noqa: E402
-    activate, applied, apply, get_original, is_applied, reset_runtime_state, revert, stats,
-    status)
-from ._options import ConfigError  # noqa: E402
-from ._registry import PatchSiteError  # noqa: E402
-from .languages import register_language  # noqa: E402
-from .anomaly import enable_anomaly_detection  # noqa: E402
+from ._api import revert, stats, status  # noqa: E402
 from .checkpoint import (  # noqa: E402
     CheckpointError, CheckpointManager, CheckpointMismatchError, CheckpointWriteError,
-    DiskFullError, LoadOptions, LoadReport, UnsafeCheckpointError, load_checkpoint)
-from .grad_clip import safe_clip_grad_norm_  # noqa: E402
-from .grad_scaler import LossScaleFloorError, SafeGradScaler  # noqa: E402
-from .vocab_freeze import freeze_base_vocab  # noqa: E402
-from .nan_guard import NonFiniteTrainingError, find_nonfinite_source, observe_loss  # noqa: E402
-from ._run import set_output_dir  # noqa: E402
+    DiskFullError, LoadReport, UnsafeCheckpointError, load_checkpoint)
 from ._runlock import RunFolderInUse  # noqa: E402
-from .oom_guard import OutOfMemoryTrainingError, skip_on_oom  # noqa: E402
-from .learning import LearningMonitor, ReadingProbe  # noqa: E402
+from . import advanced  # noqa: E402
 
 __all__ = [
-    "apply", "revert", "applied", "is_applied", "status", "get_original", "stats", "activate",
-    "reset_runtime_state", "enable_anomaly_detection", "SafeGradScaler", "LossScaleFloorError",
-    "safe_clip_grad_norm_", "ConfigError", "PatchSiteError", "__version__",
-    "register_language", "load_checkpoint", "LoadOptions", "CheckpointManager", "LoadReport",
-    "CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError", "DiskFullError",
-    "CheckpointWriteError",
-    "NonFiniteTrainingError", "find_nonfinite_source", "observe_loss", "set_output_dir",
-    "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom", "RunFolderInUse",
-    "LearningMonitor", "ReadingProbe",
+    "load_checkpoint", "CheckpointManager", "stats", "status", "revert", "__version__",
+    "LoadReport", "CheckpointError", "CheckpointMismatchError", "UnsafeCheckpointError",
+    "DiskFullError", "CheckpointWriteError", "RunFolderInUse", "advanced",
 ]
+
+# The top-level names of 0.x that moved to patches.advanced (issue 40): deprecated aliases
+# for one release. A name added to patches.advanced later never becomes one.
+_MOVED = frozenset((
+    "apply", "applied", "is_applied", "get_original", "activate", "reset_runtime_state",
+    "enable_anomaly_detection", "SafeGradScaler", "LossScaleFloorError", "safe_clip_grad_norm_",
+    "ConfigError", "PatchSiteError", "register_language", "LoadOptions",
+    "NonFiniteTrainingError", "find_nonfinite_source", "observe_loss", "set_output_dir",
+    "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom", "LearningMonitor",
+    "ReadingProbe"))
+_warned_aliases: set[str] = set()
+
+
+def __getattr__(name: str) -> object:
+    """``patches.<old name>`` is ``patches.advanced.<old name>``, with one DeprecationWarning
+    per name per process that names the new spelling (PEP 562: asked only for a name this
+    module does not hold)."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _warned_aliases:
+        _warned_aliases.add(name)
+        warnings.warn(f"patches.{name} is patches.advanced.{name}; the old name goes in the "
+                      f"next release", DeprecationWarning, stacklevel=2)
+    return getattr(advanced, name)

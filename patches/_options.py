@@ -105,7 +105,7 @@ def names(text: Any) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Option:
-    """One setting: ``name`` (the keyword of :func:`patches.apply`), read from the
+    """One setting: ``name`` (the keyword of :func:`patches.advanced.apply`), read from the
     environment variable ``TRAINING_PATCHES_<NAME>``.
 
     ``parse`` turns a keyword value or the variable's text into the value (raising

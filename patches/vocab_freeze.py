@@ -916,7 +916,7 @@ def _warn_not_applied(optimizer: torch.optim.Optimizer, base: int) -> None:
         f"Hugging Face model's get_input_embeddings(), F5-TTS's text_embed): "
         f"NOTHING IS FROZEN, every base row trains. Its embeddings: "
         f"{', '.join(found) or 'none found'}. Name them after building the model: "
-        f"patches.freeze_base_vocab(model, {base}, modules={names or ['...']!r})")
+        f"patches.advanced.freeze_base_vocab(model, {base}, modules={names or ['...']!r})")
     message = f"{TAG} {_not_applied}"
     if _options.current().strict:
         raise VocabFreezeError(message + " (TRAINING_PATCHES_STRICT=1 makes this an error)")

@@ -34,7 +34,7 @@ Six suites (docs/compatibility.md has the results and how to get the sources):
   (``RunIf``).
 
 Each suite runs four times in fresh processes: plain; with a pytest plugin that calls
-``patches.apply()`` before any test module is imported; with a plugin that does
+``patches.advanced.apply()`` before any test module is imported; with a plugin that does
 ``import patches.auto`` (the one import line); under ``python -m patches run`` (the
 ``training-patches run`` launcher: every Python process it starts, each torchrun rank and
 each spawned child included, applies the patches when it imports torch). The accelerate
@@ -113,7 +113,7 @@ PLUGINS = {
         import json, os
         import patches
 
-        patches.apply()
+        patches.advanced.apply()
 
         def pytest_sessionfinish(session, exitstatus):
             _evidence(session)
@@ -130,19 +130,20 @@ PLUGINS = {
                     if isinstance(cls, type):
                         bound[f"{module.__name__}.{attr}"] = f"{cls.__module__}.{cls.__qualname__}"
             with open(os.environ["TP_UPSTREAM_EVIDENCE"], "w") as f:
-                json.dump({"applied": patches.applied(), "stats": patches.stats(),
+                json.dump({"applied": patches.advanced.applied(), "stats": patches.stats(),
                            "state": {n: patches.status(n)["state"] for n in names},
                            "scaler_classes_bound_by_tests": bound},
                           f, default=str, indent=1)
     """,
 }
-PLUGINS["auto"] = PLUGINS["apply"].replace("import patches\n\n        patches.apply()",
-                                           "import patches\n        import patches.auto")
+# The apply plugin's first lines, which modes "auto" and "run" replace.
+_APPLY = "import patches\n\n        patches.advanced.apply()"
+PLUGINS["auto"] = PLUGINS["apply"].replace(_APPLY, "import patches\n        import patches.auto")
 # Mode "run": the session runs under `python -m patches run` (the bootstrap applies the
 # patches in every process when torch is imported); the plugin only records the evidence,
 # importing patches at the session's end: imported first, before torch, it would be the
 # import during which the bootstrap's torch hook fires, and the bootstrap then fails.
-PLUGINS["run"] = (PLUGINS["apply"].replace("import patches\n\n        patches.apply()\n", "")
+PLUGINS["run"] = (PLUGINS["apply"].replace(_APPLY + "\n", "")
                   .replace("from patches import _registry",
                            "import patches\n            from patches import _registry"))
 # The launcher command of each mode, put before the suite's own command.
@@ -273,7 +274,7 @@ LAUNCHER = """
     MODE = {mode!r}
     if MODE == "apply":
         import patches
-        patches.apply()
+        patches.advanced.apply()
     elif MODE == "auto":
         import patches
         import patches.auto
@@ -288,7 +289,7 @@ LAUNCHER = """
         record = {{"patches_imported": "patches" in sys.modules}}
         if "patches" in sys.modules:  # "run": the bootstrap applied them at torch's import
             import patches
-            record.update(applied=patches.applied(), stats=patches.stats())
+            record.update(applied=patches.advanced.applied(), stats=patches.stats())
         with open(evidence, "w") as f:
             json.dump(record, f, default=str, indent=1)
 """

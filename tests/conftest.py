@@ -90,8 +90,8 @@ def write_amharic_base(root: Path):
                            vocab_extra_texts=[normalize(t) for t in AMHARIC_TEXTS])
     base = root / "base"
     base.mkdir()
-    was = patches.is_applied("xtts_language")
-    patches.apply(["xtts_language"])  # coqui's tokenizer must know "am" to build the model
+    was = patches.advanced.is_applied("xtts_language")
+    patches.advanced.apply(["xtts_language"])  # coqui's tokenizer must know "am" to build the model
     try:
         config = tiny.make_config(root / "scratch")
         model = tiny.make_model(config)

@@ -168,7 +168,7 @@ def check_behaviour(patch: str, patched: bool) -> None:
             warnings.simplefilter("ignore")
             scaler = tt.GradScaler()
             cpu_scaler = torch.amp.GradScaler("cpu")
-        is_safe = isinstance(scaler, patches.SafeGradScaler)
+        is_safe = isinstance(scaler, patches.advanced.SafeGradScaler)
         check(is_safe == patched, f"trainer.trainer.GradScaler() built {type(scaler)}")
         check(isinstance(scaler, torch.amp.grad_scaler.GradScaler), "not a torch GradScaler")
         expected_scale = 1024.0 if patched else 65536.0
@@ -200,13 +200,13 @@ def main(argv: list[str]) -> int:
         if step == "import":
             do_import(patch)
         elif step == "apply":
-            patches.apply([patch])
+            patches.advanced.apply([patch])
         elif step == "revert":
             patches.revert([patch])
         else:
             raise SystemExit(f"unknown step {step}")
     patched = expect == "patched"
-    check(patches.is_applied(patch) == patched, f"is_applied({patch}) is not {patched}")
+    check(patches.advanced.is_applied(patch) == patched, f"is_applied({patch}) is not {patched}")
     check_sites(patch, patched)
     check_user_module(patch, patched)
     check_behaviour(patch, patched)

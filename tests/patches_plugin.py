@@ -12,9 +12,9 @@ def _fresh_runtime_state() -> Iterator[None]:
     """Every test starts with no counters, events or run folder left by another."""
     import patches
 
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
     yield
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 
 from patches.languages import amharic, get_language, register_language, unregister_language
 from patches.languages.amharic import ethiopic_to_int, normalize, number_to_words, ordinal_to_words
-from patches import ConfigError
+from patches.advanced import ConfigError
 
 
 @pytest.mark.parametrize("number, words", [

@@ -7,12 +7,14 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 import patches
-from patches import ConfigError, _options, _registry, _upstream
+from patches import _options, _registry, _upstream
+from patches.advanced import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = {name for name, spec in _registry.specs().items() if spec.default}
@@ -20,21 +22,21 @@ DEFAULTS = {name for name, spec in _registry.specs().items() if spec.default}
 
 def test_apply_reports_sites_and_revert_restores_identity(clean_patches: None) -> None:
     before = torch.nn.utils.clip_grad_norm_
-    result = patches.apply(["grad_clip", "grad_scaler"])
+    result = patches.advanced.apply(["grad_clip", "grad_scaler"])
     assert "torch.nn.utils.clip_grad_norm_" in result["grad_clip"]
     assert "torch.GradScaler" in result["grad_scaler"]
-    assert patches.is_applied("grad_clip") and not patches.is_applied("autocast")
+    assert patches.advanced.is_applied("grad_clip") and not patches.advanced.is_applied("autocast")
     assert torch.nn.utils.clip_grad_norm_ is not before
-    assert patches.get_original("torch.nn.utils", "clip_grad_norm_") is before
-    assert patches.get_original(torch.nn.utils, "clip_grad_norm_") is before
+    assert patches.advanced.get_original("torch.nn.utils", "clip_grad_norm_") is before
+    assert patches.advanced.get_original(torch.nn.utils, "clip_grad_norm_") is before
     assert patches.revert() == ["grad_scaler", "grad_clip"]  # registry order
     assert torch.nn.utils.clip_grad_norm_ is before
-    assert patches.applied() == {}
+    assert patches.advanced.applied() == {}
 
 
 def test_default_set_and_disable(clean_patches: None, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="training_patches")
-    applied = patches.apply(disable="grad_clip")
+    applied = patches.advanced.apply(disable="grad_clip")
     assert set(applied) == DEFAULTS - {"grad_clip"}
     assert "[off] grad_clip" in caplog.text and "TRAINING_PATCHES_DISABLE" in caplog.text
     assert "[on ] grad_scaler" in caplog.text
@@ -62,28 +64,28 @@ def test_bad_environment_value_is_a_clear_error(var: str, value: str) -> None:
 
 def test_unknown_names_are_clear_errors(clean_patches: None, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="unknown option"):
-        patches.apply(init_scael=3)
+        patches.advanced.apply(init_scael=3)
     with pytest.raises(ConfigError, match="Known patches"):
-        patches.apply(["autocats"])
+        patches.advanced.apply(["autocats"])
     monkeypatch.setenv("TRAINING_PATCHES_DISABLE", "grad_clip,nope")
     with pytest.raises(ConfigError, match="nope"):
-        patches.apply()
-    assert patches.applied() == {}
+        patches.advanced.apply()
+    assert patches.advanced.applied() == {}
 
 
 def test_anomaly_switch_and_context_manager(clean_patches: None) -> None:
     assert not torch.is_anomaly_enabled()
-    with patches.enable_anomaly_detection():
+    with patches.advanced.enable_anomaly_detection():
         assert torch.is_anomaly_enabled()
     assert not torch.is_anomaly_enabled()
-    patches.apply(anomaly=True)
-    assert patches.is_applied("anomaly") and torch.is_anomaly_enabled()
+    patches.advanced.apply(anomaly=True)
+    assert patches.advanced.is_applied("anomaly") and torch.is_anomaly_enabled()
     patches.revert("anomaly")
     assert not torch.is_anomaly_enabled()
 
 
 def test_stats_are_plain_numbers(clean_patches: None) -> None:
-    patches.apply()
+    patches.advanced.apply()
     scaler = torch.amp.GradScaler("cpu")
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.1)
@@ -112,7 +114,7 @@ def test_activation_line_applies_once_with_banner() -> None:
         "from utils import training_patches as again\n"
         "import importlib, patches\n"
         "importlib.import_module('patches.auto')\n"
-        "print(','.join(sorted(patches.applied())))\n")
+        "print(','.join(sorted(patches.advanced.applied())))\n")
     assert result.returncode == 0, result.stderr
     assert set(result.stdout.strip().split(",")) == DEFAULTS
     assert {"autocast", "grad_scaler", "grad_clip", "nan_guard"} <= DEFAULTS
@@ -123,7 +125,7 @@ def test_activation_line_applies_once_with_banner() -> None:
 @pytest.mark.slow
 def test_activation_quiet_and_env_disable() -> None:
     result = _run("from utils import training_patches\nimport patches\n"
-                  "print(','.join(sorted(patches.applied())))\n",
+                  "print(','.join(sorted(patches.advanced.applied())))\n",
                   TRAINING_PATCHES_QUIET="1", TRAINING_PATCHES_DISABLE="autocast")
     assert result.returncode == 0, result.stderr
     assert set(result.stdout.strip().split(",")) == DEFAULTS - {"autocast"}
@@ -245,3 +247,110 @@ def test_an_editable_install_is_the_distributions_own_copy(tmp_path, monkeypatch
     found = _registry.upstream_version(integ)
     assert (found.version, found.vendored) == ("0.5", True), found
     assert _registry.version_problem(integ, found) is not None
+
+
+# The public core (issue 40 item 3) and the 0.x top-level names, moved to patches.advanced.
+CORE = {"load_checkpoint", "CheckpointManager", "stats", "status", "revert", "__version__",
+        "LoadReport", "CheckpointError", "CheckpointMismatchError", "UnsafeCheckpointError",
+        "DiskFullError", "CheckpointWriteError", "RunFolderInUse", "advanced"}
+OLD_TOP_LEVEL = {
+    "apply", "revert", "applied", "is_applied", "status", "get_original", "stats", "activate",
+    "reset_runtime_state", "enable_anomaly_detection", "SafeGradScaler", "LossScaleFloorError",
+    "safe_clip_grad_norm_", "ConfigError", "PatchSiteError", "__version__",
+    "register_language", "load_checkpoint", "LoadOptions", "CheckpointManager", "LoadReport",
+    "CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError", "DiskFullError",
+    "CheckpointWriteError", "NonFiniteTrainingError", "find_nonfinite_source", "observe_loss",
+    "set_output_dir", "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom",
+    "RunFolderInUse", "LearningMonitor", "ReadingProbe"}
+MOVED = sorted(OLD_TOP_LEVEL - CORE)
+
+
+def test_the_public_core_is_all_and_the_rest_is_advanced() -> None:
+    assert len(patches.__all__) == len(set(patches.__all__))
+    assert set(patches.__all__) == CORE
+    assert len(patches.advanced.__all__) == len(set(patches.advanced.__all__))
+    assert not set(patches.advanced.__all__) & CORE
+    assert OLD_TOP_LEVEL <= CORE | set(patches.advanced.__all__)  # nothing lost
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in patches.__all__:
+            getattr(patches, name)  # the core answers without a warning
+        for name in patches.advanced.__all__:
+            getattr(patches.advanced, name)
+
+
+@pytest.mark.parametrize("name", MOVED)
+def test_an_old_name_is_a_deprecated_alias_of_patches_advanced(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(patches, "_warned_aliases", set())
+    with pytest.warns(DeprecationWarning) as caught:
+        found = getattr(patches, name)
+    assert found is getattr(patches.advanced, name)
+    assert [str(w.message) for w in caught] == [
+        f"patches.{name} is patches.advanced.{name}; the old name goes in the next release"]
+    assert caught[0].filename == __file__  # the warning names the line that used the old name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(patches, name) is found  # once per name per process
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        patches.no_such_name  # noqa: B018
+
+
+def test_from_patches_import_an_old_name_warns_at_the_import(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(patches, "_warned_aliases", set())
+    with pytest.warns(DeprecationWarning, match=r"patches\.freeze_base_vocab is "
+                                                r"patches\.advanced\.freeze_base_vocab") as caught:
+        from patches import freeze_base_vocab  # the deprecated spelling
+    assert freeze_base_vocab is patches.advanced.freeze_base_vocab
+    # the import's line, or (--check-markers) conftest's builtins.__import__ it goes through
+    assert caught[0].filename in (__file__, os.path.join(os.path.dirname(__file__), "conftest.py"))
+
+
+# Files other changes hold that still spell an old name (issue 40 item 3): their owners move
+# them to patches.advanced; the lead empties this set when merging.
+_OLD_SPELLING_PENDING = {
+    "patches/checkpoint/data_position.py", "patches/checkpoint/load.py"}
+
+
+def test_the_project_spells_no_old_name() -> None:
+    """No DeprecationWarning from the project's own code, docs and tests: each spells a moved
+    name ``patches.advanced.<name>``; a line that shows the old spelling says it is deprecated
+    (or quotes the warning)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "*.py", "*.md"],
+                                cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    names = "|".join(MOVED)
+    attribute = re.compile(rf"\bpatches\.({names})\b(?! is patches\.advanced\.)")
+    from_import = re.compile(r"from patches import (\([^)]*\)|[^\n]*)")
+    found = []
+    for path in listed.splitlines():
+        full = os.path.join(ROOT, path)
+        if path in _OLD_SPELLING_PENDING or not os.path.isfile(full):
+            continue
+        with open(full, encoding="utf-8") as handle:
+            text = handle.read()
+        for number, line in enumerate(text.splitlines(), 1):
+            if attribute.search(line) and "deprecated" not in line:
+                found.append(f"{path}:{number}: {line.strip()}")
+        for match in from_import.finditer(text):
+            imported = set(re.findall(r"\w+", re.sub(r"#[^\n]*", "", match.group(1))))
+            if imported & set(MOVED) and "deprecated" not in match.group(0):
+                found.append(f"{path}: {match.group(0)}")
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.slow
+def test_import_patches_changes_nothing_and_its_star_import_warns_nothing() -> None:
+    result = _run("import warnings; warnings.filterwarnings('error', r'patches\\.')\n"
+                  "import torch\n"
+                  "before = torch.amp.GradScaler, torch.nn.utils.clip_grad_norm_\n"
+                  "import patches, patches.advanced\n"
+                  "from patches import *\n"
+                  "from patches.advanced import *\n"
+                  "assert (torch.amp.GradScaler, torch.nn.utils.clip_grad_norm_) == before\n"
+                  "print(patches.advanced.applied())\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "{}"

@@ -12,7 +12,7 @@ import patches
 
 @pytest.fixture
 def autocast_patch(clean_patches: None) -> None:
-    patches.apply(["autocast"])
+    patches.advanced.apply(["autocast"])
 
 
 def no_future_warnings(fn) -> None:

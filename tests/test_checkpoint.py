@@ -8,7 +8,6 @@ or deleted behind their back, and losses that continue exactly after a resume.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -16,6 +15,7 @@ import pickle
 import random
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -391,8 +391,9 @@ def test_manager_writes_manifest_latest_and_prunes_only_its_own(tmp_path):
     assert manifest["step"] == 40 and manifest["vocab_size"] == 20 and manifest["amp"] is False
     assert manifest["param_shapes"]["text_head.weight"] == [20, HIDDEN]
     assert manifest["bytes"] == (out / "ckpt_000000040.pt").stat().st_size
-    # The hash is taken while writing (the file is not read back): it must be the file's.
-    assert manifest["sha256"] == hashlib.sha256((out / "ckpt_000000040.pt").read_bytes()).hexdigest()
+    # The digest is taken while writing (the file is not read back): it must be the file's.
+    assert manifest["digest"]["chunks"] == [
+        blake3.blake3((out / "ckpt_000000040.pt").read_bytes()).hexdigest()]
     assert manifest["generation"] == 3 and manifest["nonfinite"] == []
     assert not [p for p in out.iterdir() if ".tp-tmp-" in p.name]
 
@@ -447,7 +448,7 @@ def _run(out: Path, total: int, stop_after: int | None, resume: bool) -> dict[in
     model = TinyGPT(20, dropout=0.2)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     sched = _warmup(opt, 5)
-    scaler = patches.SafeGradScaler("cpu", init_scale=64.0, growth_interval=2)
+    scaler = patches.advanced.SafeGradScaler("cpu", init_scale=64.0, growth_interval=2)
     data = torch.randint(0, 20, (24, 6), generator=torch.Generator().manual_seed(0))
     manager = CheckpointManager(out, keep=2)
     step, epoch, pos = 0, 0, 0
@@ -468,7 +469,7 @@ def _run(out: Path, total: int, stop_after: int | None, resume: bool) -> dict[in
             opt.zero_grad()
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
-            patches.safe_clip_grad_norm_(model.parameters(), 0.5)
+            patches.advanced.safe_clip_grad_norm_(model.parameters(), 0.5)
             scaler.step(opt)
             scaler.update()
             sched.step()

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 torch.set_num_threads(1)
-from patches import SafeGradScaler
+from patches.advanced import SafeGradScaler
 from patches.checkpoint import CheckpointManager, load_checkpoint
 from tiny_models import TinyGPT
 

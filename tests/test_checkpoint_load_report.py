@@ -244,7 +244,7 @@ def test_xtts_checkpoint_says_what_it_dropped(tiny_xtts, tmp_path, caplog, clean
     path = tmp_path / "checkpoint_2.pth"
     torch.save({"model": source.state_dict(), "optimizer": opt.state_dict(), "step": 2,
                 "epoch": 0}, path)
-    patches.apply()
+    patches.advanced.apply()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         model = tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "run",
                                                            xtts_checkpoint=str(path)))
@@ -286,7 +286,7 @@ def test_load_options_as_an_object_or_keywords_and_unknown_names_refused(tmp_pat
     keyword wins over the object); a misspelled option is a TypeError naming the closest."""
     import dataclasses
 
-    from patches import LoadOptions
+    from patches.advanced import LoadOptions
 
     model, opt, sched = _trained()
     path = tmp_path / "ckpt.pt"

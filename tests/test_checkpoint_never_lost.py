@@ -81,7 +81,7 @@ def test_f5_with_room_for_one_checkpoint_trains_every_update_as_upstream(run_sta
         last = torch.load(folder / "model_last.pt", weights_only=True)
         assert last["update"] == 16
         assert abs((folder / "model_last.pt").stat().st_size - F5_LAST) < 4096
-    patches.apply(["checkpoint", "nan_guard"])
+    patches.advanced.apply(["checkpoint", "nan_guard"])
     with full_disk(tmp_path / "patched", size="2m", free=room) as folder:
         with caplog.at_level(logging.WARNING, logger=LOGGER):
             patched, failed = _f5_run(folder)
@@ -129,7 +129,7 @@ def test_lightning_keeps_the_small_checkpoints_upstream_keeps(clean_patches, tmp
         assert failed is None and steps == 5 and len(upstream) == 5
         size = max((folder / name).stat().st_size for name in upstream)
         assert size < 32_000  # small files: the case of the floor
-    patches.apply(["checkpoint"])
+    patches.advanced.apply(["checkpoint"])
     with full_disk(tmp_path / "patched", size="1m", free=200_000) as folder:
         steps, kept, failed = _lightning_run(tmp_path / "root-p", folder)
         assert failed is None, failed

@@ -30,7 +30,7 @@ def _gpt(trainer):
 @pytest.fixture
 def base_run(tiny_xtts, tmp_path, clean_patches):
     """(checkpoint path, base text embedding, head weight, head bias, last avg loss)."""
-    patches.apply()
+    patches.advanced.apply()
     config = tiny_xtts.make_config(tmp_path / "base", epochs=3, save_step=5, save_n_checkpoints=2)
     trainer = tiny_xtts.train(config)
     gpt = _gpt(trainer)

@@ -49,7 +49,7 @@ def _clipped_steps(steps: int) -> None:
 
 
 def test_the_guard_reuses_the_clips_norm(monkeypatch: pytest.MonkeyPatch) -> None:
-    patches.apply(["grad_clip", "nan_guard"])
+    patches.advanced.apply(["grad_clip", "nan_guard"])
     counter = _count_norms(monkeypatch)
     _clipped_steps(5)
     assert counter[0] == 5  # one reduction per step serves the clip and the guard
@@ -57,7 +57,7 @@ def test_the_guard_reuses_the_clips_norm(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_without_the_reuse_the_guard_reduces_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: the same loop with the guard's reuse switched off makes two per step."""
-    patches.apply(["grad_clip", "nan_guard"])
+    patches.advanced.apply(["grad_clip", "nan_guard"])
     counter = _count_norms(monkeypatch)
     monkeypatch.setattr(_step.CONTEXT, "take_clip", lambda grads: None)
     _clipped_steps(5)
@@ -91,7 +91,7 @@ def _scaled_steps(scaler: torch.amp.GradScaler, steps: int,
 
 def test_guard_and_scaler_add_no_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
     torch_reads = _scaled_steps(torch.amp.GradScaler("cpu"), 10, monkeypatch)
-    patches.apply(["grad_scaler", "nan_guard", "grad_clip"])
+    patches.advanced.apply(["grad_scaler", "nan_guard", "grad_clip"])
     scaler = torch.amp.GradScaler("cpu")
     assert type(scaler).__name__ == "SafeGradScaler"
     patched_reads = _scaled_steps(scaler, 10, monkeypatch)
@@ -103,7 +103,7 @@ def test_a_guard_that_checked_scaler_steps_would_read_twice(
     """The control: without the rule that steps a scaler checks are left to it, the guard
     adds its own read to every scaled step."""
     torch_reads = _scaled_steps(torch.amp.GradScaler("cpu"), 10, monkeypatch)
-    patches.apply(["grad_scaler", "nan_guard", "grad_clip"])
+    patches.advanced.apply(["grad_scaler", "nan_guard", "grad_clip"])
     monkeypatch.setattr(nan_guard, "_protected", lambda optimizer, kwargs: False)
     reads = _scaled_steps(torch.amp.GradScaler("cpu"), 10, monkeypatch)
     assert reads == torch_reads + 10  # one more per step

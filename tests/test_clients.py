@@ -419,13 +419,13 @@ class Probe(Dataset):
         return 2
     def __getitem__(self, i):
         patches = sys.modules.get("patches")
-        return int(bool(patches and patches.applied()))
+        return int(bool(patches and patches.advanced.applied()))
 
 if __name__ == "__main__":
     loader = DataLoader(Probe(), batch_size=1, num_workers=2, multiprocessing_context="spawn")
     print("workers patched:", [int(b) for b in loader])
     patches = sys.modules.get("patches")
-    print("main patched:", int(bool(patches and patches.applied())))
+    print("main patched:", int(bool(patches and patches.advanced.applied())))
 """
 
 RANK_PROBE = """
@@ -433,7 +433,8 @@ import os, sys, torch
 patches = sys.modules.get("patches")
 # one file per rank: two ranks printing to one pipe interleave their lines
 with open(f"rank{os.environ['RANK']}.txt", "w") as out:
-    out.write(f"rank {os.environ['RANK']} patched {int(bool(patches and patches.applied()))}")
+    applied = bool(patches and patches.advanced.applied())
+    out.write(f"rank {os.environ['RANK']} patched {int(applied)}")
 """
 
 

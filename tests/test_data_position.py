@@ -23,8 +23,8 @@ LOGGER = "training_patches"
 
 @pytest.fixture
 def checkpoint_patch():
-    was = patches.is_applied("checkpoint")
-    patches.apply(["checkpoint"])
+    was = patches.advanced.is_applied("checkpoint")
+    patches.advanced.apply(["checkpoint"])
     yield
     if not was:
         patches.revert(["checkpoint"])
@@ -136,7 +136,7 @@ def test_the_position_of_a_loader_never_iterated_under_the_patch_is_left_out_and
     one WARNING (a second save of the same loader does not repeat it) and writes the
     checkpoint without the data position; the run goes on (it used to end with a
     ValueError)."""
-    was = patches.is_applied("checkpoint")
+    was = patches.advanced.is_applied("checkpoint")
     patches.revert(["checkpoint"])
     try:
         loader = torch.utils.data.DataLoader(NoisyData(8), batch_size=4, shuffle=True)
@@ -147,7 +147,7 @@ def test_the_position_of_a_loader_never_iterated_under_the_patch_is_left_out_and
             manager.save(2, torch.nn.Linear(1, 1), loader=loader)
     finally:
         if was:
-            patches.apply(["checkpoint"])
+            patches.advanced.apply(["checkpoint"])
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(said) == 1 and "\n" not in said[0], said
     assert "the checkpoint of step 1 is saved without the data position" in said[0]

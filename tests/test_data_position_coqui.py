@@ -43,7 +43,7 @@ def _run(tiny_xtts, folder: Path, **kwargs):
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
 def test_continue_path_trains_on_the_batches_the_uninterrupted_run_trained_on(
         tiny_xtts, tmp_path, clean_patches, applied):
-    patches.apply()
+    patches.advanced.apply()
     _, full = _run(tiny_xtts, tmp_path / "full")
     trainer, _ = _run(tiny_xtts, tmp_path / "stopped")
     run = Path(trainer.output_path)
@@ -96,7 +96,7 @@ def test_a_run_stopped_by_sigterm_continues_as_if_never_stopped(
 
     from TTS.tts.layers.xtts.trainer.dataset import XTTSDataset
 
-    patches.apply()
+    patches.advanced.apply()
 
     def run(folder: Path, **kwargs):
         config = tiny_xtts.make_config(folder, epochs=2, save_step=10 ** 6)

@@ -174,7 +174,7 @@ COMMON = {"run_id", "rank", "world_size"}
 LOOP = r'''
 import patches.auto
 import torch
-patches.set_output_dir(OUT)
+patches.advanced.set_output_dir(OUT)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(3):  # a NaN loss at the second step, in fp32

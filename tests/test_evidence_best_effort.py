@@ -39,10 +39,10 @@ def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(_run, "_dir_providers", [])
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
     yield
     _run.set_output_dir(None)
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
 
 
 def _mount_tmpfs(folder: Path, *options: str) -> None:
@@ -114,10 +114,10 @@ def _lines(path: Path) -> list[dict]:
 
 def test_a_full_disk_never_stops_training_and_the_records_come_later(
         full_disk: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    patches.apply()
+    patches.advanced.apply()
     _run.set_output_dir(tmp_path / "fine")
     expected = _train()
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
 
     caplog.set_level(logging.WARNING, logger="training_patches")
     caplog.clear()
@@ -147,7 +147,7 @@ def test_a_full_disk_never_stops_training_and_the_records_come_later(
 def test_an_fp16_overflow_on_a_full_disk_backs_off_as_torch_does(
         full_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
     """scaler.update() raised OSError on the first overflow before."""
-    patches.apply()
+    patches.advanced.apply()
     caplog.set_level(logging.WARNING, logger="training_patches")
     _run.set_output_dir(full_disk)
     param = torch.nn.Parameter(torch.ones(3))
@@ -166,7 +166,7 @@ def test_a_folder_whose_parent_is_a_file_gives_one_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "afile").write_text("not a folder")
     folder = tmp_path / "afile" / "reports"
-    patches.apply()
+    patches.advanced.apply()
     caplog.set_level(logging.WARNING, logger="training_patches")
     _run.set_output_dir(folder)
     _train(nan_at=(2, 3, 5))
@@ -177,7 +177,7 @@ def test_a_folder_whose_parent_is_a_file_gives_one_warning(
 
 def test_a_read_only_folder_gives_one_warning(read_only_disk: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
-    patches.apply()
+    patches.advanced.apply()
     caplog.set_level(logging.WARNING, logger="training_patches")
     _run.set_output_dir(read_only_disk)
     _train()
@@ -214,7 +214,7 @@ import json, math, os, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 import torch, patches
 from patches import _run
-patches.apply()
+patches.advanced.apply()
 _run.set_output_dir(sys.argv[1])
 _run.append_jsonl("nonfinite_events.jsonl", {"step": 0, "pad": "x" * 100})
 size = os.path.getsize(os.path.join(sys.argv[1], "nonfinite_events.jsonl"))
@@ -254,7 +254,7 @@ def test_a_file_size_limit_never_stops_training_nor_leaves_half_a_line(tmp_path:
 def _coqui_run(tiny_xtts, run: Path, output_dir: Path) -> tuple[list[torch.Tensor], int]:
     from test_nan_guard_coqui import poison_batch
 
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
     _run.set_output_dir(output_dir)
     config = tiny_xtts.make_config(run, epochs=1)
     torch.manual_seed(0)
@@ -273,7 +273,7 @@ def test_the_coqui_trainer_on_a_full_disk_trains_as_with_a_writable_folder(
         request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> None:
     """The coqui Trainer whose report folder is full, or read-only: the same parameters as
     with a writable one, the bad step skipped, one WARNING naming the file and the error."""
-    patches.apply()
+    patches.advanced.apply()
     expected, batches = _coqui_run(tiny_xtts, tmp_path / "run_a", tmp_path / "fine")
     assert batches == 8  # 7 batches, the bad one replayed once to find its source
     folder = request.getfixturevalue(fault)

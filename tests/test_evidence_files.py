@@ -37,10 +37,10 @@ def _run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(_run, "_dir_providers", [])
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
     _run.set_output_dir(tmp_path)
     yield
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
 
 
 def test_evidence_one_process_keeps_the_plain_name_with_rank_0_of_1(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_evidence_non_finite_floats_are_strict_json(tmp_path: Path) -> None:
 
 def test_evidence_the_guard_event_of_a_nan_loss_is_strict(tmp_path: Path) -> None:
     """The NaN guard's real event (a plain loop, one process): the loss NaN is "NaN"."""
-    patches.apply()
+    patches.advanced.apply()
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     (model(torch.ones(3, 4)).sum() * math.nan).backward()
@@ -143,8 +143,8 @@ def test_evidence_every_record_names_its_run(tmp_path: Path, monkeypatch) -> Non
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    # patches.apply(): a run id given in the environment is a known variable, not an error.
-    code = ("import patches; patches.apply(); from patches import _run; "
+    # patches.advanced.apply(): a run id given in the environment is a known variable, not an error.
+    code = ("import patches; patches.advanced.apply(); from patches import _run; "
             "_run.set_output_dir(r'%s'); "
             "_run.append_jsonl('nonfinite_events.jsonl', {'step': 1})" % tmp_path)
 

@@ -136,8 +136,8 @@ def test_nan_batch_is_skipped_exactly_and_recorded_in_the_checkpoint_folder(
     run that never had it (the fused kernel skipped that step whole), the EMA finite, and
     the record in F5's checkpoint folder when train() returns, with F5's update count
     (integration off: none)."""
-    patches.apply(["nan_guard", "grad_clip"], lr_step_on_skip=False,
-                  disable=[] if applied else ["f5_tts"])
+    patches.advanced.apply(["nan_guard", "grad_clip"], lr_step_on_skip=False,
+                           disable=[] if applied else ["f5_tts"])
     poisoned = _train(tmp_path / "ckpts", Clips(poison=BAD))
     events_file = tmp_path / "ckpts" / _run.EVENTS_FILE
     assert patches.stats()["nan_guard"]["skipped"] == 1
@@ -189,8 +189,8 @@ def test_base_vocab_freezes_the_filler_and_base_rows_in_model_and_ema(
     if mode == "layout_off":
         monkeypatch.setattr(vocab_rows, "_finders", [f for f in vocab_rows._finders
                                                      if f is not layouts.f5_vocab_modules])
-    patches.apply(["nan_guard", "vocab_freeze", "checkpoint"],
-                  disable=["f5_tts"] if mode == "integration_off" else [])
+    patches.advanced.apply(["nan_guard", "vocab_freeze", "checkpoint"],
+                           disable=["f5_tts"] if mode == "integration_off" else [])
     _train(tmp_path / "ckpts", Clips())
     saved = torch.load(tmp_path / "ckpts" / "model_last.pt", weights_only=True)
     key = "transformer.text_embed.text_embed.weight"
@@ -199,8 +199,8 @@ def test_base_vocab_freezes_the_filler_and_base_rows_in_model_and_ema(
     assert not torch.equal(model_rows[:21], ema_rows[:21])  # the EMA lags the model
 
     monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "20")
-    patches.apply(["nan_guard", "vocab_freeze", "checkpoint"],
-                  disable=["f5_tts"] if mode == "integration_off" else [])
+    patches.advanced.apply(["nan_guard", "vocab_freeze", "checkpoint"],
+                           disable=["f5_tts"] if mode == "integration_off" else [])
     model = _model()
     with caplog.at_level(logging.WARNING, logger="training_patches"):
         trainer = _train(tmp_path / "ckpts", Clips(), model, epochs=2)
@@ -229,7 +229,7 @@ def test_a_failed_save_leaves_the_last_checkpoint_whole(run_state, tmp_path, mon
     """A save that fails half-way (here: an object that cannot be pickled, as a full disk
     or a kill would) leaves the previous model_last.pt readable, so the next start resumes
     from it; upstream writes in place and leaves a torn file that the next start picks."""
-    patches.apply(["checkpoint"], disable=[] if applied else ["f5_tts"])
+    patches.advanced.apply(["checkpoint"], disable=[] if applied else ["f5_tts"])
     trainer = _train(tmp_path / "ckpts", Clips())
     last = tmp_path / "ckpts" / "model_last.pt"
     saved = torch.load(last, weights_only=True)
@@ -258,8 +258,8 @@ def test_resume_into_a_grown_vocabulary(run_state, no_live_freezes, tmp_path, ap
     update count resumed; the base rows (BASE_VOCAB=26: rows 0-26) stay bit-identical in
     both through the next epoch. Integration off: upstream's size mismatch."""
     monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", str(TOKENS))
-    patches.apply(["nan_guard", "checkpoint", "vocab_freeze"],
-                  disable=[] if applied else ["f5_tts"])
+    patches.advanced.apply(["nan_guard", "checkpoint", "vocab_freeze"],
+                           disable=[] if applied else ["f5_tts"])
     first = _train(tmp_path / "ckpts", Clips())
     saved = torch.load(tmp_path / "ckpts" / "model_last.pt", weights_only=True)
     key = "transformer.text_embed.text_embed.weight"
@@ -290,7 +290,7 @@ def test_a_checkpoint_the_library_cannot_read_cheaply_is_upstreams_to_load(run_s
                                                                           tmp_path) -> None:
     """A model_last.pt in torch's old (non-zip) format cannot be memory-mapped to read its
     shapes: the resume is F5's own load, as without the patches (it raised before)."""
-    patches.apply(["nan_guard", "checkpoint"])
+    patches.advanced.apply(["nan_guard", "checkpoint"])
     _train(tmp_path / "ckpts", Clips())
     last = tmp_path / "ckpts" / "model_last.pt"
     torch.save(torch.load(last, weights_only=True), last, _use_new_zipfile_serialization=False)
@@ -321,7 +321,7 @@ def test_a_grown_resume_says_what_f5_restores_and_spells_with_its_vocabulary(
     F5's Trainer restores itself (its optimizer and scheduler states, update 8), never
     ``optimizer absent`` or ``resuming at 0``; the new rows of the model and of the EMA are
     spelled with the model's vocab_char_map (each from the rows of its latin spelling)."""
-    patches.apply(["nan_guard", "checkpoint"])
+    patches.advanced.apply(["nan_guard", "checkpoint"])
     _train(tmp_path / "ckpts", Clips())
     trainer = _trainer(_amharic_model(), tmp_path / "ckpts", epochs=1)
     with caplog.at_level(logging.INFO, logger="training_patches"):
@@ -350,7 +350,7 @@ def test_a_second_run_into_a_checkpoint_path_in_use_is_refused(run_state, tmp_pa
 
     from processes import child_path
 
-    patches.apply(["nan_guard", "checkpoint"], disable=[] if applied else ["f5_tts"])
+    patches.advanced.apply(["nan_guard", "checkpoint"], disable=[] if applied else ["f5_tts"])
     folder = tmp_path / "ckpts"
     folder.mkdir()
     holder = subprocess.Popen(

@@ -19,7 +19,8 @@ from tiny_models import TinyTextModel
 from torch import nn
 
 import patches
-from patches import freeze_base_vocab, nan_guard, vocab_freeze
+from patches import nan_guard, vocab_freeze
+from patches.advanced import freeze_base_vocab
 
 BASE, VOCAB, DIM = 40, 52, 16
 Model = functools.partial(TinyTextModel, VOCAB, DIM, "tanh")
@@ -242,7 +243,7 @@ def test_a_closure_the_guard_ran_is_held_one_it_did_not_is_copied_back(
     run(3, seed=1)
     assert len(restores) == 3  # no guard: copied back
     nan_guard.reset()
-    patches.apply(["nan_guard"], output_dir=str(tmp_path), quiet=True)
+    patches.advanced.apply(["nan_guard"], output_dir=str(tmp_path), quiet=True)
     run(3, seed=2)
     assert len(restores) == 3  # the guard ran the closures: held
     nan_guard.reset()
@@ -258,7 +259,7 @@ def test_a_closure_the_guard_ran_is_held_one_it_did_not_is_copied_back(
 @pytest.fixture
 def guard(clean_patches, tmp_path):
     nan_guard.reset()
-    patches.apply(["nan_guard"], output_dir=str(tmp_path), quiet=True)
+    patches.advanced.apply(["nan_guard"], output_dir=str(tmp_path), quiet=True)
     yield
     nan_guard.reset()
 

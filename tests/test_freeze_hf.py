@@ -41,7 +41,7 @@ def _train(model: torch.nn.Module, steps: int = 3) -> None:
 
 def test_base_vocab_freezes_a_grown_hf_model_through_its_embeddings(
         clean_patches, caplog: pytest.LogCaptureFixture) -> None:
-    patches.apply(["vocab_freeze"], base_vocab=BASE)
+    patches.advanced.apply(["vocab_freeze"], base_vocab=BASE)
     model = _gpt2()
     wte = model.get_input_embeddings().weight
     assert model.get_output_embeddings().weight is wte  # tied
@@ -67,7 +67,7 @@ def test_base_vocab_freezes_a_grown_hf_model_through_its_embeddings(
 
 def test_explicit_tied_modules_are_one_tensor(clean_patches) -> None:
     model = _gpt2()
-    handle = patches.freeze_base_vocab(model, BASE, modules=["transformer.wte", "lm_head"])
+    handle = patches.advanced.freeze_base_vocab(model, BASE, modules=["transformer.wte", "lm_head"])
     try:
         assert handle.paths == ["transformer.wte.weight"]
         assert handle.frozen_numel() == BASE * 16

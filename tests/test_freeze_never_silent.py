@@ -45,7 +45,7 @@ def _train(model: nn.Module, steps: int = 2) -> None:
 
 def test_unknown_layout_warns_names_its_embeddings_and_status_says_not_applied(
         clean_patches, caplog: pytest.LogCaptureFixture) -> None:
-    patches.apply(["vocab_freeze"], base_vocab=BASE)
+    patches.advanced.apply(["vocab_freeze"], base_vocab=BASE)
     model = Gpt2Like()
     before = model.wte.weight.detach().clone()
     status = patches.status("vocab_freeze")
@@ -67,7 +67,7 @@ def test_unknown_layout_warns_names_its_embeddings_and_status_says_not_applied(
 
     # the advice works: named, the base rows stay bit-identical and status says so
     model = Gpt2Like()
-    handle = patches.freeze_base_vocab(model, BASE, modules=["wte", "lm_head"])
+    handle = patches.advanced.freeze_base_vocab(model, BASE, modules=["wte", "lm_head"])
     try:
         before = model.wte.weight.detach().clone()
         _train(model)
@@ -80,7 +80,7 @@ def test_unknown_layout_warns_names_its_embeddings_and_status_says_not_applied(
 
 
 def test_unknown_layout_is_an_error_under_strict(clean_patches) -> None:
-    patches.apply(["vocab_freeze"], base_vocab=BASE, strict=True)
+    patches.advanced.apply(["vocab_freeze"], base_vocab=BASE, strict=True)
     model = Gpt2Like()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(VocabFreezeError, match="NOTHING IS FROZEN.*STRICT"):
@@ -91,7 +91,7 @@ def test_unknown_layout_is_an_error_under_strict(clean_patches) -> None:
 
 def test_known_layout_status_says_what_was_frozen_and_nothing_is_warned(
         clean_patches, caplog: pytest.LogCaptureFixture) -> None:
-    patches.apply(["vocab_freeze"], base_vocab=BASE)
+    patches.advanced.apply(["vocab_freeze"], base_vocab=BASE)
     model = TinyTextModel(VOCAB, DIM, "tanh")
     before = model.text_embedding.weight.detach().clone()
     with caplog.at_level(logging.WARNING, logger="training_patches"):

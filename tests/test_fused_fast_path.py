@@ -15,13 +15,14 @@ import torch
 from sync_count import count_host_reads
 
 import patches
-from patches import NonFiniteTrainingError, _run, nan_guard
+from patches import _run, nan_guard
+from patches.advanced import NonFiniteTrainingError
 
 
 @pytest.fixture
 def guard(clean_patches: None, tmp_path) -> str:
     nan_guard.reset()
-    patches.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path), quiet=True)
+    patches.advanced.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path), quiet=True)
     yield str(tmp_path)
     nan_guard.reset()
 
@@ -87,8 +88,8 @@ def test_fused_adamw_guard_reads_nothing_per_step(guard: str,
 
 def test_fused_guard_reads_nothing_between_logs_when_the_stop_allows(
         guard: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    patches.apply(["nan_guard", "grad_clip"], max_bad_steps=1000, log_interval=1000,
-                  output_dir=guard, quiet=True)
+    patches.advanced.apply(["nan_guard", "grad_clip"], max_bad_steps=1000, log_interval=1000,
+                           output_dir=guard, quiet=True)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     with monkeypatch.context() as m:
@@ -149,7 +150,8 @@ def test_fused_nan_step_is_skipped_exactly(guard: str) -> None:
 def test_fused_consecutive_skips_still_stop_the_run(guard: str) -> None:
     """max_bad_steps=5, NaN from step 3 on: the fifth skip in a row is step 7, seen when the
     flags are read at step 10; the weights are those of step 2."""
-    patches.apply(["nan_guard", "grad_clip"], max_bad_steps=5, output_dir=guard, quiet=True)
+    patches.advanced.apply(["nan_guard", "grad_clip"], max_bad_steps=5, output_dir=guard,
+                           quiet=True)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     batches = _batches(40)
@@ -167,7 +169,7 @@ def test_fused_consecutive_skips_still_stop_the_run(guard: str) -> None:
 
 def test_fused_scheduler_hold_reads_the_flag(guard: str) -> None:
     """lr_step_on_skip=0 needs the flag on the host: the scheduler still holds exactly."""
-    patches.apply(["nan_guard"], lr_step_on_skip=False, output_dir=guard, quiet=True)
+    patches.advanced.apply(["nan_guard"], lr_step_on_skip=False, output_dir=guard, quiet=True)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1.0, fused=True)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

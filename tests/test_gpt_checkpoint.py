@@ -31,7 +31,7 @@ def build(tiny_xtts, vocab, gpt_path, tmp_path):
 def test_grown_vocab_keeps_base_rows_and_freezes_them(tiny_xtts, tiny_xtts_extended_vocab,
                                                       base_gpt, tmp_path, clean_patches,
                                                       caplog) -> None:
-    patches.apply()
+    patches.advanced.apply()
     base = torch.load(base_gpt)
     with caplog.at_level("INFO", logger="training_patches"):
         model = build(tiny_xtts, tiny_xtts_extended_vocab, base_gpt, tmp_path)
@@ -90,7 +90,7 @@ def test_report_checks_the_frozen_rows_of_any_coqui_run_that_loaded_its_base(
     from patches import _run
     from patches.tools import cli
 
-    patches.apply(base_vocab=74)
+    patches.advanced.apply(base_vocab=74)
     config = tiny_xtts.make_config(tmp_path / "out", vocab=tiny_xtts_extended_vocab,
                                    gpt_checkpoint=base_gpt, epochs=1, save_step=3)
     trainer = tiny_xtts.train(config)

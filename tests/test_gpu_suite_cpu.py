@@ -49,7 +49,7 @@ def test_the_coqui_trainer_would_build_safe_grad_scaler(tiny_xtts, tmp_path) -> 
     suite exists); the binding it would call on CUDA is SafeGradScaler once patched."""
     import trainer.trainer as coqui
 
-    patches.apply(quiet=True)
+    patches.advanced.apply(quiet=True)
     config = harness.make_config(tiny_xtts, tmp_path / "run", precision="fp16")
     built = tiny_xtts.make_trainer(config)
     assert built.config.mixed_precision and built.scaler is None and not built.use_amp_scaler
@@ -100,12 +100,12 @@ def test_compare_modes_on_the_cpu(tiny_xtts, tmp_path, fused, extra) -> None:
     assert result["patched"]["scaler"] is None and result["peak_memory_ratio"] is None
     # a figure the suite reports, never a pass mark: a loaded machine stretches either side
     assert result["step_time_ratio"] > 0 and result["step_time_ratio"] != float("inf")
-    assert not patches.applied()  # the comparison leaves nothing applied
+    assert not patches.advanced.applied()  # the comparison leaves nothing applied
 
 
 @pytest.mark.slow
 def test_fit_with_faults_counts_the_skips(tiny_xtts, tmp_path) -> None:
-    patches.apply(quiet=True, output_dir=str(tmp_path))
+    patches.advanced.apply(quiet=True, output_dir=str(tmp_path))
     config = harness.make_config(tiny_xtts, tmp_path / "run", precision="fp32", epochs=1)
     run = harness.fit_with_faults(tiny_xtts, config, {2, 5})
     assert run["iterations"] == 7 and run["optimizer_fused"]

@@ -20,17 +20,17 @@ LR = 0.5
 
 @pytest.fixture(autouse=True)
 def fresh_runtime_state() -> None:
-    patches.reset_runtime_state()  # counts and the once-per-process warning start afresh
+    patches.advanced.reset_runtime_state()  # counts and the once-per-process warning start afresh
 
 
 @pytest.fixture
 def clip_patch(clean_patches: None) -> None:
-    patches.apply(["grad_clip"])
+    patches.advanced.apply(["grad_clip"])
 
 
 def set_unscale_first(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
     """Turn the ``clip_unscale_first`` option on or off for this test."""
-    patches.apply(["grad_clip"], clip_unscale_first=on)
+    patches.advanced.apply(["grad_clip"], clip_unscale_first=on)
 
 
 def model_and_data() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -86,7 +86,7 @@ def forgot_unscale(model: torch.nn.Module, scaler: torch.amp.GradScaler,
 
 def torch_run(clip: Clip) -> tuple[torch.nn.Module, torch.Tensor]:
     """The same step with torch's own clip_grad_norm_ and torch's own GradScaler."""
-    original = patches.get_original("torch.nn.utils", "clip_grad_norm_")
+    original = patches.advanced.get_original("torch.nn.utils", "clip_grad_norm_")
     saved = torch.nn.utils.clip_grad_norm_
     torch.nn.utils.clip_grad_norm_ = original
     try:
@@ -120,7 +120,7 @@ def test_nan_norm_leaves_finite_gradients_intact_and_is_counted(clip_patch: None
     assert patches.stats()["grad_clip"]["nonfinite_norms"] == before + 1
 
     # torch's own clip destroys the finite gradient in the same situation
-    original = patches.get_original("torch.nn.utils", "clip_grad_norm_")
+    original = patches.advanced.get_original("torch.nn.utils", "clip_grad_norm_")
     original([good, bad], max_norm=1.0)
     assert not torch.isfinite(good.grad).all()
 
@@ -132,7 +132,7 @@ def test_finite_norm_clips_exactly_like_torch(clip_patch: None) -> None:
     for pa, pb in zip(a, b):
         pa.grad = torch.randn_like(pa) * 10
         pb.grad = pa.grad.clone()
-    original = patches.get_original("torch.nn.utils", "clip_grad_norm_")
+    original = patches.advanced.get_original("torch.nn.utils", "clip_grad_norm_")
     norm_a = torch.nn.utils.clip_grad_norm_(a, 0.5)
     norm_b = original(b, 0.5)
     assert torch.equal(norm_a, norm_b)
@@ -167,7 +167,7 @@ def test_pytorch_idioms_clip_exactly_as_torch(clip_patch: None, clip: Clip) -> N
 
 
 def test_idioms_clip_exactly_as_torch_with_the_whole_default_set(clean_patches: None) -> None:
-    patches.apply()  # grad_scaler, nan_guard, ... as a user's import line gives them
+    patches.advanced.apply()  # grad_scaler, nan_guard, ... as a user's import line gives them
     model, _ = fp16_step(torch.GradScaler("cpu", init_scale=SCALE), scaled_limit)
     assert_matches_reference(model)
 
@@ -264,7 +264,7 @@ def test_nonfinite_scaled_gradients_are_left_for_the_scaler_to_skip(clip_patch: 
 def test_option_from_the_environment(clean_patches: None,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRAINING_PATCHES_CLIP_UNSCALE_FIRST", "1")
-    patches.apply(["grad_clip"])
+    patches.advanced.apply(["grad_clip"])
     model, _ = fp16_step(safe_scaler(), forgot_unscale)
     assert_matches_reference(model)
     assert _options.current().clip_unscale_first is True

@@ -9,7 +9,7 @@ import pytest
 import torch
 from sync_count import count_host_reads
 
-from patches import LossScaleFloorError, SafeGradScaler, get_original
+from patches.advanced import LossScaleFloorError, SafeGradScaler, get_original
 
 TorchGradScaler = torch.amp.grad_scaler.GradScaler  # the class torch defines, never patched
 
@@ -164,7 +164,7 @@ def test_adds_no_host_sync_beyond_torch(monkeypatch: pytest.MonkeyPatch) -> None
 def test_patched_factory_defaults_and_explicit_arguments(clean_patches: None) -> None:
     import patches
 
-    patches.apply(["grad_scaler"], init_scale=256, growth_interval=50)
+    patches.advanced.apply(["grad_scaler"], init_scale=256, growth_interval=50)
     built = torch.amp.GradScaler("cpu")
     assert isinstance(built, SafeGradScaler)
     assert built.get_scale() == 256.0 and built.get_growth_interval() == 50
@@ -192,7 +192,7 @@ def test_cuda_warning_points_at_the_users_line_and_the_type_reads_as_built(
 
     import patches
 
-    patches.apply(["grad_scaler"])
+    patches.advanced.apply(["grad_scaler"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line = inspect.currentframe().f_lineno + 1  # the next line builds the scaler
@@ -218,7 +218,7 @@ def test_cuda_warning_from_a_program_given_as_text() -> None:
     import subprocess
     import sys
 
-    program = ("import patches; patches.apply(['grad_scaler']); import torch\n"
+    program = ("import patches; patches.advanced.apply(['grad_scaler']); import torch\n"
                "print(type(torch.amp.GradScaler('cuda')).__name__)")
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)

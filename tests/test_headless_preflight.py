@@ -372,9 +372,9 @@ def test_doctor_reports_the_error_activation_stops_with(
 
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(patches.ConfigError) as activation:
-        patches.apply()
-    assert patches.applied() == {}
+    with pytest.raises(patches.advanced.ConfigError) as activation:
+        patches.advanced.apply()
+    assert patches.advanced.applied() == {}
     status, what, detail = doctor.settings_check()
     assert (status, what) == (doctor.FAIL, "settings")
     assert detail.startswith(str(activation.value))
@@ -437,7 +437,8 @@ def test_trainer_error_is_one_paragraph_and_reports_land_in_output_dir(
 
 def test_output_dir_setting_uses_the_same_check(tmp_path: Path) -> None:
     """TRAINING_PATCHES_OUTPUT_DIR and --output-dir share one check (_options.output_dir_problem)."""
-    from patches import ConfigError, _options
+    from patches import _options
+    from patches.advanced import ConfigError
 
     afile = tmp_path / "a_file"
     afile.write_text("x", encoding="utf-8")

@@ -75,7 +75,7 @@ LAUNCHER = [sys.executable, "-m", "patches", "run", "--"]
 # Printed on the last line by each program: what the patches say of themselves there.
 REPORT = ("import json, torch, patches; print(json.dumps({'status': {n: patches.status(n)"
           "['state'] for n in ('grad_scaler', 'grad_clip', 'nan_guard', 'autocast')}, "
-          "'safe_scaler': torch.amp.GradScaler is patches.SafeGradScaler}))")
+          "'safe_scaler': torch.amp.GradScaler is patches.advanced.SafeGradScaler}))")
 
 
 def _launched(program: str, launcher: bool = True) -> tuple[dict, str]:
@@ -90,7 +90,7 @@ def _launched(program: str, launcher: bool = True) -> tuple[dict, str]:
 
 
 @pytest.mark.parametrize("first", ["import patches", "import patches.auto",
-                                   "from patches import applied"])
+                                   "from patches.advanced import applied"])
 def test_launcher_when_the_first_import_is_patches(first: str) -> None:
     """``patches/__init__`` imports torch, so the bootstrap's torch hook fires while
     ``patches`` is half-imported: activation waits for the end of that import, and no line
@@ -106,7 +106,7 @@ ACCELERATE_PROBE = (
     "import json, patches, accelerate.accelerator as acc\n"
     "scaler = acc.get_fsdp2_grad_scaler(device='cpu')\n"
     "print(json.dumps({'status': patches.status('accelerate'), "
-    "'safe': isinstance(scaler, patches.SafeGradScaler)}))")
+    "'safe': isinstance(scaler, patches.advanced.SafeGradScaler)}))")
 
 
 @pytest.mark.parametrize("first, launcher", [

@@ -94,7 +94,7 @@ def test_a_coqui_trainer_stopped_by_a_signal_is_recorded_and_reported_interrupte
 
     import patches
 
-    patches.apply()
+    patches.advanced.apply()
 
     def trainer_for(config, **callbacks):
         return Trainer(TrainerArgs(), config, config.output_path,

@@ -26,10 +26,10 @@ def test_ddp_scaler_is_safe() -> None:
     from accelerate.utils.modeling import get_grad_scaler
 
     assert not isinstance(_built(get_grad_scaler, DistributedType.MULTI_GPU),
-                          patches.SafeGradScaler)  # the control
-    patches.apply()
+                          patches.advanced.SafeGradScaler)  # the control
+    patches.advanced.apply()
     scaler = _built(get_grad_scaler, DistributedType.MULTI_GPU, init_scale=512.0)
-    assert isinstance(scaler, patches.SafeGradScaler)
+    assert isinstance(scaler, patches.advanced.SafeGradScaler)
 
 
 def test_fsdp2_scaler_is_safe() -> None:
@@ -38,19 +38,20 @@ def test_fsdp2_scaler_is_safe() -> None:
     import accelerate.accelerator as acc
 
     assert not isinstance(_built(acc.get_fsdp2_grad_scaler, device="cuda"),
-                          patches.SafeGradScaler)
-    patches.apply()
+                          patches.advanced.SafeGradScaler)
+    patches.advanced.apply()
     scaler = _built(acc.get_fsdp2_grad_scaler, device="cuda")
-    assert isinstance(scaler, patches.SafeGradScaler)
-    assert "accelerate.accelerator.get_fsdp2_grad_scaler" in patches.applied()["grad_scaler"]
+    assert isinstance(scaler, patches.advanced.SafeGradScaler)
+    assert ("accelerate.accelerator.get_fsdp2_grad_scaler"
+            in patches.advanced.applied()["grad_scaler"])
     patches.revert()
     assert not isinstance(_built(acc.get_fsdp2_grad_scaler, device="cuda"),
-                          patches.SafeGradScaler)
+                          patches.advanced.SafeGradScaler)
 
 
 def test_fsdp1_sharded_scaler_is_safe() -> None:
     from accelerate.utils.modeling import get_grad_scaler
 
-    patches.apply()
+    patches.advanced.apply()
     scaler = _built(get_grad_scaler, DistributedType.FSDP)
-    assert isinstance(scaler, patches.SafeGradScaler)
+    assert isinstance(scaler, patches.advanced.SafeGradScaler)

@@ -19,7 +19,7 @@ from processes import child_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCHED = ("import json, torch, patches; "
-           "print(json.dumps({'patched': bool(patches.applied().get('nan_guard'))}))")
+           "print(json.dumps({'patched': bool(patches.advanced.applied().get('nan_guard'))}))")
 # whether the launcher's bootstrap loaded (it applies the patches when torch is imported)
 BOOTSTRAPPED = ("import sys; m = sys.modules.get('sitecustomize'); "
                 "print('bootstrap' if '_bootstrap' in str(getattr(m, '__file__', '')) "

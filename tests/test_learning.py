@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import patches
 from patches import learning
+from patches.advanced import LearningMonitor, ReadingProbe
 
 VOCAB = 12
 LENGTH = 6
@@ -68,11 +69,11 @@ def shuffled(data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.
 
 @pytest.fixture
 def run_dir(tmp_path, clean_patches):
-    patches.reset_runtime_state()
-    patches.set_output_dir(tmp_path)
+    patches.advanced.reset_runtime_state()
+    patches.advanced.set_output_dir(tmp_path)
     yield tmp_path
-    patches.set_output_dir(None)
-    patches.reset_runtime_state()
+    patches.advanced.set_output_dir(None)
+    patches.advanced.reset_runtime_state()
 
 
 def records(folder) -> list[dict]:
@@ -239,7 +240,7 @@ def test_far_below_the_base_language_and_no_improvement() -> None:
 def monitored_run(data, probe, steps: int = 120, every: int = 20) -> learning.LearningMonitor:
     torch.manual_seed(0)
     model = Reader()
-    monitor = patches.LearningMonitor(patches.ReadingProbe({"xx": probe}), audio_loss)
+    monitor = LearningMonitor(ReadingProbe({"xx": probe}), audio_loss)
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
     monitor.evaluate(model, step=0)
     for step in range(1, steps + 1):
@@ -256,7 +257,7 @@ def monitored_run(data, probe, steps: int = 120, every: int = 20) -> learning.Le
 def test_a_run_on_shuffled_transcripts_is_named_and_a_healthy_one_is_not(run_dir, caplog) -> None:
     """The held-out probe comes from the same manifest as the training pairs: shuffled too.
     The toy's loss is about 2.5 nats, its noise about 2% of it: the threshold says so."""
-    patches.apply(["learning"], reading_min_gap=0.05, reading_budget=1.0)
+    patches.advanced.apply(["learning"], reading_min_gap=0.05, reading_budget=1.0)
     caplog.set_level(logging.INFO, logger="training_patches")
     monitored_run(pairs(256, 2), pairs(32, 7))
     assert "learning:" not in "".join(r.getMessage() for r in caplog.records
@@ -279,8 +280,8 @@ def test_a_run_on_shuffled_transcripts_is_named_and_a_healthy_one_is_not(run_dir
 
 def test_a_monitor_without_a_loss_or_a_probe_says_so(run_dir, caplog) -> None:
     with pytest.raises(TypeError, match="needs the model's loss"):
-        patches.LearningMonitor().evaluate(Reader(), step=1)
-    monitor = patches.LearningMonitor(patches.ReadingProbe({"xx": pairs(1, 1)}), audio_loss)
+        LearningMonitor().evaluate(Reader(), step=1)
+    monitor = LearningMonitor(ReadingProbe({"xx": pairs(1, 1)}), audio_loss)
     assert monitor.evaluate(Reader(), step=1) == {}
     assert monitor.evaluate(Reader(), step=2) == {}
     assert caplog.text.count("the reading gap is not measured") == 1
@@ -291,7 +292,7 @@ def test_the_measurement_keeps_within_its_share_of_the_training_time(run_dir, ca
                                                                      monkeypatch) -> None:
     """An evaluation that comes sooner than the last measurement's time / reading_budget is
     left out (said once); the first evaluation is always measured."""
-    patches.apply(["learning"], reading_budget=0.5)
+    patches.advanced.apply(["learning"], reading_budget=0.5)
     caplog.set_level(logging.INFO, logger="training_patches")
     clock = [100.0]
     monkeypatch.setattr(learning.time, "perf_counter", lambda: clock[0])
@@ -299,7 +300,7 @@ def test_the_measurement_keeps_within_its_share_of_the_training_time(run_dir, ca
     def slow_loss(m, texts, audios):
         clock[0] += 1.0  # each call "takes" a second: 4 calls, 4 s a measurement
         return audio_loss(m, texts, audios)
-    monitor = patches.LearningMonitor(patches.ReadingProbe({"xx": pairs(32, 7)}), slow_loss)
+    monitor = LearningMonitor(ReadingProbe({"xx": pairs(32, 7)}), slow_loss)
     model = Reader()
     measured = []
     for step in range(6):
@@ -317,7 +318,7 @@ def test_a_failing_loss_never_ends_the_run_and_a_full_gpu_halves_the_batch(run_d
 
     def broken(m, texts, audios):
         raise KeyError("cond_mels")
-    monitor = patches.LearningMonitor(patches.ReadingProbe({"xx": pairs(8, 1)}), broken)
+    monitor = LearningMonitor(ReadingProbe({"xx": pairs(8, 1)}), broken)
     assert monitor.evaluate(model, step=5) == {} and monitor.evaluate(model, step=6) == {}
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert said[0].startswith("learning: the reading gap could not be measured at step 5 "
@@ -333,7 +334,7 @@ def test_a_failing_loss_never_ends_the_run_and_a_full_gpu_halves_the_batch(run_d
         if len(texts) > 4:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return audio_loss(m, texts, audios)
-    monitor = patches.LearningMonitor(patches.ReadingProbe({"xx": pairs(32, 1)}), small_gpu)
+    monitor = LearningMonitor(ReadingProbe({"xx": pairs(32, 1)}), small_gpu)
     assert monitor.evaluate(model, step=7)["xx"].utterances == 32
     assert sizes[:2] == [16, 8] and set(sizes[2:]) == {4} and monitor.batch_size == 4
 
@@ -341,6 +342,6 @@ def test_a_failing_loss_never_ends_the_run_and_a_full_gpu_halves_the_batch(run_d
 def test_a_sharded_model_is_said_not_measured(run_dir, caplog) -> None:
     model = Reader()
     model.head.weight.ds_id = 3  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
-    monitor = patches.LearningMonitor(patches.ReadingProbe({"xx": pairs(8, 1)}), audio_loss)
+    monitor = LearningMonitor(ReadingProbe({"xx": pairs(8, 1)}), audio_loss)
     assert monitor.evaluate(model, step=1) == {}
     assert "parameters are sharded across the ranks" in caplog.text

@@ -39,7 +39,7 @@ def learning_records(trainer) -> list[dict]:
 
 def test_xtts_reading_is_measured_at_every_coqui_evaluation(tiny_xtts, tmp_path, clean_patches,
                                                             caplog, monkeypatch) -> None:
-    patches.apply(reading_budget=1.0)  # a tiny epoch is seconds: no time budget here
+    patches.advanced.apply(reading_budget=1.0)  # a tiny epoch is seconds: no time budget here
     caplog.set_level(logging.INFO, logger="training_patches")
     from patches import learning
     from trainer import Trainer
@@ -77,7 +77,7 @@ def test_xtts_reading_is_measured_at_every_coqui_evaluation(tiny_xtts, tmp_path,
 
 
 def test_the_per_utterance_losses_are_xtts_own_loss_mel(tiny_xtts, tmp_path, clean_patches) -> None:
-    patches.apply()
+    patches.advanced.apply()
     trainer = fit_with_eval(tiny_xtts, tmp_path, epochs=1)
     model = trainer.model
     model.eval()
@@ -100,7 +100,7 @@ def test_the_per_utterance_losses_are_xtts_own_loss_mel(tiny_xtts, tmp_path, cle
 
 def test_a_coqui_run_without_evaluations_is_told_once(tiny_xtts, tmp_path, clean_patches,
                                                       caplog) -> None:
-    patches.apply()
+    patches.advanced.apply()
     trainer = fit_with_eval(tiny_xtts, tmp_path, epochs=2, run_eval=False)
     said = [r.getMessage() for r in caplog.records if "reading gap is not measured" in
             r.getMessage()]
@@ -111,14 +111,14 @@ def test_a_coqui_run_without_evaluations_is_told_once(tiny_xtts, tmp_path, clean
 def test_with_learning_off_nothing_is_measured(tiny_xtts, tmp_path, clean_patches,
                                                monkeypatch) -> None:
     monkeypatch.setenv("TRAINING_PATCHES_DISABLE", "learning")
-    patches.apply()
+    patches.advanced.apply()
     trainer = fit_with_eval(tiny_xtts, tmp_path, epochs=1)
     assert [e for e in learning_records(trainer) if e["event"] == "reading"] == []
 
 
 def test_a_coqui_continue_path_resume_is_checked(tiny_xtts, tmp_path, clean_patches,
                                                  caplog) -> None:
-    patches.apply()
+    patches.advanced.apply()
     caplog.set_level(logging.INFO, logger="training_patches")
     config = tiny_xtts.make_config(tmp_path / "run", epochs=1, save_step=4)
     first = tiny_xtts.train(config)

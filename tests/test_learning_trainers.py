@@ -207,7 +207,7 @@ def test_hf_trainer_reads_at_each_evaluation_at_its_global_step(
     """One reading per language at each of the Trainer's evaluations (global steps 7 to
     28), in output_dir, with the Trainer's eval_loss; the model's modes and every RNG state
     as before each; a model whose audio follows its text is not named."""
-    patches.apply(["learning"], reading_budget=1)
+    patches.advanced.apply(["learning"], reading_budget=1)
     with caplog.at_level(logging.INFO, logger="training_patches"):
         trainer, snapshots = _hf_run(tmp_path / "out", shuffled=False)
     steps = list(range(EVAL_STEPS, HF_STEPS + 1, EVAL_STEPS))
@@ -234,7 +234,7 @@ def test_hf_trainer_names_a_run_whose_transcripts_do_not_match(
     use the text and the gap stays near 0. Past the warmup (the first evaluation), two
     evaluations in a row under reading_min_gap make the verdict, once: a WARNING and a
     record at step 21 for each language, true since step 7."""
-    patches.apply(["learning"], reading_budget=1)
+    patches.advanced.apply(["learning"], reading_budget=1)
     with caplog.at_level(logging.INFO, logger="training_patches"):
         _hf_run(tmp_path / "out", shuffled=True)
     for lang in LANGUAGES:
@@ -299,7 +299,7 @@ def test_lightning_reads_after_each_validation_at_its_global_step(
     folder, with the logged val_loss; the module's modes and every RNG state as before."""
     lightning = pytest.importorskip("lightning")
     logging.getLogger("lightning").setLevel(logging.ERROR)
-    patches.apply(["learning"], reading_budget=1)
+    patches.advanced.apply(["learning"], reading_budget=1)
     snapshots, seen = Snapshots(), []
 
     class Before(lightning.Callback):
@@ -376,7 +376,7 @@ def test_f5_trainer_reads_at_each_save_at_its_update(run_state, every_evaluation
     state as before each save."""
     from test_f5_tts import Clips, _f5, _model, _trainer
 
-    patches.apply(["learning"], reading_budget=1)
+    patches.advanced.apply(["learning"], reading_budget=1)
     model = _model(cfm=_f5().CFM)
     trainer = _trainer(model, tmp_path / "ckpts", save_per_updates=3)
     monitor = learning.LearningMonitor(_f5_probe(), f5_tts.flow_matching_losses)

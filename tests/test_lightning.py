@@ -70,7 +70,7 @@ def _fit(tmp_path: Path, precision: str, leave_out: bool = False) -> Tiny:
 def test_lightning_nan_step_is_skipped_on_its_own_gradients(clean_patches, tmp_path,
                                                              precision: str) -> None:
     nan_guard.reset()
-    patches.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
+    patches.advanced.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
     model = _fit(tmp_path, precision)
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     stats = patches.stats()["nan_guard"]
@@ -104,7 +104,7 @@ def test_lightning_records_go_to_the_trainers_folder_with_its_step(clean_patches
     monkeypatch.chdir(tmp_path)  # ./training_patches would land here: it must stay absent
     _run.reset()
     nan_guard.reset()
-    patches.apply(["nan_guard", "grad_clip"])
+    patches.advanced.apply(["nan_guard", "grad_clip"])
     assert patches.status("lightning")["state"] in ("applied", "waiting")
     try:
         _fit(tmp_path / "root", "32-true")
@@ -126,7 +126,7 @@ def test_lightning_fused_skip_is_on_disk_at_the_next_checkpoint(clean_patches, t
     save_checkpoint reads them first, so the skip of step 3 is on disk when the checkpoint of
     step 4 is written, not only at the end of the run (step 8)."""
     nan_guard.reset()
-    patches.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
+    patches.advanced.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
     logging.getLogger("lightning").setLevel(logging.ERROR)
     every4 = lightning.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"),
                                                          every_n_train_steps=4, save_top_k=-1)
@@ -154,7 +154,7 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_last_one_whole(tmp_path, clea
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     if applied:
-        patches.apply(["checkpoint"])
+        patches.advanced.apply(["checkpoint"])
     # 4 MB, then 8 MB, on a disk with 6 MB free: the second does not fit even in the place
     # of the first
     first = {"state_dict": {"w": torch.arange(1 << 20, dtype=torch.float32)}, "step": 1}
@@ -210,7 +210,7 @@ def test_fit_from_a_checkpoint_into_a_grown_vocabulary(clean_patches, no_live_fr
     stops at a size mismatch (the control)."""
     logging.getLogger("lightning").setLevel(logging.ERROR)
     if applied:
-        patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+        patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
 
     def trainer(steps: int, callbacks=()) -> lightning.Trainer:
         return lightning.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
@@ -278,7 +278,7 @@ def test_a_shape_change_that_is_not_the_vocabulary_is_left_to_the_model(
     load_state_dict reads back resumes exactly as upstream resumes it (the patched loader,
     taking any shape change for a grown vocabulary, refused the checkpoint)."""
     logging.getLogger("lightning").setLevel(logging.ERROR)
-    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
 
     def trainer(steps: int) -> lightning.Trainer:
         return lightning.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
@@ -300,7 +300,7 @@ def test_a_patched_trainer_can_be_pickled_as_ddp_spawn_does(clean_patches, tmp_p
     Lightning's test_model_torch_save_ddp_cpu with the patches on)."""
     import pickle
 
-    patches.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
+    patches.advanced.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
     trainer = lightning.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, default_root_dir=str(tmp_path))
@@ -342,7 +342,7 @@ def test_a_grown_fit_says_what_lightning_restores_and_spells_with_the_modules_to
     LightningModule's ``tokenizer`` (each Amharic token from the rows of its latin
     spelling), the line saying where that tokenizer came from."""
     logging.getLogger("lightning").setLevel(logging.ERROR)
-    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
     first = _quiet_trainer(tmp_path, 4)
     first.fit(TinyText(20))
     path = tmp_path / "step4.ckpt"
@@ -370,7 +370,7 @@ def test_a_second_fit_into_a_log_dir_in_use_is_refused(clean_patches, tmp_path) 
     import sys
 
     logging.getLogger("lightning").setLevel(logging.ERROR)
-    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
     (tmp_path / "run").mkdir()
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from patches import _runlock; "

@@ -11,7 +11,8 @@ import torch
 from sync_count import count_host_reads
 
 import patches
-from patches import NonFiniteTrainingError, SafeGradScaler, nan_guard
+from patches import nan_guard
+from patches.advanced import NonFiniteTrainingError, SafeGradScaler
 
 KINDS = ["loss-nan", "loss-inf", "grad-nan", "grad-inf", "act-nan", "act-inf"]
 
@@ -19,7 +20,7 @@ KINDS = ["loss-nan", "loss-inf", "grad-nan", "grad-inf", "act-nan", "act-inf"]
 @pytest.fixture
 def guard(clean_patches: None, tmp_path) -> str:
     nan_guard.reset()
-    patches.apply(["nan_guard", "grad_clip", "grad_scaler"], output_dir=str(tmp_path))
+    patches.advanced.apply(["nan_guard", "grad_clip", "grad_scaler"], output_dir=str(tmp_path))
     yield str(tmp_path)
     nan_guard.reset()
 
@@ -158,7 +159,7 @@ def test_scheduler_follows_the_trainers_count_by_default(guard: str) -> None:
 
 
 def test_scheduler_holds_on_a_skipped_step_when_asked(guard: str) -> None:
-    patches.apply(["nan_guard"], lr_step_on_skip=False)
+    patches.advanced.apply(["nan_guard"], lr_step_on_skip=False)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -174,7 +175,7 @@ def test_scheduler_holds_on_a_skipped_step_when_asked(guard: str) -> None:
 
 
 def test_escalation_error_names_first_bad_step_and_samples(guard: str) -> None:
-    patches.apply(["nan_guard"], max_bad_steps=5, output_dir=guard)
+    patches.advanced.apply(["nan_guard"], max_bad_steps=5, output_dir=guard)
     from patches import _run
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -257,7 +258,7 @@ def test_a_replay_that_finds_nothing_says_why_in_the_event(guard: str) -> None:
 
 def test_loss_spike_guard_skips_and_counts_separately(clean_patches: None) -> None:
     nan_guard.reset()
-    patches.apply(["nan_guard"], spike_k=6, spike_window=20)
+    patches.advanced.apply(["nan_guard"], spike_k=6, spike_window=20)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(16, 16)
@@ -281,7 +282,7 @@ def test_host_syncs_per_step(guard: str, monkeypatch: pytest.MonkeyPatch, fused:
     step counts with .item() when not capturable)."""
     def count(guarded: bool) -> int:
         if guarded:
-            patches.apply(["nan_guard"])
+            patches.advanced.apply(["nan_guard"])
         else:
             patches.revert(["nan_guard"])
         model = make_model()

@@ -37,7 +37,7 @@ def poison_batch(model, at_call: int) -> list[int]:
 
 def test_one_nan_loss_is_skipped_and_recorded(tiny_xtts, tmp_path, clean_patches) -> None:
     nan_guard.reset()
-    patches.apply()
+    patches.advanced.apply()
     config = tiny_xtts.make_config(tmp_path / "run", epochs=2, plot_step=1)
     model = tiny_xtts.make_model(config)
     calls = poison_batch(model, 3)
@@ -91,7 +91,7 @@ def test_a_fused_skip_is_on_disk_when_the_next_checkpoint_is_written(
     import json
 
     nan_guard.reset()
-    patches.apply()
+    patches.advanced.apply()
     config = tiny_xtts.make_config(tmp_path / "run", epochs=1, save_step=4,
                                    optimizer_params={"betas": [0.9, 0.96], "eps": 1e-8,
                                                      "weight_decay": 1e-2, "fused": True})

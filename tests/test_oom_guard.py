@@ -30,7 +30,7 @@ def _oom_from(model, calls_that_fail: set[int]) -> list[int]:
 
 def test_one_out_of_memory_batch_is_skipped_and_the_run_goes_on(tiny_xtts, tmp_path,
                                                                  clean_patches) -> None:
-    patches.apply()
+    patches.advanced.apply()
     config = tiny_xtts.make_config(tmp_path / "run", epochs=1)
     model = tiny_xtts.make_model(config)
     _oom_from(model, {3})
@@ -47,7 +47,7 @@ def test_one_out_of_memory_batch_is_skipped_and_the_run_goes_on(tiny_xtts, tmp_p
 
 def test_without_the_guard_one_out_of_memory_batch_ends_the_run(tiny_xtts, tmp_path,
                                                                  clean_patches) -> None:
-    patches.apply()
+    patches.advanced.apply()
     patches.revert(["oom_guard"])
     config = tiny_xtts.make_config(tmp_path / "run", epochs=1)
     model = tiny_xtts.make_model(config)
@@ -58,7 +58,7 @@ def test_without_the_guard_one_out_of_memory_batch_ends_the_run(tiny_xtts, tmp_p
 
 def test_repeated_out_of_memory_stops_with_sizes_that_fit(tiny_xtts, tmp_path, clean_patches,
                                                           capfd) -> None:
-    patches.apply(max_oom_skips=3)
+    patches.advanced.apply(max_oom_skips=3)
     config = tiny_xtts.make_config(tmp_path / "run", epochs=1)
     model = tiny_xtts.make_model(config)
     _oom_from(model, set(range(2, 100)))
@@ -72,12 +72,12 @@ def test_repeated_out_of_memory_stops_with_sizes_that_fit(tiny_xtts, tmp_path, c
 
 
 def test_a_plain_loop_skips_with_the_context_manager(clean_patches) -> None:
-    patches.apply()
+    patches.advanced.apply()
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i in range(3):
         batch = {"x": torch.randn(8, 4), "utt_ids": [f"u{i}_{j}" for j in range(8)]}
-        with patches.skip_on_oom(batch, opt):
+        with patches.advanced.skip_on_oom(batch, opt):
             if i == 1:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory")
             model(batch["x"]).sum().backward()

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import patches
-from patches import ConfigError, _options
+from patches import _options
+from patches.advanced import ConfigError
 
 pytestmark = pytest.mark.usefixtures("clean_patches")
 
@@ -52,11 +53,11 @@ def test_a_value_out_of_range_is_one_paragraph_at_apply(
     if env == "TRAINING_PATCHES_SPIKE_WINDOW":
         monkeypatch.setenv("TRAINING_PATCHES_SPIKE_K", "6")
     with pytest.raises(ConfigError) as caught:
-        patches.apply()
+        patches.advanced.apply()
     text = str(caught.value)
     assert message in text and "\n" not in text
     assert "leave it out to use the default" in text
-    assert not patches.applied()  # nothing applied: the run never reaches its first step
+    assert not patches.advanced.applied()  # nothing applied: the run never reaches its first step
 
 
 def _fp16_steps(steps: int = 3) -> tuple[torch.nn.Module, torch.amp.GradScaler]:
@@ -79,14 +80,14 @@ def test_the_largest_value_of_each_range_trains(monkeypatch: pytest.MonkeyPatch)
     top["min_scale"] = _options.FLOAT32_TINY  # at most init_scale
     top["base_vocab"] = None  # a model's rows, not a machine limit: tested in vocab_freeze
     top["max_drop_share"] = 1.0
-    patches.apply(**{k: v for k, v in top.items() if v is not None})
+    patches.advanced.apply(**{k: v for k, v in top.items() if v is not None})
     model, scaler = _fp16_steps()
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert scaler.stats()["steps"] == 3 and scaler.get_scale() == _options.FLOAT32_MAX
 
 
 def test_the_smallest_scale_trains() -> None:
-    patches.apply(init_scale=_options.FLOAT32_TINY, min_scale=_options.FLOAT32_TINY)
+    patches.advanced.apply(init_scale=_options.FLOAT32_TINY, min_scale=_options.FLOAT32_TINY)
     model, scaler = _fp16_steps()
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert scaler.stats()["steps"] == 3 and 0 < scaler.get_scale() < math.inf

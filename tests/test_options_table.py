@@ -11,7 +11,8 @@ from typing import Iterator
 import pytest
 
 import patches
-from patches import ConfigError, _options, _registry
+from patches import _options, _registry
+from patches.advanced import ConfigError
 from patches.tools import doctor
 from patches.tools.options import markdown_table, readme_table
 
@@ -88,7 +89,7 @@ def test_a_declared_option_reaches_every_reader(unit_with_an_option: str,
     with pytest.raises(ConfigError, match="did you mean TRAINING_PATCHES_PROBE_LIMIT"):
         _options.resolve({}, {"TRAINING_PATCHES_PROBE_LIMT": "3"})
     with pytest.raises(ConfigError, match=r"probe_limt \(did you mean probe_limit\?\)"):
-        patches.apply(probe_limt=3)
+        patches.advanced.apply(probe_limt=3)
     # it belongs to its unit: applying another patch never touches it
     assert _options.fields_of("probe") == ["probe_limit"]
     # the table and the banner
@@ -96,7 +97,7 @@ def test_a_declared_option_reaches_every_reader(unit_with_an_option: str,
             "far the probe") in markdown_table()
     caplog.set_level(logging.INFO, logger="training_patches")
     monkeypatch.setenv("TRAINING_PATCHES_PROBE_LIMIT", "9")
-    patches.apply(["probe"])
+    patches.advanced.apply(["probe"])
     assert "probe limit 9" in caplog.text and "probe_limit=9" in caplog.text
     # doctor names the unit of a variable that is set, and refuses it out of range
     status, _, detail = doctor.settings_check()
@@ -113,16 +114,16 @@ def test_a_declared_counter_reaches_stats_and_checkpoints(unit_with_an_option: s
     _api.load_runtime_state({"probe": {"probes": 4}})
     assert patches.stats()["probe"] == {"probes": 4}
     assert _api.runtime_state()["probe"] == {"probes": 4}
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
     assert patches.stats()["probe"] == {"probes": 0}
 
 
 def test_reapplying_one_patch_changes_only_its_own_options(unit_with_an_option: str) -> None:
-    patches.apply(["probe", "grad_scaler"], probe_limit=3, init_scale=64)
-    patches.apply(["grad_scaler"], probe_limit=99, init_scale=32)
+    patches.advanced.apply(["probe", "grad_scaler"], probe_limit=3, init_scale=64)
+    patches.advanced.apply(["grad_scaler"], probe_limit=99, init_scale=32)
     assert _options.current().init_scale == 32
     assert _options.current().probe_limit == 3  # not grad_scaler's option
-    patches.apply(["probe"], probe_limit=11)
+    patches.advanced.apply(["probe"], probe_limit=11)
     assert _options.current().probe_limit == 11 and _options.current().init_scale == 32
 
 

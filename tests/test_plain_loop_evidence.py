@@ -25,9 +25,9 @@ def _fresh_state(monkeypatch: pytest.MonkeyPatch):
     from patches import _run
 
     monkeypatch.setattr(_run, "_dir_providers", [])
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
     yield
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
 
 
 def Tiny() -> TinyTextModel:
@@ -50,7 +50,7 @@ def test_events_go_beside_the_checkpoints_with_names_loss_and_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)
-    patches.apply()
+    patches.advanced.apply()
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -79,7 +79,7 @@ def test_events_go_beside_the_checkpoints_with_names_loss_and_step(
 def test_without_any_folder_events_go_to_training_patches(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    patches.apply()
+    patches.advanced.apply()
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _loss(model, 0, poison=True).backward()
@@ -96,7 +96,7 @@ def test_events_go_beside_the_checkpoint_managers_folder(
     from patches.checkpoint import CheckpointManager
 
     monkeypatch.chdir(tmp_path)
-    patches.apply()
+    patches.advanced.apply()
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -113,7 +113,7 @@ def test_events_go_beside_the_checkpoint_managers_folder(
     assert not (tmp_path / "training_patches").exists()
     assert (tmp_path / "run_a" / "ckpts" / "ckpt_000000002.pt").exists()
     # a folder the user sets still wins
-    patches.set_output_dir(tmp_path / "mine")
+    patches.advanced.set_output_dir(tmp_path / "mine")
     opt.zero_grad()
     _loss(model, 9, poison=True).backward()
     opt.step()
@@ -136,7 +136,7 @@ def test_a_nan_micro_batch_is_left_out_and_the_others_are_used(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)
-    patches.apply()
+    patches.advanced.apply()
     caplog.set_level(logging.WARNING, logger="training_patches")
     torch.manual_seed(0)
     guarded = Tiny()
@@ -163,11 +163,11 @@ def test_without_the_micro_batch_check_the_whole_step_is_dropped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: the same NaN with the backward check off costs the whole step."""
     monkeypatch.chdir(tmp_path)
-    patches.apply()
+    patches.advanced.apply()
     # the guard without its Tensor.backward site (undone before the patches are reverted)
     with monkeypatch.context() as m:
         m.setattr(torch.Tensor, "backward",
-                  patches.get_original("torch._tensor", "Tensor.backward"))
+                  patches.advanced.get_original("torch._tensor", "Tensor.backward"))
         model = Tiny()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         _accumulate(model, opt, 4, 4, poison=(2, 2), leave_out=None)

@@ -191,7 +191,7 @@ def test_report_of_a_real_coqui_run(tiny_xtts, tmp_path, clean_patches) -> None:
     dataset = BaseDatasetConfig(formatter="coqui", dataset_name="tiny", path=str(tmp_path),
                                 meta_file_train="train.csv", language=tiny_xtts.language)
     out = tmp_path / "out"
-    patches.apply()
+    patches.advanced.apply()
     config = tiny_xtts.make_config(out, datasets=[dataset], epochs=2, plot_step=1,
                                    use_grad_scaler=True, grad_clip=1.0)
     model = tiny_xtts.make_model(config)

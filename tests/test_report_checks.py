@@ -35,10 +35,10 @@ def _fresh(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFac
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(_run, "_dir_providers", [])
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))  # pictures never land in the checkout
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
     yield
     _run.set_output_dir(None)
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
 
 
 def _jsonl(path: Path, records: list[dict[str, Any]]) -> None:
@@ -91,7 +91,7 @@ def test_a_plain_loop_is_counted_in_real_steps_with_full_names(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Skips at 3, 6, 8 of 12 were reported as "at steps 3, 5, 6", "3 of 7 steps skipped
     (42.9%)", "longest streak 2" (AdamW's own step count stalls on each skip)."""
-    patches.apply()
+    patches.advanced.apply()
     _run.set_output_dir(tmp_path)
     _plain_loop(bad=(3, 6, 8))
     events = [json.loads(line) for line in (tmp_path / EVENTS).open()]

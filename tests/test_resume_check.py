@@ -37,15 +37,15 @@ def train(model, opt, sched, steps: int) -> None:
 @pytest.fixture
 def saved(tmp_path, clean_patches):
     """The state of a run stopped at step 30, and the patch on."""
-    patches.reset_runtime_state()
-    patches.set_output_dir(tmp_path)
+    patches.advanced.reset_runtime_state()
+    patches.advanced.set_output_dir(tmp_path)
     torch.manual_seed(0)
     model, opt, sched = build()
     train(model, opt, sched, 30)
-    patches.apply(["resume_check"])
+    patches.advanced.apply(["resume_check"])
     yield model, copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
-    patches.set_output_dir(None)
-    patches.reset_runtime_state()
+    patches.advanced.set_output_dir(None)
+    patches.advanced.reset_runtime_state()
 
 
 def resume_records(folder) -> list[dict]:
@@ -166,14 +166,14 @@ def test_plain_sgd_keeps_no_step_count_and_is_no_fresh_optimizer(tmp_path, clean
                                                                  caplog) -> None:
     """SGD without momentum has no state, loaded or not (found by Lightning's own
     test_finetuning_with_ckpt_path, docs/compatibility.md): not a fresh optimizer."""
-    patches.reset_runtime_state()
-    patches.set_output_dir(tmp_path)
+    patches.advanced.reset_runtime_state()
+    patches.advanced.set_output_dir(tmp_path)
     model = torch.nn.Embedding(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     train(model, opt, sched, 3)
     opt_state, sched_state = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
-    patches.apply(["resume_check"])
+    patches.advanced.apply(["resume_check"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     opt.load_state_dict(opt_state)
@@ -182,7 +182,7 @@ def test_plain_sgd_keeps_no_step_count_and_is_no_fresh_optimizer(tmp_path, clean
     assert warnings(caplog) == []
     (record,) = resume_records(tmp_path)
     assert record["problems"] == [] and record["optimizer_steps"] is None
-    patches.set_output_dir(None)
+    patches.advanced.set_output_dir(None)
 
 
 def test_the_scheduler_of_an_accelerate_wrapped_optimizer_is_found(saved, tmp_path, caplog) -> None:

@@ -219,7 +219,7 @@ def test_a_registered_romanizer_is_used_and_a_failing_one_is_a_fallback() -> Non
 
 
 def test_register_language_refuses_a_romanizer_that_is_not_callable() -> None:
-    with pytest.raises(patches.ConfigError, match="romanize='abc', which is not callable"):
+    with pytest.raises(patches.advanced.ConfigError, match="romanize='abc', which is not callable"):
         register_language("zx", romanize="abc")
 
 
@@ -427,7 +427,7 @@ def test_the_environment_sets_the_rules_and_a_bad_value_is_refused(tmp_path, mon
     path = _tiny_checkpoint(tmp_path, 20)
     monkeypatch.setenv("TRAINING_PATCHES_ROW_INIT", "std0.02")
     monkeypatch.setenv("TRAINING_PATCHES_HEAD_ROW_INIT", "randn")
-    patches.apply(["checkpoint"])
+    patches.advanced.apply(["checkpoint"])
     model = TinyTextModel(vocab=24, dim=8)
     report = patches.load_checkpoint(path, model, freeze=False)
     assert report.row_init == {"embedding": "std0.02", "head": "randn"}
@@ -437,8 +437,8 @@ def test_the_environment_sets_the_rules_and_a_bad_value_is_refused(tmp_path, mon
     assert report.row_init == {"embedding": "spread", "head": "randn"}
     patches.revert()
     monkeypatch.setenv("TRAINING_PATCHES_ROW_INIT", "fvt")
-    with pytest.raises(patches.ConfigError, match=r"TRAINING_PATCHES_ROW_INIT.*'fvt'"):
-        patches.apply(["checkpoint"])
+    with pytest.raises(patches.advanced.ConfigError, match=r"TRAINING_PATCHES_ROW_INIT.*'fvt'"):
+        patches.advanced.apply(["checkpoint"])
 
 
 def test_the_same_seed_grows_the_same_rows_under_every_rule(tmp_path) -> None:
@@ -628,8 +628,9 @@ def test_a_romanizer_alone_for_a_known_language_keeps_its_cleaner(monkeypatch) -
     for table in (languages._languages, languages._romanizers):  # Amharic's, put back after
         monkeypatch.setitem(table, "am", table["am"])
     cleaned = languages.get_language("am").cleaner("በ2016 ዓ.ም።")
-    with pytest.raises(patches.ConfigError, match=r"already has a romaniser \(the library's "
-                                                  r"Amharic table \('am'\)\).*replace=True"):
+    with pytest.raises(patches.advanced.ConfigError,
+                       match=r"already has a romaniser \(the library's "
+                             r"Amharic table \('am'\)\).*replace=True"):
         register_language("am", romanize=tigrinya)
     register_language("am", romanize=tigrinya, replace=True)
     language = languages.get_language("am")

@@ -74,6 +74,7 @@ def test_a_folder_locked_by_another_process_is_refused_until_it_ends(tmp_path: P
     assert json.loads((folder / LOCK_NAME).read_text())["pid"] == os.getpid()
 
 
+@pytest.mark.slow  # two child processes
 def test_a_lock_beside_a_trainers_folder_refuses_alike_and_leaves_no_litter(
         tmp_path: Path) -> None:
     """``beside=True`` (the HF, Lightning and F5 integrations): the lock refuses a second
@@ -120,7 +121,7 @@ def test_coqui_runs_started_in_the_same_minute_get_their_own_folders(tmp_path: P
     monkeypatch.setattr(generic.datetime, "datetime", Frozen)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    patches.apply(["checkpoint"])
+    patches.advanced.apply(["checkpoint"])
     try:
         first = trainer.trainer.get_experiment_folder_path(tmp_path, "xtts_finetune")
         second = trainer.trainer.get_experiment_folder_path(tmp_path, "xtts_finetune")

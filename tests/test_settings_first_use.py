@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
-    from patches import ConfigError
+    from patches.advanced import ConfigError
     try:
         if sys.argv[1] == "activated":
             import patches.auto  # the activation line
@@ -84,9 +84,9 @@ def test_without_apply_the_settings_follow_the_environment(clean_patches,
     monkeypatch.setenv("TRAINING_PATCHES_ROW_INIT", "spread")
     assert _options.current().row_init == "spread"
     monkeypatch.setenv("TRAINING_PATCHES_DISABLE", "nope")  # checked as apply() checks it
-    with pytest.raises(patches.ConfigError, match="names unknown patch"):
+    with pytest.raises(patches.advanced.ConfigError, match="names unknown patch"):
         _options.current()
     monkeypatch.delenv("TRAINING_PATCHES_DISABLE")
-    patches.apply(["checkpoint"])
+    patches.advanced.apply(["checkpoint"])
     monkeypatch.setenv("TRAINING_PATCHES_ROW_INIT", "randn")
     assert _options.current().row_init == "spread"

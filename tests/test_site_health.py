@@ -36,30 +36,30 @@ def test_renamed_upstream_site_is_a_banner_warning_and_degrades(
     # what a future coqui-tts-trainer that renamed _compute_loss looks like
     monkeypatch.delattr(coqui_trainer_module.Trainer, "_compute_loss")
     caplog.set_level(logging.INFO, logger="training_patches")
-    patches.apply()
+    patches.advanced.apply()
     banner = [r for r in caplog.records if "applying training patches" in r.getMessage()]
     assert len(banner) == 1 and banner[0].levelno == logging.WARNING
     text = banner[0].getMessage()
     assert "WARNING nan_guard: trainer.trainer.Trainer._compute_loss does not exist" in text
     assert "coqui-tts-trainer" in text and "NOT protected" in text
     assert "[on!] nan_guard" in text
-    assert not patches.is_applied("nan_guard")
-    assert not patches.is_applied("coqui_trainer")
+    assert not patches.advanced.is_applied("nan_guard")
+    assert not patches.advanced.is_applied("coqui_trainer")
     state = patches.status("nan_guard")
     assert state["state"] == "degraded"
     assert "trainer.trainer.Trainer._compute_loss (NOT APPLIED: missing)" in \
-        patches.applied()["nan_guard"]
+        patches.advanced.applied()["nan_guard"]
     # the sites that exist still landed
     assert "trainer.trainer.Trainer.detach_loss_dict" in state["landed"]
-    assert patches.is_applied("grad_clip")
+    assert patches.advanced.is_applied("grad_clip")
 
 
 @xtts
 def test_renamed_site_in_strict_mode_raises(coqui_trainer_module,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(coqui_trainer_module, "get_last_checkpoint")
-    with pytest.raises(patches.PatchSiteError, match="get_last_checkpoint"):
-        patches.apply(strict=True)
+    with pytest.raises(patches.advanced.PatchSiteError, match="get_last_checkpoint"):
+        patches.advanced.apply(strict=True)
 
 
 @xtts
@@ -67,10 +67,10 @@ def test_leaving_the_integration_off_keeps_the_torch_level_patch(
         coqui_trainer_module, monkeypatch: pytest.MonkeyPatch) -> None:
     original = coqui_trainer_module.Trainer.__dict__["_compute_loss"]
     monkeypatch.setenv("TRAINING_PATCHES_DISABLE", "coqui_trainer")
-    patches.apply()
+    patches.advanced.apply()
     assert coqui_trainer_module.Trainer.__dict__["_compute_loss"] is original
-    assert patches.is_applied("nan_guard")
-    assert not patches.is_applied("coqui_trainer")
+    assert patches.advanced.is_applied("nan_guard")
+    assert not patches.advanced.is_applied("coqui_trainer")
     assert patches.status("coqui_trainer")["state"] == "off"
     # the torch-level guard still skips a NaN step
     p = torch.nn.Parameter(torch.ones(3))
@@ -87,15 +87,15 @@ def test_unsupported_upstream_version_is_loud(coqui_trainer_module,
     # the imported trainer package says which version runs (not the package metadata)
     monkeypatch.setattr(sys.modules["trainer"], "__version__", "0.9.1")
     caplog.set_level(logging.INFO, logger="training_patches")
-    patches.apply()
+    patches.advanced.apply()
     assert "coqui-tts-trainer 0.9.1 is what this process runs (trainer.__version__ of the " \
            "imported trainer at " in caplog.text
     assert "integration coqui_trainer supports coqui-tts-trainer >=0.3,<0.5" in caplog.text
     assert patches.status("coqui_trainer")["state"] == "degraded"
-    assert not patches.is_applied("coqui_trainer")
+    assert not patches.advanced.is_applied("coqui_trainer")
     patches.revert()
-    with pytest.raises(patches.PatchSiteError, match="0.9.1"):
-        patches.apply(strict=True)
+    with pytest.raises(patches.advanced.PatchSiteError, match="0.9.1"):
+        patches.advanced.apply(strict=True)
 
 
 def test_a_make_that_raises_never_breaks_the_users_import(
@@ -113,7 +113,7 @@ def test_a_make_that_raises_never_breaks_the_users_import(
     integ = Integration("fake_upstream", "fake-upstream-dist", ">=1", sites=(
         Site("fake_upstream_mod", "step", broken, patch="nan_guard", lost="fake protection"),))
     monkeypatch.setitem(_registry._integrations, "fake_upstream", integ)
-    patches.apply(["nan_guard"])
+    patches.advanced.apply(["nan_guard"])
     caplog.set_level(logging.WARNING, logger="training_patches")
     import fake_upstream_mod  # the user's import: must work, with the original in place
 
@@ -130,25 +130,26 @@ def test_a_missing_private_torch_name_turns_off_only_the_scaler(
 
     monkeypatch.delattr(tgs, "_refresh_per_optimizer_state")
     caplog.set_level(logging.INFO, logger="training_patches")
-    patches.apply()
+    patches.advanced.apply()
     assert "[OFF] grad_scaler" in caplog.text
     assert "lacks torch.amp.grad_scaler._refresh_per_optimizer_state" in caplog.text
-    assert not patches.is_applied("grad_scaler")
+    assert not patches.advanced.is_applied("grad_scaler")
     assert patches.status("grad_scaler")["state"] == "degraded"
-    assert torch.amp.GradScaler is patches.get_original("torch.amp", "GradScaler")
-    assert patches.is_applied("nan_guard") and patches.is_applied("grad_clip")
+    assert torch.amp.GradScaler is patches.advanced.get_original("torch.amp", "GradScaler")
+    assert patches.advanced.is_applied("nan_guard") and patches.advanced.is_applied("grad_clip")
 
 
 def test_reapplying_changes_only_that_patch_and_logs_it(
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="training_patches")
-    patches.apply(["nan_guard"], max_bad_steps=5)
-    patches.apply(["grad_clip"])  # never touches nan_guard's options
+    patches.advanced.apply(["nan_guard"], max_bad_steps=5)
+    patches.advanced.apply(["grad_clip"])  # never touches nan_guard's options
     assert _options.current().max_bad_steps == 5
-    patches.apply(["nan_guard"], max_bad_steps=7)
+    patches.advanced.apply(["nan_guard"], max_bad_steps=7)
     assert _options.current().max_bad_steps == 7
     assert "nan_guard options changed: max_bad_steps 5 -> 7" in caplog.text
-    assert patches.applied()["nan_guard"].count("torch.optim.lr_scheduler.LRScheduler.step") == 1
+    sites = patches.advanced.applied()["nan_guard"]
+    assert sites.count("torch.optim.lr_scheduler.LRScheduler.step") == 1
 
 
 def test_freezes_leave_no_global_hook_behind() -> None:
@@ -161,7 +162,7 @@ def test_freezes_leave_no_global_hook_behind() -> None:
         model = torch.nn.Module()
         model.text_embedding = torch.nn.Embedding(10, 4)
         model.text_head = torch.nn.Linear(4, 10)
-        patches.freeze_base_vocab(model, 8)
+        patches.advanced.freeze_base_vocab(model, 8)
     assert len(torch_optimizer._global_optimizer_post_hooks) <= before + 1
     del model
     gc.collect()

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import patches
-from patches import SafeGradScaler, _step, nan_guard
+from patches import _step, nan_guard
+from patches.advanced import SafeGradScaler
 
 CONTEXT = _step.CONTEXT
 
@@ -22,7 +23,7 @@ CONTEXT = _step.CONTEXT
 def patched(clean_patches: None, tmp_path) -> None:
     """The scaler, the clip and the guard on; events into ``tmp_path``."""
     nan_guard.reset()
-    patches.apply(["grad_scaler", "grad_clip", "nan_guard"], output_dir=str(tmp_path))
+    patches.advanced.apply(["grad_scaler", "grad_clip", "nan_guard"], output_dir=str(tmp_path))
     yield
     nan_guard.reset()
 

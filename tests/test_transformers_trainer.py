@@ -83,7 +83,7 @@ def test_nan_step_is_skipped_exactly_and_recorded_in_output_dir(run_state, tmp_p
     The scheduler did step on the skipped step (HF gates it only on accelerate's fp16
     scaler; the guard's default lr_step_on_skip=1 lets it): with a constant LR it changes
     nothing, with a decaying one the two runs could not be compared."""
-    patches.apply(["nan_guard", "grad_clip"])
+    patches.advanced.apply(["nan_guard", "grad_clip"])
     assert patches.status("transformers_trainer")["state"] in ("applied", "waiting")
     poisoned = _train(tmp_path / "out", _rows(poison=BAD))
     # (b) on disk when train() returns (the fused flags are read at on_train_end, not at exit)
@@ -127,7 +127,7 @@ class _EventsAt(transformers.TrainerCallback):
 def test_a_skip_before_a_save_is_recorded_by_the_save(run_state, tmp_path) -> None:
     """A save right after the bad step (global step BAD + 1) reads the fused flags: the
     record is on disk before the next step, not only every 25 steps or at the end."""
-    patches.apply(["nan_guard", "grad_clip"])
+    patches.advanced.apply(["nan_guard", "grad_clip"])
     model, probe = _model(), _EventsAt()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=BATCHES, per_device_train_batch_size=BATCH,
@@ -151,7 +151,7 @@ def test_integration_off_records_go_elsewhere_with_no_trainer_step(run_state, tm
     """With the integration left off, the generic guard still skips the step, but nothing
     is in output_dir when train() returns; the record, written at the next read of the
     flags, lands in ./training_patches with no trainer step."""
-    patches.apply(["nan_guard", "grad_clip"], disable=["transformers_trainer"])
+    patches.advanced.apply(["nan_guard", "grad_clip"], disable=["transformers_trainer"])
     _train(tmp_path / "out", _rows(poison=BAD))
     assert not (tmp_path / "out" / _run.EVENTS_FILE).exists()
     assert patches.stats()["nan_guard"]["skipped"] == 1  # reads the flags: the record is written
@@ -164,7 +164,7 @@ def test_base_vocab_rows_stay_bit_identical_through_trainer_train(
     """TRAINING_PATCHES_BASE_VOCAB on a grown, tied GPT-2 trained by Trainer.train (fused
     AdamW): the base rows of wte (which is lm_head) bit-identical, the new rows learn."""
     grown = VOCAB + 8
-    patches.apply(["nan_guard", "grad_clip", "vocab_freeze"], base_vocab=VOCAB)
+    patches.advanced.apply(["nan_guard", "grad_clip", "vocab_freeze"], base_vocab=VOCAB)
     model = _model()
     model.resize_token_embeddings(grown)
     wte = model.get_input_embeddings().weight
@@ -193,7 +193,7 @@ def test_a_torn_checkpoint_folder_is_never_resumed(run_state, tmp_path, caplog,
     one, with a WARNING naming the torn folder. Upstream takes the highest number and fails
     reading it (the control)."""
     if applied:
-        patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+        patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
     out = tmp_path / "out"
     transformers.Trainer(model=_model(), args=_saving_args(out, 4), train_dataset=_rows()).train()
     assert (out / "checkpoint-4" / "training_patches_complete.json").is_file() == applied
@@ -230,7 +230,7 @@ def test_resume_from_checkpoint_into_a_grown_vocabulary(run_state, no_live_freez
     from safetensors.torch import load_file
 
     if applied:
-        patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+        patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
     out = tmp_path / "out"
     transformers.Trainer(model=_model(), args=_saving_args(out, 4), train_dataset=_rows()).train()
     saved = out / "checkpoint-4"
@@ -303,7 +303,7 @@ def test_a_grown_resume_says_what_the_trainer_restores_and_spells_its_new_tokens
     ``optimizer absent`` or ``resuming at 0``; the new rows are spelled with the Trainer's
     ``processing_class`` (each Amharic token from the rows of its latin spelling), and the
     line says so."""
-    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
     out = tmp_path / "out"
     transformers.Trainer(model=_model(), args=_saving_args(out, 4), train_dataset=_rows(),
                          processing_class=_char_tokenizer(),
@@ -333,7 +333,7 @@ def test_a_grown_resume_without_a_tokenizer_says_where_it_looked(
         run_state, no_live_freezes, tmp_path, caplog) -> None:
     """No processing_class: the new rows start by spread, and the line says the Trainer was
     given none (not only that no tokenizer was given to the loader)."""
-    patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+    patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
     out = tmp_path / "out"
     transformers.Trainer(model=_model(), args=_saving_args(out, 2), train_dataset=_rows()).train()
     model = _model()
@@ -356,7 +356,7 @@ def test_a_second_run_into_an_output_dir_in_use_is_refused(run_state, tmp_path,
     import sys
 
     if applied:
-        patches.apply(["nan_guard", "grad_clip", "checkpoint"])
+        patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
     out = tmp_path / "out"
     out.mkdir()
     holder = subprocess.Popen(

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import patches
-from patches import SafeGradScaler
+from patches.advanced import SafeGradScaler
 
 TorchGradScaler = torch.amp.grad_scaler.GradScaler  # the class torch defines, never patched
 INIT_SCALE = 128.0
@@ -28,8 +28,8 @@ SKIP_ITER = 2  # the iteration whose gradients get an inf, as in PyTorch's tests
 @pytest.fixture
 def patched(clean_patches: None, tmp_path: Any) -> Iterator[None]:
     """The default set, as a user's import line applies it (reports go to tmp_path)."""
-    patches.reset_runtime_state()
-    patches.apply(output_dir=str(tmp_path))
+    patches.advanced.reset_runtime_state()
+    patches.advanced.apply(output_dir=str(tmp_path))
     yield
 
 

@@ -17,7 +17,7 @@ from tiny_models import TinyTextModel
 from torch import nn
 
 import patches
-from patches import SafeGradScaler, freeze_base_vocab
+from patches.advanced import SafeGradScaler, freeze_base_vocab
 from patches.integrations.layouts import start_row_is_last
 from patches.vocab_freeze import VocabFreezeError, freeze_of, live_freezes
 from patches.vocab_rows import frozen_rows, new_rows
@@ -309,7 +309,7 @@ def test_coqui_trainer_env_activation(tiny_xtts, tiny_xtts_extended_vocab, tiny_
                                       caplog: pytest.LogCaptureFixture,
                                       wd_only_on_weights: bool) -> None:
     monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "74")
-    patches.apply(["vocab_freeze"])
+    patches.advanced.apply(["vocab_freeze"])
     config = tiny_xtts.make_config(tmp_path / "run", vocab=tiny_xtts_extended_vocab,
                                    manifest=tiny_xtts_mixed_manifest,
                                    optimizer_wd_only_on_weights=wd_only_on_weights)
@@ -338,7 +338,7 @@ def test_xtts_checkpoint_growth_prints_one_freeze_block(tiny_xtts, tiny_xtts_ext
     Xtts's ``gpt.*`` after the growth, the GPTTrainer hook the same tensors as
     ``xtts.gpt.*``: one ``[Extended Vocab Fix]`` block, not two."""
     monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "74")
-    patches.apply(["vocab_freeze", "checkpoint"])
+    patches.advanced.apply(["vocab_freeze", "checkpoint"])
     base = tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "base"))
     torch.save({"model": base.state_dict()}, tmp_path / "base.pth")
     config = tiny_xtts.make_config(tmp_path / "run", vocab=tiny_xtts_extended_vocab,
@@ -421,7 +421,7 @@ def test_activation_on_a_broken_vocabulary_warns_and_strict_stops(
     given to [am]): a WARNING before the freeze block, not only "Base tokens: 0-73";
     under TRAINING_PATCHES_STRICT=1 the GPTTrainer is not built."""
     monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "74")
-    patches.apply(["vocab_freeze"])
+    patches.advanced.apply(["vocab_freeze"])
     dropped = _rewrite_vocab(tiny_xtts_extended_vocab, tmp_path / "dropped.json",
                              lambda ids: {**ids, "[START]": None})
     with caplog.at_level(logging.INFO, logger="training_patches"):
@@ -440,7 +440,7 @@ def test_activation_on_a_broken_vocabulary_warns_and_strict_stops(
     assert dropped in warnings[0] and "verify-tokenizer" in warnings[0]
     assert "Base tokens: 0-73 (frozen)" in caplog.text  # what was done, after the warning
     patches.revert()
-    patches.apply(["vocab_freeze"], strict=True)
+    patches.advanced.apply(["vocab_freeze"], strict=True)
     with pytest.raises(VocabFreezeError, match=r"STRICT=1.*\[START\] missing"):
         tiny_xtts.make_model(tiny_xtts.make_config(tmp_path / "strict", vocab=dropped))
 
@@ -451,7 +451,7 @@ def test_coqui_trainer_without_freeze_moves_base_rows(tiny_xtts, tiny_xtts_exten
                                                       monkeypatch) -> None:
     """Control: the same run with the variable unset changes the base rows."""
     monkeypatch.delenv("TRAINING_PATCHES_BASE_VOCAB", raising=False)
-    patches.apply(["vocab_freeze"])
+    patches.advanced.apply(["vocab_freeze"])
     config = tiny_xtts.make_config(tmp_path / "run", vocab=tiny_xtts_extended_vocab)
     model = tiny_xtts.make_model(config)
     before = _snapshot(model.xtts.gpt)
@@ -469,7 +469,7 @@ def test_coqui_trainer_save_resume_and_nan_step(tiny_xtts, tiny_xtts_extended_vo
     meets a NaN loss at its third step: the base rows of run 1's start stay exact."""
     from TTS.tts.layers.xtts.trainer.gpt_trainer import GPTTrainer
 
-    patches.apply(["vocab_freeze"], base_vocab=74)
+    patches.advanced.apply(["vocab_freeze"], base_vocab=74)
     config = tiny_xtts.make_config(tmp_path / "run", vocab=tiny_xtts_extended_vocab,
                                    manifest=tiny_xtts_mixed_manifest, save_step=3)
     model = tiny_xtts.make_model(config)

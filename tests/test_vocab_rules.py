@@ -59,7 +59,7 @@ def test_layouts_are_explicit() -> None:
 
 def test_base_vocab_alone_freezes_a_plain_unifiedvoice_loop(
         caplog: pytest.LogCaptureFixture) -> None:
-    patches.apply(base_vocab=BASE)
+    patches.advanced.apply(base_vocab=BASE)
     model = UnifiedVoiceLike(BASE + NEW)
     before = model.text_embedding.weight.detach().clone()
     head_before = model.text_head.weight.detach().clone()
@@ -83,7 +83,7 @@ def test_base_vocab_alone_freezes_a_plain_unifiedvoice_loop(
 
 def test_the_freeze_follows_modules_swapped_after_it() -> None:
     model = UnifiedVoiceLike(BASE)  # built with the base vocabulary ...
-    patches.freeze_base_vocab(model, BASE)
+    patches.advanced.freeze_base_vocab(model, BASE)
     # ... then the trainer swaps in extended modules holding the base rows it loaded
     old_emb, old_head = model.text_embedding, model.text_head
     emb = nn.Embedding(BASE + NEW + 1, 16)
@@ -118,7 +118,7 @@ def test_resume_after_growth_freezes_the_base_not_the_trained_new_rows(
     resumed into a tokenizer of 56. The 8 trained Amharic rows must keep training."""
     if base_known:
         monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", str(BASE))
-    patches.apply()
+    patches.advanced.apply()
     torch.manual_seed(0)
     trained = UnifiedVoiceLike(BASE + NEW)
     opt = torch.optim.AdamW(trained.parameters(), lr=1e-2, weight_decay=0.01)
@@ -146,7 +146,7 @@ def test_resume_after_growth_freezes_the_base_not_the_trained_new_rows(
 
 def test_a_shrink_is_explained_in_tokens_and_truncated_only_on_request(tmp_path) -> None:
     """IndexTTS shape: a checkpoint of 48 tokens (49 rows) into a tokenizer of 44 tokens."""
-    patches.apply()
+    patches.advanced.apply()
     torch.manual_seed(0)
     trained = UnifiedVoiceLike(BASE + NEW)
     opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)

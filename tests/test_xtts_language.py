@@ -40,7 +40,7 @@ def am_tiny(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def language_patch(clean_patches):
-    patches.apply(["xtts_language"])
+    patches.advanced.apply(["xtts_language"])
     yield
 
 
@@ -99,7 +99,7 @@ def test_register_language_takes_effect_on_existing_tokenizer(am_tiny, language_
     from TTS.tts.layers.xtts.tokenizer import VoiceBpeTokenizer
 
     tokenizer = VoiceBpeTokenizer(am_tiny.vocab)
-    patches.register_language("ti", cleaner=lambda text: text.upper(), char_limit=99)
+    patches.advanced.register_language("ti", cleaner=lambda text: text.upper(), char_limit=99)
     try:
         assert tokenizer.char_limits["ti"] == 99
         assert tokenizer.preprocess_text("abc", "ti") == "ABC"
@@ -122,15 +122,16 @@ def test_a_romanizer_added_to_a_coqui_language_keeps_coquis_cleaner(am_tiny,
     def russian(text: str) -> str | None:
         return "da" if any("\u0400" <= ch <= "\u04ff" for ch in text) else None
 
-    language = patches.register_language("ru", romanize=russian)
+    language = patches.advanced.register_language("ru", romanize=russian)
     try:
         assert tokenizer.preprocess_text("В 2024 году", "ru") == spoken
         assert language.cleaner is None and languages.get_language("ru") is None
         assert languages.romanize("да") == ("da", "ru")
-        with pytest.raises(patches.ConfigError, match="already has a romaniser"):
-            patches.register_language("ru", romanize=russian)
-        with pytest.raises(patches.ConfigError, match="built into coqui-tts.*romanize= alone"):
-            patches.register_language("ru", cleaner=str.lower)
+        with pytest.raises(patches.advanced.ConfigError, match="already has a romaniser"):
+            patches.advanced.register_language("ru", romanize=russian)
+        with pytest.raises(patches.advanced.ConfigError,
+                           match="built into coqui-tts.*romanize= alone"):
+            patches.advanced.register_language("ru", cleaner=str.lower)
     finally:
         assert languages.unregister_language("ru")
     assert languages.romanize("да") is None
@@ -141,7 +142,7 @@ def test_revert_gives_coqui_back(am_tiny, clean_patches) -> None:
     from TTS.tts.layers.xtts.trainer import gpt_trainer
 
     original = tokenizer_module.VoiceBpeTokenizer
-    patches.apply(["xtts_language"])
+    patches.advanced.apply(["xtts_language"])
     patched = tokenizer_module.VoiceBpeTokenizer(am_tiny.vocab)
     assert gpt_trainer.VoiceBpeTokenizer is tokenizer_module.VoiceBpeTokenizer is not original
     patches.revert(["xtts_language"])
@@ -180,14 +181,14 @@ ORDER_SCRIPT = textwrap.dedent("""
     import patches
     order = sys.argv[1]
     if order == "apply-then-import":
-        patches.apply(["xtts_language"])
+        patches.advanced.apply(["xtts_language"])
     from TTS.tts.layers.xtts import tokenizer
     from TTS.tts.layers.xtts.trainer import gpt_trainer
     from TTS.tts.models import xtts
     original = tokenizer.VoiceBpeTokenizer
     if order == "import-then-apply":
-        patches.apply(["xtts_language"])
-        patches.apply(["xtts_language"])  # a second apply never wraps twice
+        patches.advanced.apply(["xtts_language"])
+        patches.advanced.apply(["xtts_language"])  # a second apply never wraps twice
     cls = tokenizer.VoiceBpeTokenizer
     assert cls.__name__ == "LanguageAwareTokenizer", cls
     assert cls.__bases__[0].__name__ == "VoiceBpeTokenizer", cls.__bases__

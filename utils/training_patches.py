@@ -29,4 +29,4 @@ except ImportError as exc:
     sys.path.insert(0, _checkout)
     import patches
 
-applied = patches.activate()
+applied = patches.advanced.activate()

@@ -226,8 +226,8 @@ def compare_modes(tiny: Any, make: Callable[[str], Any], *, rounds: int = 2, ste
             for mode in order:
                 patches.revert()
                 if mode == "patched":
-                    patches.apply(quiet=True)
-                    patches.reset_runtime_state()
+                    patches.advanced.apply(quiet=True)
+                    patches.advanced.reset_runtime_state()
                 trainer, batches = _build(tiny, make(mode))
                 result = results[mode]
                 result.scaler = type(trainer.scaler).__name__ if trainer.scaler else None

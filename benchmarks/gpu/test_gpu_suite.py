@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("clean_patches")
 
 def _fit(tiny: Any, tmp_path: Any, name: str, gpu_results: dict[str, Any],
          inject_at: set[int] = frozenset(), **config: Any) -> dict[str, Any]:
-    patches.apply()
+    patches.advanced.apply()
     cfg = harness.make_config(tiny, tmp_path / name, **config)
     run = harness.fit_with_faults(tiny, cfg, inject_at)
     gpu_results["runs"][name] = run

@@ -297,11 +297,11 @@ def _mel_batch(model: Any, audio: Any) -> torch.Tensor:
 
 def flow_matching_losses(model: Any, texts: list[Any], audios: list[Any]) -> list[float]:
     """F5-TTS's flow-matching loss of each (text, audio) pair, for a
-    :class:`patches.LearningMonitor` (``measured_on=FLOW_MATCHING``)::
+    :class:`patches.advanced.LearningMonitor` (``measured_on=FLOW_MATCHING``)::
 
-        probe = patches.ReadingProbe({"am": [(text, mel), ...]})  # mel: [frames, n_mel]
-        monitor = patches.LearningMonitor(probe, f5_tts.flow_matching_losses,
-                                          measured_on=f5_tts.FLOW_MATCHING)
+        probe = patches.advanced.ReadingProbe({"am": [(text, mel), ...]})  # mel: [frames, n_mel]
+        monitor = patches.advanced.LearningMonitor(probe, f5_tts.flow_matching_losses,
+                                                   measured_on=f5_tts.FLOW_MATCHING)
 
     ``model`` is F5's ``CFM`` (the EMA's ``ema_model`` too); a text is what ``CFM.forward``
     takes for one utterance (a string, a list of characters or pinyin, or a tensor of
@@ -329,8 +329,8 @@ def watch_reading(trainer: Any, monitor: learning.LearningMonitor) -> learning.L
     loop) after each of its ``save_checkpoint`` calls (once per update: ``save_per_updates``,
     ``last_per_updates`` and the end), at F5's update count, on the main process::
 
-        monitor = patches.LearningMonitor(probe, f5_tts.flow_matching_losses,
-                                          measured_on=f5_tts.FLOW_MATCHING)
+        monitor = patches.advanced.LearningMonitor(probe, f5_tts.flow_matching_losses,
+                                                   measured_on=f5_tts.FLOW_MATCHING)
         f5_tts.watch_reading(trainer, monitor)
         trainer.train(dataset)
 

@@ -82,7 +82,7 @@ def reading_callback(monitor: learning.LearningMonitor) -> Any:
     each validation (not the sanity check), at the Trainer's ``global_step``, with the
     logged ``val_loss`` when there is one::
 
-        monitor = patches.LearningMonitor(probe, loss_fn)  # loss_fn(module, texts, audios)
+        monitor = patches.advanced.LearningMonitor(probe, loss_fn)  # loss_fn(module, texts, audios)
         Trainer(..., val_check_interval=500, callbacks=[lightning.reading_callback(monitor)])
 
     The module runs on global rank 0 alone (so not with sharded parameters: FSDP, DeepSpeed

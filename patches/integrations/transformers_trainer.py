@@ -89,7 +89,7 @@ def reading_callback(monitor: learning.LearningMonitor) -> Any:
     """A ``TrainerCallback`` that measures the reading gap (:mod:`patches.learning`) at each
     of the Trainer's evaluations, at its ``global_step``, with its ``eval_loss``::
 
-        monitor = patches.LearningMonitor(probe, loss_fn)  # loss_fn(model, texts, audios)
+        monitor = patches.advanced.LearningMonitor(probe, loss_fn)  # loss_fn(model, texts, audios)
         args = TrainingArguments(..., eval_strategy="steps", eval_steps=500)
         Trainer(model, args, ..., callbacks=[transformers_trainer.reading_callback(monitor)])
 

@@ -78,7 +78,7 @@ _HINTS = {
                      "or headlessXttsTrain.py --extend-vocab TEXT) or check the language column",
     "stop_token": "remove the [STOP] marker from the transcripts",
     "empty_text": "fill in or remove the empty transcripts",
-    "unsupported_language": "register the language (patches.register_language) with the "
+    "unsupported_language": "register the language (patches.advanced.register_language) with the "
                             "xtts_language patch applied",
     "load_error": "see the detail of each entry",
 }

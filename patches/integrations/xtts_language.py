@@ -121,7 +121,7 @@ def _tokenizer_class(original: type) -> type:
 
     class LanguageAwareTokenizer(original):  # type: ignore[misc,valid-type]
         __doc__ = (f"coqui's VoiceBpeTokenizer plus the languages registered with "
-                   f"patches.register_language (training-patches {NAME}).")
+                   f"patches.advanced.register_language (training-patches {NAME}).")
 
         def __init__(self, vocab_file: Any = None, *args: Any, **kwargs: Any) -> None:
             super().__init__(vocab_file, *args, **kwargs)
@@ -165,7 +165,7 @@ def _model_class(original: type) -> type:
 
     class LanguageAwareXtts(original):  # type: ignore[misc,valid-type]
         __doc__ = (f"coqui's Xtts whose config accepts the languages registered with "
-                   f"patches.register_language (training-patches {NAME}).")
+                   f"patches.advanced.register_language (training-patches {NAME}).")
 
         def synthesize(self, *args: Any, **kwargs: Any) -> Any:
             # ``language`` may come by position or keyword: bind as coqui's signature does.

@@ -6,8 +6,8 @@ patch applied, a language registered here is encoded with its own cleaner and
 character limit (and the XTTS config accepts its code)::
 
     import patches
-    patches.register_language("ti", cleaner=my_tigrinya_cleaner, char_limit=150,
-                              romanize=my_tigrinya_romanizer)
+    patches.advanced.register_language("ti", cleaner=my_tigrinya_cleaner, char_limit=150,
+                                       romanize=my_tigrinya_romanizer)
 
 A language's ``romanize`` (text -> Latin letters, or None) serves the pronunciation-informed
 init of new vocabulary rows (:mod:`patches.row_init`). Amharic (``am``) is registered from the

@@ -83,7 +83,7 @@ def doctor_checks() -> list[tuple[str, str, str]]:
     checks.append((OK if ffmpeg else WARN, "ffmpeg",
                    ffmpeg or "FFmpeg shared libraries missing: audio cannot be decoded "
                              "(Debian/Ubuntu: apt-get install ffmpeg)"))
-    applied = patches.applied()
+    applied = patches.advanced.applied()
     checks.append((OK, "patches", ", ".join(applied) if applied else
                    "none applied in this process (the trainer applies them with "
                    "`from utils import training_patches`)"))

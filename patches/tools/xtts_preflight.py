@@ -105,8 +105,8 @@ def check_language(code: str, options: _options.Options | None = None) -> str:
             f"it is neither one of coqui-tts's 17 nor registered with training-patches. "
             f"Expected one of: {', '.join(known_languages())} (ISO 639-1 or 639-3 codes of a "
             f"registered language both work). Fix the code, or register the language "
-            f"(patches.register_language('xx', cleaner=...)) in a trainer of your own. Checked "
-            f"before any sample was read.")
+            f"(patches.advanced.register_language('xx', cleaner=...)) in a trainer of your "
+            f"own. Checked before any sample was read.")
     options = options or _options.current()
     off = [name for name in ("languages", "xtts_language") if name in options.disable]
     if off:

@@ -74,7 +74,7 @@ def run(mode: str) -> dict:
 
 if mode == "nanskip":  # the NaN run, then the run without that step, one process
     result = {"nan": run("nan")}
-    patches.reset_runtime_state()
+    patches.advanced.reset_runtime_state()
     result["skip"] = run("skip")
 elif mode == "onoff":  # the run, then the control with the integration reverted
     result = {"on": run("on")}

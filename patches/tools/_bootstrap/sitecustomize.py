@@ -17,7 +17,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 def _activate(_torch: object) -> None:
     """The torch hook. When the program's own ``import patches`` (or ``patches.auto``) is
     what imported torch, ``patches`` is half-imported now: activation waits for the end of
-    that import, since ``patches.activate`` is bound near the bottom of ``patches/__init__``."""
+    that import, since ``patches.advanced`` is bound near the bottom of ``patches/__init__``."""
     package = sys.modules.get("patches")
     try:
         from patches._imports import initializing, when_imported  # lazy: loads with torch only
@@ -35,7 +35,7 @@ def _activate_patches(_package: object) -> None:
     try:
         import patches  # lazy: patches loads once torch is imported, never at interpreter start
 
-        patches.activate()
+        patches.advanced.activate()
     except Exception as exc:  # the user's program goes on, unpatched, and is told so
         _unprotected(exc)
 

@@ -182,7 +182,7 @@ def language_cleaner(language: str) -> Callable[[str], str]:
     raise TokenizerToolError(
         f"--language {language}: no cleaner is registered for this language, so the text the "
         f"trainer will tokenize is unknown. Expected a language registered with "
-        f"patches.register_language (Amharic 'am'/'amh' is) or one coqui-tts knows "
+        f"patches.advanced.register_language (Amharic 'am'/'amh' is) or one coqui-tts knows "
         f"({', '.join(sorted(COQUI_LANGUAGES))}). Register it first, or pass --no-cleaner to "
         f"use the corpus as it is.")
 

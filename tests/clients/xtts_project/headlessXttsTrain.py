@@ -108,7 +108,7 @@ def main():
         "tensors": sum(1 for _ in model.parameters()),
         "base_tokens": base,
         "stats": patches.stats() if patches else None,
-        "applied": sorted(patches.applied()) if patches else [],
+        "applied": sorted(patches.advanced.applied()) if patches else [],
         "utils_paths": list(sys.modules["utils"].__path__),
     })
     with open(os.path.join(args.out, "harness.json"), "w") as handle:

@@ -175,7 +175,7 @@ def main():
         .amax(dim=1).tolist() if start_embedding.shape == model.text_embedding.weight.shape
         else None,
         "stats": patches.stats() if patches else None,
-        "applied": sorted(patches.applied()) if patches else [],
+        "applied": sorted(patches.advanced.applied()) if patches else [],
     })
     (out / "harness.json").write_text(json.dumps(record))
 

@@ -1,0 +1,52 @@
+"""``patches.advanced``: everything beyond the core, for a user who runs the patches by hand.
+
+The core (``patches.__all__``) is what a user of an XTTS fine-tune needs: the import line,
+``TRAINING_PATCHES_BASE_VOCAB``, ``load_checkpoint``, ``CheckpointManager``,
+``stats()``/``status()``/``revert()`` and ``training-patches report``. This module holds the
+rest, each name the same object it always was:
+
+- choosing patches and options by hand: :func:`apply`, :func:`activate` (what the import
+  line does), :func:`applied`, :func:`is_applied`, :func:`get_original`,
+  :class:`ConfigError`, :class:`PatchSiteError`, :class:`LoadOptions` (the options of
+  ``load_checkpoint`` as one object);
+- a plain loop's own scaler, clip and freeze: :class:`SafeGradScaler`,
+  :class:`LossScaleFloorError`, :class:`RanksDivergedError` (ranks of a DDP job that decided
+  a scaled step differently), :func:`safe_clip_grad_norm_`, :func:`freeze_base_vocab`,
+  :func:`observe_loss`, :func:`find_nonfinite_source`, :class:`NonFiniteTrainingError`,
+  :func:`skip_on_oom`, :class:`OutOfMemoryTrainingError`, :func:`set_output_dir`;
+- the learning monitor: :class:`LearningMonitor`, :class:`ReadingProbe`;
+- languages: :func:`register_language`;
+- runtime inspection: :func:`enable_anomaly_detection`, :func:`reset_runtime_state`.
+
+Until the next release each of these names also answers at the top level
+(``patches.apply``, a deprecated alias): one ``DeprecationWarning`` per name per process
+(``patches.__getattr__``). Importing this module changes nothing, as ``import patches``.
+"""
+
+from __future__ import annotations
+
+from ._api import (
+    activate, applied, apply, get_original, is_applied, reset_runtime_state)
+from ._options import ConfigError
+from ._registry import PatchSiteError
+from ._run import set_output_dir
+from .anomaly import enable_anomaly_detection
+from .checkpoint import LoadOptions
+from .grad_clip import safe_clip_grad_norm_
+from .grad_scaler import LossScaleFloorError, RanksDivergedError, SafeGradScaler
+from .languages import register_language
+from .learning import LearningMonitor, ReadingProbe
+from .nan_guard import NonFiniteTrainingError, find_nonfinite_source, observe_loss
+from .oom_guard import OutOfMemoryTrainingError, skip_on_oom
+from .vocab_freeze import freeze_base_vocab
+
+__all__ = [
+    "apply", "activate", "applied", "is_applied", "get_original", "ConfigError",
+    "PatchSiteError", "LoadOptions",
+    "SafeGradScaler", "LossScaleFloorError", "RanksDivergedError", "safe_clip_grad_norm_", "freeze_base_vocab",
+    "observe_loss", "find_nonfinite_source", "NonFiniteTrainingError", "skip_on_oom",
+    "OutOfMemoryTrainingError", "set_output_dir",
+    "LearningMonitor", "ReadingProbe",
+    "register_language",
+    "enable_anomaly_detection", "reset_runtime_state",
+]
