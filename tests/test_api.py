@@ -309,8 +309,7 @@ def test_from_patches_import_an_old_name_warns_at_the_import(
 
 # Files other changes hold that still spell an old name (issue 40 item 3): their owners move
 # them to patches.advanced; the lead empties this set when merging.
-_OLD_SPELLING_PENDING = {
-    "patches/checkpoint/data_position.py", "patches/checkpoint/load.py"}
+_OLD_SPELLING_PENDING: set[str] = set()
 
 
 def test_the_project_spells_no_old_name() -> None:

@@ -476,7 +476,7 @@ def plan(loader: Any, saved: Any, where: str) -> tuple[Mapping[str, Any] | None,
             f"training-patches: cannot restore the data position in {where}: the checkpoint "
             f"patch is not applied, so DataLoader.__iter__ cannot continue mid-epoch. Nothing "
             f"was loaded. Apply the patches first (import patches.auto, or "
-            f"patches.apply(['checkpoint'])), or load without loader=.")
+            f"patches.advanced.apply(['checkpoint'])), or load without loader=.")
     length = _length(inner)
     epoch, batches = int(saved["epoch"]), int(saved["batches"])
     differs = _differences(saved, length, identity(loader))

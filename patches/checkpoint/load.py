@@ -156,7 +156,7 @@ def _options_of(options: LoadOptions | None, overrides: dict[str, Any]) -> LoadO
     unknown keyword is one paragraph naming the closest field."""
     if options is not None and not isinstance(options, LoadOptions):
         raise TypeError(f"load_checkpoint: options is a {type(options).__name__}; expected a "
-                        f"patches.LoadOptions (or leave it out and pass keywords).")
+                        f"patches.advanced.LoadOptions (or leave it out and pass keywords).")
     fields = [f.name for f in dataclasses.fields(LoadOptions)]
     unknown = [name for name in overrides if name not in fields]
     if unknown:
@@ -164,7 +164,7 @@ def _options_of(options: LoadOptions | None, overrides: dict[str, Any]) -> LoadO
         said = ", ".join(f"{name!r}" + (f" (did you mean {m[0]!r}?)" if m else "")
                          for name, m in zip(unknown, near))
         raise TypeError(f"load_checkpoint got the unknown option(s) {said}. Expected the "
-                        f"fields of patches.LoadOptions: {', '.join(fields)}.")
+                        f"fields of patches.advanced.LoadOptions: {', '.join(fields)}.")
     return dataclasses.replace(options or LoadOptions(), **overrides)
 
 
