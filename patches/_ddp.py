@@ -11,6 +11,8 @@ docs/design/step.md ("Under DDP").
 
 from __future__ import annotations
 
+import atexit
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -69,6 +71,49 @@ class Carrier:
         return (last > 0) & (last < self.world - 0.5)
 
 
+class _Then:
+    """A reduction's ``.then`` callback that counts itself until it is freed.
+
+    torch frees a Python callback on the communication thread that ran it, taking the GIL
+    in a destructor that may not unwind: a free that waits for the GIL while the
+    interpreter finalizes ends the process with "terminate called without an active
+    exception" (SIGABRT at exit after a finished run: seen under load with accelerate's
+    test_sync). :func:`_drain_at_exit` waits, before finalization, until every callback
+    this module handed to a future was freed."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: Callable[[Any], Any]) -> None:
+        self._call = call
+        with _live_lock:
+            global _live
+            _live += 1
+
+    def __call__(self, fut: Any) -> Any:
+        return self._call(fut)
+
+    def __del__(self) -> None:
+        with _live_lock:
+            global _live
+            _live -= 1
+            if _live == 0:
+                _live_lock.notify_all()
+
+
+_live = 0  # _Then callbacks handed to futures and not yet freed
+_live_lock = threading.Condition()
+EXIT_WAIT_S = 5.0  # a reduction that never completes (a dead peer) must not hold the exit
+
+
+def _drain_at_exit() -> None:
+    with _live_lock:  # Condition.wait lets go of the GIL: the comm threads can free theirs
+        _live_lock.wait_for(lambda: _live == 0, timeout=EXIT_WAIT_S)
+
+
+def _first_value(fut: Any) -> Any:
+    return fut.value()[0]
+
+
 def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
     # (no annotations: DDP compares them with its own objects, and this module's are text)
     dist = torch.distributed
@@ -88,7 +133,7 @@ def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
             carrier.reduced = frozenset(carrier._bucketed)
     if not carried:
         return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(
-            lambda fut: fut.value()[0])
+            _Then(_first_value))
     if _loss_flags is not None:
         bad, nonfinite, kept = _loss_flags(buffer.device)
     else:  # only a SafeGradScaler uses it: no loss flags, its last decision
@@ -108,7 +153,19 @@ def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
         carrier.received = out[-CARRIED:].clone()
         carrier.fresh = True
         return buffer
-    return dist.all_reduce(joined, group=group, async_op=True).get_future().then(split)
+    return dist.all_reduce(joined, group=group, async_op=True).get_future().then(_Then(split))
+
+
+_drain_registered = False
+
+
+def _drain_once() -> None:
+    """Register :func:`_drain_at_exit` once, when the first hook is registered (an atexit
+    function registered later runs earlier: before the user's own and torch's)."""
+    global _drain_registered
+    if not _drain_registered:
+        _drain_registered = True
+        atexit.register(_drain_at_exit)
 
 
 # optimizer -> the carrier of the DDP module holding its parameters, or None (fall back)
@@ -145,6 +202,7 @@ def carrier_of(optimizer: torch.optim.Optimizer) -> Carrier | None:
                 if getattr(ddp, "_comm_hooks", None):
                     raise RuntimeError("a communication hook is registered already")
                 ddp.register_comm_hook(carrier, _carrying_hook)
+                _drain_once()
                 ddp._training_patches_carrier = carrier
             except (RuntimeError, ValueError) as exc:  # the user's hook (DDP allows one)
                 carrier = None

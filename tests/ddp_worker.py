@@ -49,7 +49,11 @@ def worker(rank: int, world: int, port: int, out_dir: str, inject: list[int],
                 amp.update()
             else:
                 opt.step()
+        from patches import _ddp
+
+        _ddp._drain_at_exit()  # what the exit does: every reduction's callback freed
         torch.save({"params": [p.detach() for p in model.parameters()],
+                    "callbacks_live": _ddp._live, "drain_registered": _ddp._drain_registered,
                     "stats": patches.stats()["nan_guard"],
                     "scaler": ({**amp.stats(), "scale": amp.get_scale(),
                                 "class": type(amp).__name__} if amp else None)},

@@ -29,6 +29,8 @@ def test_fault_on_one_rank_is_skipped_on_both(tmp_path) -> None:
     for result in results:
         assert result["stats"]["skipped"] == len(inject)
         assert result["stats"]["steps"] == 30
+        # the comm hook's callbacks were all freed before the exit, which waits for them
+        assert result["callbacks_live"] == 0 and result["drain_registered"]
         assert all(bool(torch.isfinite(p).all()) for p in result["params"])
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
@@ -51,3 +53,21 @@ def test_scaler_overflow_on_one_rank_is_skipped_on_both(tmp_path) -> None:
     assert results[0]["scaler"]["scale"] == results[1]["scaler"]["scale"]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
+
+
+def test_the_exit_waits_until_every_reduction_callback_is_freed() -> None:
+    """torch frees a comm hook's Python callback on the communication thread, taking the GIL
+    in a destructor that cannot unwind: freed while the interpreter finalizes, it aborts the
+    process (SIGABRT after a finished run). The exit function waits, GIL released, until
+    the last callback the hook handed out is freed (here: 0.3 s later, on another thread)."""
+    import threading
+    import time
+
+    from patches import _ddp
+
+    held = [_ddp._Then(lambda fut: fut)]
+    assert _ddp._live >= 1
+    threading.Timer(0.3, held.clear).start()  # the comm thread lets go of it later
+    started = time.monotonic()
+    _ddp._drain_at_exit()
+    assert _ddp._live == 0 and time.monotonic() - started >= 0.25
