@@ -109,17 +109,9 @@ def _hash(path: Path, stop: threading.Event | None = None) -> str | None:
     key, changed = _identity(path)
     started = time.time()
     digest = hashlib.sha256()
-    buffer = bytearray(BLOCK)
-    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as handle:
-        while True:
-            if stop is not None and stop.is_set():
-                return None
-            count = handle.readinto(buffer)
-            if not count:
-                break
-            digest.update(view[:count])
-            _counted(count)
+        if not _read_chunk(handle, memoryview(bytearray(BLOCK)), digest, 0, None, stop):
+            return None
     result = digest.hexdigest()
     _remember(key, changed, started, result)
     return result
