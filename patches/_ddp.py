@@ -1,7 +1,8 @@
 """DDP's own gradient reduction carrying the patches' skip flags (issue 41): one
 communication hook per ``DistributedDataParallel`` module, shared by nan_guard and
 grad_scaler, reduces every bucket as DDP's default does and appends :data:`CARRIED` numbers
-to the first, so a patched DDP step makes exactly the collectives of an unpatched one.
+to the first, so a patched DDP step makes exactly the collectives of an unpatched one. It runs
+inside the backward's reduction, before the optimizer step: no stage of the step pipeline.
 Public to the patches: :class:`Carrier`, :func:`carrier_of`, :func:`known_carrier`,
 :func:`carry_loss_flags`, :func:`use_for_scaler`.
 

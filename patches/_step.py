@@ -1,14 +1,21 @@
-"""One optimizer step as grad_scaler, grad_clip and nan_guard share it: :data:`CONTEXT`.
+"""The step pipeline: everything the library does within one optimizer step, in one place.
 
-Within a step the phases run in the order of :data:`PHASES`: ``backward`` (the loss's
-backward returned), ``unscale`` (a SafeGradScaler has the overflow flag), ``clip``
-(``clip_grad_norm_`` leaves its non-finite flag here), ``decide`` (the scaler's or the
-guard's flag is read), ``step`` or ``skip``, ``record`` (counters, scale, the
-iteration-end listeners). A scaler that was not asked to unscale does so inside its own
-step, after the clip. ``step(closure)``: the guard's pre-hook runs the closure (forward,
-backward, clip) and decides after it. Each module writes its part into the one
-:class:`StepContext` and reads the others' from there, never their private attributes;
-:meth:`StepContext.recording` lists the phases as they run (off by default).
+The library's only global optimizer hooks are :func:`before_step` and :func:`after_step`
+here. They run the stages of a step in a fixed order written in code, whatever order the
+patches were applied or reverted in: the resume check, the freeze's discovery and its
+bookkeeping, the guard's decision (which takes the clip's flag and has the ranks agree),
+the freeze holding the optimizer off the frozen rows, torch's update (or the skip the
+decision made), the frozen rows kept, the record. Each optimizer gets one :class:`Step` at
+its first step: what the stages hand each other within that optimizer's step.
+
+The stages that act before the optimizer step exists run where the user's code calls
+them, and hand their results to the pipeline through :data:`CONTEXT`: the loss observed and
+a bad micro-batch left out (nan_guard's ``Tensor.backward`` wrapper), the frozen rows'
+gradients zeroed (the freeze's gradient hooks: before the user's clip reads the norm), the
+clip's flag (``clip_grad_norm_``), the scaler's unscale and its own decision
+(SafeGradScaler), and the LR scheduler's hold (``LRScheduler.step``, called after the step).
+
+:data:`PHASES` are the marks of :meth:`StepContext.recording` (off by default).
 
 Design: docs/design/step.md
 """
@@ -16,13 +23,17 @@ Design: docs/design/step.md
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
-PHASES = ("backward", "unscale", "clip", "decide", "step", "skip", "record")
+PHASES = ("backward", "unscale", "clip", "resume_check", "decide", "hold", "step", "skip",
+          "keep", "record")
 
 
 class StepContext:
@@ -44,8 +55,6 @@ class StepContext:
         # grad_clip writes, nan_guard takes (once): the latest clip's gradient ids and its
         # non-finite flag on the device, so one reduction serves the clip and the guard
         self._clip: tuple[frozenset[int], torch.Tensor] | None = None
-        # nan_guard writes, vocab_freeze takes: id(optimizer) -> this step skipped?
-        self._decisions: dict[int, bool | torch.Tensor] = {}
         # The phases as they run, while recording(); None (the default) records nothing.
         self.phases: list[str] | None = None
 
@@ -104,26 +113,6 @@ class StepContext:
         """Drop the latest clip's flag unread (a step that judges its gradients otherwise)."""
         self._clip = None
 
-    # -- the decision (written by nan_guard, taken by vocab_freeze) -----------------
-
-    def put_decision(self, optimizer: Any, skipped: bool | torch.Tensor) -> None:
-        """The guard decided ``optimizer``'s step: skipped (a bool, or a fused step's
-        device flag, never read here)."""
-        self._decisions[id(optimizer)] = skipped
-
-    def forget_decision(self, optimizer: Any) -> None:
-        """The step is over: its decision is not the next step's."""
-        self._decisions.pop(id(optimizer), None)
-
-    def take_decision(self, optimizer: Any) -> bool | torch.Tensor | None:
-        """Whether this step of ``optimizer`` is skipped: the guard's decision, else the
-        ``found_inf`` a GradScaler hands a fused step (an attribute of the optimizer, a
-        device flag), else None (no one decided: the step is taken)."""
-        decision = self._decisions.pop(id(optimizer), None)
-        if decision is None:
-            decision = getattr(optimizer, "found_inf", None)
-        return decision
-
     # -- the phase recorder ---------------------------------------------------------
 
     def mark(self, phase: str) -> None:
@@ -144,3 +133,129 @@ class StepContext:
 
 
 CONTEXT = StepContext()
+
+
+# -- the pipeline ----------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class Step:
+    """One optimizer's step as its stages hand it on (one per optimizer, kept weakly)."""
+
+    # this step skipped? the guard's decision (a bool, or a fused step's device flag never
+    # read here), else the found_inf a GradScaler hands a fused step, else None (taken)
+    decision: bool | torch.Tensor | None = None
+    # the guard's latest decision, until the LR scheduler's hold reads it
+    for_scheduler: bool | torch.Tensor | None = None
+    held: set[int] = dataclasses.field(default_factory=set)  # freezes that held its rows
+    swaps: list[Any] = dataclasses.field(default_factory=list)  # the freeze's row views
+
+
+@dataclasses.dataclass
+class Stages:
+    """The stages the applied patches fill in; None: that patch is off. Set with
+    :func:`set_stage`; run only by :func:`before_step` and :func:`after_step`."""
+
+    # resume_check: (optimizer) -> None; at the first step after a resume
+    check_resume: Callable[[Any], None] | None = None
+    # vocab_freeze's TRAINING_PATCHES_BASE_VOCAB: (optimizer) -> None; freezes what it finds
+    find_frozen: Callable[[Any], None] | None = None
+    # vocab_freeze, while a freeze lives: (optimizer, step) -> None; views a raising step
+    # left in the groups put back, swapped tensors followed
+    prepare_frozen: Callable[[Any, Step], None] | None = None
+    # nan_guard: (optimizer, args, kwargs, step) -> new (args, kwargs) or None; runs a
+    # closure first, takes the clip's flag, the ranks agree, a skip sets every grad to None
+    decide: Callable[[Any, tuple[Any, ...], dict[str, Any], Step], Any] | None = None
+    # vocab_freeze: (optimizer, args, kwargs, step) -> None; the optimizer kept off the rows
+    hold_frozen: Callable[[Any, tuple[Any, ...], dict[str, Any], Step], None] | None = None
+    # vocab_freeze: (optimizer, step) -> None; views put back, rows restored, until_step
+    keep_frozen: Callable[[Any, Step], None] | None = None
+    # nan_guard: (optimizer, kwargs, step) -> None; the step on the books
+    record: Callable[[Any, dict[str, Any], Step], None] | None = None
+
+
+STAGES = Stages()
+_steps: weakref.WeakKeyDictionary[Any, Step] = weakref.WeakKeyDictionary()
+_hooks: list[Any] = []
+
+
+def step_of(optimizer: Any) -> Step:
+    """``optimizer``'s :class:`Step`, made at its first step."""
+    step = _steps.get(optimizer)
+    if step is None:
+        step = _steps[optimizer] = Step()
+    return step
+
+
+def before_step(optimizer: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The library's one global optimizer pre-hook: the stages before torch's update."""
+    step = step_of(optimizer)
+    stages = STAGES
+    if stages.check_resume is not None:
+        stages.check_resume(optimizer)  # sees the optimizer as the resume left it
+    if stages.find_frozen is not None:
+        stages.find_frozen(optimizer)  # BASE_VOCAB: freeze the models this optimizer trains
+    if stages.prepare_frozen is not None:
+        stages.prepare_frozen(optimizer, step)
+    changed = None
+    step.decision = None
+    if stages.decide is not None:
+        changed = stages.decide(optimizer, args, kwargs, step)  # on the whole gradients
+        if changed is not None:
+            args, kwargs = changed
+    if step.decision is None:
+        step.decision = getattr(optimizer, "found_inf", None)  # a GradScaler's fused step
+    if stages.hold_frozen is not None:
+        stages.hold_frozen(optimizer, args, kwargs, step)  # after the decision: it skips
+    # torch now updates the parameters; a skip left every gradient None (a no-op update);
+    # a fused step's device flag is read by the kernel: "step" either way on the host
+    CONTEXT.mark("skip" if step.decision is True else "step")
+    return changed
+
+
+def after_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The library's one global optimizer post-hook: the stages after torch's update."""
+    step = step_of(optimizer)
+    stages = STAGES
+    if stages.keep_frozen is not None:
+        stages.keep_frozen(optimizer, step)  # counts toward until_step only a taken step
+    if stages.record is not None:
+        stages.record(optimizer, kwargs, step)
+    step.decision = None
+
+
+def set_stage(name: str, function: Callable[..., Any] | None) -> None:
+    """Fill in (or, with None, clear) one stage; the pipeline's two global hooks are
+    registered with the first stage and removed when every stage is clear again."""
+    if not hasattr(STAGES, name):
+        raise ValueError(f"unknown step stage {name!r}; expected one of "
+                         f"{[f.name for f in dataclasses.fields(Stages)]}")
+    setattr(STAGES, name, function)
+    active = any(getattr(STAGES, f.name) is not None for f in dataclasses.fields(Stages))
+    if active and not _hooks:
+        _hooks.append(register_optimizer_step_pre_hook(before_step))
+        _hooks.append(register_optimizer_step_post_hook(after_step))
+    elif not active:
+        while _hooks:
+            _hooks.pop().remove()
+
+
+def take_scheduler_decision(optimizer: Any) -> bool | torch.Tensor | None:
+    """The guard's latest decision on ``optimizer``'s step, once (the LR scheduler's hold)."""
+    step = _steps.get(optimizer)
+    if step is None:
+        return None
+    decision, step.for_scheduler = step.for_scheduler, None
+    return decision
+
+
+def pipeline_on() -> bool:
+    """Whether the pipeline's hooks run (they mark "step" and "skip" of every step)."""
+    return bool(_hooks)
+
+
+def forget_decisions() -> None:
+    """No step's decision carries over (a new run in the same process). The freeze's row
+    views stay known: a step that raised left them in its optimizer's groups."""
+    for step in list(_steps.values()):
+        step.decision = step.for_scheduler = None

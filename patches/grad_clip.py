@@ -5,7 +5,8 @@ leaves the gradients untouched, is counted and returned (the step can be skipped
 finite one clips exactly as torch does. Under a SafeGradScaler the clip is torch's unless
 :func:`unscale_first` (``TRAINING_PATCHES_CLIP_UNSCALE_FIRST=1``) says ``max_norm`` limits
 the true gradients. Each clip leaves its non-finite flag in the step context for the NaN
-guard (docs/design/step.md). Also public: :func:`stats`, :func:`load_stats`, :func:`reset`,
+guard (docs/design/step.md): the user calls the clip before the optimizer step, so it is
+no stage of the step pipeline but hands it its flag. Also public: :func:`stats`, :func:`load_stats`, :func:`reset`,
 ``SPEC``.
 
 Design: docs/design/grad_clip.md

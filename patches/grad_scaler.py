@@ -23,10 +23,9 @@ record of what it skipped. SafeGradScaler is a ``torch.amp.GradScaler`` (so
   made decide differently raise :class:`RanksDivergedError` at the next step), else one
   all-reduce (MAX) of one scalar.
 
-FSDP's ``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``) becomes :func:`sharded_scaler_class`: a
-subclass of it and of SafeGradScaler, so the same defaults, counters and floor hold,
-while torch's sharded unscale (which all-reduces the overflow flag over the process
-group, so every rank skips alike) is kept.
+FSDP's ``ShardedGradScaler`` becomes :func:`sharded_scaler_class` (its sharded unscale kept).
+The scaler decides before it calls ``optimizer.step()``, so its decision is its own, not a
+stage of the step pipeline (patches._step), which a taken step then runs.
 """
 
 from __future__ import annotations
@@ -301,8 +300,9 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         result = super().step(optimizer, *args, **kwargs)
         if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
             # A fused optimizer's kernel read found_inf and stepped or skipped on the device:
-            # no host decision to mark, only that the step ran.
-            _step.CONTEXT.mark("step")
+            # no host decision to mark, only that the step ran (the pipeline marks it).
+            if not _step.pipeline_on():
+                _step.CONTEXT.mark("step")
             diverged = self._tp_diverged.pop(id(optimizer), None)
             if diverged is not None:  # no host read per step: read with the next stats line
                 unread = self._tp_diverged_unread
@@ -328,7 +328,8 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         if found:
             context.mark("skip")
             return None
-        context.mark("step")
+        if not _step.pipeline_on():
+            context.mark("step")  # else the pipeline marks it, after its stages before it
         context.scaler_stepping = True  # the NaN guard leaves this checked step alone
         try:
             return optimizer.step(*args, **kwargs)

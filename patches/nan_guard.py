@@ -1,15 +1,15 @@
 """``nan_guard``: skip every optimizer step whose loss or gradients are NaN/Inf, exactly.
 
-Torch's global optimizer step hooks decide each step (one reduction, agreed across ranks:
-under DDP by flags a communication hook carries in DDP's own gradient reduction, no
-collective of its own; under FSDP2 by one all-reduce, as its ranks judge different shards
-and its reduce-scatter has no hook: see "DDP: the decision rides..." below); a bad step leaves parameters, moments and step counts as they were, is recorded in
+The step pipeline's ``decide`` and ``record`` stages (:mod:`patches._step`) judge each step
+(one reduction, agreed across ranks: under DDP carried in DDP's own reduction); a bad step
+leaves parameters, moments and step counts as they were, is recorded in
 ``nonfinite_events.jsonl`` (:data:`EVENTS_FILE`) and, after ``max_bad_steps`` in a row,
-stops the run with :class:`NonFiniteTrainingError`. Steps a GradScaler protects are left
-to it; what the scaler and the clip tell it comes through the step context
-(docs/design/step.md). Public: :func:`observe_loss`, :func:`expect_accumulation`,
-:func:`watch`, :func:`set_replay`, :func:`find_nonfinite_source`, :func:`replaying`,
-:func:`settle`, :func:`stats`, :func:`load_stats`, :func:`reset`, ``SPEC``.
+stops the run with :class:`NonFiniteTrainingError`. Outside the pipeline, because the user's
+code calls them outside the optimizer step: ``Tensor.backward`` (a non-finite micro-batch
+left out) and ``LRScheduler.step`` (held on a skipped step when ``lr_step_on_skip`` is 0).
+Public: :func:`observe_loss`, :func:`expect_accumulation`, :func:`watch`, :func:`set_replay`,
+:func:`find_nonfinite_source`, :func:`replaying`, :func:`settle`, :func:`stats`,
+:func:`load_stats`, :func:`reset`, ``SPEC``.
 
 Design: docs/design/nan_guard.md
 """
@@ -27,8 +27,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.utils import get_total_norm
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
 from . import _ddp, _dist, _options, _run, _step
 from ._log import info, logger
@@ -57,7 +55,6 @@ class _State:
         self.first_bad: dict[str, Any] | None = None
         self.last_good_loss: torch.Tensor | None = None
         self.pending_loss: torch.Tensor | None = None
-        self.decisions: dict[int, bool | torch.Tensor] = {}  # id(optimizer) -> skipped?
         # Fused steps whose flags the host has not read: (step, flag, grad flag, loss,
         # spike flag, what the host knew of that step: trainer step, sample ids and, with
         # several ranks, whether any rank's loss was non-finite).
@@ -87,7 +84,6 @@ class _State:
 
 
 _state = _State()
-_hooks: list[Any] = []
 
 
 # -- what integrations and plain loops tell the guard ------------------------
@@ -285,8 +281,9 @@ class _ClosureRun:
         return self.closure()
 
 
-def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def _decide_stage(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                  kwargs: dict[str, Any],
+                  step: _step.Step) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Decide the step on the gradients it will apply. Given a closure, run it first (its
     forward, backward and whatever it clips), decide, and hand the optimizer a closure
     that returns that result: a decision taken before the closure would judge the previous
@@ -294,17 +291,17 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
     # torch passes the step's own arguments with the optimizer first: (self, closure, ...)
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if not callable(closure) or isinstance(closure, _ClosureRun) or _protected(optimizer, kwargs):
-        _decide(optimizer, kwargs)
+        _decide(optimizer, kwargs, step)
         return None
     with torch.enable_grad():
         ran = _ClosureRun(closure, closure())
-    _decide(optimizer, kwargs)
+    _decide(optimizer, kwargs, step)
     if "closure" in kwargs:
         return args, {**kwargs, "closure": ran}
     return (args[0], ran, *args[2:]), kwargs
 
 
-def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
+def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any], step: _step.Step) -> None:
     context = _step.CONTEXT
     if not context.scaler_stepping:  # a scaler's step: its update() marks the boundary
         _step_boundary()
@@ -357,8 +354,7 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
         # The fused kernel skips on found_inf by itself: no sync at all.
         optimizer.found_inf = bad.to(torch.float32)  # type: ignore[attr-defined]
         _state.set_found_inf.add(id(optimizer))
-        _state.decisions[id(optimizer)] = bad
-        context.put_decision(optimizer, bad)
+        step.decision = step.for_scheduler = bad
         _state.deferred.append((_state.host_steps, bad, bad_grad, loss, spike,
                                 {"trainer_step": _run.trainer_step,
                                  "samples": list(_run.batch_ids),
@@ -367,8 +363,7 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
             _log_stats()  # settles the flags
         elif len(_state.deferred) >= min(opts.log_interval, opts.max_bad_steps):
             _settle_deferred()  # often enough for the consecutive-skips stop
-        context.mark("step")  # the kernel applies it or skips it on the device
-        return
+        return  # the kernel applies it or skips it on the device
 
     if _state.diverged is not None:  # DDP, the flags carried: read with the decision
         skipped, diverged = (bool(v) for v in torch.stack([bad, _state.diverged]).tolist())
@@ -376,13 +371,11 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
             _raise_diverged()
     else:
         skipped = bool(bad.item())  # the one host sync of a guarded step
-    _state.decisions[id(optimizer)] = skipped
-    context.put_decision(optimizer, skipped)
+    step.decision = step.for_scheduler = skipped
     if not skipped:
         _state.streak = 0
         if loss is not None:
             _state.last_good_loss = loss
-        context.mark("step")
     else:
         # Recorded first: the event names the non-finite gradients, gone after the skip.
         _on_bad_step(optimizer, _state.host_steps, bad_grad, loss, spike,
@@ -390,16 +383,14 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None  # the optimizer now skips every parameter: an exact no-op
-        context.mark("skip")
     if _state.host_steps % opts.log_interval == 0:
         _log_stats()
 
 
-def _post_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> None:
+def _record_stage(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any],
+                  step: _step.Step) -> None:
     if _step.CONTEXT.phases is not None and not _protected(optimizer, kwargs):
         _step.CONTEXT.mark("record")  # the guard's step ends (a scaler's ends at update())
-    _step.CONTEXT.forget_decision(optimizer)
     if not _step.CONTEXT.scaler_stepping:
         # Backwards inside the step (LBFGS evaluating its closure again) belong to it, not
         # to the next step: they are no accumulation. A scaler's update() ends its steps.
@@ -662,6 +653,7 @@ def reset(keep_replay: bool = True) -> None:
     global _state
     replay = _state.replay
     _state = _State()
+    _step.forget_decisions()
     if keep_replay:
         _state.replay = replay
 
@@ -796,9 +788,9 @@ def _make_scheduler_step(original: Callable[..., Any]) -> Callable[..., Any]:
         optimizer = getattr(self, "optimizer", None)
         # a scheduler built on accelerate's AcceleratedOptimizer: the decision is its inner one's
         inner = getattr(optimizer, "optimizer", None)
-        decision = _state.decisions.pop(id(optimizer), None)
+        decision = _step.take_scheduler_decision(optimizer)
         if decision is None and inner is not None:
-            decision = _state.decisions.pop(id(inner), None)
+            decision = _step.take_scheduler_decision(inner)
         if _options.current().lr_step_on_skip:
             return original(self, *args, **kwargs)  # nothing to read (fused: no host read)
         if isinstance(decision, torch.Tensor):
@@ -918,14 +910,14 @@ def _nothing_found_reason(model: torch.nn.Module) -> str:
 def _enable(options: Any) -> None:
     _step.CONTEXT.on_iteration_end(_step_boundary)
     _ddp.carry_loss_flags(_loss_flags)
-    _hooks.append(register_optimizer_step_pre_hook(_pre_hook))
-    _hooks.append(register_optimizer_step_post_hook(_post_hook))
+    _step.set_stage("decide", _decide_stage)
+    _step.set_stage("record", _record_stage)
 
 
 def _disable() -> None:
     _ddp.carry_loss_flags(None)
-    while _hooks:
-        _hooks.pop().remove()
+    _step.set_stage("decide", None)
+    _step.set_stage("record", None)
 
 
 SPIKE_K_MAX = 1e6

@@ -13,6 +13,8 @@ The guard needs a place that runs one batch: the coqui Trainer's ``train_step`` 
 ``coqui_trainer`` integration); a plain loop wraps its step in :func:`skip_on_oom`.
 Under gradient accumulation the gradients already accumulated for the current optimizer
 step are dropped too (a backward that ran out of memory half-way leaves them partial).
+It wraps the batch, not the optimizer step, so it is no stage of the step pipeline
+(patches._step): a batch that ran out of memory never reaches an optimizer step.
 """
 
 from __future__ import annotations

@@ -32,16 +32,14 @@ import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _run
+from . import _run, _step
 from ._log import info, logger
 from ._registry import PatchSpec, register
 
 LR_TOLERANCE = 0.01  # relative: an LR 1% off its scheduler's was not set by it
 STEP_TOLERANCE = 0.01  # relative, at least 2 steps: skipped steps may hold a scheduler back
 
-_hooks: list[Any] = []
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _armed: dict[str, Any] = {}  # set by expect_resume: the next step of every optimizer is checked
 _load_hooks: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -212,10 +210,13 @@ def check(optimizer: torch.optim.Optimizer, *, step: int | None = None,
     return problems
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _check_stage(optimizer: torch.optim.Optimizer) -> None:
+    """The step pipeline's first stage: an optimizer's first step (after a start, a resume
+    or a ``load_state_dict``) is compared before anything of the step changes it."""
     if optimizer in _checked:
         return
     _checked.add(optimizer)
+    _step.CONTEXT.mark("resume_check")
     if optimizer not in _load_hooks:  # a later load_state_dict re-arms the check
         _load_hooks.add(optimizer)
         optimizer.register_load_state_dict_post_hook(_on_load)
@@ -236,12 +237,11 @@ def _on_load(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _enable(options: Any) -> None:
-    _hooks.append(register_optimizer_step_pre_hook(_before_step))
+    _step.set_stage("check_resume", _check_stage)
 
 
 def _disable() -> None:
-    while _hooks:
-        _hooks.pop().remove()
+    _step.set_stage("check_resume", None)
 
 
 def stats() -> dict[str, int]:

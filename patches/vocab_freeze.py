@@ -6,7 +6,9 @@ rows: nothing stored, nothing copied), or copies the rows back after every optim
 (any other optimizer); :func:`frozen_rows`
 and :func:`new_rows` (from :mod:`patches.vocab_rows`, with the row layouts the integrations
 register: XTTS's ``[START]`` kept last) say which rows are base.
-``TRAINING_PATCHES_BASE_VOCAB`` turns it on without code changes. Also public:
+``TRAINING_PATCHES_BASE_VOCAB`` turns it on without code changes. Its step work is three
+stages of the step pipeline (:mod:`patches._step`); the gradient zeroing is a gradient hook
+instead, because the user's clip reads the norm before the optimizer step. Also public:
 :class:`VocabFreezeError`, :func:`freeze_of`, :func:`live_freezes`, ``SPEC``.
 
 Design: docs/design/vocab_freeze.md
@@ -23,8 +25,6 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
 from . import _dist, _options, _run, _step
 from ._log import info, logger
@@ -240,38 +240,42 @@ def _freezes_of(params: Iterable[torch.Tensor]) -> list[VocabFreeze]:
     return list(found.values())
 
 
-# Every live freeze, held weakly: a model thrown away takes its freeze with it. One global
-# optimizer step post-hook serves them all (registered with the first freeze and kept: it
-# costs an empty loop, and removing it could happen inside torch's loop over the hooks),
-# so 100 models frozen in turn leave one hook, not 100.
+# Every live freeze, held weakly: a model thrown away takes its freeze with it. The step
+# pipeline's freeze stages (patches._step) serve them all: set with the first freeze and
+# kept (they cost an empty loop, and clearing them could happen inside torch's loop over
+# the hooks), so 100 models frozen in turn leave one pair of hooks, not 100.
 _live: weakref.WeakSet[VocabFreeze] = weakref.WeakSet()
-_global_hook: Any = None
+_stages_set = False
 
 
-def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    held = _held_now.pop(optimizer, ())
-    skipped = _skipped_now.pop(optimizer, None)
-    for handle in list(_live):
-        handle._after_step(optimizer, args, kwargs, held=id(handle) in held, skipped=skipped)
-
-
-def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _prepare_stage(optimizer: torch.optim.Optimizer, step: _step.Step) -> None:
     _put_back(optimizer)  # a step that raised left the row views in its groups
     for handle in list(_live):
         handle._follow_swaps()
     _hook_optimizer(optimizer)
 
 
-_global_pre_hook: Any = None
+def _keep_stage(optimizer: torch.optim.Optimizer, step: _step.Step) -> None:
+    """After the update: the views back in the groups, the rows of an optimizer that was
+    not kept off them restored, and the step counted toward ``until_step`` if taken."""
+    _put_back(optimizer)
+    held, step.held = step.held, set()
+    holders = [handle for handle in live_freezes() if handle._holds(optimizer)]
+    if holders:
+        _step.CONTEXT.mark("keep")
+    for handle in holders:
+        handle._after_step(optimizer, held=id(handle) in held, skipped=step.decision)
 
 
-def _ensure_global_hooks() -> None:
+def _set_stages() -> None:
     # Never called from inside an optimizer step: torch iterates its hook dicts there.
-    global _global_hook, _global_pre_hook
+    global _stages_set
     with _lock:
-        if _global_hook is None:
-            _global_hook = register_optimizer_step_post_hook(_after_any_step)
-            _global_pre_hook = register_optimizer_step_pre_hook(_before_any_step)
+        if not _stages_set:
+            _step.set_stage("prepare_frozen", _prepare_stage)
+            _step.set_stage("hold_frozen", _hold_stage)
+            _step.set_stage("keep_frozen", _keep_stage)
+            _stages_set = True
 
 
 # -- keeping the optimizer off the frozen rows ------------------------------------------
@@ -300,58 +304,49 @@ class _Swap:
     rows: range
 
 
-# optimizer -> its swaps in this step (per-optimizer hooks run after every global pre-hook,
-# so the NaN guard has decided with the whole gradients, and before every global post-hook)
-_swaps: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_Swap]] = (
-    weakref.WeakKeyDictionary())
-# optimizer -> ids of the freezes whose rows this step held (read by the global post-hook)
-_held_now: weakref.WeakKeyDictionary[torch.optim.Optimizer, set[int]] = (
-    weakref.WeakKeyDictionary())
-# optimizer -> whether this step is skipped: a bool, a device flag, or None (no one decided)
-_skipped_now: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = (
-    weakref.WeakKeyDictionary())
+# The swaps of a step, the freezes that held its rows and its decision live in the
+# optimizer's patches._step.Step. Its state_dict hooks put the views back first:
 _hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
     weakref.WeakKeyDictionary())
 
 
 def _hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Per-optimizer hooks on an optimizer that steps frozen tensors (once). Called from a
-    global pre-hook: torch reads the optimizer's own pre-hooks after the global ones, so
-    they run in this very step."""
+    """Once per optimizer that steps frozen tensors: its ``state_dict`` and
+    ``load_state_dict`` see the frozen tensors, never a step's row views."""
     if optimizer in _hooked or not any(h._holds(optimizer) for h in live_freezes()):
         return
-    _hooked[optimizer] = [optimizer.register_step_pre_hook(_before_this_step),
-                          optimizer.register_step_post_hook(_after_this_step),
-                          optimizer.register_state_dict_pre_hook(_put_back),
+    _hooked[optimizer] = [optimizer.register_state_dict_pre_hook(_put_back),
                           optimizer.register_load_state_dict_pre_hook(
                               lambda opt, state: _put_back(opt))]
 
 
-def _before_this_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _hold_stage(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any,
+                step: _step.Step) -> None:
+    """After the decision, before the update: a row-wise optimizer steps a view of the
+    trainable rows (nothing copied); any other keeps a copy to restore after the step."""
     _put_back(optimizer)
-    decision = _skipped_now[optimizer] = _step.CONTEXT.take_decision(optimizer)
+    decision = step.decision
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     # A closure's backward would make new gradients after the views took theirs, unless the
     # NaN guard ran it already (it decides after running it; the step's call gets its result)
     row_wise = type(optimizer) in _ROW_WISE and (closure is None or decision is not None)
     held: set[int] = set()
-    for handle in live_freezes():
-        if handle._holds(optimizer):
-            if row_wise and handle._hold(optimizer):
-                held.add(id(handle))
-            else:
-                handle._keep_copy()  # restored after this step: the copy must exist
-    _held_now[optimizer] = held
-
-
-def _after_this_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    _put_back(optimizer)
+    holders = [handle for handle in live_freezes() if handle._holds(optimizer)]
+    if holders:
+        _step.CONTEXT.mark("hold")
+    for handle in holders:
+        if row_wise and handle._hold(optimizer):
+            held.add(id(handle))
+        else:
+            handle._keep_copy()  # restored after this step: the copy must exist
+    step.held = held
 
 
 def _put_back(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     """The frozen tensors back in the optimizer's groups, the views' state written into
     theirs (one-time copies only where the step created state: its first step)."""
-    swaps = _swaps.pop(optimizer, None)
+    step = _step.step_of(optimizer)
+    swaps, step.swaps = step.swaps, []
     if not swaps:
         return
     state = optimizer.state
@@ -381,7 +376,7 @@ def _put_back(optimizer: torch.optim.Optimizer, *_: Any) -> None:
 def _track(handle: VocabFreeze) -> None:
     with _lock:
         _live.add(handle)
-        _ensure_global_hooks()
+    _set_stages()
 
 
 def _untrack(handle: VocabFreeze) -> None:
@@ -632,7 +627,7 @@ class VocabFreeze:
                           if isinstance(value, torch.Tensor) and value.shape == swap.param.shape
                           else value) for key, value in full.items()}
             swap.group["params"][swap.index] = swap.view
-        _swaps.setdefault(optimizer, []).extend(swaps)
+        _step.step_of(optimizer).swaps.extend(swaps)
         if self._entries and all(entry.stored is not None for entry in self._entries):
             # Nothing moves the frozen rows now: the copy of them is no longer needed.
             self._copy_dropped = True
@@ -650,7 +645,7 @@ class VocabFreeze:
                         entry.stored = self._base(entry)
             self._copy_dropped = False
 
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any, *,
+    def _after_step(self, optimizer: torch.optim.Optimizer, *,
                     held: bool = False, skipped: Any = None) -> None:
         if self.released or not self._holds(optimizer):
             return
@@ -940,10 +935,9 @@ def _roots_of(params: set[int]) -> list[nn.Module]:
 
 
 _seen_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_discovery_hook: Any = None
 
 
-def _discover(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _discover(optimizer: torch.optim.Optimizer) -> None:
     """``TRAINING_PATCHES_BASE_VOCAB`` on any model: at each optimizer's first step, freeze
     the base rows of every model it trains that has a text embedding and head (XTTS,
     IndexTTS ``UnifiedVoice``, ...), unless they are frozen already. Every start and every
@@ -991,19 +985,16 @@ def not_applied(why: str) -> None:
 
 
 def _enable(options: Any) -> None:
-    global _discovery_hook, _not_applied
+    global _not_applied
     _not_applied = None
-    _ensure_global_hooks()  # before discovery: a freeze made inside a step adds no hook
-    if _discovery_hook is None:
-        _discovery_hook = register_optimizer_step_pre_hook(_discover)
+    _set_stages()  # before discovery: a freeze made inside a step changes no hook
+    _step.set_stage("find_frozen", _discover)
 
 
 def _disable() -> None:
-    global _discovery_hook, _not_applied
+    global _not_applied
     _not_applied = None
-    if _discovery_hook is not None:
-        _discovery_hook.remove()
-        _discovery_hook = None
+    _step.set_stage("find_frozen", None)
 
 
 def _base_vocab(text: Any) -> int | None:

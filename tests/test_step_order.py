@@ -7,10 +7,12 @@ list, and what the shared context holds between the phases.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import pytest
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 import patches
 from patches import _step, nan_guard
@@ -205,3 +207,73 @@ def test_the_recorder_is_off_by_default() -> None:
         with pytest.raises(ValueError, match="unknown step phase"):
             CONTEXT.mark("no such phase")
     assert phases == ["clip"] and CONTEXT.phases is None
+
+
+# -- the pipeline: the same stages whatever order the patches came and went in ----------
+
+STEP_PATCHES = ("nan_guard", "vocab_freeze", "resume_check", "grad_clip")
+
+
+def _frozen_step_phases(tmp_path, order: tuple[str, ...]) -> tuple[list[str], list[str], bool]:
+    """Apply ``order`` one patch at a time, revert the first and apply it again, then walk
+    two steps of a fresh model whose first 6 of 10 rows BASE_VOCAB freezes: the first
+    after a resume (the optimizer's state loaded), the second with a NaN loss."""
+    from tiny_models import TinyTextModel
+
+    for name in order:
+        patches.advanced.apply([name], output_dir=str(tmp_path), base_vocab=6)
+    patches.revert([order[0]])
+    patches.advanced.apply([order[0]], output_dir=str(tmp_path), base_vocab=6)
+    torch.manual_seed(0)
+    model = TinyTextModel(vocab=10)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    tokens = torch.arange(10).repeat(2)
+
+    def step(poison: float = 1.0) -> None:
+        opt.zero_grad(set_to_none=True)
+        (model(tokens).logsumexp(-1).mean() * poison).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    warm = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    warm.zero_grad()
+    model(tokens).mean().backward()
+    warm.step()  # state for the "resume": moments of these parameters
+    opt.load_state_dict(warm.state_dict())
+    base = model.text_embedding.weight.detach()[:6].clone()
+    first = _walk(step)
+    second = _walk(lambda: step(float("nan")))
+    kept = torch.equal(model.text_embedding.weight.detach()[:6], base)
+    return first, second, kept
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(STEP_PATCHES)),
+                         ids=lambda order: "-".join(order))
+def test_the_stages_run_in_one_order_whatever_order_the_patches_came_in(
+        clean_patches: None, tmp_path, order: tuple[str, ...]) -> None:
+    """Issue 40: the resume check, the freeze's discovery and hold, the guard's decision
+    and the record run in the pipeline's order, not in the order their hooks were made."""
+    nan_guard.reset()
+    first, second, kept = _frozen_step_phases(tmp_path, order)
+    assert first == ["backward", "clip", "resume_check", "decide", "hold", "step", "keep",
+                     "record"]
+    assert second == ["backward", "clip", "decide", "hold", "skip", "keep", "record"]
+    assert kept  # the frozen rows bit-identical through the taken and the skipped step
+    # the library's only global optimizer hooks: the pipeline's two, once each
+    ours = [hook for hooks in (torch_optimizer._global_optimizer_pre_hooks,
+                               torch_optimizer._global_optimizer_post_hooks)
+            for hook in hooks.values() if hook.__module__.startswith("patches")]
+    assert ours == [_step.before_step, _step.after_step]
+    nan_guard.reset()
+
+
+def test_reverting_every_step_patch_leaves_the_stages_empty(clean_patches: None,
+                                                             tmp_path) -> None:
+    for name in STEP_PATCHES:
+        patches.advanced.apply([name], output_dir=str(tmp_path))
+    stages = _step.STAGES
+    assert stages.decide is not None and stages.record is not None
+    assert stages.check_resume is not None and stages.find_frozen is not None
+    patches.revert()
+    assert (stages.decide, stages.record, stages.check_resume, stages.find_frozen) == (
+        None, None, None, None)
