@@ -21,6 +21,7 @@ both and is never imported from here.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from ._version import __version__  # noqa: E402,F401
 
@@ -31,10 +32,13 @@ from . import (  # noqa: E402,F401
 from . import integrations  # noqa: E402,F401  (registers the upstream integrations)
 from ._api import revert, stats, status  # noqa: E402
 from .checkpoint import (  # noqa: E402
-    CheckpointError, CheckpointManager, CheckpointMismatchError, CheckpointWriteError,
-    DiskFullError, LoadReport, UnsafeCheckpointError, load_checkpoint)
+    CheckpointError, CheckpointMismatchError, CheckpointWriteError, DiskFullError,
+    UnsafeCheckpointError)
 from ._runlock import RunFolderInUse  # noqa: E402
 from . import advanced  # noqa: E402
+
+if TYPE_CHECKING:  # loaded on first use by __getattr__ (_LAZY)
+    from .checkpoint import CheckpointManager, LoadReport, load_checkpoint  # noqa: F401
 
 __all__ = [
     "load_checkpoint", "CheckpointManager", "stats", "status", "revert", "__version__",
@@ -52,12 +56,19 @@ _MOVED = frozenset((
     "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom", "LearningMonitor",
     "ReadingProbe"))
 _warned_aliases: set[str] = set()
+# Core names whose module (the checkpoint loader and manager) loads on their first use, not at
+# ``import patches.auto`` (issue 41): each is patches.checkpoint's object, as before.
+_LAZY = frozenset(("CheckpointManager", "LoadReport", "load_checkpoint"))
 
 
 def __getattr__(name: str) -> object:
     """``patches.<old name>`` is ``patches.advanced.<old name>``, with one DeprecationWarning
-    per name per process that names the new spelling (PEP 562: asked only for a name this
-    module does not hold)."""
+    per name per process that names the new spelling; a name of :data:`_LAZY` is
+    ``patches.checkpoint``'s, imported on first use and kept (PEP 562: asked only for a name
+    this module does not hold)."""
+    if name in _LAZY:
+        value = globals()[name] = getattr(checkpoint, name)
+        return value
     if name not in _MOVED:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name not in _warned_aliases:
@@ -65,3 +76,7 @@ def __getattr__(name: str) -> object:
         warnings.warn(f"patches.{name} is patches.advanced.{name}; the old name goes in the "
                       f"next release", DeprecationWarning, stacklevel=2)
     return getattr(advanced, name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

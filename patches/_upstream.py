@@ -21,13 +21,23 @@ from urllib.parse import unquote, urlparse
 
 
 @functools.lru_cache(maxsize=None)
+def _distribution(distribution: str) -> importlib.metadata.Distribution | None:
+    """The installed distribution, or None: found once per process (a search of every
+    ``sys.path`` entry, about 0.15 ms a package at activation, issue 41), for its version and
+    for where its files are."""
+    try:
+        return importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
 def distribution_version(distribution: str) -> str | None:
     """The installed distribution's version: the ``Version:`` line of its metadata's header
     (importlib.metadata parses the whole file, long description included, with the email
     parser: about 1 ms a package at activation, issue 41), else importlib's own answer."""
-    try:
-        dist = importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
+    dist = _distribution(distribution)
+    if dist is None:
         return None
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
     for line in text.split("\n\n", 1)[0].splitlines():  # the header ends at a blank line
@@ -88,9 +98,8 @@ def _package_dir(origin: str | None) -> str:
 @functools.lru_cache(maxsize=None)
 def _is_distributions_copy(distribution: str, module: str, origin: str | None) -> bool:
     """True when ``origin`` (a module's file) is the one ``distribution`` installed."""
-    try:
-        dist = importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
+    dist = _distribution(distribution)
+    if dist is None:
         return False
     if not origin:
         return True  # a namespace package: nothing to tell apart

@@ -25,13 +25,14 @@ Until the next release each of these names also answers at the top level
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._api import (
     activate, applied, apply, get_original, is_applied, reset_runtime_state)
 from ._options import ConfigError
 from ._registry import PatchSiteError
 from ._run import set_output_dir
 from .anomaly import enable_anomaly_detection
-from .checkpoint import LoadOptions
 from .grad_clip import safe_clip_grad_norm_
 from .grad_scaler import LossScaleFloorError, RanksDivergedError, SafeGradScaler
 from .languages import register_language
@@ -39,6 +40,10 @@ from .learning import LearningMonitor, ReadingProbe
 from .nan_guard import NonFiniteTrainingError, find_nonfinite_source, observe_loss
 from .oom_guard import OutOfMemoryTrainingError, skip_on_oom
 from .vocab_freeze import freeze_base_vocab
+from . import checkpoint
+
+if TYPE_CHECKING:  # loaded on first use by __getattr__
+    from .checkpoint import LoadOptions
 
 __all__ = [
     "apply", "activate", "applied", "is_applied", "get_original", "ConfigError",
@@ -50,3 +55,17 @@ __all__ = [
     "register_language",
     "enable_anomaly_detection", "reset_runtime_state",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``LoadOptions`` is ``patches.checkpoint``'s, whose loader loads on first use, not at
+    ``import patches.auto`` (issue 41); kept once read (PEP 562: asked only for a name this
+    module does not hold)."""
+    if name != "LoadOptions":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = checkpoint.LoadOptions
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "LoadOptions"})

@@ -347,6 +347,58 @@ def test_a_command_imports_only_its_own_tool() -> None:
                                 "patches.tools.doctor"])
 
 
+# What ``import patches.auto`` loads of patches/checkpoint (issue 41): the patch's own site
+# (the DataLoader position), the errors and the RNG capture; the loader, the manager and what
+# they use load on the first use of one of their names.
+CHECKPOINT_AT_IMPORT = ["patches.checkpoint.data_position", "patches.checkpoint.errors",
+                        "patches.checkpoint.rng"]
+
+
+@pytest.mark.slow
+def test_import_patches_auto_leaves_the_checkpoint_loader_for_its_first_use() -> None:
+    """In a fresh interpreter: ``import patches.auto`` loads only
+    :data:`CHECKPOINT_AT_IMPORT` of patches/checkpoint; the first use of a lazy name
+    (``patches.load_checkpoint``) loads the loader, and is the object it always was."""
+    code = ("import sys, torch\n"
+            "import patches.auto\n"
+            "print(sorted(m for m in sys.modules if m.startswith('patches.checkpoint.')))\n"
+            "import patches\n"
+            "from patches.checkpoint import load\n"
+            "print(patches.load_checkpoint is load.load_checkpoint)\n")
+    env = {"TRAINING_PATCHES_QUIET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    assert done.stdout.splitlines() == [str(CHECKPOINT_AT_IMPORT), "True"]
+
+
+def test_the_checkpoint_packages_lazy_names_are_its_submodules_own() -> None:
+    """``patches.checkpoint`` (and ``patches``, ``patches.advanced``) name their lazy names'
+    modules right: each answers with its submodule's object, every submodule answers as an
+    attribute, and ``dir()`` and ``__all__`` hold them."""
+    import importlib
+
+    import patches
+    import patches.advanced
+    import patches.checkpoint as checkpoint
+
+    files = {path.stem for path in (PACKAGE / "checkpoint").glob("*.py")} - {"__init__"}
+    assert checkpoint._SUBMODULES == files
+    for name in files:
+        assert getattr(checkpoint, name) is importlib.import_module(f"patches.checkpoint.{name}")
+    for name, module in checkpoint._LAZY.items():
+        owner = importlib.import_module(f"patches.checkpoint.{module}")
+        assert getattr(checkpoint, name) is getattr(owner, name), name
+    assert set(checkpoint.__all__) <= set(dir(checkpoint))
+    for name in patches._LAZY:
+        assert getattr(patches, name) is getattr(checkpoint, name), name
+    assert set(patches.__all__) <= set(dir(patches))
+    assert patches.advanced.LoadOptions is checkpoint.LoadOptions
+    assert set(patches.advanced.__all__) <= set(dir(patches.advanced))
+    with pytest.raises(AttributeError):
+        checkpoint.no_such_name  # noqa: B018
+
+
 def test_no_import_cycles() -> None:
     graph = import_graph()
     # a package's __init__ importing its own submodules is how packages are made: not a cycle

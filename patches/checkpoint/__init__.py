@@ -15,29 +15,76 @@ docs/design/checkpoint.md.
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .._options import Option
 from .._registry import PatchSpec, Site, register
 from ..row_init import DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, ROW_INITS, check_rule
-from .reading import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, check_file,
-                      manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
 from . import data_position
-from .atomic import atomic_torch_save, atomic_write
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointWriteError, DiskFullError,
                      UnsafeCheckpointError)
-from .decide import LoadOptions
-from .load import POLICIES, LoadReport, load_checkpoint, warn_weights_only
-from .report import PARTS, STATUSES, Part
-from .manager import LATEST, CheckpointManager
-from .plan import VOCAB_SUFFIXES
-from .rng import capture_rng_state, restore_rng_state
-from .sharded import DCP_SUFFIX, check_folder
+
+if TYPE_CHECKING:  # the names :func:`__getattr__` loads on first use, for the reader and tools
+    from .reading import (CHECKPOINT_SUFFIXES, FORMAT, MANIFEST_SUFFIX, Manifest, check_file,
+                          manifest_path, newest_valid_beside, read_checkpoint, read_manifest)
+    from .atomic import atomic_torch_save, atomic_write
+    from .decide import LoadOptions
+    from .load import POLICIES, LoadReport, load_checkpoint, warn_weights_only
+    from .report import PARTS, STATUSES, Part
+    from .manager import LATEST, CheckpointManager
+    from .plan import VOCAB_SUFFIXES
+    from .rng import capture_rng_state, restore_rng_state
+    from .sharded import DCP_SUFFIX, check_folder
+
+# The loader, the manager and the modules they use load on the first use of one of their
+# names (``patches.checkpoint.load_checkpoint``, ``from patches.checkpoint import
+# CheckpointManager``), not at ``import patches.auto``: they are half the package's import
+# time (issue 41), and the patch itself needs only ``data_position`` and the errors until a
+# checkpoint is loaded or saved. Each public name -> the submodule it is taken from.
+_LAZY: dict[str, str] = {name: module for module, names in (
+    ("reading", ("CHECKPOINT_SUFFIXES", "FORMAT", "MANIFEST_SUFFIX", "Manifest", "check_file",
+                 "manifest_path", "newest_valid_beside", "read_checkpoint", "read_manifest")),
+    ("atomic", ("atomic_torch_save", "atomic_write")),
+    ("decide", ("LoadOptions",)),
+    ("load", ("POLICIES", "LoadReport", "load_checkpoint", "warn_weights_only")),
+    ("report", ("PARTS", "STATUSES", "Part")),
+    ("manager", ("LATEST", "CheckpointManager")),
+    ("plan", ("VOCAB_SUFFIXES",)),
+    ("rng", ("capture_rng_state", "restore_rng_state")),
+    ("sharded", ("DCP_SUFFIX", "check_folder")),
+) for name in names}
+# The submodules, which ``import patches`` used to import all: ``patches.checkpoint.manager``
+# still answers without an import of its own.
+_SUBMODULES = frozenset((
+    "_collective", "atomic", "data_position", "decide", "digest", "ema", "errors", "file_model",
+    "grown", "load", "manager", "optimizer", "parts", "plan", "reading", "report", "rng",
+    "sharded"))
+
+
+def __getattr__(name: str) -> Any:
+    """A name of :data:`_LAZY` (or a submodule), imported on its first use and kept (PEP 562:
+    asked only for a name this module does not hold yet)."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+
 
 # The generic ``checkpoint`` patch: the loader and the manager above are its API; its sites
 # come from the integrations (the coqui Trainer's restore/save/continue, XTTS's
 # gpt_checkpoint/xtts_checkpoint).
 def _resume_policy(text: Any) -> str:
+    from .load import POLICIES  # lazy: the loader loads on first use (see _LAZY)
+
     value = str(text).strip().lower()
     if value not in POLICIES:
         raise ValueError(f"expected {' or '.join(POLICIES)}")

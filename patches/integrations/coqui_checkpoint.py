@@ -39,8 +39,8 @@ import torch
 
 from .. import _dist, _options, _runlock, resume_check
 from .._log import info, logger
-from ..checkpoint import (CheckpointError, atomic_torch_save, capture_rng_state, check_file,
-                          data_position, load_checkpoint, warn_weights_only)
+from ..checkpoint import CheckpointError, data_position
+from ..checkpoint.rng import capture_rng_state
 
 IO = "trainer.io"
 PATCH = "checkpoint"
@@ -81,6 +81,8 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
 
     @functools.wraps(original)
     def restore_model(self: Any) -> None:
+        from ..checkpoint.load import load_checkpoint, warn_weights_only  # lazy: heavy (issue 41)
+
         path = self.args.restore_path
         if not is_local(path):
             return original(self)
@@ -221,6 +223,8 @@ def make_save_fsspec(original: Callable[..., None]) -> Callable[..., None]:
     def save_fsspec(state: Any, path: Any, **kwargs: Any) -> None:
         if not is_local(path):
             return original(state, path, **kwargs)
+        from ..checkpoint.atomic import atomic_torch_save  # lazy: heavy (issue 41)
+
         atomic_torch_save(_with_data_position(state), local_path(path), **kwargs)
 
     save_fsspec._training_patch = PATCH  # type: ignore[attr-defined]
@@ -276,6 +280,8 @@ def make_get_last_checkpoint(original: Callable[[Any], tuple[str, str]]
         last, best = original(path)
         if not is_local(path):
             return last, best
+        from ..checkpoint.reading import check_file  # lazy: heavy (issue 41)
+
         problem = check_file(local_path(last))
         if problem is None:
             return last, best

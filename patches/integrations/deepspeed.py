@@ -39,7 +39,6 @@ import torch
 from .. import _options, _run, nan_guard, vocab_freeze
 from .._log import info, logger
 from .._registry import Integration, Site, register_integration
-from ..checkpoint import grown
 from ..checkpoint.errors import CheckpointMismatchError
 
 NAME = "deepspeed"
@@ -184,6 +183,8 @@ def make_load_module_state_dict(original: Callable[..., Any]) -> Callable[..., A
 
     @functools.wraps(original)
     def load_module_state_dict(self: Any, checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+        from ..checkpoint import grown  # lazy: heavy (issue 41)
+
         state = checkpoint.get("module") if isinstance(checkpoint, dict) else None
         changes = grown.vocabulary_growth(grown.tensor_shapes(state), self.module) \
             if isinstance(state, dict) else {}

@@ -18,17 +18,19 @@ import os
 import types
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import _run, learning, nan_guard, vocab_freeze
 from .._log import logger
 from .._registry import Integration, Site, landed_sites, register_integration
-from ..checkpoint import atomic_torch_save, grown
-from ..checkpoint.ema import KeptRows
 from . import trainers
 from .layouts import f5_vocab_modules
+
+if TYPE_CHECKING:  # imported where used: heavy (issue 41)
+    from ..checkpoint import grown
+    from ..checkpoint.ema import KeptRows
 
 NAME = "f5_tts"
 DISTRIBUTION = "f5-tts"
@@ -80,6 +82,8 @@ class _EmaRows:
         handle = vocab_freeze.freeze_of(mine[0][0][1].weight) if mine else None
         if handle is None or theirs is None:
             return
+        from ..checkpoint.ema import KeptRows  # lazy: heavy (issue 41)
+
         key = f"ema_model.{theirs[0][0][0]}.weight"
         del self.ema.__dict__["update"]  # KeptRows wraps the EMA's own update
         self.kept = KeptRows(self.ema, [key], handle.rows)
@@ -148,6 +152,8 @@ def make_save_checkpoint(original: Any) -> Any:
         def save(obj: Any, f: Any, *a: Any, **k: Any) -> Any:
             if not accelerator.is_main_process or not isinstance(f, (str, os.PathLike)):
                 return type(accelerator).save(accelerator, obj, f, *a, **k)
+            from ..checkpoint.atomic import atomic_torch_save  # lazy: heavy (issue 41)
+
             return atomic_torch_save(obj, f)
 
         accelerator.save = save
@@ -229,6 +235,8 @@ def _resume_of(trainer: Any, ckpt: dict[str, Any], update: int) -> grown.Trainer
         keys["scheduler"] = "scheduler_state_dict"
     restores = {part: f"the checkpoint's {key!r}" for part, key in keys.items() if key in ckpt}
     tokenizer, source = _tokenizer_of(trainer)
+    from ..checkpoint import grown  # lazy: heavy (issue 41)
+
     return grown.TrainerResume(NAME_SAID, restores, update, tokenizer, source)
 
 
@@ -238,6 +246,8 @@ def make_load_checkpoint(original: Any) -> Any:
     otherwise. The update it resumes from becomes the records' ``trainer_step``."""
     @functools.wraps(original)
     def load_checkpoint(self: Any) -> Any:
+        from ..checkpoint import grown  # lazy: heavy (issue 41)
+
         path = latest_checkpoint(self.checkpoint_path) if self.checkpoint_path else None
         ema = getattr(self, "ema_model", None)  # rank 0's alone
         changes: dict[str, Any] = {}

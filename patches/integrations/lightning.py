@@ -16,12 +16,14 @@ import functools
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _run, learning, nan_guard
 from .._registry import Integration, Site, register_integration
-from ..checkpoint import atomic_torch_save, grown
 from . import trainers
+
+if TYPE_CHECKING:  # imported where used: heavy (issue 41)
+    from ..checkpoint import grown
 
 NAME = "lightning"
 DISTRIBUTION = "lightning"
@@ -182,6 +184,8 @@ def make_atomic_save(original: Any) -> Any:
         text = str(filepath)
         if "://" in text and not text.startswith("file://"):
             return original(checkpoint, filepath)
+        from ..checkpoint.atomic import atomic_torch_save  # lazy: heavy (issue 41)
+
         atomic_torch_save(checkpoint, Path(text.removeprefix("file://")))
     return _atomic_save
 
@@ -197,6 +201,8 @@ def make_load_model_state_dict(original: Any) -> Any:
         state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
         path = getattr(getattr(module, "_trainer", None), "ckpt_path", None)
         if isinstance(state, Mapping) and path and "://" not in str(path):
+            from ..checkpoint import grown  # lazy: heavy (issue 41)
+
             changes = grown.vocabulary_growth(grown.tensor_shapes(state), module)
             if changes:  # read again from the file: the loader validates what it loads
                 self._training_patches_grown = grown.load_grown(
@@ -231,6 +237,8 @@ def _resume_of(checkpoint: Mapping[str, Any], module: Any) -> grown.TrainerResum
                 if checkpoint.get(key) not in (None, [], {})}
     step = checkpoint.get("global_step")
     tokenizer, source = _tokenizer_of(module)
+    from ..checkpoint import grown  # lazy: heavy (issue 41)
+
     return grown.TrainerResume(NAME_SAID, restores, int(step) if isinstance(step, int) else None,
                                tokenizer, source)
 
@@ -243,6 +251,8 @@ def make_load_optimizer_state_dict(original: Any) -> Any:
         result = original(self, checkpoint)
         rows = getattr(self, "_training_patches_grown", None)
         if rows:
+            from ..checkpoint import grown  # lazy: heavy (issue 41)
+
             for optimizer in self.optimizers:
                 grown.grow_loaded_moments(optimizer, rows)
         return result

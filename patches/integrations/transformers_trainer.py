@@ -17,14 +17,15 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _run, learning, nan_guard
 from .._log import logger
 from .._registry import Integration, Site, register_integration
-from ..checkpoint import grown
-from ..checkpoint.atomic import atomic_text
 from . import trainers
+
+if TYPE_CHECKING:  # imported where used: heavy (issue 41)
+    from ..checkpoint import grown
 
 NAME = "transformers_trainer"
 DISTRIBUTION = "transformers"
@@ -162,6 +163,8 @@ def make_save_checkpoint(original: Any) -> Any:
         try:
             folder = Path(self._get_output_dir(trial=kwargs.get("trial"))) / f"checkpoint-{step}"
             if folder.is_dir() and self.args.should_save:
+                from ..checkpoint.atomic import atomic_text  # lazy: heavy (issue 41)
+
                 atomic_text(folder / COMPLETE, json.dumps(
                     {"step": int(step), "files": _files_of(folder)}, indent=1))
         except Exception as exc:  # noqa: BLE001 - the checkpoint is written: never raise here
@@ -249,6 +252,8 @@ def _resume_of(trainer: Any, folder: Path) -> grown.TrainerResume:
             encoding="utf-8"))["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         step = None
+    from ..checkpoint import grown  # lazy: heavy (issue 41)
+
     tokenizer, source = _tokenizer_of(trainer)
     return grown.TrainerResume(NAME_SAID, restores, step, tokenizer, source)
 
@@ -259,6 +264,8 @@ def _grown_load(trainer: Any, folder: Path, model: Any) -> grown.Grown | None:
     path = next((folder / name for name in WEIGHTS if (folder / name).is_file()), None)
     if path is None:
         return None
+    from ..checkpoint import grown  # lazy: heavy (issue 41)
+
     shapes = grown.saved_shapes(path)
     changes = grown.vocabulary_growth(shapes, model) if shapes else {}
     if not changes:
@@ -294,6 +301,8 @@ def make_load_optimizer_and_scheduler(original: Any) -> Any:
         result = original(self, checkpoint)
         rows = getattr(self, "_training_patches_grown", None)
         if checkpoint is not None and rows and self.optimizer is not None:
+            from ..checkpoint import grown  # lazy: heavy (issue 41)
+
             grown.grow_loaded_moments(self.optimizer, rows)
         return result
     return _load_optimizer_and_scheduler

@@ -26,12 +26,10 @@ from typing import Any, Callable, Sequence
 from .. import _options, languages
 from .._log import logger
 from .._registry import Integration, Site, is_enabled, register_integration
-from ..checkpoint import load_checkpoint, warn_weights_only
 from ..vocab_freeze import TAG, VocabFreezeError, freeze_base_vocab
 from ..vocab_rows import describe_rows, frozen_rows, row_layout
 from ..row_init import tokenizer_format
 from .coqui_checkpoint import is_local, local_path, model_tokenizer
-from .xtts_vocab import FAIL, XttsVocab, parse_vocab_json
 
 NAME = "xtts_gpt"
 DISTRIBUTION = "coqui-tts"
@@ -67,6 +65,8 @@ def make_gpt_trainer_load_checkpoint(original: Callable[..., Any]) -> Callable[.
                                     **kwargs: Any) -> Any:
         if not is_local(checkpoint_path) or not local_path(checkpoint_path).is_file():
             return original(self, config, checkpoint_path, eval=eval, strict=strict, **kwargs)
+        from ..checkpoint.load import load_checkpoint, warn_weights_only  # lazy: heavy (issue 41)
+
         # XTTS drops the DVAE and mel-spectrogram keys of GPTTrainer checkpoints and loads
         # into self.xtts; the loader aligns the "xtts." prefix by itself. Weights only:
         # GPTTrainer.__init__ calls this before any optimizer exists, and the coqui Trainer
@@ -102,6 +102,8 @@ def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
     def gpt_keys(key: str) -> bool:
         # a coqui Trainer checkpoint holds the whole GPTTrainer: keep xtts.gpt.* only
         return key.startswith("xtts.gpt.") or not key.startswith(("xtts.", *_XTTS_IGNORED))
+
+    from ..checkpoint.load import load_checkpoint, warn_weights_only  # lazy: heavy (issue 41)
 
     report = load_checkpoint(path, gpt_trainer.xtts.gpt, restore_rng=False, freeze=freeze,
                              strict=True, key_filter=gpt_keys, resume_step=False,
@@ -144,6 +146,8 @@ def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
     its code or a registered alias), the model's start/stop token ids against the
     tokenizer's, the rows against the ids, and a frozen row that would keep a base row for
     another token (a [START] dropped or moved into the new range). Empty when all agree."""
+    from .xtts_vocab import FAIL, XttsVocab, parse_vocab_json  # lazy: only for a freeze check
+
     try:
         if tokenizer_format(tokenizer_file) != "json":
             return []  # a SentencePiece model: not an XTTS vocabulary

@@ -25,8 +25,10 @@ same. :func:`normalize` turns a sentence into what should be *spoken*:
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
+from types import SimpleNamespace
 
 __all__ = ["normalize", "number_to_words", "ordinal_to_words", "ethiopic_to_int",
            "normalize_homophones", "romanize", "CHAR_LIMIT"]
@@ -70,15 +72,9 @@ _ABBREVIATIONS: list[tuple[str, str]] = sorted([
 ], key=lambda pair: -len(pair[0]))
 
 _ETHIOPIC_LETTER = "\u1200-\u135A"
-_ABBREVIATION_RE = re.compile(
-    f"(?<![{_ETHIOPIC_LETTER}])("
-    + "|".join(re.escape(short) for short, _ in _ABBREVIATIONS)
-    + f")(?![{_ETHIOPIC_LETTER}])")
 _ABBREVIATION_MAP = dict(_ABBREVIATIONS)
 # "X/ቤ..." with a suffix ("ት/ቤቱ", the school): the "X/" part expands, the word stays.
 _PREFIX_ABBREVIATIONS = {"ት/ቤ": "ትምህርት ቤ", "ም/ቤ": "ምክር ቤ", "መ/ቤ": "መሥሪያ ቤ"}
-_PREFIX_ABBREVIATION_RE = re.compile(
-    f"(?<![{_ETHIOPIC_LETTER}])(" + "|".join(map(re.escape, _PREFIX_ABBREVIATIONS)) + ")")
 
 _PUNCTUATION = {
     "\u1362": ".",   # ። full stop
@@ -93,7 +89,6 @@ _PUNCTUATION = {
     "\u00a0": " ", "\u202f": " ",
     "«": "", "»": "", "“": "", "”": "", "„": "", '"': "", "‹": "", "›": "",
 }
-_ZERO_WIDTH_RE = re.compile("[\u200b\u200c\u200d\u2060\ufeff]")
 
 # Ethiopic numerals: ፩..፱ (U+1369..1371) are 1..9, ፲..፺ (U+1372..137A) 10..90,
 # ፻ (U+137B) is 100, ፼ (U+137C) is 10 000.
@@ -101,18 +96,34 @@ _ETHIOPIC_DIGITS = {chr(0x1369 + i): i + 1 for i in range(9)}
 _ETHIOPIC_DIGITS.update({chr(0x1372 + i): 10 * (i + 1) for i in range(9)})
 _ETHIOPIC_HUNDRED = "\u137b"
 _ETHIOPIC_MYRIAD = "\u137c"
-_ETHIOPIC_NUMERAL_RE = re.compile("[\u1369-\u137c]+")
 
-_DATE_RE = re.compile(
-    r"(?<![\d.])(?P<gregorian>እ\.ኤ\.አ\.?\s*)?(?P<day>\d{1,2})(?P<sep>[/.\-])(?P<month>\d{1,2})"
-    r"(?P=sep)(?P<year>\d{4})(?![\d])")
-_ORDINAL_SUFFIX_RE = re.compile(r"(\d+)\s?(ኛ)(ው|ዋ|ውን|ዋን)?")
-_GROUPED_RE = re.compile(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?![\d])")
-_DECIMAL_RE = re.compile(r"(?<![\d])(\d+)\.(\d+)(?![\d])")
-_PERCENT_RE = re.compile(r"(\d+(?:\.\d+)?)\s?%")
-_NEGATIVE_RE = re.compile(r"(?<![\w\d])-(?=\d)")
-_NUMBER_RE = re.compile(r"\d+")
-_SPACES_RE = re.compile(r"\s+")
+
+@functools.lru_cache(maxsize=None)
+def _patterns() -> SimpleNamespace:
+    """The normaliser's regular expressions, compiled at its first use: this module loads with
+    ``import patches.auto`` (Amharic ships registered), and compiling them there cost about
+    1 ms of it (issue 41)."""
+    return SimpleNamespace(
+        abbreviation=re.compile(
+            f"(?<![{_ETHIOPIC_LETTER}])("
+            + "|".join(re.escape(short) for short, _ in _ABBREVIATIONS)
+            + f")(?![{_ETHIOPIC_LETTER}])"),
+        prefix_abbreviation=re.compile(
+            f"(?<![{_ETHIOPIC_LETTER}])(" + "|".join(map(re.escape, _PREFIX_ABBREVIATIONS))
+            + ")"),
+        zero_width=re.compile("[\u200b\u200c\u200d\u2060\ufeff]"),
+        ethiopic_numeral=re.compile("[\u1369-\u137c]+"),
+        date=re.compile(
+            r"(?<![\d.])(?P<gregorian>እ\.ኤ\.አ\.?\s*)?(?P<day>\d{1,2})(?P<sep>[/.\-])"
+            r"(?P<month>\d{1,2})(?P=sep)(?P<year>\d{4})(?![\d])"),
+        ordinal_suffix=re.compile(r"(\d+)\s?(ኛ)(ው|ዋ|ውን|ዋን)?"),
+        grouped=re.compile(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?![\d])"),
+        decimal=re.compile(r"(?<![\d])(\d+)\.(\d+)(?![\d])"),
+        percent=re.compile(r"(\d+(?:\.\d+)?)\s?%"),
+        negative=re.compile(r"(?<![\w\d])-(?=\d)"),
+        number=re.compile(r"\d+"),
+        spaces=re.compile(r"\s+"),
+    )
 
 
 def _below_thousand(n: int) -> list[str]:
@@ -225,30 +236,32 @@ def _expand_date(match: re.Match[str]) -> str:
 
 def _expand_numbers(text: str) -> str:
     # Ethiopic numerals become digits first, so "፫ኛ" and "፳፭%" read like "3ኛ" and "25%".
-    text = _ETHIOPIC_NUMERAL_RE.sub(lambda m: str(ethiopic_to_int(m[0])), text)
-    text = _GROUPED_RE.sub(lambda m: m[0].replace(",", ""), text)
-    text = _PERCENT_RE.sub(lambda m: f"{m[1]} {_PERCENT}", text)
-    text = _ORDINAL_SUFFIX_RE.sub(lambda m: ordinal_to_words(int(m[1])) + (m[3] or ""), text)
-    text = _DECIMAL_RE.sub(
+    found = _patterns()
+    text = found.ethiopic_numeral.sub(lambda m: str(ethiopic_to_int(m[0])), text)
+    text = found.grouped.sub(lambda m: m[0].replace(",", ""), text)
+    text = found.percent.sub(lambda m: f"{m[1]} {_PERCENT}", text)
+    text = found.ordinal_suffix.sub(lambda m: ordinal_to_words(int(m[1])) + (m[3] or ""), text)
+    text = found.decimal.sub(
         lambda m: f"{number_to_words(int(m[1]))} {_POINT} "
                   + " ".join(_ONES[int(d)] if d != "0" else _ZERO for d in m[2]), text)
-    text = _NEGATIVE_RE.sub(_MINUS + " ", text)
-    return _NUMBER_RE.sub(lambda m: number_to_words(int(m[0])), text)
+    text = found.negative.sub(_MINUS + " ", text)
+    return found.number.sub(lambda m: number_to_words(int(m[0])), text)
 
 
 def normalize(text: str, *, homophones: bool = False) -> str:
     """Amharic text as it should be spoken, in the characters XTTS reads (see module doc)."""
+    found = _patterns()
     text = unicodedata.normalize("NFC", str(text))
-    text = _ZERO_WIDTH_RE.sub("", text)
-    text = _DATE_RE.sub(_expand_date, text)
-    text = _ABBREVIATION_RE.sub(lambda m: _ABBREVIATION_MAP[m[1]], text)
-    text = _PREFIX_ABBREVIATION_RE.sub(lambda m: _PREFIX_ABBREVIATIONS[m[1]], text)
+    text = found.zero_width.sub("", text)
+    text = found.date.sub(_expand_date, text)
+    text = found.abbreviation.sub(lambda m: _ABBREVIATION_MAP[m[1]], text)
+    text = found.prefix_abbreviation.sub(lambda m: _PREFIX_ABBREVIATIONS[m[1]], text)
     text = _expand_numbers(text)
     text = "".join(_PUNCTUATION.get(char, char) for char in text)
     if homophones:
         text = normalize_homophones(text)
     text = text.lower()
-    text = _SPACES_RE.sub(" ", text).strip()
+    text = found.spaces.sub(" ", text).strip()
     # A mark left after a space ("ሰላም ." after a removed quote) belongs to the word.
     return re.sub(r" ([.,;:?!])", r"\1", text)
 
