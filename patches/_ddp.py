@@ -1,7 +1,7 @@
 """DDP's own gradient reduction carrying the patches' skip flags (issue 41): one
 communication hook per ``DistributedDataParallel`` module, shared by nan_guard and
 grad_scaler, reduces every bucket as DDP's default does and appends :data:`CARRIED` numbers
-to the first, so a patched DDP step makes exactly the collectives of an unpatched one. It runs
+to one (the smallest of the last reduction), so a patched DDP step makes exactly the collectives of an unpatched one. It runs
 inside the backward's reduction, before the optimizer step: no stage of the step pipeline.
 Public to the patches: :class:`Carrier`, :func:`carrier_of`, :func:`known_carrier`,
 :func:`carry_loss_flags`, :func:`use_for_scaler`.
@@ -52,7 +52,13 @@ class Carrier:
         # Complete reductions that carried the flags (the last bucket launched after a first
         # that carried them): SafeGradScaler's "were these gradients all reduced?"
         self.reductions = 0
-        self.carrying_now = False  # the reduction under way carries them
+        self.carrying_now = False  # the reduction under way is to carry them
+        # Which bucket carries them: the smallest of the last reduction (every rank has the
+        # same buckets), so the copy in and out costs nothing; bucket 0 at the first. At the
+        # real size the first bucket is the 24,000-row text head alone (98 MB at width 1,024).
+        self.carry_at = 0
+        self.carried_now = False  # the reduction under way carried them (at carry_at)
+        self._sizes: dict[int, int] = {}  # this reduction's bucket sizes, by index
         # A SafeGradScaler relies on it: carry for the module's life (sticky, so that every
         # rank carries alike; a weak set would depend on each rank's garbage collection)
         self.for_scaler = False
@@ -122,14 +128,22 @@ def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
     buffer.div_(world)  # DDP's default: the mean of the ranks' gradients
-    if bucket.index() == 0:  # DDP launches buckets in index order: 0 starts a reduction
+    index = bucket.index()
+    if index == 0:  # DDP launches buckets in index order: 0 starts a reduction
         carrier.carrying_now = _loss_flags is not None or carrier.for_scaler
-    carried = bucket.index() == 0 and carrier.carrying_now
+        carrier.carried_now = False
+        carrier._sizes = {}
+    carrier._sizes[index] = buffer.numel()
+    carried = carrier.carrying_now and index == carrier.carry_at
+    carrier.carried_now |= carried
     if carrier.reduced is None:
         carrier._bucketed.update(id(p) for p in bucket.parameters())
     if bucket.is_last():  # every bucket launched: this rank's gradients are all reduced
-        carrier.reductions += carrier.carrying_now
+        # counted only if its flags rode along (a rebuilt layout may have no carry_at)
+        carrier.reductions += carrier.carried_now
         carrier.carrying_now = False
+        sizes = carrier._sizes
+        carrier.carry_at = min(sizes, key=lambda i: (sizes[i], i))
         if carrier.reduced is None:
             carrier.reduced = frozenset(carrier._bucketed)
     if not carried:

@@ -190,8 +190,9 @@ def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
 # Under DistributedDataParallel the guard makes no collective of its own. A DDP
 # communication hook (patches/_ddp.py, shared with SafeGradScaler; registered at an
 # optimizer's first guarded step, on the DDP module that holds its parameters) reduces every bucket exactly as DDP's default does (divide by
-# the world size, all-reduce SUM) and appends three numbers to the first bucket (DDP keeps
-# it at 1 MiB): whether this rank's loss is non-finite or a spike, whether it is
+# the world size, all-reduce SUM) and appends numbers to its smallest bucket (the first
+# at the first reduction; DDP's first bucket is no small one where a big tensor such as a
+# 24,000-row text head fills it alone): whether this rank's loss is non-finite or a spike, whether it is
 # non-finite, whether this rank kept a micro-batch of the step. Summed over the ranks they
 # are the agreement. The gradients' own flag needs none: a non-finite gradient on any rank
 # before the reduction is non-finite in the reduced gradient of every rank.

@@ -36,6 +36,11 @@ def test_a_patched_ddp_step_makes_the_collectives_of_an_unpatched_one(tmp_path,
             ["nonfinite_loss"] if rank == 0 else ["peer_nonfinite"])
     for name, value in results[0]["params"].items():
         assert torch.equal(value, results[1]["params"][name]), name
+    # the flags ride the smallest bucket, not the first (DDP's first holds the model's last
+    # tensors: at XTTS's size the text head alone, whose copy cost 4-5% of a step)
+    sizes, carry_at = results[0]["sizes"], results[0]["carry_at"]
+    assert sizes[carry_at] == min(sizes.values()) < sizes[0], sizes
+    assert (results[1]["carry_at"], results[1]["sizes"]) == (carry_at, sizes)
 
 
 def test_the_users_comm_hook_keeps_the_guards_all_reduce(tmp_path) -> None:

@@ -65,6 +65,9 @@ _run.set_output_dir(os.path.join(out, f"rank{rank}"))
 patches.advanced.apply(quiet=True)  # every default patch
 step()  # the guard's first step under DDP: finds the DDP module, registers its hook
 result["patched"] = collectives(4)
+carrier = getattr(model, "_training_patches_carrier", None)
+if carrier is not None:  # which bucket carried the flags, and every bucket's size
+    result["carry_at"], result["sizes"] = carrier.carry_at, dict(carrier._sizes)
 if mode in ("count", "userhook"):
     before = full_state(model)
     result["nan_step"] = collectives(1, nan_loss_rank=0)
