@@ -324,6 +324,15 @@ def test_the_moved_modules_answer_to_their_old_names() -> None:
         assert len(modules[old].read_text(encoding="utf-8").splitlines()) < 20, old
 
 
+def _lines_printed_by(code: str) -> list[str]:
+    """The lines ``code`` prints in a fresh, quiet interpreter that imports this tree."""
+    env = {"TRAINING_PATCHES_QUIET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    return done.stdout.splitlines()
+
+
 @pytest.mark.slow
 def test_a_command_imports_only_its_own_tool() -> None:
     """In a fresh interpreter: ``import patches.auto`` loads no tool module, and the parser
@@ -337,11 +346,7 @@ def test_a_command_imports_only_its_own_tool() -> None:
             "from patches.tools import cli\n"
             "cli.build_parser(cli.command_of(['doctor', '--json', '-']))\n"
             "print(sorted(m for m in sys.modules if m.startswith('patches.tools')))\n")
-    env = {"TRAINING_PATCHES_QUIET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
-           "PYTHONPATH": str(PACKAGE.parent)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=300, check=True)
-    after_auto, after_parser = done.stdout.splitlines()
+    after_auto, after_parser = _lines_printed_by(code)
     assert after_auto == "[]"
     assert after_parser == str(["patches.tools", "patches.tools._output", "patches.tools.cli",
                                 "patches.tools.doctor"])
@@ -365,11 +370,7 @@ def test_import_patches_auto_leaves_the_checkpoint_loader_for_its_first_use() ->
             "import patches\n"
             "from patches.checkpoint import load\n"
             "print(patches.load_checkpoint is load.load_checkpoint)\n")
-    env = {"TRAINING_PATCHES_QUIET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
-           "PYTHONPATH": str(PACKAGE.parent)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=300, check=True)
-    assert done.stdout.splitlines() == [str(CHECKPOINT_AT_IMPORT), "True"]
+    assert _lines_printed_by(code) == [str(CHECKPOINT_AT_IMPORT), "True"]
 
 
 def test_the_checkpoint_packages_lazy_names_are_its_submodules_own() -> None:
