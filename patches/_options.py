@@ -13,6 +13,7 @@ names the variable, the value found and what is expected.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -64,17 +65,11 @@ def nonnegative_int(text: Any) -> int:
     return _whole(text, 0)
 
 
-def window(text: Any) -> int:
-    value = positive_int(text)
-    if value < 2:
-        raise ValueError("expected a whole number of at least 2")
-    return value
-
-
 def share(text: Any) -> float:
+    """A finite number; a share's bounds (above 0, at most 1) are its Option's ``low``/``high``."""
     value = float(text)
-    if not 0 < value <= 1:
-        raise ValueError("expected a fraction above 0 and at most 1")
+    if not math.isfinite(value):
+        raise ValueError("expected a finite number")
     return value
 
 

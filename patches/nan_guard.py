@@ -30,8 +30,7 @@ from torch.nn.utils import get_total_norm
 
 from . import _ddp, _dist, _options, _run, _step
 from ._log import info, logger
-from ._options import (INT64_MAX, ConfigError, Option, flag, nonnegative_float, positive_int,
-                       window)
+from ._options import INT64_MAX, Option, flag, nonnegative_float, positive_int
 from ._registry import PatchSpec, Site, register
 
 EVENTS_FILE = _run.EVENTS_FILE
@@ -925,14 +924,6 @@ SPIKE_K_MAX = 1e6
 SPIKE_WINDOW_MAX = 100_000  # 400 KB of float32 on the device
 
 
-def _check_options(opts: _options.Options, where: Callable[[str], str]) -> None:
-    if opts.spike_k > 0 and opts.spike_window < 2:
-        raise ConfigError(
-            f"training-patches: {where('spike_window')} is {opts.spike_window!r}; the loss "
-            f"spike test needs a standard deviation, so expected a window of at least 2 steps "
-            f"(default 100). Raise it, or turn the spike test off with spike_k=0.")
-
-
 SPEC = register(PatchSpec(
     name="nan_guard",
     describe=lambda o: (
@@ -965,7 +956,7 @@ SPEC = register(PatchSpec(
                shown_default="0 (off)", low=0, high=SPIKE_K_MAX,
                bound_why="a loss a million standard deviations above the window is no test "
                          "any more, and k times the deviation must stay finite in float32"),
-        Option("spike_window", window, 100, "a whole number of steps of at least 2, e.g. 100",
+        Option("spike_window", positive_int, 100, "a whole number of steps of at least 2, e.g. 100",
                "losses in the spike guard's window", low=2, high=SPIKE_WINDOW_MAX,
                bound_why="the window is a tensor on the training device whose mean and "
                          "deviation are taken at every step"),
@@ -975,5 +966,4 @@ SPEC = register(PatchSpec(
         Option("replay", flag, True, "1 or 0",
                "replay the first bad batch once to find the module that made the NaN"),
     ),
-    check=_check_options,
 ))

@@ -46,6 +46,11 @@ def test_every_numeric_option_declares_its_range() -> None:
     ("TRAINING_PATCHES_MAX_BAD_STEPS", str(2 ** 63), "out of range (above 2^63-1)"),
     ("TRAINING_PATCHES_BASE_VOCAB", str(2 ** 64), "out of range (above 2^63-1)"),
     ("TRAINING_PATCHES_SPIKE_K", "1e300", "out of range (above 1,000,000)"),
+    # the lower bounds too, checked once, by the Option's low (issue 40: the parsers no
+    # longer repeat them, so these were "not usable" before and never reached the range)
+    ("TRAINING_PATCHES_SPIKE_WINDOW", "1", "out of range (below 2)"),
+    ("TRAINING_PATCHES_READING_MIN_GAP", "0", "out of range (at or below 0)"),
+    ("TRAINING_PATCHES_MAX_DROP_SHARE", "1.5", "out of range (above 1)"),
 ])
 def test_a_value_out_of_range_is_one_paragraph_at_apply(
         monkeypatch: pytest.MonkeyPatch, env: str, value: str, message: str) -> None:
