@@ -323,8 +323,8 @@ def _hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def _hold_stage(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any,
                 step: _step.Step) -> None:
     """After the decision, before the update: a row-wise optimizer steps a view of the
-    trainable rows (nothing copied); any other keeps a copy to restore after the step."""
-    _put_back(optimizer)
+    trainable rows (nothing copied); any other keeps a copy to restore after the step. The
+    prepare stage put back any views a raising step left, in this same pipeline run."""
     decision = step.decision
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     # A closure's backward would make new gradients after the views took theirs, unless the
