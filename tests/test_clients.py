@@ -134,18 +134,50 @@ def _assert_xtts_run(harness: dict, base: dict[str, Path], out: Path) -> None:
         assert moved.sum() > 0, name  # the new Amharic rows trained
 
 
-@pytest.mark.xtts
-def test_xtts_card_line_with_the_projects_namespace_utils(xtts_base, tmp_path) -> None:
-    """The card's ``from utils import training_patches`` with our checkout on the path:
-    ``utils`` merges with the project's, so ``utils.gpt_train`` is still theirs."""
-    project = _xtts_project(tmp_path)
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def card_line_nan_run(xtts_base, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The card's line, our checkout on the path, one NaN micro-batch: one run, read by the
+    two tests below (each a claim of its own about the same run; a run is ~half a minute)."""
+    root = tmp_path_factory.mktemp("card_line")
+    project = _xtts_project(root)
+    out = root / "nan"
     harness = _run_xtts(project, xtts_base, out, pythonpath=str(REPO),
                         CLIENT_NAN_MICRO_BATCH=str(NAN_AT))
+    return {"project": project, "out": out, "harness": harness}
+
+
+@pytest.mark.xtts
+def test_xtts_card_line_with_the_projects_namespace_utils(xtts_base, card_line_nan_run) -> None:
+    """The card's ``from utils import training_patches`` with our checkout on the path:
+    ``utils`` merges with the project's, so ``utils.gpt_train`` is still theirs."""
+    project, out = card_line_nan_run["project"], card_line_nan_run["out"]
+    harness = card_line_nan_run["harness"]
     assert str(project / "utils") in harness["utils_paths"]
     assert str(REPO / "utils") in harness["utils_paths"]
     assert {"nan_guard", "vocab_freeze", "languages"} <= set(harness["applied"])
     _assert_xtts_run(harness, xtts_base, out)
+
+
+@pytest.mark.xtts
+def test_xtts_a_nan_micro_batch_is_exactly_the_run_without_it(xtts_base, card_line_nan_run,
+                                                              tmp_path) -> None:
+    """The 15 other micro-batches are used: the guarded run (its replay that finds the
+    source included) ends bit-identical to a run in which that micro-batch's loss was
+    multiplied by 0."""
+    project = _xtts_project(tmp_path)
+    nan_run = card_line_nan_run["harness"]  # the same command as the NaN run here
+    zero_run = _run_xtts(project, xtts_base, tmp_path / "zero", pythonpath=str(REPO),
+                         CLIENT_ZERO_MICRO_BATCH=str(NAN_AT))
+    assert "source" in _events(Path(nan_run["run_dir"]))[0]
+    assert nan_run["faulty_samples"] == zero_run["faulty_samples"]
+    assert zero_run["stats"]["nan_guard"]["nonfinite_losses"] == 0
+    guarded = torch.load(card_line_nan_run["out"] / "final_xtts.pth")
+    reference = torch.load(tmp_path / "zero" / "final_xtts.pth")
+    start = torch.load(xtts_base["base"] / "model.pth")["model"]
+    differ = [k for k in reference if not torch.equal(guarded[k], reference[k])]
+    assert differ == []
+    assert not torch.equal(guarded["gpt.gpt.h.0.mlp.c_fc.weight"],
+                           start["gpt.gpt.h.0.mlp.c_fc.weight"])  # the step did happen
 
 
 @pytest.mark.xtts
@@ -167,50 +199,44 @@ def test_xtts_launcher_with_no_line(xtts_base, tmp_path) -> None:
     _assert_xtts_run(harness, xtts_base, out)
 
 
-@pytest.mark.xtts
-def test_xtts_a_nan_micro_batch_is_exactly_the_run_without_it(xtts_base, tmp_path) -> None:
-    """The 15 other micro-batches are used: the guarded run (its replay that finds the
-    source included) ends bit-identical to a run in which that micro-batch's loss was
-    multiplied by 0."""
-    project = _xtts_project(tmp_path)
-    nan_run = _run_xtts(project, xtts_base, tmp_path / "nan", pythonpath=str(REPO),
-                        CLIENT_NAN_MICRO_BATCH=str(NAN_AT))
-    zero_run = _run_xtts(project, xtts_base, tmp_path / "zero", pythonpath=str(REPO),
-                         CLIENT_ZERO_MICRO_BATCH=str(NAN_AT))
-    assert "source" in _events(Path(nan_run["run_dir"]))[0]
-    assert nan_run["faulty_samples"] == zero_run["faulty_samples"]
-    assert zero_run["stats"]["nan_guard"]["nonfinite_losses"] == 0
-    guarded = torch.load(tmp_path / "nan" / "final_xtts.pth")
-    reference = torch.load(tmp_path / "zero" / "final_xtts.pth")
-    start = torch.load(xtts_base["base"] / "model.pth")["model"]
-    differ = [k for k in reference if not torch.equal(guarded[k], reference[k])]
-    assert differ == []
-    assert not torch.equal(guarded["gpt.gpt.h.0.mlp.c_fc.weight"],
-                           start["gpt.gpt.h.0.mlp.c_fc.weight"])  # the step did happen
+GROWTH_ACCUM, GROWTH_CLIPS = 4, 20
+
+
+@pytest.fixture(scope="module")
+def first_run_before_growth(xtts_base, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The first run of the growth test, one NaN micro-batch included: the same for both
+    loaders, so made once (each case continues a copy of its run folder)."""
+    root = tmp_path_factory.mktemp("before_growth")
+    project = _xtts_project(root)
+    out = root / "first"
+    harness = _run_xtts(project, xtts_base, out, pythonpath=str(REPO),
+                        extra=("--grad-accum", str(GROWTH_ACCUM), "--lr-milestones", "2,4",
+                               "--save-step", str(GROWTH_CLIPS)),
+                        CLIENT_NAN_MICRO_BATCH="3")
+    return {"project": project, "out": out, "harness": harness}
 
 
 @pytest.mark.xtts
 @pytest.mark.parametrize("loader", ["patches", "upstream"])
-def test_xtts_continue_after_growth_keeps_every_row_and_the_lr_schedule(xtts_base, tmp_path,
-                                                                         loader) -> None:
+def test_xtts_continue_after_growth_keeps_every_row_and_the_lr_schedule(
+        xtts_base, first_run_before_growth, tmp_path, loader) -> None:
     """The project's own resume (coqui ``continue_path``) after the vocabulary grew
     82 -> 87 ids: the rows trained in the first run are kept in place, the base rows stay
     bit-identical to model.pth, the Amharic rows train on, and the restored LR is the
     MultiStepLR schedule's at the restored optimizer step (one NaN micro-batch in the
     first run included)."""
-    project = _xtts_project(tmp_path)
+    project = first_run_before_growth["project"]
     # the control: coqui's own restore (the checkpoint patch off) loses the trained rows
     off = {"TRAINING_PATCHES_DISABLE": "checkpoint"} if loader == "upstream" else {}
-    accum, clips = 4, 20
-    first = _run_xtts(project, xtts_base, tmp_path / "first", pythonpath=str(REPO),
-                      extra=("--grad-accum", str(accum), "--lr-milestones", "2,4",
-                             "--save-step", str(clips)),
-                      CLIENT_NAN_MICRO_BATCH="3")
-    run_dir = Path(first["run_dir"])
+    accum, clips = GROWTH_ACCUM, GROWTH_CLIPS
+    first = first_run_before_growth["harness"]
+    # coqui continues inside the folder it is given: each case continues its own copy
+    run_dir = tmp_path / "first_run"
+    shutil.copytree(first["run_dir"], run_dir)
     steps = clips // accum  # optimizer steps in the first run: the NaN micro-batch costs none
     assert first["stats"]["nan_guard"]["skipped"] == 0
     assert first["scheduler_epoch"] == steps
-    trained = torch.load(tmp_path / "first" / "final_xtts.pth")
+    trained = torch.load(first_run_before_growth["out"] / "final_xtts.pth")
     grown = _run_xtts(project, xtts_base, tmp_path / "grown", pythonpath=str(REPO),
                       vocab="grown",
                       extra=("--grad-accum", str(accum), "--lr-milestones", "2,4",

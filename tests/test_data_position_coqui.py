@@ -40,17 +40,32 @@ def _run(tiny_xtts, folder: Path, **kwargs):
     return trainer, seen
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_run(tiny_xtts, tmp_path_factory) -> tuple[Path, list[list[str]]]:
+    """One patched run to its end (a checkpoint every 3 steps) and the batches it trained
+    on: the same for both cases below, so trained once. It is the uninterrupted run, and
+    each case makes the killed one from a copy of its folder (before: two identical runs
+    per case, one for each role)."""
+    patches.advanced.apply()
+    try:
+        trainer, full = _run(tiny_xtts, tmp_path_factory.mktemp("uninterrupted") / "run")
+        run = Path(trainer.output_path)
+    finally:
+        patches.revert()  # the run ends here; each case continues it as a new run
+    return run, full
+
+
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
 def test_continue_path_trains_on_the_batches_the_uninterrupted_run_trained_on(
-        tiny_xtts, tmp_path, clean_patches, applied):
+        tiny_xtts, uninterrupted_run, tmp_path, applied):
     patches.advanced.apply()
-    _, full = _run(tiny_xtts, tmp_path / "full")
-    trainer, _ = _run(tiny_xtts, tmp_path / "stopped")
-    run = Path(trainer.output_path)
-    # the run as a kill after the save of step 3 leaves it: only checkpoint_3.pth
-    for later in run.glob("*.pth"):
-        if later.name != "checkpoint_3.pth":
-            later.unlink()
+    finished, full = uninterrupted_run
+    # coqui continues inside the folder it is given: a copy of its own for each case, as a
+    # kill after the save of step 3 leaves it: only checkpoint_3.pth
+    run = tmp_path / finished.name
+    shutil.copytree(finished, run, ignore=lambda folder, names: [
+        name for name in names if name.endswith(".pth") and name != "checkpoint_3.pth"])
+    assert [p.name for p in run.glob("*.pth")] == ["checkpoint_3.pth"]
     assert len(full) >= 10 and len(full[0]) == 2  # 2 epochs of 13 clips in batches of 2
     if not applied:
         patches.revert("checkpoint")
@@ -84,7 +99,7 @@ def _losses(trainer) -> list[tuple[list[str], float]]:
 
 @pytest.mark.parametrize("where", ["between_steps", "during_a_step"])
 def test_a_run_stopped_by_sigterm_continues_as_if_never_stopped(
-        tiny_xtts, tmp_path, clean_patches, monkeypatch, caplog, where):
+        tiny_xtts, tmp_path, monkeypatch, caplog, where):
     """The checkpoint written on SIGTERM continues exactly: the same batches with the same
     losses and the same step count as the uninterrupted run, and the same final weights. The
     signal comes while a batch is read (its samples drew from ``random`` already) or during

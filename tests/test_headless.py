@@ -35,12 +35,18 @@ def test_first_import_is_the_activation_line() -> None:
     assert [alias.name for alias in first.names] == ["training_patches"]
 
 
+@pytest.fixture(scope="module")
+def help_run() -> subprocess.CompletedProcess[str]:
+    """``--help`` once, read by the two tests below (each process is ~2 s of imports)."""
+    return _run("--help")
+
+
 @pytest.mark.slow
-def test_help_documents_every_option() -> None:
+def test_help_documents_every_option(help_run: subprocess.CompletedProcess[str]) -> None:
     sys.path.insert(0, str(ROOT))
     import headlessXttsTrain
 
-    result = _run("--help")
+    result = help_run
     assert result.returncode == 0, result.stderr
     parser = headlessXttsTrain.build_parser()
     flags = [flag for action in parser._actions for flag in action.option_strings
@@ -55,10 +61,10 @@ def test_help_documents_every_option() -> None:
 
 
 @pytest.mark.slow
-def test_help_comes_without_the_banner() -> None:
+def test_help_comes_without_the_banner(help_run: subprocess.CompletedProcess[str]) -> None:
     """``--help`` prints the help, not the activation's 20-line banner first (issue 19); any
     other start still shows the banner (here: an unknown flag, refused by argparse)."""
-    result = _run("--help")
+    result = help_run
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: headlessXttsTrain.py")
     assert "applying training patches" not in result.stdout + result.stderr
