@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any, Iterable
 
-from . import _options, _registry, _run
+from . import _options, _registry, _run, _runstate
 from ._version import __version__
 from ._log import logger
 
@@ -87,6 +87,7 @@ def apply(names: str | Iterable[str] | None = None, **options: Any) -> dict[str,
     previous = None if first else _options.current()
     if previous is not None:
         opts = _options.merge(previous, opts, touched=set(wanted), explicit=explicit)
+    _runstate.start()  # a new run when the last one ended (revert() of every patch)
     _options.set_current(opts)
     _registry.strict = opts.strict
     for name in wanted_integrations:
@@ -138,7 +139,9 @@ def revert(names: str | Iterable[str] | None = None) -> list[str]:
     """Take patches (or integrations) back out (every applied patch when ``names`` is None).
 
     Every replaced object is restored by identity; a patch whose target module
-    was never imported simply never lands. Returns the names reverted.
+    was never imported simply never lands. With no patch left applied, the run ends: what
+    waits to be written is tried once more, and its counters (``stats()``) stay readable
+    until the next ``apply()`` starts a new run. Returns the names reverted.
     """
     specs = _registry.specs()
     targets = list(specs) if names is None else _as_names(names)
@@ -151,6 +154,8 @@ def revert(names: str | Iterable[str] | None = None) -> list[str]:
             _registry.set_integration(name, True)  # the next apply() starts with all of them
     if done:
         logger.info("training-patches: reverted %s", ", ".join(done))
+    if not any(_registry.is_enabled(name) for name in specs):
+        _runstate.end()  # its counters stay readable until the next apply()
     return [name for name in integration_names if name in done] + \
         [name for name in patch_names if name in done]
 
@@ -279,15 +284,17 @@ def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
 
 
 def reset_runtime_state() -> None:
-    """Forget every counter, event and per-run setting the patches keep in this process.
-
-    What ``revert()`` does not touch: the guard's counters and replay, the clip's counts,
-    the scaler the clip is watching, the run context (output folder, batch, step), and
-    what integrations remember (the dataset guard's record of what it wrote). Tests call
-    it between cases; a script that runs two trainings in one process may call it
-    between them.
+    """End the current run and start a new one: every counter, event and per-run setting
+    the patches keep (the run object: output folder, batch, step, the guard's books, the
+    clip's and scaler's state, what waits to be written) starts afresh, and what the
+    integrations remember of their trainers is forgotten. The patches stay applied, with
+    their options. A script that runs two trainings in one process may call it between
+    them (``revert()`` of every patch ends the run as well).
     """
-    _run.reset()
+    still = any(_registry.is_enabled(name) for name in _registry.specs())
+    options = _runstate.current().options if still else None
+    _runstate.restart()
+    _options.set_current(options)
     for spec in _registry.specs().values():
         if spec.reset is not None:
             spec.reset()

@@ -30,8 +30,8 @@ _loss_flags: LossFlags | None = None
 
 
 def carry_loss_flags(flags: LossFlags | None) -> None:
-    """nan_guard hands the hook its loss flags when applied, None when reverted (then a
-    hook no SafeGradScaler uses reduces plainly: DDP cannot take a hook back)."""
+    """nan_guard's loss flags for the hook when applied; None when reverted (DDP cannot take
+    a hook back: one no SafeGradScaler uses then reduces plainly)."""
     global _loss_flags
     _loss_flags = flags
 
@@ -42,26 +42,20 @@ class Carrier:
     def __init__(self, ddp: Any) -> None:
         self.group = ddp.process_group
         # ids of the parameters DDP reduces, read from its buckets at the first reduction
-        # (its own choice: requires_grad when it was built, not ignored); None until then
         self.reduced: frozenset[int] | None = None
         self._bucketed: set[int] = set()
         self.received: torch.Tensor | None = None  # the sums over the ranks
         self.fresh = False  # nan_guard: a reduction carried flags since its last decision
         self.last_skip: torch.Tensor | None = None  # this rank's last decision (device)
         self.world = 1
-        # Complete reductions that carried the flags (the last bucket launched after a first
-        # that carried them): SafeGradScaler's "were these gradients all reduced?"
-        self.reductions = 0
+        self.reductions = 0  # complete reductions that carried the flags (SafeGradScaler's)
         self.carrying_now = False  # the reduction under way is to carry them
-        # Which bucket carries them: the smallest of the last reduction (every rank has the
-        # same buckets), so the copy in and out costs nothing; bucket 0 at the first. At the
-        # real size the first bucket is the 24,000-row text head alone (98 MB at width 1,024).
+        # the bucket that carries them: the smallest of the last reduction (the same on every
+        # rank), so the copy costs nothing; bucket 0 (maybe the whole text head) at the first
         self.carry_at = 0
         self.carried_now = False  # the reduction under way carried them (at carry_at)
         self._sizes: dict[int, int] = {}  # this reduction's bucket sizes, by index
-        # A SafeGradScaler relies on it: carry for the module's life (sticky, so that every
-        # rank carries alike; a weak set would depend on each rank's garbage collection)
-        self.for_scaler = False
+        self.for_scaler = False  # sticky: every rank carries alike for the module's life
 
     def covers(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether DDP reduces every parameter of ``optimizer`` that takes a gradient
@@ -79,14 +73,10 @@ class Carrier:
 
 
 class _Then:
-    """A reduction's ``.then`` callback that counts itself until it is freed.
-
-    torch frees a Python callback on the communication thread that ran it, taking the GIL
-    in a destructor that may not unwind: a free that waits for the GIL while the
-    interpreter finalizes ends the process with "terminate called without an active
-    exception" (SIGABRT at exit after a finished run: seen under load with accelerate's
-    test_sync). :func:`_drain_at_exit` waits, before finalization, until every callback
-    this module handed to a future was freed."""
+    """A reduction's ``.then`` callback that counts itself until it is freed: torch frees it
+    on the communication thread, and a free waiting for the GIL during finalization aborts
+    the process ("terminate called without an active exception"), so :func:`_drain_at_exit`
+    waits for every one first."""
 
     __slots__ = ("_call",)
 

@@ -1,21 +1,12 @@
 """Run a hook once a module is imported, counting a module still mid-import as not imported.
 
-``wrapt.register_post_import_hook`` calls the hook at once for any name in ``sys.modules``,
-but a module is put there *before* its body runs: a hook registered while the module is
-still executing (it imported torch, and the torch hook applied the patches) would see a
-half-built module, with names bound further down its body missing. :func:`when_imported`
-waits for the end of that import instead.
-
-How the end is seen: Python marks a module being imported with ``__spec__._initializing =
-True`` and sets it back to False in the ``finally`` of the import (``importlib._bootstrap.
-_load_unlocked``), after the body has run, whether it succeeded or failed. The spec of the
-module is given, for the rest of that import only, a subclass of its own class whose
-``__setattr__`` sees that assignment and runs the hooks; the spec's class is restored first.
-A hook registered from inside wrapt's own post-import hook of a module (its body has run,
-the flag is not reset yet) waits the same way, until that ``finally``: a moment later, still
-before the user's ``import`` statement returns.
-It imports nothing from :mod:`patches` (the stdlib and wrapt only): the ``training-patches
-run`` bootstrap uses it while ``patches`` itself is half-imported.
+``wrapt.register_post_import_hook`` runs a hook at once for a name in ``sys.modules``, but a
+module is there *before* its body runs (it imported torch, whose hook applied the patches):
+the hook would see it half-built. :func:`when_imported` waits for the end of that import:
+Python sets ``__spec__._initializing`` back to False in the import's ``finally``
+(``importlib._bootstrap._load_unlocked``), and for that import the spec's class is a subclass
+whose ``__setattr__`` sees it and runs the hooks. It imports nothing from :mod:`patches`: the
+``training-patches run`` bootstrap uses it while ``patches`` is half-imported.
 """
 
 from __future__ import annotations
@@ -67,12 +58,8 @@ def _watching_class(base: type) -> type:
 
 
 def when_imported(hook: Hook, name: str) -> None:
-    """Call ``hook(module)`` once ``name`` is imported: now if it is, at the end of its
-    import if it is in progress, else when it is imported (``wrapt``'s post-import hook).
-
-    A hook that raises during an import makes that import fail, as with wrapt; callers
-    that must never break the user's import catch their own exceptions.
-    """
+    """Call ``hook(module)`` once ``name`` is imported: now, at the end of its import in
+    progress, or when it is imported. A hook that raises fails that import, as with wrapt."""
     with _lock:
         module = sys.modules.get(name)
         spec = getattr(module, "__spec__", None)

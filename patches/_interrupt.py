@@ -1,25 +1,13 @@
-"""A signal is an interruption: SIGTERM (what a cloud machine or a scheduler sends before it
-stops the job) and SIGHUP (a closed terminal or ssh session) stop a training loop the way
-Ctrl-C does, and the step under way is finished first.
+"""A signal is an interruption: SIGTERM (a cloud machine or a scheduler stopping the job) and
+SIGHUP (a closed ssh session) stop a training loop the way Ctrl-C does, the step first.
 
-:class:`Interruption` is what a trainer integration uses (the coqui Trainer's, in
-:mod:`patches.integrations.coqui_trainer`): while :meth:`Interruption.installed`, each of
-:data:`SIGNALS` whose handler is still the default one (a handler of the trainer's own and
-an ignored signal, as under ``nohup``, are left alone) makes the main thread raise
-:class:`TrainingInterrupted`, a ``KeyboardInterrupt``. Inside :meth:`Interruption.step`
-the first signal waits for the step to end (an optimizer step stopped half-way would leave
-half-updated weights for the checkpoint); a second one raises at once, unless it is the same
-signal within :data:`REPEAT_WINDOW` seconds (one request delivered twice). While the
-interruption is handled (:meth:`Interruption.handling`: the checkpoint, the callbacks, the
-``interrupted`` record) no signal cuts it short. The process then exits with
-``128 + the signal number`` (130, 143, 129), as a shell reports a signal.
-
-While installed, a DataLoader worker's batch hand-off cut by the interruption stays quiet:
-the main process stops reading in the middle of multiprocessing's file-descriptor
-hand-shake, and the worker's ``resource_sharer`` thread printed a ``ConnectionResetError``
-traceback under the interruption's one line (the run was fine: that batch is not needed).
-Only that exception of that thread is left out (:func:`_broken_handoff`, logged at DEBUG);
-the hook is inherited by the workers forked while it is installed.
+:class:`Interruption` (used by :mod:`patches.integrations.coqui_interrupt`): while
+:meth:`~Interruption.installed`, each of :data:`SIGNALS` whose handler is still the default
+makes the main thread raise :class:`TrainingInterrupted`, a ``KeyboardInterrupt``; inside
+:meth:`~Interruption.step` the first waits for the step to end (a second raises at once,
+unless it repeats the first within :data:`REPEAT_WINDOW`); while
+:meth:`~Interruption.handling` none cuts it short. The process exits ``128 + signal``. A
+DataLoader worker's batch hand-off cut by the interruption stays quiet (:func:`_broken_handoff`).
 """
 
 from __future__ import annotations

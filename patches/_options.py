@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
+from . import _runstate
+
 ENV_PREFIX = "TRAINING_PATCHES_"
 
 
@@ -398,8 +400,6 @@ def resolve(overrides: Mapping[str, Any] | None = None,
     return options
 
 
-# The options of the latest apply(); None before any: the environment's (current()).
-_current: Options | None = None
 # How a use before any apply() reads the settings: patches._api installs check_settings, so
 # that they are read and validated exactly as activation reads them (resolve() until then).
 _first_use: Callable[[], Options] = resolve
@@ -408,13 +408,14 @@ _from_environment: tuple[Any, Options] | None = None
 
 
 def current() -> Options:
-    """The options of the latest ``apply()``; before any (a library used without the
+    """The options of the current run's ``apply()``; before any (a library used without the
     activation line: ``load_checkpoint`` in a plain loop, a tool), the ``TRAINING_PATCHES_*``
     variables read and validated as ``apply()`` reads them, again whenever they change.
     Either way a setting means the same; a bad or unknown variable raises the
     :class:`ConfigError` activation would stop with, at the first use."""
-    if _current is not None:
-        return _current
+    options = _runstate.current().options
+    if options is not None:
+        return options
     global _from_environment
     key = (sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIX)),
            list(OPTIONS), list(_checks))
@@ -425,10 +426,9 @@ def current() -> Options:
 
 
 def set_current(options: Options | None) -> None:
-    """Make ``options`` the current ones (``apply()``); None: as before any ``apply()``, the
+    """Make ``options`` the current run's (``apply()``); None: as before any ``apply()``, the
     environment's at each use."""
-    global _current
-    _current = options
+    _runstate.current().options = options
 
 
 def read_first_use_with(reader: Callable[[], Options]) -> None:

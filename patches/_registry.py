@@ -1,26 +1,12 @@
 """The single record of what training-patches has applied and what it replaced.
 
-Every patch is a :class:`PatchSpec`: a name, a line for the banner, the attribute
-sites it replaces and, for patches that are not attribute swaps (anomaly mode),
-an ``enable``/``disable`` pair. ``apply``/``revert`` in :mod:`patches` are the only
-doors; nothing else in the library writes to a third-party module.
-
-How a site lands (the habit of wrapt's post-import hooks, ``register_post_import_hook``:
-the same patch works in either import order): a post-import hook is registered for the
-site's module, so it runs now if the module is already imported and otherwise once when
-it is. A module still running its body (it imported torch, whose import applied the
-patches) counts as not imported yet: its sites land when its import ends, once every name
-in it is bound (:func:`patches._imports.when_imported`). Hooks cannot be unregistered, so
-each hook holds the activation token it was made for and does nothing once that activation
-is reverted: a patch reverted before its target is imported never lands.
-
-Several patches may want one site (``autocast`` modernises the deprecated
-``torch.cuda.amp.GradScaler``; ``grad_scaler`` makes it a SafeGradScaler;
-``checkpoint`` and ``vocab_freeze`` both wrap ``GPTTrainer.__init__``). Each site
-keeps a stack of layers ordered by priority; each layer's ``make`` receives the
-layer below (the original at the bottom), so wrappers compose, and the top is
-installed. Removing a layer rebuilds the stack above the original, which is kept
-first-wins and restored by identity when the last layer goes.
+Every patch is a :class:`PatchSpec` (its sites, or an ``enable``/``disable`` pair), every
+upstream package an :class:`Integration`; ``apply``/``revert`` in :mod:`patches` are the only
+doors. A site lands from a post-import hook (:func:`patches._imports.when_imported`: now, or
+once its module's import ends), which holds its activation's token and does nothing once that
+activation is reverted (hooks cannot be unregistered). Several patches may want one site:
+each site keeps a stack of layers ordered by priority, each made over the one below, the
+original at the bottom (kept first-wins, restored by identity when the last layer goes).
 """
 
 from __future__ import annotations
@@ -47,17 +33,11 @@ _SWEEP_SKIP_PREFIXES = ("torch", "patches", "wrapt")
 
 @dataclass(frozen=True)
 class Site:
-    """One place where a name is bound: ``module.attr``.
-
-    ``attr`` may be dotted, ``"Class.method"``: the last part is replaced on the object
-    the rest names (a class), and the original is taken from that class's own
-    ``__dict__`` (not ``getattr``, which would hand back a bound or inherited object).
-    ``make(original)`` builds the replacement from the unpatched object. With
-    ``sweep`` the replacement is also installed in every already-imported module
-    (outside torch) that holds the original under the same name, and taken back
-    out of them on revert. An integration's site names the generic ``patch`` it
-    serves and, in ``lost``, what goes unprotected when the site cannot land.
-    """
+    """One place where a name is bound: ``module.attr`` (``"Class.method"``: the original
+    taken from the class's own ``__dict__``). ``make(original)`` builds the replacement; with
+    ``sweep`` it also replaces every copy of the original in imported modules outside torch.
+    An integration's site names the generic ``patch`` it serves; ``lost`` says what goes
+    unprotected when the site cannot land."""
 
     module: str
     attr: str
@@ -77,15 +57,10 @@ class Site:
 @dataclass(frozen=True)
 class PatchSpec:
     """Everything one generic patch is, declared in one place: its name, its banner line
-    (``describe(options)``), the sites it replaces (each with its ``lost=`` text), or an
-    ``enable``/``disable`` pair for a patch that is no attribute swap, its options and
-    their cross-option ``check``, its ``reset`` and its counters (``stats``, saved in
-    checkpoints when it has ``load_stats``).
-
-    ``requires()`` lists what the patch needs and this process lacks (e.g. a private
-    torch name); anything listed keeps the patch off, loudly. ``reset()`` forgets the
-    patch's runtime state (counters, events) between runs in one process.
-    """
+    (``describe(options)``), its sites or an ``enable``/``disable`` pair, its options and
+    their cross-option ``check``, its ``reset`` (runtime state between runs) and its
+    counters (``stats``, saved in checkpoints with ``load_stats``). ``requires()`` lists what
+    it needs and this process lacks: anything listed keeps the patch off, loudly."""
 
     name: str
     describe: Callable[[Any], str]
@@ -99,20 +74,16 @@ class PatchSpec:
     reset: Callable[[], None] | None = None
     options: tuple[_options.Option, ...] = ()
     check: _options.Check | None = None
-    # Counters for patches.stats(); with ``load_stats`` they also travel in checkpoints
-    # (patches.runtime_state / load_runtime_state).
     stats: Callable[[], dict[str, Any]] | None = None
     load_stats: Callable[[dict[str, Any]], None] | None = None
-    # What a patch with no sites has done so far, for patches.status(): (``"applied"``,
-    # ``"waiting"`` or ``"not applied"``, a sentence), or None for "nothing asked of it".
+    # for patches.status(): ("applied" | "waiting" | "not applied", a sentence) or None
     state: Callable[[], tuple[str, str] | None] | None = None
 
 
 @dataclass(frozen=True)
 class Integration:
-    """What one upstream package adds to the generic patches, as OpenTelemetry
-    instrumentors do: its sites (each serving one generic patch), the distribution and
-    the versions it was written for (a PEP 440 specifier, checked at apply time)."""
+    """What one upstream package adds to the generic patches: its sites (each serving one
+    generic patch), its distribution and supported versions (PEP 440, checked at apply)."""
 
     name: str
     distribution: str
@@ -120,8 +91,7 @@ class Integration:
     sites: tuple[Site, ...]
     describe: str = ""
     reset: Callable[[], None] | None = None
-    # The top-level package this process imports for the distribution ("TTS" for
-    # coqui-tts): its version is the one checked, since a trainer may vendor its own copy.
+    # the top-level package imported for the distribution ("TTS"): its version is checked
     module: str = ""
     options: tuple[_options.Option, ...] = ()
 
@@ -185,8 +155,7 @@ _active: dict[str, _Activation] = {}
 _sites: dict[tuple[str, str], _SiteState] = {}
 # Problems found outside any activation (an unsupported upstream version).
 _version_problems: dict[str, Problem] = {}
-# id(replacement) -> (replacement, original): keeps the replacement alive so the id
-# is never reused, and lets a copy of a replacement be traced back to the original.
+# id(replacement) -> (replacement, original): keeps its id unique, traces a copy back.
 _replacements: dict[int, tuple[Any, Any]] = {}
 _requires_problems: dict[str, Problem] = {}
 # Set by the API from the options: problems raise instead of warning.
@@ -196,8 +165,7 @@ in_apply = False
 
 
 def register(spec: PatchSpec) -> PatchSpec:
-    """Declare a generic patch (done once by each patch module when :mod:`patches` loads),
-    with its options."""
+    """Declare a generic patch, with its options (each patch module, once)."""
     with _lock:
         _options.declare(spec.name, spec.options, spec.check)
         _specs[spec.name] = spec
@@ -205,8 +173,7 @@ def register(spec: PatchSpec) -> PatchSpec:
 
 
 def register_integration(integration: Integration) -> Integration:
-    """Declare an upstream integration (done by each module in :mod:`patches.integrations`),
-    with its options."""
+    """Declare an upstream integration, with its options."""
     with _lock:
         _options.declare(integration.name, integration.options)
         _integrations[integration.name] = integration
@@ -295,8 +262,7 @@ _watched: set[str] = set()
 
 
 def _watch_import(integ: Integration) -> None:
-    """Check the version again once the module is really imported: the copy found before
-    the import was judged from its files, the imported module's ``__version__`` decides."""
+    """Check the version again once the module is imported: its ``__version__`` decides."""
     if integ.name in _watched:
         return
     _watched.add(integ.name)
@@ -353,13 +319,26 @@ def _site_problem(spec: PatchSpec, site: Site, integration: str | None, kind: st
                    f"{site} {detail} ({dist} {version}, {owner}); therefore NOT protected: {lost}")
 
 
-def _unpatched(value: Any) -> Any:
-    """The object ``value`` would be without our patches.
+def subclass_site(factory: Callable[[type], type], module: str, name: str
+                  ) -> Callable[[type], type]:
+    """A site's ``make`` that installs ``factory(original)``, a subclass: made once per
+    original (apply/revert/apply installs the same class) and bound as ``module.name``, so that
+    pickling finds it (DataLoader workers under spawn)."""
+    made: dict[int, type] = {}
 
-    coqui-tts-trainer binds ``functools.partial(torch.GradScaler, device="cuda")``
-    at import time: if torch was patched first, that partial wraps our class and
-    its unpatched form is the same partial over the original.
-    """
+    def make(original: type) -> type:
+        cls = made.get(id(original))
+        if cls is None or cls.__bases__[0] is not original:
+            cls = made[id(original)] = factory(original)
+            cls.__module__, cls.__qualname__, cls.__name__ = module, name, name
+            setattr(sys.modules[module], name, cls)
+        return cls
+    return make
+
+
+def _unpatched(value: Any) -> Any:
+    """The object ``value`` would be without our patches (a partial over our class, as
+    coqui-tts-trainer binds at import: the same partial over the original)."""
     entry = _replacements.get(id(value))
     if entry is not None and entry[0] is value:
         return entry[1]
@@ -401,8 +380,7 @@ def _rebind(site: Site, module: ModuleType, old: Any, new: Any) -> None:
 
 def _land(spec: PatchSpec, token: object, site: Site, integration: str | None,
           module: ModuleType) -> None:
-    # Runs inside a post-import hook, i.e. inside the user's own ``import``: a
-    # failure here must never break that import (unless strict mode asks for it).
+    # Inside the user's own ``import``: a failure must never break it (unless strict).
     with _lock:
         activation = _active.get(spec.name)
         if activation is None or activation.token is not token:
@@ -463,11 +441,8 @@ def _unland(spec: PatchSpec, site: Site) -> None:
 
 
 def enable(spec: PatchSpec, options: Any) -> bool:
-    """Apply one patch; False if it was already applied (never wraps twice).
-
-    A patch whose ``requires()`` lists something missing stays off, with a problem
-    recorded (see :func:`problems`); True is still returned so the caller reports it.
-    """
+    """Apply one patch; False if it was already applied (never wraps twice). A patch whose
+    ``requires()`` lists something stays off with a problem recorded, and True returned."""
     with _lock:
         if spec.name in _active:
             return False

@@ -1,17 +1,18 @@
 """What the patches know about the run they are in: where it writes, which batch is in hand.
 
-Integrations fill this in (the coqui Trainer's ``output_path``, the batch's audio
-paths); a plain loop can call :func:`set_output_dir`, or set
-``TRAINING_PATCHES_OUTPUT_DIR``. Files the patches write (``nonfinite_events.jsonl``,
-``dropped_samples.jsonl``) go to :func:`output_dir`.
+Integrations fill this in (the coqui Trainer's ``output_path``, the batch's audio paths:
+:func:`set_batch`); a plain loop can call :func:`set_output_dir`, or set
+``TRAINING_PATCHES_OUTPUT_DIR``. Files the patches write go to :func:`output_dir`. The
+values live on the run object (:func:`current`, :mod:`patches._runstate`), so a new run
+starts with none of them. In a job of several ranks every process writes its own files
+(rank 1's events go to ``nonfinite_events.rank1.jsonl``: :func:`rank_file_name`), and
+every record says which ``rank`` of how many (``world_size``) wrote it, and which run
+(``run_id``: :func:`run_id`). Records are strict JSON (:func:`json_line`: a non-finite
+float is the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``). Writing is best effort
+(:func:`append_line`): a record that cannot be written waits in memory (:class:`Writer`, a
+part of the run) and never raises into training.
 
-In a job of several ranks every process writes its own files: rank 1's events go to
-``nonfinite_events.rank1.jsonl`` (:func:`rank_file_name`), never into a file another
-process appends to, and every record says which ``rank`` of how many (``world_size``)
-wrote it, and which run (``run_id``: :func:`run_id`). Records are strict JSON: a non-finite float is the string ``"NaN"``,
-``"Infinity"`` or ``"-Infinity"`` (:func:`json_line`), which any JSON parser reads.
-Writing is best effort (:func:`append_line`): a record that cannot be written waits in
-memory and never raises into training.
+Design: docs/design/run.md
 """
 
 from __future__ import annotations
@@ -28,18 +29,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _dist, _options
+from . import _dist, _options, _runstate
 from ._log import logger
+from ._runstate import current
 
 _lock = threading.Lock()
-_output_dir: str | None = None
-_trainer_dir: str | None = None
-_checkpoint_dir: str | None = None
 # Where reports go when no run folder is known at all (a plain loop before its first save).
 DEFAULT_DIR = "training_patches"
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors")
-batch_ids: list[str] = []  # sample identifiers of the batch being trained on
-trainer_step: int | None = None  # the trainer's own step counter, when an integration knows it
 
 # The files the patches write into a run's folder, named here only (the patches that write
 # them and `report`, which reads them, take these names).
@@ -97,15 +94,14 @@ def sample_ids(batch: Any) -> list[str]:
 
 
 def set_output_dir(path: str | os.PathLike[str] | None) -> None:
-    """Where this run's patch files go (None: back to the option/env default)."""
-    global _output_dir
-    _output_dir = None if path is None else os.fspath(path)
+    """Where this run's patch files go (None: back to the option/env default). Said after a
+    run ended (``revert()``), it is the next run's: that run starts here."""
+    _runstate.start().output_dir = None if path is None else os.fspath(path)
 
 
 def set_trainer_dir(path: str | os.PathLike[str] | None) -> None:
     """The trainer's own output folder (an integration's default, below the user's choice)."""
-    global _trainer_dir
-    _trainer_dir = None if path is None else os.fspath(path)
+    _runstate.start().trainer_dir = None if path is None else os.fspath(path)
 
 
 _dir_providers: list[Callable[[], str | None]] = []
@@ -120,31 +116,30 @@ def register_dir_provider(provider: Callable[[], str | None]) -> None:
 def output_dir() -> str | None:
     """set_output_dir(), else TRAINING_PATCHES_OUTPUT_DIR, else the trainer's folder (as an
     integration reported it, or as a registered provider finds it)."""
-    found = _output_dir or _options.current().output_dir or _trainer_dir
+    run = current()
+    found = run.output_dir or _options.current().output_dir or run.trainer_dir
     for provider in reversed(_dir_providers):
         if found:
             break
         found = provider()
-    return found or _checkpoint_dir or None
+    return found or run.checkpoint_dir or None
 
 
 def saw_checkpoint(path: str | os.PathLike[str]) -> None:
     """A checkpoint is being written to ``path``: its folder is the run's, unless a better
     one is known (a plain loop tells us nothing else)."""
-    global _checkpoint_dir
     text = os.fspath(path)
     if text.endswith(CHECKPOINT_SUFFIXES) and "://" not in text:
-        _checkpoint_dir = os.path.dirname(os.path.abspath(text))
+        current().checkpoint_dir = os.path.dirname(os.path.abspath(text))
 
 
 def saw_checkpoint_folder(folder: str | os.PathLike[str]) -> None:
     """A checkpoint folder the run writes into (a ``CheckpointManager``'s): like
     :func:`saw_checkpoint`, for writers whose files are not named by a ``torch.save``
     path (temporary names, DCP folders)."""
-    global _checkpoint_dir
     text = os.fspath(folder)
     if "://" not in text:
-        _checkpoint_dir = os.path.abspath(text)
+        current().checkpoint_dir = os.path.abspath(text)
 
 
 def report_dir() -> str:
@@ -257,9 +252,19 @@ def append_jsonl(name: str, record: dict[str, Any]) -> str:
 # and one WARNING per file and failure says so; ``patches.stats()["evidence"]`` counts.
 
 MAX_WAITING = 10_000
-_waiting: dict[str, list[str]] = {}  # path -> lines not written yet, oldest first
-_failing: dict[str, str] = {}  # path -> the error of its current failure (warned once)
-_evidence = {"written": 0, "lost": 0, "write_failures": 0}
+
+
+class Writer:
+    """The run's evidence writer: what could not be written yet, and the counts."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, list[str]] = {}  # path -> lines not written yet, oldest first
+        self.failing: dict[str, str] = {}  # path -> the error of its current failure (warned once)
+        self.counts = {"written": 0, "lost": 0, "write_failures": 0}
+
+
+def _writer() -> Writer:
+    return current().part(Writer)
 
 
 def _write_lines(path: str, lines: list[str], *, shared: bool = False,
@@ -311,62 +316,65 @@ def append_line(path: str, line: str, *, shared: bool = False,
     per file and retried with the next line and at exit. ``shared`` and ``skip``: see
     :func:`_write_lines` (``skip()`` True: the line is not written). Returns False when
     ``skip()`` left the line out, else True (written, or waiting)."""
+    writer = _writer()
     with _lock:
-        lines = [*_waiting.get(path, ()), line]
+        lines = [*writer.waiting.get(path, ()), line]
         try:
             wrote = _write_lines(path, lines, shared=shared, skip_last=skip)
         except OSError as exc:
-            _keep(path, line, exc)
+            _keep(writer, path, line, exc)
             return True
-        _written(path, len(lines) - (not wrote))
-    if _waiting:
+        _written(writer, path, len(lines) - (not wrote))
+    if writer.waiting:
         retry_waiting()
     return wrote
 
 
-def _keep(path: str, line: str, exc: OSError) -> None:
-    waiting = _waiting.setdefault(path, [])
+def _keep(writer: Writer, path: str, line: str, exc: OSError) -> None:
+    waiting = writer.waiting.setdefault(path, [])
     waiting.append(line)
     if len(waiting) > MAX_WAITING:
         del waiting[0]
-        _evidence["lost"] += 1
-    _evidence["write_failures"] += 1
-    if path not in _failing:
-        _failing[path] = _error_text(exc)
+        writer.counts["lost"] += 1
+    writer.counts["write_failures"] += 1
+    if path not in writer.failing:
+        writer.failing[path] = _error_text(exc)
         logger.warning(
             "training-patches: could not write to %s (%s); training goes on as it would "
             "without the patches. The record is kept in memory (%d waiting) and written "
             "with the next one or at exit, once the file can be written; "
             "patches.stats()['evidence'] counts what is not written. Free space on that "
             "disk or make the folder writable, or point TRAINING_PATCHES_OUTPUT_DIR at "
-            "another folder for the next run.", path, _failing[path], len(waiting))
+            "another folder for the next run.", path, writer.failing[path], len(waiting))
 
 
-def _written(path: str, count: int) -> None:
-    waited = len(_waiting.pop(path, ()))
-    _evidence["written"] += count
-    if _failing.pop(path, None) is not None and waited:
+def _written(writer: Writer, path: str, count: int) -> None:
+    waited = len(writer.waiting.pop(path, ()))
+    writer.counts["written"] += count
+    if writer.failing.pop(path, None) is not None and waited:
         logger.warning("training-patches: %s can be written again: the %d record(s) that "
                        "waited in memory are written", path, waited)
 
 
-def retry_waiting() -> None:
+def retry_waiting(writer: Writer | None = None) -> None:
     """Try once more to write every line still waiting (each file in turn)."""
+    writer = writer or _writer()
     with _lock:
-        for path in list(_waiting):
+        for path in list(writer.waiting):
             try:
-                _write_lines(path, _waiting[path])
+                _write_lines(path, writer.waiting[path])
             except OSError:
                 continue
-            _written(path, len(_waiting[path]))
+            _written(writer, path, len(writer.waiting[path]))
 
 
 def where_recorded(path: str) -> str:
     """How a log line names the file a record went to: ``recorded in PATH``, or that it
     waits in memory because PATH cannot be written."""
-    if path in _waiting:
-        return (f"NOT yet recorded in {path} ({_failing.get(path, 'write failed')}; "
-                f"{len(_waiting[path])} record(s) wait in memory)")
+    writer = _writer()
+    if path in writer.waiting:
+        return (f"NOT yet recorded in {path} ({writer.failing.get(path, 'write failed')}; "
+                f"{len(writer.waiting[path])} record(s) wait in memory)")
     return f"recorded in {path}"
 
 
@@ -374,37 +382,38 @@ def evidence_stats() -> dict[str, int]:
     """``written``: records written; ``waiting``: records in memory that could not be
     written yet (retried); ``lost``: records given up (too many waiting, or a reset or
     exit with the file still unwritable); ``write_failures``: failed attempts."""
-    return {"written": _evidence["written"],
-            "waiting": sum(len(lines) for lines in _waiting.values()),
-            "lost": _evidence["lost"], "write_failures": _evidence["write_failures"]}
+    writer = _writer()
+    return {"written": writer.counts["written"],
+            "waiting": sum(len(lines) for lines in writer.waiting.values()),
+            "lost": writer.counts["lost"], "write_failures": writer.counts["write_failures"]}
 
 
-def _give_up(when: str) -> None:
+def _give_up(run: _runstate.Run, when: str) -> None:
     """Retry, then log what still waits (the lines themselves, so the log keeps them)."""
-    if not _waiting:
+    writer = run.existing(Writer)
+    if writer is None or not writer.waiting:
         return
-    retry_waiting()
+    retry_waiting(writer)
     with _lock:
-        for path, lines in _waiting.items():
-            _evidence["lost"] += len(lines)
+        for path, lines in writer.waiting.items():
+            writer.counts["lost"] += len(lines)
             logger.warning("training-patches: %d record(s) could not be written to %s (%s) "
                            "%s and are lost from that file; they were:\n%s", len(lines), path,
-                           _failing.get(path, "write failed"), when, "\n".join(lines))
-        _waiting.clear()
-        _failing.clear()
+                           writer.failing.get(path, "write failed"), when, "\n".join(lines))
+        writer.waiting.clear()
+        writer.failing.clear()
 
 
-atexit.register(_give_up, "at exit")
+atexit.register(lambda: _give_up(current(), "at exit"))
+_runstate.on_end(lambda run: _give_up(run, "at the end of the run"))
 
 
-def reset() -> None:
-    """Forget the output folders, the batch in hand and the trainer step; records still
-    waiting to be written are tried once more, then logged and counted as lost."""
-    global _output_dir, _trainer_dir, _checkpoint_dir, trainer_step
-    _give_up("before a reset of the run's state")
-    _evidence.update(written=0, lost=0, write_failures=0)
-    _output_dir = _trainer_dir = _checkpoint_dir = trainer_step = None
-    batch_ids.clear()
+def set_batch(batch: Any, step: int | None) -> None:
+    """The batch in hand (its sample ids: :func:`sample_ids`) and the trainer's step count,
+    as an integration knows them: events and records name them."""
+    run = current()
+    run.batch_ids = sample_ids(batch)
+    run.trainer_step = step
 
 
 def live_modules() -> Iterator[Any]:

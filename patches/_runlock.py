@@ -1,18 +1,10 @@
 """One run, one folder: a run folder is claimed by one process at a time.
 
-- :func:`claim_new_folder`: a new run folder that no other run has, created at once
-  (``os.mkdir`` fails when the name is taken, so two runs started together never get the
-  same one): the name asked for, else ``<name>-2``, ``<name>-3``, ...
-- :func:`lock_folder`: an exclusive lock on ``<folder>/.training-patches.lock``
-  (``fcntl.flock``), held until the process ends: the system lets go of it when the
-  process dies, however it dies, so a killed run never leaves a stale lock. A second
-  process asking for the same folder gets :class:`RunFolderInUse`, one paragraph naming
-  the process that holds it.
-- :func:`side_folder`: for a folder another trainer owns (the HF Trainer's ``output_dir``,
-  Lightning's ``default_root_dir``, F5's checkpoint folder), the hidden folder beside it,
-  ``.<name>.training-patches``, that holds the lock (``lock_folder(..., beside=True)``)
-  and the run records, so that the trainer's folder holds exactly what the trainer wrote:
-  code that lists it (upstream's own tests do) finds no file of ours.
+:func:`claim_new_folder` makes a folder no other run has (``<name>``, ``<name>-2``, ...);
+:func:`lock_folder` holds an ``fcntl.flock`` on ``.training-patches.lock`` until the process
+ends, however it ends (no stale lock), a second process getting :class:`RunFolderInUse`;
+:func:`side_folder` is the hidden ``.<name>.training-patches`` beside a folder another
+trainer owns, for the lock and the run records, so that its folder holds only what it wrote.
 """
 
 from __future__ import annotations
@@ -107,12 +99,9 @@ def _holder(lock: Path) -> str:
 
 def lock_folder(folder: str | os.PathLike[str], *, what: str = "run folder",
                 overwritten: str = "checkpoints and config.json", beside: bool = False) -> Path:
-    """Lock ``folder`` for this process (again: nothing to do); returns the lock file, in
-    ``folder`` or, with ``beside``, in its :func:`side_folder`.
-
-    Raises :class:`RunFolderInUse` when another process holds it. Where the system has no
-    ``flock`` (Windows, some network mounts) or the lock file cannot be made (a read-only
-    folder), nothing is locked."""
+    """Lock ``folder`` for this process; returns the lock file (in ``folder``, or with
+    ``beside`` in its :func:`side_folder`). :class:`RunFolderInUse` when another process holds
+    it; nothing is locked where there is no ``flock`` or the lock file cannot be made."""
     lock = (ensure_side_folder(folder) if beside else Path(folder)) / LOCK_NAME
     if fcntl is None:
         return lock

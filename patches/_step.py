@@ -9,7 +9,7 @@ decision made), the frozen rows kept, the record. Each optimizer gets one :class
 its first step: what the stages hand each other within that optimizer's step.
 
 The stages that act before the optimizer step exists run where the user's code calls
-them, and hand their results to the pipeline through :data:`CONTEXT`: the loss observed and
+them, and hand their results to the pipeline through :func:`context`: the loss observed and
 a bad micro-batch left out (nan_guard's ``Tensor.backward`` wrapper), the frozen rows'
 gradients zeroed (the freeze's gradient hooks: before the user's clip reads the norm), the
 clip's flag (``clip_grad_norm_``), the scaler's unscale and its own decision
@@ -32,12 +32,15 @@ import torch
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
+from . import _runstate
+
 PHASES = ("backward", "unscale", "clip", "resume_check", "decide", "hold", "step", "skip",
           "keep", "record")
 
 
 class StepContext:
-    """What the patches tell each other within one optimizer step (one per process).
+    """What the patches tell each other within one optimizer step (a part of the run:
+    :func:`context`).
 
     Thread-safety is the modules' own of before: the scaler's ``stepping`` flag is per
     thread (the optimizer step it covers runs in one); the rest is process-wide, as a
@@ -48,10 +51,9 @@ class StepContext:
         # grad_scaler writes, grad_clip and nan_guard read: the SafeGradScaler whose scale()
         # ran last and whose update() has not yet (weak: a dropped scaler is no longer pending)
         self._scaler: weakref.ref[Any] | None = None
+        # the SafeGradScaler that scaled a loss last (its stats are the scaler's stats)
+        self._latest: weakref.ref[Any] | None = None
         self._local = threading.local()  # .stepping: inside the scaler's optimizer.step()
-        # grad_scaler runs them at each update(), stepped or skipped (a skipped step runs
-        # no optimizer hook); nan_guard registers its step boundary
-        self._listeners: list[Callable[[], None]] = []
         # grad_clip writes, nan_guard takes (once): the latest clip's gradient ids and its
         # non-finite flag on the device, so one reduction serves the clip and the guard
         self._clip: tuple[frozenset[int], torch.Tensor] | None = None
@@ -62,18 +64,22 @@ class StepContext:
 
     def scaler_scaled(self, scaler: Any) -> None:
         """``scaler`` scaled a loss: it is pending until its ``update()``."""
-        self._scaler = weakref.ref(scaler)
+        self._scaler = self._latest = weakref.ref(scaler)
 
     def scaler_updated(self, scaler: Any) -> None:
         """``scaler.update()`` ran: it is no longer pending, and the iteration ends."""
         if self._scaler is not None and self._scaler() is scaler:
             self._scaler = None
-        for listener in self._listeners:
+        for listener in _listeners:
             listener()
 
     def pending_scaler(self) -> Any | None:
         """The SafeGradScaler that scaled a loss this iteration and has not updated yet."""
         return self._scaler() if self._scaler is not None else None
+
+    def latest_scaler(self) -> Any | None:
+        """The SafeGradScaler that scaled a loss last in this run (None: none, or dropped)."""
+        return self._latest() if self._latest is not None else None
 
     @property
     def scaler_stepping(self) -> bool:
@@ -84,16 +90,6 @@ class StepContext:
     @scaler_stepping.setter
     def scaler_stepping(self, value: bool) -> None:
         self._local.stepping = value
-
-    def on_iteration_end(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` at every SafeGradScaler ``update()`` (once per registration)."""
-        if callback not in self._listeners:
-            self._listeners.append(callback)
-
-    def forget_scaler(self) -> None:
-        """No scaler pending, none stepping (a new run; the listeners stay registered)."""
-        self._scaler = None
-        self._local.stepping = False
 
     # -- the clip (written by grad_clip, taken by nan_guard) ----------------------
 
@@ -132,7 +128,20 @@ class StepContext:
             self.phases = was
 
 
-CONTEXT = StepContext()
+# Run at every SafeGradScaler ``update()``, stepped or skipped (a skipped step runs no
+# optimizer hook): nan_guard's step boundary. Wiring, not run state: registered at enable.
+_listeners: list[Callable[[], None]] = []
+
+
+def on_iteration_end(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` at every SafeGradScaler ``update()`` (once per registration)."""
+    if callback not in _listeners:
+        _listeners.append(callback)
+
+
+def context() -> StepContext:
+    """The current run's step context."""
+    return _runstate.current().part(StepContext)
 
 
 # -- the pipeline ----------------------------------------------------------------------
@@ -209,7 +218,7 @@ def before_step(optimizer: Any, args: tuple[Any, ...],
         stages.hold_frozen(optimizer, args, kwargs, step)  # after the decision: it skips
     # torch now updates the parameters; a skip left every gradient None (a no-op update);
     # a fused step's device flag is read by the kernel: "step" either way on the host
-    CONTEXT.mark("skip" if step.decision is True else "step")
+    context().mark("skip" if step.decision is True else "step")
     return changed
 
 
@@ -259,3 +268,6 @@ def forget_decisions() -> None:
     views stay known: a step that raised left them in its optimizer's groups."""
     for step in list(_steps.values()):
         step.decision = step.for_scheduler = None
+
+
+_runstate.on_end(lambda run: forget_decisions())

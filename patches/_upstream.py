@@ -22,9 +22,7 @@ from urllib.parse import unquote, urlparse
 
 @functools.lru_cache(maxsize=None)
 def _distribution(distribution: str) -> importlib.metadata.Distribution | None:
-    """The installed distribution, or None: found once per process (a search of every
-    ``sys.path`` entry, about 0.15 ms a package at activation, issue 41), for its version and
-    for where its files are."""
+    """The installed distribution, or None: found once per process (a search of ``sys.path``)."""
     try:
         return importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -33,9 +31,8 @@ def _distribution(distribution: str) -> importlib.metadata.Distribution | None:
 
 @functools.lru_cache(maxsize=None)
 def distribution_version(distribution: str) -> str | None:
-    """The installed distribution's version: the ``Version:`` line of its metadata's header
-    (importlib.metadata parses the whole file, long description included, with the email
-    parser: about 1 ms a package at activation, issue 41), else importlib's own answer."""
+    """The installed distribution's version, read from its metadata's header (importlib's
+    parse of the whole file costs about 1 ms a package, issue 41)."""
     dist = _distribution(distribution)
     if dist is None:
         return None
@@ -51,11 +48,9 @@ _CLAUSE = re.compile(r"\s*(>=|<=|==|<|>)\s*(\d+(?:\.\d+)*)\s*")
 
 
 def version_in(version: str, supported: str) -> bool:
-    """Whether ``version`` is in the range ``supported`` (a PEP 440 specifier set). A plain
-    release against clauses of ``>=``, ``<``, ``<=``, ``>``, ``==`` on plain releases (every
-    integration's range) is compared here, releases padded with zeros as PEP 440 does;
-    anything else by ``packaging`` (about 5 ms to import, so not at every activation).
-    ``packaging.version.InvalidVersion`` (a ValueError) for a version it cannot read."""
+    """Whether ``version`` is in the PEP 440 range ``supported``: plain releases against
+    ``>=``/``<``/``<=``/``>``/``==`` clauses here, anything else by ``packaging`` (~5 ms to
+    import), whose InvalidVersion (a ValueError) says a version it cannot read."""
     clauses = [_CLAUSE.fullmatch(clause) for clause in supported.split(",")]
     if _RELEASE.fullmatch(version) and all(clauses):
         have = [int(part) for part in version.split(".")]
@@ -76,12 +71,9 @@ def version_in(version: str, supported: str) -> bool:
 
 @dataclass(frozen=True)
 class UpstreamVersion:
-    """The version of an integration's upstream that this process runs (or will import),
-    and where it was read: ``source`` is short (for the banner), ``detail`` names the path.
-
-    ``vendored``: the package that is (or will be) imported is not the installed
-    distribution's copy (a trainer that ships its own ``TTS/``).
-    """
+    """The version of an integration's upstream that this process runs (or will import):
+    ``source`` where it was read, in short (the banner), ``detail`` with the path;
+    ``vendored``: not the installed distribution's copy (a trainer shipping its own ``TTS/``)."""
 
     version: str | None
     source: str
@@ -112,9 +104,7 @@ def _is_distributions_copy(distribution: str, module: str, origin: str | None) -
 
 
 def _editable_source(dist: importlib.metadata.Distribution) -> str | None:
-    """The source folder of an editable install (``pip install -e``), from PEP 610's
-    ``direct_url.json``; None for any other install."""
-
+    """The source folder of an editable install (PEP 610's ``direct_url.json``), or None."""
     try:
         info = json.loads(dist.read_text("direct_url.json") or "{}")
     except (ValueError, OSError):
@@ -145,10 +135,7 @@ def _static_version(package_dir: str) -> str | None:
 
 
 def upstream_version(integ: Any) -> UpstreamVersion:
-    """The version of ``integ``'s upstream this process runs: the imported module's
-    ``__version__``; before the import, the copy ``import`` would find (the installed
-    distribution's metadata, or a vendored package's ``__version__``/``VERSION`` read
-    without importing it); package metadata only when the module states no version."""
+    """The version of ``integ``'s upstream this process runs (see the module's docstring)."""
     meta = distribution_version(integ.distribution)
     name = integ.module
     if not name:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +32,6 @@ class DatasetUnusableError(RuntimeError):
 # -- the report ---------------------------------------------------------------
 
 _lock = threading.Lock()
-_recorded: dict[str, set[str]] = {}   # report path -> keys written by this process
-_counts: dict[str, Counter[str]] = {}  # report path -> reason -> count (this process)
-
-
-def reset() -> None:
-    """Forget what this process wrote (a new run, or the next test)."""
-    with _lock:
-        _recorded.clear()
-        _counts.clear()
 
 
 def report_path() -> Path:
@@ -55,15 +45,12 @@ def sample_key(split: str, sample: dict[str, Any]) -> str:
 
 
 def record_drop(path: Path, key: str, entry: dict[str, Any]) -> bool:
-    """Append one dropped sample to the report unless ``key`` is already there; count it.
+    """Append one dropped sample to the report unless ``key`` is already there.
 
     Best effort (:func:`patches._run.append_line`): a report that cannot be read or
     written never stops the dataset; the entry waits in memory and is counted as new."""
     with _lock:
-        new = _append_once(path, key, entry)
-        if new:
-            _counts.setdefault(str(path), Counter())[str(entry.get("reason"))] += 1
-    return new
+        return _append_once(path, key, entry)
 
 
 def _append_once(path: Path, key: str, entry: dict[str, Any]) -> bool:
@@ -135,7 +122,7 @@ def _describe(options: Any) -> str:
 
 
 SPEC = register(PatchSpec(
-    name="dataset_guard", describe=_describe, reset=reset,
+    name="dataset_guard", describe=_describe,
     options=(Option("max_drop_share", share, 0.5,
                     "a fraction above 0 and at most 1, e.g. 0.5 (stop when more than half the "
                     "samples cannot be loaded)",

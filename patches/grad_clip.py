@@ -6,8 +6,8 @@ finite one clips exactly as torch does. Under a SafeGradScaler the clip is torch
 :func:`unscale_first` (``TRAINING_PATCHES_CLIP_UNSCALE_FIRST=1``) says ``max_norm`` limits
 the true gradients. Each clip leaves its non-finite flag in the step context for the NaN
 guard (docs/design/step.md): the user calls the clip before the optimizer step, so it is
-no stage of the step pipeline but hands it its flag. Also public: :func:`stats`, :func:`load_stats`, :func:`reset`,
-``SPEC``.
+no stage of the step pipeline but hands it its flag. Also public: :func:`stats`,
+:func:`load_stats`, ``SPEC``.
 
 Design: docs/design/grad_clip.md
 """
@@ -20,16 +20,23 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from . import _dist, _options, _step
+from . import _dist, _options, _run, _step
 from ._counters import DeviceCounters
 from ._log import logger
 from ._options import Option, flag
 from ._registry import PatchSpec, Site, register
 
-# Only the non-finite flag lives on the device; the other counts are known on the host.
-_counts = DeviceCounters("nonfinite_norms")
-_host = {"calls": 0, "unscaled_first": 0, "scaled_clips": 0}
-_warned_scaled = False  # the one-per-process warning about clipping scaled gradients
+class _Counts:
+    """The clip's counts in the run: only the non-finite flag lives on the device; the
+    other counts are known on the host."""
+
+    def __init__(self) -> None:
+        self.device = DeviceCounters("nonfinite_norms")
+        self.host = {"calls": 0, "unscaled_first": 0, "scaled_clips": 0}
+
+
+def _counts() -> _Counts:
+    return _run.current().part(_Counts)
 
 
 def unscale_first() -> bool:
@@ -38,10 +45,8 @@ def unscale_first() -> bool:
 
 
 def _warn_scaled_once(max_norm: float) -> None:
-    global _warned_scaled
-    if _warned_scaled:
+    if not _run.current().first_time("grad_clip.scaled"):
         return
-    _warned_scaled = True
     logger.warning(
         "grad_clip: clip_grad_norm_(max_norm=%g) ran on gradients a SafeGradScaler has not "
         "unscaled yet (they are the true gradients times the loss scale). They are clipped as "
@@ -87,29 +92,30 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return torch.tensor(0.0)
+    counts = _counts()
     with torch.no_grad():
-        scaler = _step.CONTEXT.pending_scaler()
+        scaler = _step.context().pending_scaler()
         done = scaler.unscaled_param_ids() if scaler is not None else frozenset()
         still_scaled = [] if scaler is None else [p for p in with_grad if id(p) not in done]
         if still_scaled and unscale_first():
             unscaled = [p.grad for p in with_grad if id(p) in done]
             total = _true_norm(unscaled, [p.grad for p in still_scaled], scaler.scale_tensor(),
                                norm_type, foreach)
-            _host["unscaled_first"] += 1
+            counts.host["unscaled_first"] += 1
         else:
             total = get_total_norm([p.grad for p in with_grad], norm_type, False, foreach)
             if still_scaled:
-                _host["scaled_clips"] += 1
+                counts.host["scaled_clips"] += 1
                 _warn_scaled_once(max_norm)
         nonfinite = ~torch.isfinite(total)
         # A zero norm gives a clip coefficient of 1: non-finite gradients stay as they are
         # for the scaler or the NaN guard to skip, finite ones are not destroyed.
         clip_grads_with_norm_(with_grad, max_norm, total.masked_fill(nonfinite, 0.0), foreach)
-        _counts.add("nonfinite_norms", _plain(nonfinite))
-    _host["calls"] += 1
+        counts.device.add("nonfinite_norms", _plain(nonfinite))
+    counts.host["calls"] += 1
     # The NaN guard takes this flag instead of reducing the same gradients again.
-    _step.CONTEXT.put_clip([p.grad for p in with_grad], nonfinite)
-    _step.CONTEXT.mark("clip")
+    _step.context().put_clip([p.grad for p in with_grad], nonfinite)
+    _step.context().mark("clip")
     return total
 
 
@@ -125,22 +131,16 @@ def _make(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 def stats() -> dict[str, int]:
-    return {**_host, **_counts.read()}
+    counts = _counts()
+    return {**counts.host, **counts.device.read()}
 
 
 def load_stats(counts: dict[str, int]) -> None:
     """Restore counts saved from :func:`stats` (e.g. on resume)."""
-    _counts.load(counts)
-    for name in _host:
-        _host[name] = int(counts.get(name, 0))
-
-
-def reset() -> None:
-    """Forget the counts, the latest clip's flag and whether the warning was logged."""
-    global _warned_scaled
-    load_stats({})
-    _step.CONTEXT.forget_clip()
-    _warned_scaled = False
+    mine = _counts()
+    mine.device.load(counts)
+    for name in mine.host:
+        mine.host[name] = int(counts.get(name, 0))
 
 
 def _describe(options: Any) -> str:
@@ -157,7 +157,6 @@ SPEC = register(PatchSpec(
         Site("torch.nn.utils", "clip_grad_norm_", _make, sweep=True),
         Site("torch.nn.utils.clip_grad", "clip_grad_norm_", _make),
     ),
-    reset=reset,
     stats=stats,
     load_stats=load_stats,
     options=(

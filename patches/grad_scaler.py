@@ -34,7 +34,6 @@ import math
 import os
 import sys
 import warnings
-import weakref
 from collections import defaultdict
 from collections.abc import Set
 from typing import Any, Callable
@@ -74,15 +73,13 @@ STATE_KEY = "training_patches"
 SCALE_FILE = _run.SCALE_FILE
 
 # What the scaler tells grad_clip and nan_guard within a step (the pending scaler, whether
-# it is stepping the optimizer itself, the iteration-end listeners) lives in _step.CONTEXT.
-# The scaler that scaled a loss last: only this module's stats() reads it.
-_latest: weakref.ref[SafeGradScaler] | None = None
+# it is stepping the optimizer itself, the latest scaler) lives in the run's step context.
 
 
 def on_iteration_end(callback: Callable[[], None]) -> None:
     """Call ``callback()`` after every SafeGradScaler ``update()`` (once per registration);
     a skipped step runs no optimizer hook, so this is where every iteration ends."""
-    _step.CONTEXT.on_iteration_end(callback)
+    _step.on_iteration_end(callback)
 
 
 class LossScaleFloorError(FloatingPointError):
@@ -216,10 +213,8 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
     # -- the training step -------------------------------------------------
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
-        global _latest
         if self._enabled:
-            _step.CONTEXT.scaler_scaled(self)
-            _latest = weakref.ref(self)
+            _step.context().scaler_scaled(self)
             if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
                 self._tp_last_loss = outputs.detach()
         return super().scale(outputs)
@@ -229,12 +224,12 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         if self._enabled:
             self._tp_unscaled.update(
                 id(p) for group in optimizer.param_groups for p in group["params"])
-            _step.CONTEXT.mark("unscale")
+            _step.context().mark("unscale")
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # A fused optimizer's path: the flags only (its kernel unscales and decides).
         found = super()._check_inf_per_device(optimizer)
-        _step.CONTEXT.mark("unscale")
+        _step.context().mark("unscale")
         return found
 
     def unscaled_param_ids(self) -> Set[int]:
@@ -294,15 +289,15 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
                     self._tp_agree(optimizer, state["found_inf_per_device"], scale)
                 state["stage"] = _torch_grad_scaler.OptState.STEPPED
                 self._tp_found_host.append(True)
-                _step.CONTEXT.mark("decide")
-                _step.CONTEXT.mark("skip")
+                _step.context().mark("decide")
+                _step.context().mark("skip")
                 return None
         result = super().step(optimizer, *args, **kwargs)
         if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
             # A fused optimizer's kernel read found_inf and stepped or skipped on the device:
             # no host decision to mark, only that the step ran (the pipeline marks it).
             if not _step.pipeline_on():
-                _step.CONTEXT.mark("step")
+                _step.context().mark("step")
             diverged = self._tp_diverged.pop(id(optimizer), None)
             if diverged is not None:  # no host read per step: read with the next stats line
                 unread = self._tp_diverged_unread
@@ -323,7 +318,7 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
                 _raise_diverged()
             found = bool(first + sum(v.item() for v in flags[1:]))
         self._tp_found_host.append(found)
-        context = _step.CONTEXT
+        context = _step.context()
         context.mark("decide")
         if found:
             context.mark("skip")
@@ -340,12 +335,12 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         if not self._enabled:
             return
         self._tp_unscaled.clear()
-        _step.CONTEXT.scaler_updated(self)  # no longer pending; the iteration's listeners
+        _step.context().scaler_updated(self)  # no longer pending; the iteration's listeners
         if new_scale is not None:
             super().update(new_scale)
             self._tp_mirror = None
             self._tp_found_host.clear()
-            _step.CONTEXT.mark("record")
+            _step.context().mark("record")
             return
         scale, tracker = self._check_scale_growth_tracker("update")
         found_infs = [
@@ -370,7 +365,7 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
         self._tp_counts.record_step(found > 0)
         self._tp_iteration += 1
         self._after_update(host_found)
-        _step.CONTEXT.mark("record")
+        _step.context().mark("record")
 
     def _update_scale(self, scale: torch.Tensor, tracker: torch.Tensor,
                       found: torch.Tensor) -> None:
@@ -443,12 +438,12 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
 
     def _report_scale_change(self, step: int, before: float, after: float, found: bool) -> None:
         if found or after != before:
-            record = {"step": step, "trainer_step": _run.trainer_step, "scale_before": before,
-                      "scale": after, "overflow": found}
+            record = {"step": step, "trainer_step": _run.current().trainer_step,
+                      "scale_before": before, "scale": after, "overflow": found}
             if found:  # was it the loss itself (a NaN batch) or only its gradients?
                 loss = self._tp_last_loss
                 record["loss"] = float(loss.float()) if loss is not None else None
-                record["samples"] = list(_run.batch_ids)
+                record["samples"] = list(_run.current().batch_ids)
             _run.append_jsonl(SCALE_FILE, record)
         self._tp_last_loss = None
         if after == before:
@@ -620,24 +615,17 @@ def sharded_scaler_class(original: type) -> type:
 
 def stepping() -> bool:
     """True inside an optimizer step a SafeGradScaler has already checked."""
-    return _step.CONTEXT.scaler_stepping
+    return _step.context().scaler_stepping
 
 
 def pending_scaler() -> SafeGradScaler | None:
     """The SafeGradScaler that scaled a loss this iteration and has not updated yet (a
     disabled one never becomes pending)."""
-    return _step.CONTEXT.pending_scaler()
+    return _step.context().pending_scaler()
 
 
 def latest_scaler() -> SafeGradScaler | None:
-    return _latest() if _latest is not None else None
-
-
-def reset() -> None:
-    """Forget which scaler is pending and which ran last."""
-    global _latest
-    _latest = None
-    _step.CONTEXT.forget_scaler()
+    return _step.context().latest_scaler()
 
 
 def stats() -> dict[str, float]:
@@ -677,7 +665,6 @@ SPEC = register(PatchSpec(
                   "and no floor"),
     ),
     requires=_missing_private_names,
-    reset=reset,
     stats=stats,
     options=(
         Option("init_scale", positive_float, 1024.0, "a number greater than 0, e.g. 1024",

@@ -527,22 +527,14 @@ def record(event: str, **fields: Any) -> str:
     return _run.record_in(_run.report_dir(), _run.LEARNING_FILE, event, **fields)
 
 
-_said: set[str] = set()
-
-
 def say_not_measured(why: str) -> None:
-    """Once per reason and process: the reading gap is not measured, and why."""
-    if why in _said:
+    """Once per reason and run: the reading gap is not measured, and why."""
+    if not _run.current().first_time(f"learning.not_measured:{why}"):
         return
-    _said.add(why)
     logger.warning("learning: the reading gap is not measured: %s. Nothing tells whether the "
                    "model reads its text; see TRAINING_PATCHES_README.md, \"Is it learning?\"",
                    why)
     record("not_measured", reason=why)
-
-
-def reset() -> None:
-    _said.clear()
 
 
 SPEC = register(PatchSpec(
@@ -550,7 +542,6 @@ SPEC = register(PatchSpec(
     describe=lambda o: (f"the reading gap of up to {o.reading_probe} held-out utterances per "
                         f"language at every evaluation (within {o.reading_budget:.0%} of the "
                         f"training time); a WARNING when a language is not read"),
-    reset=reset,
     options=(
         Option("reading_probe", positive_int, 32,
                "a whole number of utterances of at least 2, e.g. 32",

@@ -82,7 +82,9 @@ class _State:
         self.lock = threading.Lock()
 
 
-_state = _State()
+def _guard() -> _State:
+    """The guard's books in the current run."""
+    return _run.current().part(_State)
 
 
 # -- what integrations and plain loops tell the guard ------------------------
@@ -91,31 +93,36 @@ def observe_loss(loss: torch.Tensor) -> None:
     """Hand the guard this step's loss (no sync): a non-finite loss skips the step, and
     the loss-spike test needs it. Integrations call it; plain loops need not (the loss
     is seen when it is backpropagated), but may."""
-    _state.pending_loss = loss.detach().float().reshape(-1)[:1].squeeze(0)
-    _state.loss_from_backward = False
+    state = _guard()
+    state.pending_loss = loss.detach().float().reshape(-1)[:1].squeeze(0)
+    state.loss_from_backward = False
 
 
 def expect_accumulation(steps: int) -> None:
     """Tell the guard that optimizer steps accumulate ``steps`` micro-batches (an
     integration knows it from its config; plain loops are learned from their first step)."""
-    _state.accumulation_hint = steps > 1
+    state = _guard()
+    state.accumulation_hint = steps > 1
 
 
 def watch(model: torch.nn.Module, prefix: str = "") -> None:
     """Learn parameter names, so events say which gradients were non-finite."""
+    state = _guard()
     for name, param in model.named_parameters(prefix=prefix):
-        _state.names[id(param)] = name
+        state.names[id(param)] = name
 
 
 def set_replay(replay: Callable[[], dict[str, Any]] | None) -> None:
     """Register how to re-run the current batch (see :func:`find_nonfinite_source`)."""
-    _state.replay = replay
+    state = _guard()
+    state.replay = replay
 
 
 def replaying() -> bool:
     """True while :func:`find_nonfinite_source` re-runs a batch on this rank alone (an
     integration must then start no collective the other ranks would not join)."""
-    return _state.replaying
+    state = _guard()
+    return state.replaying
 
 
 # -- the decision ----------------------------------------------------------------
@@ -127,29 +134,32 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _protected(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> bool:
     """A GradScaler already decided this step (its own sync, or the fused protocol)."""
-    return (_step.CONTEXT.scaler_stepping or "grad_scaler" in kwargs
-            or (hasattr(optimizer, "found_inf") and id(optimizer) not in _state.set_found_inf))
+    state = _guard()
+    return (_step.context().scaler_stepping or "grad_scaler" in kwargs
+            or (hasattr(optimizer, "found_inf") and id(optimizer) not in state.set_found_inf))
 
 
 def _spike_flag(loss: torch.Tensor, opts: _options.Options) -> torch.Tensor | None:
+    state = _guard()
     if opts.spike_k <= 0:
         return None
-    if _state.window is None or _state.window.numel() != opts.spike_window:
-        _state.window = torch.zeros(opts.spike_window, device=loss.device)
-        _state.window_count = 0
-    if _state.window_count < opts.spike_window:
+    if state.window is None or state.window.numel() != opts.spike_window:
+        state.window = torch.zeros(opts.spike_window, device=loss.device)
+        state.window_count = 0
+    if state.window_count < opts.spike_window:
         return torch.zeros((), dtype=torch.bool, device=loss.device)
-    mean, std = _state.window.mean(), _state.window.std()
+    mean, std = state.window.mean(), state.window.std()
     return loss > mean + opts.spike_k * std
 
 
 def _remember_loss(loss: torch.Tensor, bad: torch.Tensor, opts: _options.Options) -> None:
     """Put a good step's loss into the spike window (masked with where: no sync)."""
-    if opts.spike_k <= 0 or _state.window is None:
+    state = _guard()
+    if opts.spike_k <= 0 or state.window is None:
         return
-    slot = _state.window_count % opts.spike_window
-    _state.window[slot] = torch.where(bad, _state.window[slot], loss.to(_state.window.device))
-    _state.window_count += 1
+    slot = state.window_count % opts.spike_window
+    state.window[slot] = torch.where(bad, state.window[slot], loss.to(state.window.device))
+    state.window_count += 1
 
 
 def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
@@ -167,6 +177,7 @@ def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
     one (else the step has no gradient anywhere). Without a process group:
     ``(bad, None, None)``.
     """
+    state = _guard()
     if not _dist.collectives():
         return bad, None, None
     if optimizer is not None and not sharded:
@@ -175,7 +186,7 @@ def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
             return _agree_carried(optimizer, bad, received)
     dist = torch.distributed
     shared = torch.stack([bad, bad_loss if bad_loss is not None else torch.zeros_like(bad),
-                          torch.full_like(bad, not _state.kept_none)]).to(torch.float32)
+                          torch.full_like(bad, not state.kept_none)]).to(torch.float32)
     dist.all_reduce(shared, op=dist.ReduceOp.MAX)
     agreed = shared > 0
     carrier = _ddp.known_carrier(optimizer) if optimizer is not None else None
@@ -214,7 +225,8 @@ def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
 
 def _loss_flags(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """This rank's flags for the reduction under way (no host read)."""
-    loss = None if _state.leaving_out else _state.pending_loss
+    state = _guard()
+    loss = None if state.leaving_out else state.pending_loss
     zero = torch.zeros((), dtype=torch.bool, device=device)
     if loss is None:
         bad = nonfinite = zero
@@ -223,7 +235,7 @@ def _loss_flags(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]
         nonfinite = ~torch.isfinite(value)
         spike = _spike_flag(value, _options.current())
         bad = nonfinite if spike is None else nonfinite | spike
-    kept = not (0 < _state.backwards <= _state.left_out)
+    kept = not (0 < state.backwards <= state.left_out)
     return bad, nonfinite, kept
 
 
@@ -243,11 +255,12 @@ def _agree_carried(optimizer: torch.optim.Optimizer, bad: torch.Tensor,
                    received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The agreement from the carried sums, with no collective: any rank's loss flag or this
     rank's gradient flag (the same on every rank: the gradients are reduced)."""
+    state = _guard()
     carrier = _ddp.known_carrier(optimizer)
     agreed = received > 0
     # every rank's last decision was carried: anything but none or all of them skipped is
     # ranks that diverged (a rank-local change of its gradients after the reduction)
-    _state.diverged = carrier.diverged()  # type: ignore[union-attr]
+    state.diverged = carrier.diverged()  # type: ignore[union-attr]
     decided = bad | agreed[0]
     carrier.last_skip = decided.to(torch.float32)  # type: ignore[union-attr]
     return decided, agreed[1], agreed[2]
@@ -260,9 +273,10 @@ def _local_flag(flag: torch.Tensor) -> torch.Tensor:
 
 def _step_boundary() -> None:
     """An optimizer step (taken, or skipped by a scaler): did it take several backwards?"""
-    _state.accumulating = _state.backwards > 1
-    _state.kept_none = 0 < _state.backwards <= _state.left_out
-    _state.backwards = _state.left_out = 0
+    state = _guard()
+    state.accumulating = state.backwards > 1
+    state.kept_none = 0 < state.backwards <= state.left_out
+    state.backwards = state.left_out = 0
 
 
 class _ClosureRun:
@@ -302,17 +316,18 @@ def _decide_stage(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
 
 
 def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any], step: _step.Step) -> None:
-    context = _step.CONTEXT
+    state = _guard()
+    context = _step.context()
     if not context.scaler_stepping:  # a scaler's step: its update() marks the boundary
         _step_boundary()
     if _protected(optimizer, kwargs):
-        _state.pending_loss = None
+        state.pending_loss = None
         return
     opts = _options.current()
     grads = _grads(optimizer)
-    loss = _state.pending_loss
-    _state.pending_loss = None
-    _state.diverged = None
+    loss = state.pending_loss
+    state.pending_loss = None
+    state.diverged = None
     if not grads and loss is None:
         return
     sharded = bool(grads) and _dist.is_dtensor(grads[0])
@@ -337,15 +352,15 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any], step: _ste
         spike = _spike_flag(loss, opts)
         bad = bad | bad_loss if spike is None else bad | bad_loss | spike
     bad, any_bad_loss, any_kept = _agree(bad, bad_loss, optimizer, sharded)
-    if _state.kept_none and any_kept is not None and not bool(any_kept):
+    if state.kept_none and any_kept is not None and not bool(any_kept):
         # Every micro-batch of this step was non-finite on every rank: the zero gradients
         # they left (see _zero_leaf_gradients) go, as one process leaves None, so the
         # optimizer leaves every parameter as it was (one read, on such a rank only).
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
-    _state.host_steps += 1
-    _state.counts["steps"] += 1
+    state.host_steps += 1
+    state.counts["steps"] += 1
     if loss is not None:
         _remember_loss(loss, bad, opts)
     context.mark("decide")
@@ -353,56 +368,58 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any], step: _ste
     if optimizer.defaults.get("fused") and not hasattr(optimizer, "found_inf"):
         # The fused kernel skips on found_inf by itself: no sync at all.
         optimizer.found_inf = bad.to(torch.float32)  # type: ignore[attr-defined]
-        _state.set_found_inf.add(id(optimizer))
+        state.set_found_inf.add(id(optimizer))
         step.decision = step.for_scheduler = bad
-        _state.deferred.append((_state.host_steps, bad, bad_grad, loss, spike,
-                                {"trainer_step": _run.trainer_step,
-                                 "samples": list(_run.batch_ids),
+        state.deferred.append((state.host_steps, bad, bad_grad, loss, spike,
+                                {"trainer_step": _run.current().trainer_step,
+                                 "samples": list(_run.current().batch_ids),
                                  "any_bad_loss": any_bad_loss}))
-        if _state.host_steps % opts.log_interval == 0:
+        if state.host_steps % opts.log_interval == 0:
             _log_stats()  # settles the flags
-        elif len(_state.deferred) >= min(opts.log_interval, opts.max_bad_steps):
+        elif len(state.deferred) >= min(opts.log_interval, opts.max_bad_steps):
             _settle_deferred()  # often enough for the consecutive-skips stop
         return  # the kernel applies it or skips it on the device
 
-    if _state.diverged is not None:  # DDP, the flags carried: read with the decision
-        skipped, diverged = (bool(v) for v in torch.stack([bad, _state.diverged]).tolist())
+    if state.diverged is not None:  # DDP, the flags carried: read with the decision
+        skipped, diverged = (bool(v) for v in torch.stack([bad, state.diverged]).tolist())
         if diverged:
             _raise_diverged()
     else:
         skipped = bool(bad.item())  # the one host sync of a guarded step
     step.decision = step.for_scheduler = skipped
     if not skipped:
-        _state.streak = 0
+        state.streak = 0
         if loss is not None:
-            _state.last_good_loss = loss
+            state.last_good_loss = loss
     else:
         # Recorded first: the event names the non-finite gradients, gone after the skip.
-        _on_bad_step(optimizer, _state.host_steps, bad_grad, loss, spike,
+        _on_bad_step(optimizer, state.host_steps, bad_grad, loss, spike,
                      any_bad_loss=any_bad_loss)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None  # the optimizer now skips every parameter: an exact no-op
-    if _state.host_steps % opts.log_interval == 0:
+    if state.host_steps % opts.log_interval == 0:
         _log_stats()
 
 
 def _record_stage(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any],
                   step: _step.Step) -> None:
-    if _step.CONTEXT.phases is not None and not _protected(optimizer, kwargs):
-        _step.CONTEXT.mark("record")  # the guard's step ends (a scaler's ends at update())
-    if not _step.CONTEXT.scaler_stepping:
+    state = _guard()
+    if _step.context().phases is not None and not _protected(optimizer, kwargs):
+        _step.context().mark("record")  # the guard's step ends (a scaler's ends at update())
+    if not _step.context().scaler_stepping:
         # Backwards inside the step (LBFGS evaluating its closure again) belong to it, not
         # to the next step: they are no accumulation. A scaler's update() ends its steps.
-        _state.backwards = _state.left_out = 0
-    if id(optimizer) in _state.set_found_inf:
-        _state.set_found_inf.discard(id(optimizer))
+        state.backwards = state.left_out = 0
+    if id(optimizer) in state.set_found_inf:
+        state.set_found_inf.discard(id(optimizer))
         del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def _settle_deferred() -> None:
     """Read the flags of fused steps (one copy) and handle their events."""
-    entries, _state.deferred = _state.deferred, []
+    state = _guard()
+    entries, state.deferred = state.deferred, []
     if not entries:
         return
     flags = torch.stack([entry[1] for entry in entries]).tolist()
@@ -411,9 +428,9 @@ def _settle_deferred() -> None:
             _on_bad_step(None, step, bad_grad, loss, spike, known,
                          any_bad_loss=known.get("any_bad_loss"))
         else:
-            _state.streak = 0
+            state.streak = 0
             if loss is not None:
-                _state.last_good_loss = loss  # known only now: no device work per step
+                state.last_good_loss = loss  # known only now: no device work per step
 
 
 # -- a bad step: record, explain, escalate -------------------------------------
@@ -430,7 +447,8 @@ def _learn_names(params: list[torch.Tensor]) -> None:
     model: ``block.1.weight``, never ``1.weight`` from the ``block`` inside it;
     :func:`patches._run.live_modules`), below the wrappers DDP and ``torch.compile`` add.
     """
-    wanted = {id(p) for p in params if id(p) not in _state.names}
+    state = _guard()
+    wanted = {id(p) for p in params if id(p) not in state.names}
     if not wanted:
         return
     best = 0
@@ -460,6 +478,7 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
+    state = _guard()
     if optimizer is None:
         return []
     # A bad step only: one read per parameter is acceptable here. DTensor gradients are
@@ -468,7 +487,7 @@ def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
            for i, p in enumerate(group["params"])
            if p.grad is not None and not bool(torch.isfinite(_dist.local(p.grad)).all())]
     _learn_names([p for _, _, p in bad])
-    return [_state.names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
+    return [state.names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
             for g, i, p in bad]
 
 
@@ -479,8 +498,9 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
     """Record a skipped step. ``known``: what the host knew at that step, when its flag is
     read later (fused optimizers); the batch is gone by then, so it is not replayed.
     ``any_bad_loss``: with several ranks, whether any rank's loss was non-finite."""
-    _state.streak += 1
-    trainer_step = known["trainer_step"] if known is not None else _run.trainer_step
+    state = _guard()
+    state.streak += 1
+    trainer_step = known["trainer_step"] if known is not None else _run.current().trainer_step
     loss_value = _value(loss)
     is_spike = bool(spike.item()) if spike is not None else False
     nonfinite_loss = loss_value is not None and not math.isfinite(loss_value)
@@ -489,7 +509,7 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
         grad_seen = False  # a peer's NaN loss, spread here by the gradient sync
     # Skipped only because another rank saw a bad value (the decision is agreed).
     peer = not (nonfinite_loss or grad_seen or is_spike)
-    counts = _state.counts
+    counts = state.counts
     counts["skipped"] += 1
     counts["peer_skips"] += peer
     counts["nonfinite_losses"] += nonfinite_loss
@@ -506,22 +526,22 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
         "loss": loss_value,
     }
     if not peer:  # a follower has no gradient list of its own (and no bogus one)
-        scaler = _step.CONTEXT.pending_scaler()
+        scaler = _step.context().pending_scaler()
         event["nonfinite_grads"] = _bad_grad_names(optimizer) if grad_seen else []
         event["scale"] = scaler.get_scale() if scaler is not None else None
-    event["samples"] = list(known["samples"] if known is not None else _run.batch_ids)
-    event["consecutive"] = _state.streak
+    event["samples"] = list(known["samples"] if known is not None else _run.current().batch_ids)
+    event["consecutive"] = state.streak
     if known is not None:
-        event["read_at_step"] = _state.host_steps  # the flag waited on the device till then
-    if _state.first_bad is None or _state.streak == 1:
-        _state.first_bad = event
+        event["read_at_step"] = state.host_steps  # the flag waited on the device till then
+    if state.first_bad is None or state.streak == 1:
+        state.first_bad = event
     opts = _options.current()
-    if (opts.replay and not _state.replayed and _state.replay is not None and not is_spike
+    if (opts.replay and not state.replayed and state.replay is not None and not is_spike
             and not peer and known is None):
-        _state.replayed = True
-        event["source"] = _state.replay()
+        state.replayed = True
+        event["source"] = state.replay()
     path = _run.append_jsonl(EVENTS_FILE, event)
-    _state.events_path = path
+    state.events_path = path
     where = (f"trainer step {trainer_step} (optimizer step {step})"
              if trainer_step is not None else f"optimizer step {step}")
     if peer:
@@ -541,14 +561,15 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
                        else "",
                        f"; source: {event['source']}" if event.get("source") else "",
                        _run.where_recorded(path))
-    if _state.streak >= opts.max_bad_steps:
+    if state.streak >= opts.max_bad_steps:
         _raise(step)
 
 
 def _raise_diverged() -> None:
+    state = _guard()
     raise NonFiniteTrainingError(
         f"nan_guard: the ranks did not all take the same decision at the last optimizer step "
-        f"(optimizer step {_state.host_steps - 1}): some skipped it and some took it, so the "
+        f"(optimizer step {state.host_steps - 1}): some skipped it and some took it, so the "
         f"DDP replicas now differ. Under DDP every rank's gradients are equal once reduced, and "
         f"the guard carries the loss flags in that reduction; ranks can only decide "
         f"differently when code on one rank changes its gradients AFTER the reduction (an "
@@ -558,16 +579,17 @@ def _raise_diverged() -> None:
 
 
 def _raise(step: int) -> None:
-    first = _state.first_bad or {}
-    last_loss = _value(_state.last_good_loss)
+    state = _guard()
+    first = state.first_bad or {}
+    last_loss = _value(state.last_good_loss)
     samples = first.get("samples") or []
     raise NonFiniteTrainingError(
-        f"nan_guard: {_state.streak} consecutive optimizer steps had non-finite loss or "
+        f"nan_guard: {state.streak} consecutive optimizer steps had non-finite loss or "
         f"gradients (the limit is {_options.current().max_bad_steps}), so the run stops at step "
         f"{step} instead of burning GPU hours"
         + (f" (a fused optimizer's skip flags are read every few steps: this was seen at "
-           f"optimizer step {_state.host_steps}; every step in between was skipped or "
-           f"trained exactly)" if _state.host_steps != step else "")
+           f"optimizer step {state.host_steps}; every step in between was skipped or "
+           f"trained exactly)" if state.host_steps != step else "")
         + f". The first bad step of this streak was step "
         f"{first.get('step')} (trainer step {first.get('trainer_step')}): "
         f"{first.get('kind')}, loss={first.get('loss')}, non-finite gradients: "
@@ -575,7 +597,7 @@ def _raise(step: int) -> None:
         f"{first.get('scale')}; samples in that batch: {', '.join(samples) or 'unknown'}. "
         f"The last finite loss was {last_loss}."
         + (f" Where it started: {first['source']}." if first.get("source") else "")
-        + f" Every skipped step is in {_state.events_path}. Try: a lower "
+        + f" Every skipped step is in {state.events_path}. Try: a lower "
         "learning rate; "
         "checking those samples (`training-patches report RUN_DIR` lists them); fp32 "
         "instead of fp16/bf16 (on a T4, disable fp16); TRAINING_PATCHES_ANOMALY=1 for one run to name the operation. "
@@ -583,9 +605,10 @@ def _raise(step: int) -> None:
 
 
 def _log_stats() -> None:
+    state = _guard()
     counts = stats()
     info("nan_guard stats @ step %d: skipped %d of %d optimizer steps (non-finite losses %d, "
-         "non-finite gradients %d, loss spikes %d%s)", _state.host_steps, counts["skipped"],
+         "non-finite gradients %d, loss spikes %d%s)", state.host_steps, counts["skipped"],
          counts["steps"], counts["nonfinite_losses"], counts["nonfinite_grads"], counts["spikes"],
          f", skipped for another rank {counts['peer_skips']}" if _dist.world_size() > 1 else "")
 
@@ -594,12 +617,13 @@ def record_trainer_skip(trainer: str, step: int | None, why: str) -> str:
     """Record a step that a trainer skipped by itself (DeepSpeed's fp16 loss scaler on an
     overflow): the guard never saw it, so without this it would be in no record. Returns
     where it was recorded."""
-    counts = _state.counts
+    state = _guard()
+    counts = state.counts
     counts["skipped"] += 1
-    event = {"step": step, "trainer_step": _run.trainer_step, "kind": "trainer_skip",
-             "trainer": trainer, "action": why, "samples": list(_run.batch_ids)}
+    event = {"step": step, "trainer_step": _run.current().trainer_step, "kind": "trainer_skip",
+             "trainer": trainer, "action": why, "samples": list(_run.current().batch_ids)}
     path = _run.append_jsonl(EVENTS_FILE, event)
-    _state.events_path = path
+    state.events_path = path
     logger.warning("nan_guard: %s skipped optimizer step %s by itself (%s); %s", trainer, step,
                    why, _run.where_recorded(path))
     return path
@@ -615,12 +639,13 @@ def settle() -> None:
 def _settle_at_exit() -> None:
     """Fused steps whose flags were never read (the last few of a run, below the settle
     interval): read and recorded at exit, so no skip goes unrecorded. Never raises."""
+    state = _guard()
     try:
         _settle_deferred()
     except Exception as exc:  # noqa: BLE001 - at exit: say it, never fail the process
         logger.warning("training-patches nan_guard: could not read the last fused steps' "
                        "flags at exit (%s); up to %d skip(s) may be unrecorded",
-                       exc, len(_state.deferred))
+                       exc, len(state.deferred))
 
 
 # Registered after patches._run's own handler (imported above), so it runs before it: the
@@ -636,53 +661,56 @@ def stats() -> dict[str, int]:
     saw; ``peer_skips`` counts steps skipped only because another rank saw a bad value;
     ``skipped_micro_batches`` counts micro-batches left out of an accumulated gradient.
     """
+    state = _guard()
     _settle_deferred()
-    return {**_state.counts, "consecutive_skips": _state.streak}
+    return {**state.counts, "consecutive_skips": state.streak}
 
 
 def load_stats(counts: dict[str, int]) -> None:
     """Restore counters saved from :func:`stats` (e.g. on resume)."""
-    for name in _state.counts:
-        _state.counts[name] = int(counts.get(name, 0))
-    _state.streak = int(counts.get("consecutive_skips", 0))
-    _state.host_steps = _state.counts["steps"]
+    state = _guard()
+    for name in state.counts:
+        state.counts[name] = int(counts.get(name, 0))
+    state.streak = int(counts.get("consecutive_skips", 0))
+    state.host_steps = state.counts["steps"]
 
 
 def reset(keep_replay: bool = True) -> None:
     """Forget counters, events and names (a new run in the same process)."""
-    global _state
-    replay = _state.replay
-    _state = _State()
+    replay = _guard().replay
+    state = _run.current().renew(_State)
     _step.forget_decisions()
     if keep_replay:
-        _state.replay = replay
+        state.replay = replay
 
 
 # -- micro-batches: a non-finite loss adds nothing to the accumulated gradient -------
 
 def _on_bad_micro_batch(loss: torch.Tensor) -> None:
-    counts = _state.counts
+    state = _guard()
+    counts = state.counts
     counts["nonfinite_losses"] += 1
     counts["skipped_micro_batches"] += 1
     value = float(loss.detach().float().reshape(-1)[0])
-    if _state.pending_loss is not None and not bool(torch.isfinite(_state.pending_loss)):
-        _state.pending_loss = None  # this loss was the one observed: it is dealt with here
+    if state.pending_loss is not None and not bool(torch.isfinite(state.pending_loss)):
+        state.pending_loss = None  # this loss was the one observed: it is dealt with here
     event = {
-        "step": _state.host_steps + 1,
-        "trainer_step": _run.trainer_step,
+        "step": state.host_steps + 1,
+        "trainer_step": _run.current().trainer_step,
         "kind": "nonfinite_loss",
         "micro_batch": True,
         "action": "left out of the accumulated gradient; the optimizer step uses the others",
         "loss": value,
-        "samples": list(_run.batch_ids),
+        "samples": list(_run.current().batch_ids),
     }
     opts = _options.current()
-    if opts.replay and not _state.replayed and _state.replay is not None:
-        _state.replayed = True
-        event["source"] = _state.replay()
+    if opts.replay and not state.replayed and state.replay is not None:
+        state.replayed = True
+        event["source"] = state.replay()
     path = _run.append_jsonl(EVENTS_FILE, event)
-    _state.events_path = path
-    where = (f"trainer step {_run.trainer_step}" if _run.trainer_step is not None
+    state.events_path = path
+    trainer_step = _run.current().trainer_step
+    where = (f"trainer step {trainer_step}" if trainer_step is not None
              else f"a micro-batch of optimizer step {event['step']}")
     logger.warning("nan_guard: %s: non-finite loss (%s); this micro-batch is left out of the "
                    "accumulated gradient and the optimizer step uses the others%s%s; "
@@ -721,19 +749,20 @@ def _zero_leaf_gradients(loss: torch.Tensor) -> Iterator[None]:
 def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None,
                  create_graph: bool = False, inputs: Any = None) -> Any:
+        state = _guard()
         if gradient is None and self.numel() == 1 and self.requires_grad and \
-                not _state.replaying:
-            _state.backwards += 1
-            if _state.pending_loss is None or _state.loss_from_backward:
+                not state.replaying:
+            state.backwards += 1
+            if state.pending_loss is None or state.loss_from_backward:
                 # no observe_loss() call: the loss being backpropagated is the one to record
                 observe_loss(self)
-                _state.loss_from_backward = True
-            if ((_state.accumulating or _state.accumulation_hint)
+                state.loss_from_backward = True
+            if ((state.accumulating or state.accumulation_hint)
                     and not bool(torch.isfinite(self.detach()).all())):
-                _state.left_out += 1
+                state.left_out += 1
                 if not _dist.collectives():
                     _on_bad_micro_batch(self)
-                    _step.CONTEXT.mark("backward")  # left out: this micro-batch is done
+                    _step.context().mark("backward")  # left out: this micro-batch is done
                     return None
                 # Several ranks: the peers' backward of this micro-batch may all-reduce
                 # (DDP's synced micro-batch, every micro-batch without no_sync) or
@@ -741,20 +770,20 @@ def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
                 # them waiting (a hang, or gloo aborting on mismatched collectives). So it
                 # runs, with exactly the same communication, and every parameter takes a
                 # zero gradient from it: the same micro-batch is left out on every rank.
-                _state.leaving_out = True  # its loss is no flag of the step's (DDP's carrier)
+                state.leaving_out = True  # its loss is no flag of the step's (DDP's carrier)
                 try:
                     with _zero_leaf_gradients(self):
                         result = original(self, gradient, retain_graph, create_graph, inputs)
                 finally:
-                    _state.leaving_out = False
+                    state.leaving_out = False
                 # Recorded (and replayed) only now: a replay's backward on this rank alone
                 # while DDP still expects this micro-batch's gradients would start a
                 # reduction of its own.
                 _on_bad_micro_batch(self)
-                _step.CONTEXT.mark("backward")
+                _step.context().mark("backward")
                 return result
             result = original(self, gradient, retain_graph, create_graph, inputs)
-            _step.CONTEXT.mark("backward")
+            _step.context().mark("backward")
             return result
         return original(self, gradient, retain_graph, create_graph, inputs)
     backward.__wrapped__ = original  # type: ignore[attr-defined]
@@ -776,7 +805,7 @@ def _make_next(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __next__(self: Any) -> Any:
         batch = original(self)
-        _run.batch_ids = _run.sample_ids(batch)
+        _run.current().batch_ids = _run.sample_ids(batch)
         return batch
     return __next__
 
@@ -831,6 +860,7 @@ def find_nonfinite_source(model: torch.nn.Module,
     are cleared: the run continues as if the replay never happened. Costs one slow step:
     call it for the first bad batch, never every step.
     """
+    state = _guard()
     found: dict[str, Any] = {}
 
     def hook(name: str) -> Callable[..., None]:
@@ -852,7 +882,7 @@ def find_nonfinite_source(model: torch.nn.Module,
     kept = [p.grad for p in params]
     for p in params:
         p.grad = None
-    _state.replaying = True
+    state.replaying = True
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
@@ -884,7 +914,7 @@ def find_nonfinite_source(model: torch.nn.Module,
             torch.cuda.set_rng_state_all(cuda_rng)
         for p, grad in zip(params, kept):
             p.grad = grad
-        _state.replaying = False
+        state.replaying = False
     return found
 
 
@@ -908,7 +938,7 @@ def _nothing_found_reason(model: torch.nn.Module) -> str:
 # -- the patch -----------------------------------------------------------------------
 
 def _enable(options: Any) -> None:
-    _step.CONTEXT.on_iteration_end(_step_boundary)
+    _step.on_iteration_end(_step_boundary)
     _ddp.carry_loss_flags(_loss_flags)
     _step.set_stage("decide", _decide_stage)
     _step.set_stage("record", _record_stage)
@@ -943,7 +973,6 @@ SPEC = register(PatchSpec(
         Site("torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__", _make_next,
              lost="events of a plain loop name no samples"),
     ),
-    reset=lambda: reset(keep_replay=False),
     stats=stats,
     load_stats=load_stats,
     options=(

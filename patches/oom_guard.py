@@ -43,22 +43,20 @@ class OutOfMemoryTrainingError(RuntimeError):
 
 
 class _State:
+    """The run's out-of-memory batches: the counts and the streak's descriptions."""
+
     def __init__(self) -> None:
         self.counts = {"oom_skipped": 0, "consecutive_ooms": 0}
         self.failed: list[dict[str, Any]] = []  # descriptions of the current streak
 
 
-_state = _State()
+def _oom() -> _State:
+    return _run.current().part(_State)
 
 
 def stats() -> dict[str, int]:
     """``oom_skipped`` (batches skipped in the run) and ``consecutive_ooms``."""
-    return dict(_state.counts)
-
-
-def reset() -> None:
-    """Forget the counts and the streak (a new run in the same process)."""
-    _state.__init__()
+    return dict(_oom().counts)
 
 
 def describe_batch(batch: Any) -> dict[str, Any]:
@@ -121,11 +119,12 @@ def on_oom(exc: BaseException, batch: Any, optimizers: Iterable[torch.optim.Opti
     """Handle one out-of-memory batch: release, count, log; raise when they repeat."""
     _release(optimizers)
     described = describe_batch(batch)
-    _state.failed.append(described)
-    _state.counts["oom_skipped"] += 1
-    _state.counts["consecutive_ooms"] += 1
+    state = _oom()
+    state.failed.append(described)
+    state.counts["oom_skipped"] += 1
+    state.counts["consecutive_ooms"] += 1
     limit = _options.current().max_oom_skips
-    streak = _state.counts["consecutive_ooms"]
+    streak = state.counts["consecutive_ooms"]
     first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
     event = {"kind": "out_of_memory", "trainer_step": step, **described, "error": first_line}
     path = _run.append_jsonl(_run.OOM_FILE, event)
@@ -136,8 +135,8 @@ def on_oom(exc: BaseException, batch: Any, optimizers: Iterable[torch.optim.Opti
         described["shapes"], ", ".join(described["samples"][:4]) or "unknown",
         _run.where_recorded(path))
     if streak >= limit:
-        failed = list(_state.failed)
-        _state.failed.clear()
+        failed = list(state.failed)
+        state.failed.clear()
         raise OutOfMemoryTrainingError(
             f"oom_guard: {streak} consecutive batches ran out of GPU memory (the limit is "
             f"{limit}, TRAINING_PATCHES_MAX_OOM_SKIPS), so the run stops: the batches do not "
@@ -148,9 +147,10 @@ def on_oom(exc: BaseException, batch: Any, optimizers: Iterable[torch.optim.Opti
 
 def on_success() -> None:
     """A batch went through: the streak ends."""
-    if _state.counts["consecutive_ooms"]:
-        _state.counts["consecutive_ooms"] = 0
-        _state.failed.clear()
+    state = _oom()
+    if state.counts["consecutive_ooms"]:
+        state.counts["consecutive_ooms"] = 0
+        state.failed.clear()
 
 
 @contextlib.contextmanager
@@ -169,7 +169,6 @@ SPEC = register(PatchSpec(
     name="oom_guard",
     describe=lambda o: (f"a batch that runs out of GPU memory is skipped, listed and freed "
                         f"(stop after {o.max_oom_skips} in a row, with sizes that fit)"),
-    reset=reset,
     stats=stats,
     options=(Option("max_oom_skips", positive_int, 3,
                     "a whole number of batches of at least 1, e.g. 3",

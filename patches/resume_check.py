@@ -40,10 +40,22 @@ from ._registry import PatchSpec, register
 LR_TOLERANCE = 0.01  # relative: an LR 1% off its scheduler's was not set by it
 STEP_TOLERANCE = 0.01  # relative, at least 2 steps: skipped steps may hold a scheduler back
 
-_checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_armed: dict[str, Any] = {}  # set by expect_resume: the next step of every optimizer is checked
+# Optimizers whose load_state_dict re-arms the check (a hook on the user's object, for
+# its life: wiring, not run state).
 _load_hooks: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_counts = {"resumes_checked": 0, "resume_problems": 0}
+
+
+class _Resumes:
+    """The run's checks: which optimizers were checked, the resume announced, the counts."""
+
+    def __init__(self) -> None:
+        self.checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.armed: dict[str, Any] = {}  # expect_resume: the next step of every optimizer
+        self.counts = {"resumes_checked": 0, "resume_problems": 0}
+
+
+def _resumes() -> _Resumes:
+    return _run.current().part(_Resumes)
 
 
 def expect_resume(step: int | None = None, *, scheduler_step: int | None = None,
@@ -54,9 +66,9 @@ def expect_resume(step: int | None = None, *, scheduler_step: int | None = None,
     optimizer steps, or the epochs of a per-epoch scheduler): its step count and the LR of
     its plan there are compared (None: not compared, e.g. a step count of batches under
     gradient accumulation, or steps a loss scaler skipped without the scheduler)."""
-    _armed.update(step=step, scheduler_step=scheduler_step, source=source)
-    for optimizer in list(_checked):
-        _checked.discard(optimizer)
+    resumes = _resumes()
+    resumes.armed.update(step=step, scheduler_step=scheduler_step, source=source)
+    resumes.checked.clear()
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int | None:
@@ -192,8 +204,9 @@ def check(optimizer: torch.optim.Optimizer, *, step: int | None = None,
             f"{target:,}{f' (trainer step {step:,})' if step is not None else ''}: it "
             f"{'restarted' if s < target else 'skipped ahead'}{plan}. Restore the scheduler "
             f"from the checkpoint the trainer's step came from")
-    _counts["resumes_checked"] += 1
-    _counts["resume_problems"] += len(problems)
+    counts = _resumes().counts
+    counts["resumes_checked"] += 1
+    counts["resume_problems"] += len(problems)
     path = _run.record_in(_run.report_dir(), _run.LEARNING_FILE, "resume", step=step,
                           optimizer_steps=steps, scheduler_steps=s, lr=lr,
                           scheduler_lr=sched_lr, planned_lr=planned,
@@ -213,18 +226,19 @@ def check(optimizer: torch.optim.Optimizer, *, step: int | None = None,
 def _check_stage(optimizer: torch.optim.Optimizer) -> None:
     """The step pipeline's first stage: an optimizer's first step (after a start, a resume
     or a ``load_state_dict``) is compared before anything of the step changes it."""
-    if optimizer in _checked:
+    resumes = _resumes()
+    if optimizer in resumes.checked:
         return
-    _checked.add(optimizer)
-    _step.CONTEXT.mark("resume_check")
+    resumes.checked.add(optimizer)
+    _step.context().mark("resume_check")
     if optimizer not in _load_hooks:  # a later load_state_dict re-arms the check
         _load_hooks.add(optimizer)
         optimizer.register_load_state_dict_post_hook(_on_load)
-    armed = dict(_armed)
-    _armed.clear()  # one resume, one check
+    armed = dict(resumes.armed)
+    resumes.armed.clear()  # one resume, one check
     step = armed.get("step")
     try:
-        check(optimizer, step=step if step is not None else _run.trainer_step,
+        check(optimizer, step=step if step is not None else _run.current().trainer_step,
               scheduler_step=armed.get("scheduler_step"), forced=bool(armed),
               source=armed.get("source", ""))
     except Exception as exc:  # noqa: BLE001 - a check must never end the run
@@ -233,7 +247,7 @@ def _check_stage(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _on_load(optimizer: torch.optim.Optimizer) -> None:
-    _checked.discard(optimizer)
+    _resumes().checked.discard(optimizer)
 
 
 def _enable(options: Any) -> None:
@@ -246,14 +260,7 @@ def _disable() -> None:
 
 def stats() -> dict[str, int]:
     """``resumes_checked``: first steps after a resume compared; ``resume_problems``."""
-    return dict(_counts)
-
-
-def reset() -> None:
-    _armed.clear()
-    for optimizer in list(_checked):
-        _checked.discard(optimizer)
-    _counts.update(resumes_checked=0, resume_problems=0)
+    return dict(_resumes().counts)
 
 
 SPEC = register(PatchSpec(
@@ -262,7 +269,6 @@ SPEC = register(PatchSpec(
                         "their step counts, the moments' shapes against the parameters"),
     enable=_enable,
     disable=_disable,
-    reset=reset,
     stats=stats,
 ))
 

@@ -30,13 +30,10 @@ from ._log import logger
 ROW_INITS = ("spelling", "romanized", "romanized_offset", "spread", "mean", "std0.02", "randn")
 # The rules that start a new row from its spelling (they need the grown tokenizer).
 SPELLED_RULES = ("spelling", "romanized", "romanized_offset")
-# The embedding rules under which a new language tag ([am]) starts, in the embedding, the
-# head and its bias, as the start token's rows where the layout has one (XTTS's [START], the
-# last row): the base model reads it as the beginning of a text and never predicts it.
+# The rules under which a new language tag ([am]) starts as the start token's rows (XTTS's
+# [START]), where the layout has one: the base model reads it as a text's beginning.
 TAGS_FROM_START = ("spelling", "romanized_offset")
-# The defaults, chosen on held-out configurations (docs/design/row_init.md, "Why the
-# default"; docs/benchmarks.md, issue 38): the embedding from the token's spelling, with a
-# start that no seed draws; the head at the old rows' own spread.
+# The defaults, chosen on held-out configurations (docs/design/row_init.md, "Why the default").
 DEFAULT_ROW_INIT = "spelling"
 DEFAULT_HEAD_ROW_INIT = "spread"
 # Rules kept working under their name, with one WARNING: why each is deprecated.
@@ -56,9 +53,8 @@ ROMANIZED_NOISE = 0.1
 # spelling: the same rows as romanized, their noise (and the fallback rows') drawn from this
 # fixed seed instead of the load's: the start is the same whatever the seed (no lottery).
 SPELLING_NOISE_SEED = 20261127
-# romanized_offset: how much of a spelled row's distance from the old mean it keeps, and the
-# shared offset's length in units of the old rows' mean distance from their mean
-# (docs/benchmarks.md, "A shared offset for the new language").
+# romanized_offset: the share of a spelled row's distance from the old mean it keeps, and the
+# shared offset's length in the old rows' mean distance from their mean.
 SPELLING_SHARE = 0.5
 OFFSET_LENGTH = 0.6
 # A language tag token, XTTS's form: [en], [am], [zh-cn].
@@ -71,11 +67,9 @@ COVARIANCE_SCALE = 1e-9
 class RowSources:
     """The trained rows each new row of a grown vocabulary starts from (the spelled rules).
 
-    ``sources``: new row -> the rows of the pieces its spelling encodes to. ``spelled``:
-    new row -> its token and its spelling. ``unspelled``: new row -> its token, for the rows
-    that fall back (no romaniser spells it, or its spelling encodes to no trained piece).
-    Rows are token ids of the grown tokenizer (the row of token ``i`` is row ``i``), or,
-    after :meth:`shifted`, rows of a layout with rows before token 0 (F5-TTS's filler).
+    ``sources``: new row -> the rows of its spelling's pieces; ``spelled``: -> its token and
+    spelling; ``unspelled``: -> its token, for the rows that fall back. Rows are the grown
+    tokenizer's ids, or after :meth:`shifted`, rows of a layout with rows before token 0.
     """
 
     sources: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
@@ -252,14 +246,10 @@ def tokenizer_format(path: str | os.PathLike[str]) -> str:
 
 class Tokens:
     """A tokenizer as the spelled rules read it: ``token(id)``, ``encode(text) -> ids`` (no
-    special token added), ``size`` (its ids; None when the object does not say), ``unk``
-    (-1: none) and ``name`` (its file, or its type).
-
-    From a file, by its content (:func:`tokenizer_format`): a Hugging Face ``tokenizers`` JSON
-    or a SentencePiece model. From an object: a ``tokenizers`` Tokenizer, a SentencePiece
-    processor, a Hugging Face ``transformers`` tokenizer (slow or fast: its own ids), or
-    anything holding one as ``.tokenizer``, ``.sp_model`` or ``.backend_tokenizer`` (coqui's
-    tokenizer). Anything else is a :class:`TokenizerReadError`."""
+    special token added), ``size`` (None when unknown), ``unk`` (-1: none) and ``name``. From
+    a file (a ``tokenizers`` JSON or a SentencePiece model, by its content), or an object: a
+    ``tokenizers``, SentencePiece or ``transformers`` tokenizer, or one holding it as
+    ``.tokenizer``, ``.sp_model`` or ``.backend_tokenizer``; else a TokenizerReadError."""
 
     def __init__(self, tokenizer: Any) -> None:
         if isinstance(tokenizer, (str, os.PathLike)):
@@ -360,12 +350,10 @@ class Tokens:
 
     def mismatch(self, tokens: int, trained: int, new_ids: Sequence[int],
                  last_kept: bool) -> str | None:
-        """Why this tokenizer is not the one of a model whose text rows hold ``tokens``
-        tokens, ``trained`` of them the checkpoint's and ``new_ids`` the new ones
-        (``last_kept``: the layout keeps its last row last, a start token or a slot); None
-        when it fits. Its size is the model's: below it only where nothing is kept last (rows
-        past the tokenizer are padding) and never at or below the trained tokens; none of its
-        :meth:`structural` tokens sits at a new id."""
+        """Why this tokenizer is not that of a model whose text rows hold ``tokens`` tokens,
+        ``trained`` of them the checkpoint's and ``new_ids`` new (``last_kept``: the layout
+        keeps its last row last); None when it fits: its size the model's (below it only where
+        nothing is kept last), above ``trained``, no :meth:`structural` token at a new id."""
         size = self.size
         if size is not None and (size > tokens or size <= trained or
                                  (last_kept and size != tokens)):
@@ -443,14 +431,10 @@ def romanized_sources(tokenizer: Any, rows: Iterable[int],
                       trained: Callable[[int], bool],
                       romanize: Callable[[str], tuple[str, str] | None] | None = None,
                       ) -> RowSources:
-    """For each new row in ``rows``: its token spelled by the registered romanisers
-    (:class:`patches.languages.Speller`; or ``romanize``, text -> (spelling, code) or None),
-    encoded with ``tokenizer`` (:func:`read_tokenizer`), and the pieces kept whose rows
-    ``trained(id)`` says hold trained values (never the unknown token). A row with no
-    spelling, or none of whose pieces is trained, is listed in ``unspelled`` (it falls back to
-    :data:`FALLBACK`); one whose token is a language tag (``[am]``, XTTS's form) in ``tags``
-    too. ``spelled_by`` counts the rows each romaniser spelled, ``failures`` the romanisers
-    that failed (raised, or returned no string)."""
+    """For each new row in ``rows``: its token spelled by the registered romanisers (or
+    ``romanize``, text -> (spelling, code) or None), encoded with ``tokenizer``, and the
+    pieces kept whose rows ``trained(id)`` says are trained (never the unknown token). A row
+    with no trained piece is ``unspelled`` (and in ``tags`` when it is a language tag)."""
     tokens = read_tokenizer(tokenizer)
     speller = languages.Speller() if romanize is None else None
     sources: dict[int, tuple[int, ...]] = {}

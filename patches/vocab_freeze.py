@@ -54,18 +54,12 @@ class _Entry:
 
 
 def _local_rows(path: str, param: torch.Tensor, rows: Sequence[range]) -> tuple[range, ...]:
-    """``rows`` (global row indices) as rows of ``param``'s local tensor on this rank.
-
-    A plain tensor: the rows themselves. A DTensor: its local shard holds the global rows
-    ``offset .. offset + local rows - 1`` of dim 0 (``compute_local_shape_and_global_offset``,
-    the layout FSDP2 and ``distribute_tensor`` use); only ``Shard``/``Replicate``
-    placements are mapped, anything else raises :class:`VocabFreezeError`.
-    """
+    """``rows`` (global row indices) as rows of ``param``'s local tensor on this rank: a
+    DTensor's shard holds the global rows ``offset ..`` of dim 0 (FSDP2's layout); only
+    ``Shard``/``Replicate`` placements are mapped, anything else is a VocabFreezeError."""
     if not _dist.is_dtensor(param):
         return tuple(rows)
-    # Only a DTensor gets here, so its module is loaded already; at module top it would cost
-    # every import of the package ~0.4 s.
-    from torch.distributed.tensor import Replicate, Shard  # lazy: heavy
+    from torch.distributed.tensor import Replicate, Shard  # lazy: heavy (~0.4 s at top)
     from torch.distributed.tensor._utils import (  # lazy: heavy
         compute_local_shape_and_global_offset)
     placements = tuple(param.placements)  # type: ignore[attr-defined]
@@ -113,10 +107,8 @@ def _join(*parts: str) -> str:
 
 
 def _vocab_targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], nn.Module] | None:
-    """(the vocabulary modules with their paths, the module owning them) by the known
-    layouts: ``text_embedding``/``text_head`` at the registered owner paths (XTTS, IndexTTS),
-    else the registered finders' (a Hugging Face model's input and output embeddings,
-    F5-TTS's ``text_embed``)."""
+    """(the vocabulary modules with their paths, their owner): ``text_embedding``/``text_head``
+    at the registered owner paths, else the registered finders' (Hugging Face, F5-TTS)."""
     hit = _find_owner(model)
     if hit is not None:
         path, owner = hit
@@ -205,9 +197,8 @@ def _entries(model: nn.Module, modules: Iterable[nn.Module | str] | None
 # -- the freeze ------------------------------------------------------------------
 
 _lock = threading.RLock()
-# id(parameter) -> the freeze holding it: a second freeze of the same rows replaces the
-# first. Keyed by id (a WeakKeyDictionary would compare tensors with ==); a live freeze
-# holds its parameters, so their ids cannot be reused while an entry exists.
+# id(parameter) -> the freeze holding it (a WeakKeyDictionary would compare tensors with ==;
+# a live freeze holds its parameters, so their ids are not reused while an entry exists).
 _by_param: weakref.WeakValueDictionary[int, VocabFreeze] = weakref.WeakValueDictionary()
 
 
@@ -218,9 +209,8 @@ def freeze_of(param: torch.Tensor) -> VocabFreeze | None:
 
 
 def _storage(param: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
-    """(data pointer, shape) of ``param``'s local tensor: the same tensor reached under two
-    names (``gpt.*`` of an Xtts, ``xtts.gpt.*`` of its GPTTrainer) or through a new
-    Parameter object over the same memory. None where there is no memory (meta)."""
+    """(data pointer, shape) of ``param``'s local tensor, to know one tensor under two names
+    or Parameter objects; None where there is no memory (meta)."""
     local = _dist.local(param)
     ptr = local.data_ptr() if local.device.type != "meta" else 0
     return (ptr, tuple(local.shape)) if ptr else None
@@ -240,10 +230,8 @@ def _freezes_of(params: Iterable[torch.Tensor]) -> list[VocabFreeze]:
     return list(found.values())
 
 
-# Every live freeze, held weakly: a model thrown away takes its freeze with it. The step
-# pipeline's freeze stages (patches._step) serve them all: set with the first freeze and
-# kept (they cost an empty loop, and clearing them could happen inside torch's loop over
-# the hooks), so 100 models frozen in turn leave one pair of hooks, not 100.
+# Every live freeze, held weakly. The step pipeline's freeze stages serve them all, set with
+# the first freeze and kept (clearing them could happen inside torch's loop over the hooks).
 _live: weakref.WeakSet[VocabFreeze] = weakref.WeakSet()
 _stages_set = False
 
@@ -262,7 +250,7 @@ def _keep_stage(optimizer: torch.optim.Optimizer, step: _step.Step) -> None:
     held, step.held = step.held, set()
     holders = [handle for handle in live_freezes() if handle._holds(optimizer)]
     if holders:
-        _step.CONTEXT.mark("keep")
+        _step.context().mark("keep")
     for handle in holders:
         handle._after_step(optimizer, held=id(handle) in held, skipped=step.decision)
 
@@ -278,16 +266,9 @@ def _set_stages() -> None:
             _stages_set = True
 
 
-# -- keeping the optimizer off the frozen rows ------------------------------------------
-#
-# For an optimizer whose update of an element depends only on that element's gradient, its
-# own state and the group's numbers (these classes, exactly: not subclasses), stepping a
-# row-slice view of a tensor gives those rows bit for bit what stepping the whole tensor
-# gives them. So, for the step, the optimizer's group holds a view of the TRAINABLE rows in
-# place of the frozen tensor (its state: views of the same rows of the tensor's state), and
-# the frozen rows are never touched: no weight decay, no momentum, no copy back, and no
-# stored copy of them. The view is put back right after the step. Every other optimizer
-# (LBFGS, a closure, a sparse gradient, a DTensor, a class not listed) keeps the restore.
+# -- keeping the optimizer off the frozen rows (docs/design/vocab_freeze.md) -------------
+# These classes (exactly) update an element from its own gradient and state alone, so a step
+# of a view of the trainable rows is bit for bit the whole tensor's step on those rows.
 _ROW_WISE: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam,
     torch.optim.RAdam, torch.optim.Adamax, torch.optim.RMSprop)
@@ -304,8 +285,7 @@ class _Swap:
     rows: range
 
 
-# The swaps of a step, the freezes that held its rows and its decision live in the
-# optimizer's patches._step.Step. Its state_dict hooks put the views back first:
+# A step's swaps live in the optimizer's patches._step.Step; its state_dict hooks put them back:
 _hooked: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
     weakref.WeakKeyDictionary())
 
@@ -327,13 +307,13 @@ def _hold_stage(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any,
     prepare stage put back any views a raising step left, in this same pipeline run."""
     decision = step.decision
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    # A closure's backward would make new gradients after the views took theirs, unless the
-    # NaN guard ran it already (it decides after running it; the step's call gets its result)
+    # a closure's backward would make new gradients after the views took theirs, unless the
+    # NaN guard ran it already (the decision comes after it)
     row_wise = type(optimizer) in _ROW_WISE and (closure is None or decision is not None)
     held: set[int] = set()
     holders = [handle for handle in live_freezes() if handle._holds(optimizer)]
     if holders:
-        _step.CONTEXT.mark("hold")
+        _step.context().mark("hold")
     for handle in holders:
         if row_wise and handle._hold(optimizer):
             held.add(id(handle))
@@ -373,17 +353,6 @@ def _put_back(optimizer: torch.optim.Optimizer, *_: Any) -> None:
                 full[key] = value
 
 
-def _track(handle: VocabFreeze) -> None:
-    with _lock:
-        _live.add(handle)
-    _set_stages()
-
-
-def _untrack(handle: VocabFreeze) -> None:
-    with _lock:
-        _live.discard(handle)
-
-
 def live_freezes() -> list[VocabFreeze]:
     """The freezes in effect now (for tests and reports)."""
     return [handle for handle in list(_live) if not handle.released]
@@ -409,8 +378,8 @@ class VocabFreeze:
         self.rows = frozen_rows(vocab_size, base_vocab_size, start_row_last=start_row_last)
         self.until_step = until_step
         self._steps = 0  # steps known on the host to be taken
-        # Fused steps whose skip flags stay on the device: their number, and the sum of
-        # their flags (one tiny add a step, read only when the count could reach until_step)
+        # fused steps whose skip flags stay on the device, and their sum (read only when
+        # the count could reach until_step)
         self._device_steps = 0
         self._device_skips: torch.Tensor | None = None
         self._copy_dropped = False  # a held step dropped the stored copy (no longer needed)
@@ -433,27 +402,25 @@ class VocabFreeze:
         return new_rows(self.vocab_size, self.base_vocab_size, start_row_last=self.start_row_last)
 
     def frozen_values(self) -> dict[str, torch.Tensor]:
-        """The base rows of each tensor (the values they are kept at): the stored copy, or
-        where held steps made it unneeded, a copy of the rows themselves."""
-        if self.released:
-            return {}
-        return {entry.path: entry.stored if entry.stored is not None else self._base(entry)
-                for entry in self._entries}
+        """The base rows of each tensor (the values they are kept at)."""
+        return {} if self.released else {e.path: self._kept(e) for e in self._entries}
 
     def kept_rows(self) -> list[tuple[nn.Parameter, list[tuple[range, torch.Tensor]]]]:
-        """Each frozen tensor with the rows it is kept at: ``(param, [(rows, values)])``,
-        this rank's rows of it (for a trainer that keeps its own copies of the weights,
-        such as DeepSpeed's fp32 master partitions, to put back as well)."""
-        out = []
-        for entry in self._entries if not self.released else ():
-            stored = entry.stored if entry.stored is not None else self._base(entry)
-            pieces, start = [], 0
-            for r in entry.local_rows:
-                n = r.stop - r.start
-                pieces.append((r, stored[start:start + n]))
-                start += n
-            out.append((entry.param, pieces))
-        return out
+        """Each frozen tensor with this rank's rows of it and their kept values,
+        ``(param, [(rows, values)])`` (for DeepSpeed's fp32 master partitions)."""
+        return [(e.param, list(self._pieces(e, self._kept(e))))
+                for e in (self._entries if not self.released else ())]
+
+    def _kept(self, entry: _Entry) -> torch.Tensor:
+        """The stored copy, or where held steps made it unneeded, the rows themselves."""
+        return entry.stored if entry.stored is not None else self._base(entry)
+
+    @staticmethod
+    def _pieces(entry: _Entry, stored: torch.Tensor) -> Iterable[tuple[range, torch.Tensor]]:
+        start = 0
+        for r in entry.local_rows:
+            yield r, stored[start:start + len(r)]
+            start += len(r)
 
     def covers_same(self, other: VocabFreeze) -> bool:
         """True when ``other`` freezes the same tensors (by memory) at the same rows."""
@@ -494,9 +461,8 @@ class VocabFreeze:
     # -- hooks ---------------------------------------------------------------
 
     def _grad_hook(self) -> Any:
-        # torch keeps tensor hooks alive from C++, where the garbage collector cannot see a
-        # cycle through them: hold the freeze weakly. The modules' load-state-dict hooks
-        # (plain Python references) keep it alive exactly as long as the model.
+        # torch keeps tensor hooks alive from C++, out of the garbage collector's sight: held
+        # weakly (the modules' load-state-dict hooks keep the freeze as long as the model).
         ref = weakref.ref(self)
 
         def zero_base_rows(param: torch.Tensor) -> None:
@@ -508,26 +474,34 @@ class VocabFreeze:
     def _entry_of(self, param: torch.Tensor) -> _Entry | None:
         return next((entry for entry in self._entries if entry.param is param), None)
 
+    def _hook(self, entry: _Entry) -> None:
+        entry.grad_hook = entry.param.register_post_accumulate_grad_hook(self._grad_hook())
+        _by_param[id(entry.param)] = self
+
+    def _unhook(self, entry: _Entry) -> None:
+        if entry.grad_hook is not None:
+            entry.grad_hook.remove()
+            entry.grad_hook = None
+        if _by_param.get(id(entry.param)) is self:
+            del _by_param[id(entry.param)]
+
     def _attach(self) -> None:
         for entry in self._entries:
-            entry.grad_hook = entry.param.register_post_accumulate_grad_hook(self._grad_hook())
-            _by_param[id(entry.param)] = self
+            self._hook(entry)
         owners = {id(entry.module): entry.module for entry in self._entries}
         self._load_hooks = [mod.register_load_state_dict_post_hook(self._after_load)
                             for mod in owners.values()]
-        _track(self)
+        with _lock:
+            _live.add(self)
+        _set_stages()
 
     def _rehook(self, entry: _Entry, param: nn.Parameter) -> None:
         """The module got a new Parameter object (``load_state_dict(assign=True)``)."""
-        if entry.grad_hook is not None:
-            entry.grad_hook.remove()
-        if _by_param.get(id(entry.param)) is self:
-            del _by_param[id(entry.param)]
+        self._unhook(entry)
         self._ids.discard(id(entry.param))
         entry.param = param
         self._ids.add(id(param))
-        entry.grad_hook = param.register_post_accumulate_grad_hook(self._grad_hook())
-        _by_param[id(param)] = self
+        self._hook(entry)
         self._holders = weakref.WeakKeyDictionary()
         logger.debug("%s %s was replaced by a new parameter; the freeze follows it", TAG,
                      entry.path)
@@ -543,8 +517,7 @@ class VocabFreeze:
             grad[r.start:r.stop].zero_()
 
     def _after_load(self, module: nn.Module, incompatible: Any) -> None:
-        # The coqui Trainer restores weights after the model (and this freeze) was built:
-        # keep what was loaded, not the rows of the fresh model.
+        # the coqui Trainer restores weights after the freeze: keep what was loaded
         self.refresh()
         logger.debug("%s stored base rows refreshed after load_state_dict", TAG)
 
@@ -577,8 +550,7 @@ class VocabFreeze:
             with torch.no_grad():
                 self._map_rows(entry)
                 entry.stored = self._base(entry)
-                if param.grad is not None:  # this step's backward ran before the hook
-                    self._zero_grad_rows(param)
+                self._zero_grad_rows(param)  # this step's backward ran before the hook
 
     def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
         size = sum(len(group["params"]) for group in optimizer.param_groups)
@@ -665,11 +637,8 @@ class VocabFreeze:
                 if stored.device != param.device or stored.dtype != param.dtype:
                     # the model moved (.cuda(), .half()) after the freeze: move the copy once
                     stored = entry.stored = stored.to(param.device, param.dtype)
-                start = 0
-                for r in entry.local_rows:
-                    n = r.stop - r.start
-                    param[r.start:r.stop].copy_(stored[start:start + n])
-                    start += n
+                for r, values in self._pieces(entry, stored):
+                    param[r.start:r.stop].copy_(values)
 
     def _count(self, skipped: Any) -> None:
         """Count a step toward ``until_step`` if it was taken. ``skipped``: the step's
@@ -700,16 +669,12 @@ class VocabFreeze:
     def remove(self) -> None:
         """Stop freezing: take every hook out and drop the stored rows."""
         with _lock:
-            _untrack(self)
+            _live.discard(self)
             for hook in self._load_hooks:
                 hook.remove()
             self._load_hooks = []
             for entry in self._entries:
-                if entry.grad_hook is not None:
-                    entry.grad_hook.remove()
-                    entry.grad_hook = None
-                if _by_param.get(id(entry.param)) is self:
-                    del _by_param[id(entry.param)]
+                self._unhook(entry)
                 entry.stored = None
             self.released = True
 
@@ -727,22 +692,19 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
     """Keep rows of the base vocabulary bit-identical while the new rows train.
 
     Args:
-        model: an XTTS ``GPTTrainer`` (``model.xtts.gpt``), an XTTS ``GPT``, an
-            IndexTTS-style ``UnifiedVoice`` (``text_embedding``/``text_head``), a DDP
-            wrapper of one, or any model whose vocabulary modules are named in ``modules``.
-        base_vocab_size: tokens of the original (pretrained) tokenizer, e.g. 12000. For
-            XTTS tokens and rows are the same; an IndexTTS ``UnifiedVoice`` has one extra
-            slot row after its tokens (see :func:`row_layout`), which is kept last and frozen.
-        modules: the embedding/head modules (objects or dotted paths); their ``weight``
-            and ``bias`` are frozen row-wise. Default: ``text_embedding`` and ``text_head``.
-        until_step: release the freeze after this many optimizer steps (two-stage
-            recipe: new rows first, then everything). Steps a GradScaler or the NaN guard
-            skips do not count.
-        start_row_last: whether the base vocabulary's start-text row sits in the last
-            row (XTTS); ``None`` decides with the owner's registered layout
-            (:func:`patches.vocab_rows.row_layout`).
-        leading_rows: rows before token 0 that are no token, frozen with the base (F5-TTS's
-            ``text_embed`` has a filler row 0 and token ``i`` at row ``i + 1``: ``1``).
+        model: an XTTS ``GPTTrainer`` or ``GPT``, an IndexTTS-style ``UnifiedVoice``
+            (``text_embedding``/``text_head``), a DDP wrapper of one, a Hugging Face or
+            F5-TTS model, or any model whose vocabulary modules are named in ``modules``.
+        base_vocab_size: tokens of the original (pretrained) tokenizer, e.g. 12000 (an
+            IndexTTS ``UnifiedVoice``'s extra slot row after them is kept last and frozen).
+        modules: the embedding/head modules (objects or dotted paths) whose ``weight`` and
+            ``bias`` are frozen row-wise. Default: ``text_embedding`` and ``text_head``.
+        until_step: release the freeze after this many optimizer steps (new rows first,
+            then everything); skipped steps do not count.
+        start_row_last: whether the base's start-text row sits in the last row (XTTS);
+            ``None`` decides with the owner's layout (:func:`patches.vocab_rows.row_layout`).
+        leading_rows: rows before token 0 that are no token, frozen with the base (``1``
+            for F5-TTS's ``text_embed``, token ``i`` at row ``i + 1``).
 
     Returns the :class:`VocabFreeze` handle; ``handle.remove()`` ends the freeze.
     Freezing rows already frozen replaces the earlier freeze.
@@ -774,8 +736,7 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
         handle = VocabFreeze(entries, vocab_size, base_vocab_size, start_last,
                              None if until_step is None else int(until_step), root=model,
                              layout=layout)
-        # The same tensors frozen again with the same rows (XTTS: the loader freezes
-        # Xtts's gpt.*, the GPTTrainer hook then xtts.gpt.*, one model): one freeze, one block.
+        # the same tensors and rows frozen again (XTTS's loader, then its GPTTrainer hook)
         same = len(previous) == 1 and previous[0].covers_same(handle)
         for earlier in previous:
             logger.debug("%s replacing the earlier freeze of %s", TAG, ", ".join(earlier.paths))
@@ -854,8 +815,7 @@ def _describe_patch(opts: _options.Options) -> str:
             f"warn that no such model was found")
 
 
-# Set when an optimizer's first step found no model to freeze and no freeze was live: the
-# one paragraph of that warning (what status() then says). None: not (yet) the case.
+# The paragraph of the "not applied" warning, for status(); None while there was none.
 _not_applied: str | None = None
 
 
@@ -900,11 +860,10 @@ def _embeddings_of(params: set[int]) -> list[str]:
 def _warn_not_applied(optimizer: torch.optim.Optimizer, base: int) -> None:
     """No model with a known layout at an optimizer's first step, and no freeze anywhere:
     a WARNING (an error under STRICT), never silence."""
-    global _not_applied
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     found = _embeddings_of(params)
     names = [item.split(" (")[0] for item in found][:2]
-    _not_applied = (
+    not_applied(
         f"TRAINING_PATCHES_BASE_VOCAB={base} is set, but the model that "
         f"{type(optimizer).__name__} trains has no vocabulary layout the freeze knows "
         f"(text_embedding and text_head, as XTTS's GPT and IndexTTS's UnifiedVoice have, a "
@@ -912,19 +871,11 @@ def _warn_not_applied(optimizer: torch.optim.Optimizer, base: int) -> None:
         f"NOTHING IS FROZEN, every base row trains. Its embeddings: "
         f"{', '.join(found) or 'none found'}. Name them after building the model: "
         f"patches.advanced.freeze_base_vocab(model, {base}, modules={names or ['...']!r})")
-    message = f"{TAG} {_not_applied}"
-    if _options.current().strict:
-        raise VocabFreezeError(message + " (TRAINING_PATCHES_STRICT=1 makes this an error)")
-    logger.warning(message)
 
 
 def _roots_of(params: set[int]) -> list[nn.Module]:
     """The outermost live modules holding any of ``params`` whose vocabulary a known layout
-    finds (a text embedding, a Hugging Face model's input embeddings).
-
-    Found once per optimizer, at its first step (:func:`patches._run.live_modules`): a
-    plain loop never tells the library which model it trains.
-    """
+    finds (asked at an optimizer's first step: a plain loop never names its model)."""
     found: list[nn.Module] = []
     for module in _run.live_modules():
         hit = _vocab_targets(module)
@@ -954,8 +905,7 @@ def _discover(optimizer: torch.optim.Optimizer) -> None:
         handle = freeze_base_vocab(model, base)
         with torch.no_grad():  # this step's backward ran before the freeze existed
             for entry in handle._entries:
-                if entry.param.grad is not None:
-                    handle._zero_grad_rows(entry.param)
+                handle._zero_grad_rows(entry.param)
     _hook_optimizer(optimizer)  # this very step is held already
     if not live_freezes() and _not_applied is None:
         _warn_not_applied(optimizer, base)

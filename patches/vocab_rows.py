@@ -1,18 +1,12 @@
-"""The rows of a text vocabulary: which rows belong to the base vocabulary (frozen, kept
-when it grows) and which are new, for every layout a model may have.
+"""The rows of a text vocabulary: which rows belong to the base vocabulary (frozen, kept when
+it grows) and which are new, for every layout a model may have.
 
-Generic: this module knows no model. A layout (a model whose last row stays last when
-the vocabulary grows, or whose embedding has rows that are no token) is registered by
-the layer above with :func:`register_layout` (the upstream ones live in
-:mod:`patches.integrations.layouts`); a model no registered layout claims is
-:data:`PLAIN`: one row per token, new rows appended. Likewise the paths at which a
-model's ``text_embedding``/``text_head`` owner is looked for: the model itself and its
-``.model`` (a generic wrapper), and the paths registered with
-:func:`register_owner_paths`, each where its registration puts it.
-
-Used by :mod:`patches.vocab_freeze` (the freeze), :mod:`patches.checkpoint` (the loader's
-growth) and :mod:`patches.tools.tokenizer.verify` (the rows a tokenizer check reports); it
-imports nothing of the package, and not torch, so the tokenizer tools stay light.
+Generic: the layouts (:func:`register_layout`), the paths of a model's ``text_embedding``/
+``text_head`` owner (:func:`register_owner_paths`) and the finders of other models'
+vocabulary modules (:func:`register_vocab_finder`) are registered by the layer above
+(:mod:`patches.integrations.layouts`); a model none claims is :data:`PLAIN`. Used by the
+freeze, the checkpoint loader and the tokenizer check; it imports nothing of the package,
+and not torch, so the tokenizer tools stay light.
 """
 
 from __future__ import annotations
@@ -33,13 +27,9 @@ class VocabFreezeError(ValueError):
 
 def frozen_rows(vocab_size: int, base_vocab_size: int, *,
                 start_row_last: bool = False) -> tuple[range, ...]:
-    """The row ranges that belong to the base vocabulary (to freeze).
-
-    ``vocab_size`` and ``base_vocab_size`` count rows of the text embedding. With
-    ``start_row_last`` (a layout whose base vocabulary's last row stays last when it
-    grows, see :class:`RowLayout`) that row lives in the grown tensor's last row: the
-    base rows are ``range(0, base-1)`` and ``range(vocab-1, vocab)``.
-    """
+    """The row ranges of the base vocabulary (to freeze), sizes in rows. With
+    ``start_row_last`` the base's last row lives in the grown tensor's last row: the base
+    rows are ``range(0, base-1)`` and ``range(vocab-1, vocab)``."""
     if base_vocab_size < 1 or base_vocab_size > vocab_size:
         raise VocabFreezeError(
             f"training-patches vocab_freeze: the base vocabulary size is {base_vocab_size}, but "
@@ -72,16 +62,12 @@ def describe_rows(rows: Sequence[range]) -> str:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """How the rows of a text embedding map to tokens.
-
-    ``last_row_kept``: the last row belongs to the base model and stays last when the
-    vocabulary grows (a start token kept at the last id; an extra slot row).
-    ``extra_rows``: rows that are no token of the tokenizer, so a base of N tokens is
-    N + extra_rows rows. ``leading_rows``: rows before token 0 that are no token (F5-TTS's
-    filler row 0, its token ids shifted by one), frozen with the base. ``checkpoint_last_row_kept``: for a layout with
-    ``last_row_kept``, reads from a checkpoint (the dict as saved) whether the OLD
-    vocabulary had that row last too; None where the checkpoint does not record it.
-    """
+    """How the rows of a text embedding map to tokens. ``last_row_kept``: the last row is
+    the base model's and stays last when the vocabulary grows; ``extra_rows``: rows after the
+    tokens that are no token (a base of N tokens is N + extra_rows rows); ``leading_rows``:
+    rows before token 0 that are no token, frozen with the base;
+    ``checkpoint_last_row_kept(ckpt)``: whether the OLD vocabulary had that row last too
+    (None where the checkpoint does not say)."""
 
     name: str
     last_row_kept: bool = False
@@ -106,10 +92,9 @@ _owner_models: list[str] = []
 
 
 def register_layout(detect: Detect) -> Detect:
-    """Add a layout detector: ``detect(owner, rows)`` returns the :class:`RowLayout` of
-    ``owner`` (the module holding ``text_embedding``/``text_head``, or None) for an
-    embedding of ``rows`` rows, or None. The first detector that answers wins; none:
-    :data:`PLAIN`. Registering the same function again changes nothing."""
+    """Add a layout detector: ``detect(owner, rows)``, the :class:`RowLayout` of ``owner``
+    (holding ``text_embedding``/``text_head``) for ``rows`` rows, or None; the first answer
+    wins, none is :data:`PLAIN`. Registering the same function again changes nothing."""
     if detect not in _layouts:
         _layouts.append(detect)
     return detect
@@ -127,9 +112,7 @@ def row_layout(owner: nn.Module | None, rows: int) -> RowLayout:
 def hf_vocab_modules(model: Any) -> list[tuple[str, Any]] | None:
     """A Hugging Face ``PreTrainedModel``'s vocabulary modules with their paths:
     ``get_input_embeddings()`` and, when it is a Linear with one output per token,
-    ``get_output_embeddings()`` (the LLM-based TTS models that grow it with
-    ``resize_token_embeddings``; a tied head is the same tensor). Rows are tokens (PLAIN).
-    None for any other model (registered first with :func:`register_vocab_finder`)."""
+    ``get_output_embeddings()``; rows are tokens (PLAIN). None for any other model."""
     if not any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__):
         return None
     try:
@@ -156,9 +139,8 @@ _finders: list[Find] = []
 
 def register_vocab_finder(find: Find) -> Find:
     """Add a finder of vocabulary modules for models without ``text_embedding``/``text_head``:
-    ``find(model)`` returns ``([(path, module), ...], owner)`` (the embedding first; the
-    owner is the module whose :func:`row_layout` says how rows map to tokens), or None.
-    Registering the same function again changes nothing."""
+    ``find(model)`` -> ``([(path, module), ...], owner)`` (the embedding first; the owner's
+    :func:`row_layout` applies), or None. Registering the same function again changes nothing."""
     if find not in _finders:
         _finders.append(find)
     return find
@@ -184,10 +166,9 @@ register_vocab_finder(_hf_finder)
 
 def register_owner_paths(*paths: str, models: Sequence[str] = (),
                          before: str | None = None) -> None:
-    """Add submodule paths (``"gpt"``, ``"a.b"``) at which a model keeps the module owning
-    ``text_embedding``/``text_head``, tried in order: at the end, or just before the path
-    ``before`` (the first owner found wins, so the order decides between two), and the
-    names of the models they are for (error messages list them)."""
+    """Add submodule paths (``"gpt"``, ``"a.b"``) at which a model keeps the owner of
+    ``text_embedding``/``text_head``, tried in order (at the end, or before ``before``), and
+    the names of the models they are for (error messages list them)."""
     new = [path for path in dict.fromkeys(paths) if path not in _owner_paths]
     at = _owner_paths.index(before) if before in _owner_paths else len(_owner_paths)
     _owner_paths[at:at] = new

@@ -59,19 +59,6 @@ def tiny_xtts_mixed_manifest(tiny_xtts, tiny_xtts_extended_vocab) -> Path:
     return tiny_xtts.write_manifest(texts, "metadata_mixed.csv")
 
 
-@pytest.fixture
-def no_live_freezes():
-    """No freeze left by another test on a model still alive (it would show in
-    ``patches.status("vocab_freeze")``), before and after the test."""
-    from patches.vocab_freeze import live_freezes
-
-    for handle in live_freezes():
-        handle.remove()
-    yield
-    for handle in live_freezes():
-        handle.remove()
-
-
 def write_amharic_base(root: Path):
     """A tiny Amharic XTTS setup for headlessXttsTrain.py: ``root/data`` (6 Amharic clips,
     metadata.csv, a vocab.json with [am]) and ``root/base`` (model.pth and config.json of a
@@ -327,20 +314,14 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
 
 
 @pytest.fixture
-def run_state(clean_patches, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+def trainer_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """For a trainer's own run (the HF Trainer's, F5-TTS's): no output folder and no
     BASE_VOCAB set, the working directory in tmp_path (./training_patches would land
-    there), the guard's and the run's state fresh before and after."""
-    from patches import _run, nan_guard
+    there), and no trainer folder read from a coqui Trainer an earlier test built (its log
+    handler outlives it, and the coqui integration's folder provider would read it)."""
+    from patches import _run
 
     monkeypatch.delenv("TRAINING_PATCHES_OUTPUT_DIR", raising=False)
     monkeypatch.delenv("TRAINING_PATCHES_BASE_VOCAB", raising=False)
     monkeypatch.chdir(tmp_path)
-    # a coqui Trainer built by an earlier test leaves its log handler, which the coqui
-    # integration's folder provider would read: this process trains no coqui model here
     monkeypatch.setattr(_run, "_dir_providers", [])
-    _run.reset()
-    nan_guard.reset()
-    yield
-    nan_guard.reset()
-    _run.reset()

@@ -1,4 +1,4 @@
-"""pytest plugin (loaded from pyproject.toml): leave no patch applied between tests."""
+"""pytest plugin (loaded from pyproject.toml): each test is a run of its own."""
 
 from __future__ import annotations
 
@@ -8,23 +8,20 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _fresh_runtime_state() -> Iterator[None]:
-    """Every test starts with no counters, events or run folder left by another."""
+def fresh_run() -> Iterator[None]:
+    """Every test starts with no patch applied and a new run (no options, counters, events,
+    run folder or step context left by another test), and leaves none: ``revert()`` of
+    every patch ends the run, ``reset_runtime_state()`` starts the next. A freeze another
+    test made on a model still alive is taken off (it would show in ``status()``)."""
     import patches
+    from patches.vocab_freeze import live_freezes
 
-    patches.advanced.reset_runtime_state()
+    def fresh() -> None:
+        patches.revert()
+        for handle in live_freezes():
+            handle.remove()
+        patches.advanced.reset_runtime_state()
+
+    fresh()
     yield
-    patches.advanced.reset_runtime_state()
-
-
-@pytest.fixture
-def clean_patches() -> Iterator[None]:
-    """Start with no patch applied and revert whatever the test applied."""
-    import patches
-    from patches import _options
-
-    patches.revert()
-    _options.set_current(None)  # as before any apply(): the environment's, at each use
-    yield
-    patches.revert()
-    _options.set_current(None)
+    fresh()

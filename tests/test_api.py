@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = {name for name, spec in _registry.specs().items() if spec.default}
 
 
-def test_apply_reports_sites_and_revert_restores_identity(clean_patches: None) -> None:
+def test_apply_reports_sites_and_revert_restores_identity() -> None:
     before = torch.nn.utils.clip_grad_norm_
     result = patches.advanced.apply(["grad_clip", "grad_scaler"])
     assert "torch.nn.utils.clip_grad_norm_" in result["grad_clip"]
@@ -34,7 +34,7 @@ def test_apply_reports_sites_and_revert_restores_identity(clean_patches: None) -
     assert patches.advanced.applied() == {}
 
 
-def test_default_set_and_disable(clean_patches: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_default_set_and_disable(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="training_patches")
     applied = patches.advanced.apply(disable="grad_clip")
     assert set(applied) == DEFAULTS - {"grad_clip"}
@@ -62,7 +62,7 @@ def test_bad_environment_value_is_a_clear_error(var: str, value: str) -> None:
     assert var in message and repr(value) in message and "Expected" in message
 
 
-def test_unknown_names_are_clear_errors(clean_patches: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_names_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="unknown option"):
         patches.advanced.apply(init_scael=3)
     with pytest.raises(ConfigError, match="Known patches"):
@@ -73,7 +73,7 @@ def test_unknown_names_are_clear_errors(clean_patches: None, monkeypatch: pytest
     assert patches.advanced.applied() == {}
 
 
-def test_anomaly_switch_and_context_manager(clean_patches: None) -> None:
+def test_anomaly_switch_and_context_manager() -> None:
     assert not torch.is_anomaly_enabled()
     with patches.advanced.enable_anomaly_detection():
         assert torch.is_anomaly_enabled()
@@ -84,7 +84,7 @@ def test_anomaly_switch_and_context_manager(clean_patches: None) -> None:
     assert not torch.is_anomaly_enabled()
 
 
-def test_stats_are_plain_numbers(clean_patches: None) -> None:
+def test_stats_are_plain_numbers() -> None:
     patches.advanced.apply()
     scaler = torch.amp.GradScaler("cpu")
     p = torch.nn.Parameter(torch.ones(2))

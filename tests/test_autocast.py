@@ -11,7 +11,7 @@ import patches
 
 
 @pytest.fixture
-def autocast_patch(clean_patches: None) -> None:
+def autocast_patch() -> None:
     patches.advanced.apply(["autocast"])
 
 
@@ -85,6 +85,6 @@ def test_custom_fwd_bwd_both_forms(autocast_patch: None) -> None:
     no_future_warnings(run)
 
 
-def test_unpatched_names_do_warn(clean_patches: None) -> None:
+def test_unpatched_names_do_warn() -> None:
     with pytest.warns(FutureWarning):
         torch.cpu.amp.autocast()

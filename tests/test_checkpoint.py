@@ -485,22 +485,22 @@ def _run(out: Path, total: int, stop_after: int | None, resume: bool) -> dict[in
     return losses
 
 
-def test_interrupted_and_resumed_run_has_the_same_losses_step_by_step(tmp_path, clean_patches):
+def test_interrupted_and_resumed_run_has_the_same_losses_step_by_step(tmp_path):
     from patches import grad_clip
 
-    grad_clip._counts.reset()
+    grad_clip._counts().device.reset()
     reference = _run(tmp_path / "a", total=20, stop_after=None, resume=False)
-    ref_counts = patches.stats()["grad_clip"]["nonfinite_norms"], grad_clip._counts.read()
-    grad_clip._counts.reset()
+    ref_counts = patches.stats()["grad_clip"]["nonfinite_norms"], grad_clip._counts().device.read()
+    grad_clip._counts().device.reset()
     first = _run(tmp_path / "b", total=20, stop_after=11, resume=False)  # killed at 11, last ckpt 9
-    grad_clip._counts.load({"nonfinite_norms": 5})  # garbage a new process would not have
+    grad_clip._counts().device.load({"nonfinite_norms": 5})  # garbage a new process would not have
     second = _run(tmp_path / "b", total=20, stop_after=None, resume=True)
     assert min(second) == 10
     for step in range(1, 21):
         got = first[step] if step <= 9 else second[step]
         assert got == reference[step], f"step {step}: {got!r} != {reference[step]!r}"
     assert first[10] == second[10] and first[11] == second[11]
-    assert grad_clip._counts.read() == ref_counts[1]
+    assert grad_clip._counts().device.read() == ref_counts[1]
 
 
 def test_a_folder_of_consolidated_weights_is_named_as_such_not_a_torn_sharded_save(tmp_path) -> None:

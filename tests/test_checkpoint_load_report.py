@@ -231,7 +231,7 @@ def test_truncated_safetensors_is_refused_as_a_cut_safetensors_file(tmp_path):
 
 @pytest.mark.xtts
 @pytest.mark.slow
-def test_xtts_checkpoint_says_what_it_dropped(tiny_xtts, tmp_path, caplog, clean_patches):
+def test_xtts_checkpoint_says_what_it_dropped(tiny_xtts, tmp_path, caplog):
     """GPTTrainer's ``xtts_checkpoint`` loads weights only: a coqui Trainer checkpoint's
     optimizer state and step are named in a WARNING, and the INFO line says dropped."""
     import patches

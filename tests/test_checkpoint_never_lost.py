@@ -68,7 +68,7 @@ F5_LAST = 574_118  # bytes of this tiny model's model_last.pt (measured; checked
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("f5_tts") is None, reason="f5-tts not installed")
-def test_f5_with_room_for_one_checkpoint_trains_every_update_as_upstream(run_state, tmp_path,
+def test_f5_with_room_for_one_checkpoint_trains_every_update_as_upstream(trainer_env, tmp_path,
                                                                         caplog):
     """Room for one ``model_last.pt`` and half of another. Upstream writes over it in place
     and trains all 16 updates. Patched, the saves at updates 8, 12 and 16 do not fit beside
@@ -119,7 +119,7 @@ def _lightning_run(root: Path, folder: Path) -> tuple[int, list[str], BaseExcept
 
 
 @pytest.mark.slow
-def test_lightning_keeps_the_small_checkpoints_upstream_keeps(clean_patches, tmp_path):
+def test_lightning_keeps_the_small_checkpoints_upstream_keeps(tmp_path):
     """200 KB free, five checkpoints of about 12 KB each. Upstream writes all five. Patched,
     each asked for the 1 MiB floor the free-space check used to add and the first save ended
     the run with no checkpoint; now the margin is 1/32 of the file, and the run keeps all

@@ -28,7 +28,7 @@ def _gpt(trainer):
 
 
 @pytest.fixture
-def base_run(tiny_xtts, tmp_path, clean_patches):
+def base_run(tiny_xtts, tmp_path):
     """(checkpoint path, base text embedding, head weight, head bias, last avg loss)."""
     patches.advanced.apply()
     config = tiny_xtts.make_config(tmp_path / "base", epochs=3, save_step=5, save_n_checkpoints=2)

@@ -16,7 +16,6 @@ from torch import nn
 import patches
 from patches import _step, grad_clip, nan_guard
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 def _model() -> nn.Module:
@@ -59,7 +58,7 @@ def test_without_the_reuse_the_guard_reduces_again(monkeypatch: pytest.MonkeyPat
     """The control: the same loop with the guard's reuse switched off makes two per step."""
     patches.advanced.apply(["grad_clip", "nan_guard"])
     counter = _count_norms(monkeypatch)
-    monkeypatch.setattr(_step.CONTEXT, "take_clip", lambda grads: None)
+    monkeypatch.setattr(_step.context(), "take_clip", lambda grads: None)
     _clipped_steps(5)
     assert counter[0] == 10
 

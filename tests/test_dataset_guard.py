@@ -73,7 +73,7 @@ def _dataset(tiny, config, is_eval: bool):
 
 
 @pytest.fixture
-def guard(clean_patches, tmp_path):
+def guard(tmp_path):
     patches.advanced.apply(["xtts_language", "xtts_dataset"], output_dir=str(tmp_path))
     yield tmp_path / "dropped_samples.jsonl"
 

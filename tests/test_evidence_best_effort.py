@@ -28,7 +28,6 @@ import patches
 from patches import _run, dataset_guard, oom_guard
 from processes import child_path
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 ROOT = Path(__file__).resolve().parents[1]
 EVENTS = "nonfinite_events.jsonl"
 LEARNING = "learning_health.jsonl"
@@ -39,10 +38,7 @@ def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(_run, "_dir_providers", [])
-    patches.advanced.reset_runtime_state()
     yield
-    _run.set_output_dir(None)
-    patches.advanced.reset_runtime_state()
 
 
 def _mount_tmpfs(folder: Path, *options: str) -> None:
@@ -204,7 +200,7 @@ def test_what_is_still_unwritten_at_a_reset_is_logged_with_its_records(
     _run.set_output_dir(tmp_path / "afile" / "x")
     caplog.set_level(logging.WARNING, logger="training_patches")
     _run.append_jsonl(EVENTS, {"step": 7, "marker": "kept-in-the-log"})
-    _run.reset()
+    patches.advanced.reset_runtime_state()
     (lost,) = _warnings(caplog, "are lost from that file")
     assert "1 record(s) could not be written" in lost and '"marker": "kept-in-the-log"' in lost
 

@@ -19,7 +19,6 @@ import torch
 import patches
 from patches import _run, dataset_guard, nan_guard, oom_guard
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 def _refuse(constant: str) -> None:
@@ -37,10 +36,7 @@ def _run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(_run, "_dir_providers", [])
-    patches.advanced.reset_runtime_state()
     _run.set_output_dir(tmp_path)
-    yield
-    patches.advanced.reset_runtime_state()
 
 
 def test_evidence_one_process_keeps_the_plain_name_with_rank_0_of_1(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ import pytest
 from patches import _run, cli
 from patches.tools.report import build, find_runs
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 
 EVENTS, SCALE = "nonfinite_events.jsonl", "loss_scale.jsonl"
 
@@ -26,8 +25,6 @@ def _run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     _run.set_output_dir(tmp_path)
-    yield
-    _run.reset()
 
 
 def write_as(monkeypatch: pytest.MonkeyPatch, rank: int, world: int, name: str,

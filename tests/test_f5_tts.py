@@ -131,7 +131,7 @@ BAD = 3  # the poisoned batch: F5's update count when it starts (the guard's ste
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "integration_off"])
 def test_nan_batch_is_skipped_exactly_and_recorded_in_the_checkpoint_folder(
-        run_state, tmp_path, applied: bool) -> None:
+        trainer_env, tmp_path, applied: bool) -> None:
     """The run with the NaN batch ends with the model and Adam's state bit-identical to the
     run that never had it (the fused kernel skipped that step whole), the EMA finite, and
     the record in F5's checkpoint folder when train() returns, with F5's update count
@@ -166,7 +166,7 @@ def test_nan_batch_is_skipped_exactly_and_recorded_in_the_checkpoint_folder(
     assert steps == {BATCHES - 1.0}  # the skipped step did not advance Adam's count
 
 
-def test_unpatched_nan_batch_ruins_the_model_and_its_ema(run_state, tmp_path) -> None:
+def test_unpatched_nan_batch_ruins_the_model_and_its_ema(trainer_env, tmp_path) -> None:
     """The control: without the guard every parameter and the EMA end NaN."""
     trainer = _train(tmp_path / "ckpts", Clips(poison=BAD))
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -176,7 +176,7 @@ def test_unpatched_nan_batch_ruins_the_model_and_its_ema(run_state, tmp_path) ->
 
 @pytest.mark.parametrize("mode", ["patched", "integration_off", "layout_off"])
 def test_base_vocab_freezes_the_filler_and_base_rows_in_model_and_ema(
-        run_state, no_live_freezes, tmp_path, monkeypatch, caplog, mode: str) -> None:
+        trainer_env, tmp_path, monkeypatch, caplog, mode: str) -> None:
     """A first run trains every row (its EMA averages them apart from the model's); the
     resumed run sets TRAINING_PATCHES_BASE_VOCAB=20 on F5's text_embed (26 tokens, 27
     rows): the filler row 0 and tokens 0-19 (rows 0-20) stay bit-identical from the
@@ -224,7 +224,7 @@ def test_base_vocab_freezes_the_filler_and_base_rows_in_model_and_ema(
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "integration_off"])
-def test_a_failed_save_leaves_the_last_checkpoint_whole(run_state, tmp_path, monkeypatch,
+def test_a_failed_save_leaves_the_last_checkpoint_whole(trainer_env, tmp_path, monkeypatch,
                                                         applied: bool) -> None:
     """A save that fails half-way (here: an object that cannot be pickled, as a full disk
     or a kill would) leaves the previous model_last.pt readable, so the next start resumes
@@ -250,7 +250,7 @@ def test_a_failed_save_leaves_the_last_checkpoint_whole(run_state, tmp_path, mon
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "integration_off"])
-def test_resume_into_a_grown_vocabulary(run_state, no_live_freezes, tmp_path, applied: bool,
+def test_resume_into_a_grown_vocabulary(trainer_env, tmp_path, applied: bool,
                                         monkeypatch) -> None:
     """F5 saved model_last.pt with 26 tokens; the tokenizer grew to 30 and the model was
     built with it. Patched: the resume loads the model and the EMA, every trained row
@@ -286,7 +286,7 @@ def test_resume_into_a_grown_vocabulary(run_state, no_live_freezes, tmp_path, ap
             and s["exp_avg"].shape[1] == 16 and s["exp_avg"].shape[0] > 16} == {(TOKENS + 5, 16)}
 
 
-def test_a_checkpoint_the_library_cannot_read_cheaply_is_upstreams_to_load(run_state,
+def test_a_checkpoint_the_library_cannot_read_cheaply_is_upstreams_to_load(trainer_env,
                                                                           tmp_path) -> None:
     """A model_last.pt in torch's old (non-zip) format cannot be memory-mapped to read its
     shapes: the resume is F5's own load, as without the patches (it raised before)."""
@@ -316,7 +316,7 @@ def _amharic_model() -> torch.nn.Module:
 
 
 def test_a_grown_resume_says_what_f5_restores_and_spells_with_its_vocabulary(
-        run_state, no_live_freezes, tmp_path, caplog) -> None:
+        trainer_env, tmp_path, caplog) -> None:
     """A resume into a vocabulary grown by 4 Amharic characters: the load line names what
     F5's Trainer restores itself (its optimizer and scheduler states, update 8), never
     ``optimizer absent`` or ``resuming at 0``; the new rows of the model and of the EMA are
@@ -339,7 +339,7 @@ def test_a_grown_resume_says_what_f5_restores_and_spells_with_its_vocabulary(
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "integration_off"])
-def test_a_second_run_into_a_checkpoint_path_in_use_is_refused(run_state, tmp_path,
+def test_a_second_run_into_a_checkpoint_path_in_use_is_refused(trainer_env, tmp_path,
                                                                applied) -> None:
     """Another process trains in ``checkpoint_path``: this run is refused in one paragraph
     naming it, before any model_last.pt is written (upstream trains on and the two

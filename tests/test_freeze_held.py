@@ -89,7 +89,7 @@ def _state_rows(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, to
 
 
 @pytest.mark.parametrize("name", sorted(ROW_WISE))
-def test_row_wise_optimizers_never_touch_the_frozen_rows(name: str, no_live_freezes) -> None:
+def test_row_wise_optimizers_never_touch_the_frozen_rows(name: str) -> None:
     torch.manual_seed(0)
     model, control = Model(), Model()
     control.load_state_dict(model.state_dict())
@@ -131,7 +131,7 @@ def test_row_wise_optimizers_never_touch_the_frozen_rows(name: str, no_live_free
                 assert value.shape == p.shape
 
 
-def test_first_step_state_is_made_whole(no_live_freezes) -> None:
+def test_first_step_state_is_made_whole() -> None:
     """A fresh optimizer: its first step makes the view's state; it becomes the tensor's,
     zero in the frozen rows, and a saved and loaded optimizer goes on exactly."""
     torch.manual_seed(0)
@@ -153,7 +153,7 @@ def test_first_step_state_is_made_whole(no_live_freezes) -> None:
     assert torch.equal(model.text_head.weight.detach()[:BASE], before)
 
 
-def test_a_step_that_raises_leaves_the_groups_whole(no_live_freezes) -> None:
+def test_a_step_that_raises_leaves_the_groups_whole() -> None:
     torch.manual_seed(0)
     model = Model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -196,7 +196,7 @@ def _closure_steps(model, opt, batches) -> None:
     lambda p: _MyAdamW(p, lr=1e-2, weight_decay=0.1),
     lambda p: torch.optim.LBFGS(p, lr=0.1, max_iter=3),
 ], ids=["adagrad", "subclass", "lbfgs"])
-def test_other_optimizers_keep_the_copy_back(make, no_live_freezes) -> None:
+def test_other_optimizers_keep_the_copy_back(make) -> None:
     torch.manual_seed(0)
     model = Model()
     opt = make(model.parameters())
@@ -210,7 +210,7 @@ def test_other_optimizers_keep_the_copy_back(make, no_live_freezes) -> None:
     assert all(entry.stored is not None for entry in handle._entries)
 
 
-def test_the_copy_comes_back_for_a_later_optimizer_that_is_not_row_wise(no_live_freezes) -> None:
+def test_the_copy_comes_back_for_a_later_optimizer_that_is_not_row_wise() -> None:
     torch.manual_seed(0)
     model = Model()
     before = model.text_head.weight.detach()[:BASE].clone()
@@ -225,7 +225,7 @@ def test_the_copy_comes_back_for_a_later_optimizer_that_is_not_row_wise(no_live_
 
 
 def test_a_closure_the_guard_ran_is_held_one_it_did_not_is_copied_back(
-        clean_patches, tmp_path, no_live_freezes) -> None:
+        tmp_path) -> None:
     """step(closure) (Lightning's automatic optimization): the guard runs the closure before
     it decides, so the gradients are final when the freeze takes its views; without the
     guard the closure runs inside the step, after them, and the freeze copies back."""
@@ -257,7 +257,7 @@ def test_a_closure_the_guard_ran_is_held_one_it_did_not_is_copied_back(
 
 
 @pytest.fixture
-def guard(clean_patches, tmp_path):
+def guard(tmp_path):
     nan_guard.reset()
     patches.advanced.apply(["nan_guard"], output_dir=str(tmp_path), quiet=True)
     yield
@@ -265,7 +265,7 @@ def guard(clean_patches, tmp_path):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused_adamw"])
-def test_until_step_counts_only_steps_taken(fused: bool, guard, no_live_freezes) -> None:
+def test_until_step_counts_only_steps_taken(fused: bool, guard) -> None:
     """until_step=2 with a NaN first step: the skipped step is no update, so the freeze
     holds through two real updates and releases after the second."""
     torch.manual_seed(0)
@@ -289,7 +289,7 @@ def test_until_step_counts_only_steps_taken(fused: bool, guard, no_live_freezes)
     assert nan_guard.stats()["skipped"] == 1
 
 
-def test_a_fused_step_the_scaler_skips_does_not_count(no_live_freezes) -> None:
+def test_a_fused_step_the_scaler_skips_does_not_count() -> None:
     """A fused optimizer under a GradScaler: the kernel skips on the device flag the scaler
     hands it; that step is no update either."""
     torch.manual_seed(0)

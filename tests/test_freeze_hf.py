@@ -14,7 +14,6 @@ from patches.vocab_freeze import live_freezes
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.usefixtures("no_live_freezes")
 
 BASE, GROWN = 64, 80
 
@@ -40,7 +39,7 @@ def _train(model: torch.nn.Module, steps: int = 3) -> None:
 
 
 def test_base_vocab_freezes_a_grown_hf_model_through_its_embeddings(
-        clean_patches, caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture) -> None:
     patches.advanced.apply(["vocab_freeze"], base_vocab=BASE)
     model = _gpt2()
     wte = model.get_input_embeddings().weight
@@ -65,7 +64,7 @@ def test_base_vocab_freezes_a_grown_hf_model_through_its_embeddings(
             handle.remove()
 
 
-def test_explicit_tied_modules_are_one_tensor(clean_patches) -> None:
+def test_explicit_tied_modules_are_one_tensor() -> None:
     model = _gpt2()
     handle = patches.advanced.freeze_base_vocab(model, BASE, modules=["transformer.wte", "lm_head"])
     try:
@@ -76,7 +75,7 @@ def test_explicit_tied_modules_are_one_tensor(clean_patches) -> None:
 
 
 def test_load_checkpoint_grows_a_hf_models_vocabulary_through_its_embeddings(
-        tmp_path, clean_patches) -> None:
+        tmp_path) -> None:
     """Issue 28: the vocabulary-aware loader finds a Hugging Face model's rows where the
     freeze does (get_input/output_embeddings()): a checkpoint of the 64-token model loads
     into the model grown to 80 (``resize_token_embeddings``), every trained row kept, the

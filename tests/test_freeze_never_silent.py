@@ -15,7 +15,6 @@ from torch import nn
 import patches
 from patches.vocab_freeze import VocabFreezeError, live_freezes
 
-pytestmark = pytest.mark.usefixtures("no_live_freezes")
 
 BASE, VOCAB, DIM = 8, 12, 4
 
@@ -44,7 +43,7 @@ def _train(model: nn.Module, steps: int = 2) -> None:
 
 
 def test_unknown_layout_warns_names_its_embeddings_and_status_says_not_applied(
-        clean_patches, caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture) -> None:
     patches.advanced.apply(["vocab_freeze"], base_vocab=BASE)
     model = Gpt2Like()
     before = model.wte.weight.detach().clone()
@@ -79,7 +78,7 @@ def test_unknown_layout_warns_names_its_embeddings_and_status_says_not_applied(
         handle.remove()
 
 
-def test_unknown_layout_is_an_error_under_strict(clean_patches) -> None:
+def test_unknown_layout_is_an_error_under_strict() -> None:
     patches.advanced.apply(["vocab_freeze"], base_vocab=BASE, strict=True)
     model = Gpt2Like()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -90,7 +89,7 @@ def test_unknown_layout_is_an_error_under_strict(clean_patches) -> None:
 
 
 def test_known_layout_status_says_what_was_frozen_and_nothing_is_warned(
-        clean_patches, caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture) -> None:
     patches.advanced.apply(["vocab_freeze"], base_vocab=BASE)
     model = TinyTextModel(VOCAB, DIM, "tanh")
     before = model.text_embedding.weight.detach().clone()

@@ -20,7 +20,7 @@ from patches.advanced import NonFiniteTrainingError
 
 
 @pytest.fixture
-def guard(clean_patches: None, tmp_path) -> str:
+def guard(tmp_path) -> str:
     nan_guard.reset()
     patches.advanced.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path), quiet=True)
     yield str(tmp_path)
@@ -44,7 +44,7 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[tor
     per_step = []
     for step, x in enumerate(batches, start=1):
         before = counter[0] if counter is not None else 0
-        _run.batch_ids = [f"clip_{step}.wav"]
+        _run.current().batch_ids = [f"clip_{step}.wav"]
         opt.zero_grad()
         loss = model(x).pow(2).mean()
         if step in nan_at:

@@ -29,7 +29,7 @@ def build(tiny_xtts, vocab, gpt_path, tmp_path):
 
 
 def test_grown_vocab_keeps_base_rows_and_freezes_them(tiny_xtts, tiny_xtts_extended_vocab,
-                                                      base_gpt, tmp_path, clean_patches,
+                                                      base_gpt, tmp_path,
                                                       caplog) -> None:
     patches.advanced.apply()
     base = torch.load(base_gpt)
@@ -68,7 +68,7 @@ def test_grown_vocab_keeps_base_rows_and_freezes_them(tiny_xtts, tiny_xtts_exten
 
 
 def test_upstream_pads_new_rows_with_randn(tiny_xtts, tiny_xtts_extended_vocab, base_gpt,
-                                           tmp_path, clean_patches) -> None:
+                                           tmp_path) -> None:
     """Without the patch, coqui's own padding: independent randn rows (std 1, about 50 times
     a trained XTTS embedding's scale), far from anything the model learned."""
     base = torch.load(base_gpt)
@@ -79,7 +79,7 @@ def test_upstream_pads_new_rows_with_randn(tiny_xtts, tiny_xtts_extended_vocab, 
 
 
 def test_report_checks_the_frozen_rows_of_any_coqui_run_that_loaded_its_base(
-        tiny_xtts, tiny_xtts_extended_vocab, base_gpt, tmp_path, clean_patches, capsys) -> None:
+        tiny_xtts, tiny_xtts_extended_vocab, base_gpt, tmp_path, capsys) -> None:
     """Not only headlessXttsTrain.py: a coqui Trainer whose GPTTrainer grew and froze its
     base (here through gpt_checkpoint) records the base file and the frozen rows where the
     run starts (trainer_runs.jsonl), and ``report`` checks the run's newest checkpoint
@@ -99,7 +99,7 @@ def test_report_checks_the_frozen_rows_of_any_coqui_run_that_loaded_its_base(
     assert start["event"] == "start"
     assert start["base_weights"]["path"] == str(Path(base_gpt).resolve())
     assert start["base_weights"]["frozen_rows"] == [[0, 72], [81, 81]]
-    _run.reset()
+    patches.advanced.reset_runtime_state()
     cli.main(["report", str(folder), "--no-picture"])  # learning not checked: run_eval is off
     text = capsys.readouterr().out
     assert ("frozen rows: 74 rows [[0, 72], [81, 81]] of text_embedding.weight, "

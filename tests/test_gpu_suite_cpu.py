@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import gpu_harness as harness  # noqa: E402
 
-pytestmark = [pytest.mark.xtts, pytest.mark.usefixtures("clean_patches")]
+pytestmark = pytest.mark.xtts
 
 
 @pytest.mark.slow

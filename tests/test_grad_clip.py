@@ -18,13 +18,8 @@ MAX_NORM = 0.05  # true-gradient limit: the model's true norm is ~0.6, so this c
 LR = 0.5
 
 
-@pytest.fixture(autouse=True)
-def fresh_runtime_state() -> None:
-    patches.advanced.reset_runtime_state()  # counts and the once-per-process warning start afresh
-
-
 @pytest.fixture
-def clip_patch(clean_patches: None) -> None:
+def clip_patch() -> None:
     patches.advanced.apply(["grad_clip"])
 
 
@@ -166,7 +161,7 @@ def test_pytorch_idioms_clip_exactly_as_torch(clip_patch: None, clip: Clip) -> N
         assert torch.equal(p.grad, q.grad) and torch.equal(p, q)
 
 
-def test_idioms_clip_exactly_as_torch_with_the_whole_default_set(clean_patches: None) -> None:
+def test_idioms_clip_exactly_as_torch_with_the_whole_default_set() -> None:
     patches.advanced.apply()  # grad_scaler, nan_guard, ... as a user's import line gives them
     model, _ = fp16_step(torch.GradScaler("cpu", init_scale=SCALE), scaled_limit)
     assert_matches_reference(model)
@@ -261,8 +256,7 @@ def test_nonfinite_scaled_gradients_are_left_for_the_scaler_to_skip(clip_patch: 
     assert scaler.get_scale() == SCALE / 2
 
 
-def test_option_from_the_environment(clean_patches: None,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_option_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRAINING_PATCHES_CLIP_UNSCALE_FIRST", "1")
     patches.advanced.apply(["grad_clip"])
     model, _ = fp16_step(safe_scaler(), forgot_unscale)

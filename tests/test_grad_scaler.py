@@ -161,7 +161,7 @@ def test_adds_no_host_sync_beyond_torch(monkeypatch: pytest.MonkeyPatch) -> None
     assert safe == plain + 1
 
 
-def test_patched_factory_defaults_and_explicit_arguments(clean_patches: None) -> None:
+def test_patched_factory_defaults_and_explicit_arguments() -> None:
     import patches
 
     patches.advanced.apply(["grad_scaler"], init_scale=256, growth_interval=50)
@@ -185,8 +185,7 @@ def test_pickle_round_trip_keeps_counters() -> None:
 
 @pytest.mark.skipif(not torch.cuda.amp.common.amp_definitely_not_available(),
                     reason="torch warns only where CUDA is not available")
-def test_cuda_warning_points_at_the_users_line_and_the_type_reads_as_built(
-        clean_patches: None) -> None:
+def test_cuda_warning_points_at_the_users_line_and_the_type_reads_as_built() -> None:
     import inspect
     import warnings
 

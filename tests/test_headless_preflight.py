@@ -363,7 +363,7 @@ def test_bad_setting_at_activation_is_one_paragraph(setup: dict[str, Path],
                                  {"TRAINING_PATCHES_BASEVOCAB": "12000"},
                                  {"TRAINING_PATCHES_DISABLE": "nan_gaurd"}])
 def test_doctor_reports_the_error_activation_stops_with(
-        env: dict[str, str], monkeypatch: pytest.MonkeyPatch, clean_patches: None,
+        env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 

@@ -13,7 +13,6 @@ import patches
 accelerate = pytest.importorskip("accelerate")
 from accelerate.utils import DistributedType  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 def _built(factory, *args, **kwargs):

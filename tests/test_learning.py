@@ -68,7 +68,7 @@ def shuffled(data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.
 
 
 @pytest.fixture
-def run_dir(tmp_path, clean_patches):
+def run_dir(tmp_path):
     patches.advanced.reset_runtime_state()
     patches.advanced.set_output_dir(tmp_path)
     yield tmp_path

@@ -37,7 +37,7 @@ def learning_records(trainer) -> list[dict]:
         return [json.loads(line) for line in handle]
 
 
-def test_xtts_reading_is_measured_at_every_coqui_evaluation(tiny_xtts, tmp_path, clean_patches,
+def test_xtts_reading_is_measured_at_every_coqui_evaluation(tiny_xtts, tmp_path,
                                                             caplog, monkeypatch) -> None:
     patches.advanced.apply(reading_budget=1.0)  # a tiny epoch is seconds: no time budget here
     caplog.set_level(logging.INFO, logger="training_patches")
@@ -76,7 +76,7 @@ def test_xtts_reading_is_measured_at_every_coqui_evaluation(tiny_xtts, tmp_path,
         trainer.keep_avg_eval.avg_values["avg_loss"])
 
 
-def test_the_per_utterance_losses_are_xtts_own_loss_mel(tiny_xtts, tmp_path, clean_patches) -> None:
+def test_the_per_utterance_losses_are_xtts_own_loss_mel(tiny_xtts, tmp_path) -> None:
     patches.advanced.apply()
     trainer = fit_with_eval(tiny_xtts, tmp_path, epochs=1)
     model = trainer.model
@@ -98,7 +98,7 @@ def test_the_per_utterance_losses_are_xtts_own_loss_mel(tiny_xtts, tmp_path, cle
                                                                          rel=1e-3)
 
 
-def test_a_coqui_run_without_evaluations_is_told_once(tiny_xtts, tmp_path, clean_patches,
+def test_a_coqui_run_without_evaluations_is_told_once(tiny_xtts, tmp_path,
                                                       caplog) -> None:
     patches.advanced.apply()
     trainer = fit_with_eval(tiny_xtts, tmp_path, epochs=2, run_eval=False)
@@ -108,7 +108,7 @@ def test_a_coqui_run_without_evaluations_is_told_once(tiny_xtts, tmp_path, clean
     assert [e["event"] for e in learning_records(trainer)] == ["not_measured"]
 
 
-def test_with_learning_off_nothing_is_measured(tiny_xtts, tmp_path, clean_patches,
+def test_with_learning_off_nothing_is_measured(tiny_xtts, tmp_path,
                                                monkeypatch) -> None:
     monkeypatch.setenv("TRAINING_PATCHES_DISABLE", "learning")
     patches.advanced.apply()
@@ -116,7 +116,7 @@ def test_with_learning_off_nothing_is_measured(tiny_xtts, tmp_path, clean_patche
     assert [e for e in learning_records(trainer) if e["event"] == "reading"] == []
 
 
-def test_a_coqui_continue_path_resume_is_checked(tiny_xtts, tmp_path, clean_patches,
+def test_a_coqui_continue_path_resume_is_checked(tiny_xtts, tmp_path,
                                                  caplog) -> None:
     patches.advanced.apply()
     caplog.set_level(logging.INFO, logger="training_patches")

@@ -111,14 +111,14 @@ def test_a_monitor_without_its_loss_is_refused_when_the_helper_is_made(make: str
         helper(learning.ReadingProbe())
 
 
-def test_watch_reading_without_the_learning_patch_says_nothing_is_measured(run_state, caplog
+def test_watch_reading_without_the_learning_patch_says_nothing_is_measured(trainer_env, caplog
                                                                           ) -> None:
     """F5's saves are wrapped by the ``learning`` patch: without it, ``watch_reading`` says
     once that the reading gap goes unmeasured, and records it."""
     class Trainer:
         pass
 
-    learning.reset()
+    patches.advanced.reset_runtime_state()
     monitor = learning.LearningMonitor(learning.ReadingProbe(), f5_tts.flow_matching_losses)
     with caplog.at_level(logging.WARNING, logger="training_patches"):
         assert f5_tts.watch_reading(Trainer(), monitor) is monitor
@@ -203,7 +203,7 @@ def _hf_run(folder: Path, shuffled: bool) -> tuple[Any, Snapshots]:
 
 @pytest.mark.slow
 def test_hf_trainer_reads_at_each_evaluation_at_its_global_step(
-        run_state, every_evaluation, tmp_path, caplog) -> None:
+        trainer_env, every_evaluation, tmp_path, caplog) -> None:
     """One reading per language at each of the Trainer's evaluations (global steps 7 to
     28), in output_dir, with the Trainer's eval_loss; the model's modes and every RNG state
     as before each; a model whose audio follows its text is not named."""
@@ -229,7 +229,7 @@ def test_hf_trainer_reads_at_each_evaluation_at_its_global_step(
 
 @pytest.mark.slow
 def test_hf_trainer_names_a_run_whose_transcripts_do_not_match(
-        run_state, every_evaluation, tmp_path, caplog) -> None:
+        trainer_env, every_evaluation, tmp_path, caplog) -> None:
     """The same run with each audio given another utterance's text: the audio loss cannot
     use the text and the gap stays near 0. Past the warmup (the first evaluation), two
     evaluations in a row under reading_min_gap make the verdict, once: a WARNING and a
@@ -293,7 +293,7 @@ def reader_loss(module: Any, texts: list[torch.Tensor], audios: list[torch.Tenso
 
 @pytest.mark.slow
 def test_lightning_reads_after_each_validation_at_its_global_step(
-        run_state, every_evaluation, tmp_path, caplog) -> None:
+        trainer_env, every_evaluation, tmp_path, caplog) -> None:
     """Validation every 4 batches of an 8-step fit (and the sanity check first, which is
     not measured): one reading per language at global steps 4 and 8, in the Trainer's
     folder, with the logged val_loss; the module's modes and every RNG state as before."""
@@ -349,7 +349,7 @@ def _f5_probe() -> learning.ReadingProbe:
 
 @f5_only
 @pytest.mark.slow
-def test_f5_flow_matching_losses_compare_texts_on_equal_draws(run_state) -> None:
+def test_f5_flow_matching_losses_compare_texts_on_equal_draws(trainer_env) -> None:
     """F5's loss is random (span, time, noise): measured on a probe whose utterances all
     have one text, the own and the other text give the same loss to the bit (the draws
     are paired, CFM's text drop is off), and a second measurement gives the same
@@ -368,7 +368,7 @@ def test_f5_flow_matching_losses_compare_texts_on_equal_draws(run_state) -> None
 
 @f5_only
 @pytest.mark.slow
-def test_f5_trainer_reads_at_each_save_at_its_update(run_state, every_evaluation, tmp_path,
+def test_f5_trainer_reads_at_each_save_at_its_update(trainer_env, every_evaluation, tmp_path,
                                                      caplog) -> None:
     """8 updates, save_per_updates=3: F5 saves twice at updates 3 and 6 (model_last.pt and
     model_N.pt) and once at the end (8); one reading per language at each of those updates,

@@ -67,7 +67,7 @@ def _fit(tmp_path: Path, precision: str, leave_out: bool = False) -> Tiny:
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_lightning_nan_step_is_skipped_on_its_own_gradients(clean_patches, tmp_path,
+def test_lightning_nan_step_is_skipped_on_its_own_gradients(tmp_path,
                                                              precision: str) -> None:
     nan_guard.reset()
     patches.advanced.apply(["nan_guard", "grad_clip"], output_dir=str(tmp_path / "evidence"))
@@ -88,13 +88,13 @@ def test_lightning_nan_step_is_skipped_on_its_own_gradients(clean_patches, tmp_p
     assert [k for k in got if not torch.equal(got[k], want[k])] == []
 
 
-def test_lightning_unpatched_nan_step_ruins_every_parameter(clean_patches, tmp_path) -> None:
+def test_lightning_unpatched_nan_step_ruins_every_parameter(tmp_path) -> None:
     """The control: the same run without the guard."""
     model = _fit(tmp_path, "32-true")
     assert not any(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_lightning_records_go_to_the_trainers_folder_with_its_step(clean_patches, tmp_path,
+def test_lightning_records_go_to_the_trainers_folder_with_its_step(tmp_path,
                                                                     monkeypatch) -> None:
     """With no output folder set, the records go where the Trainer writes (its log_dir:
     default_root_dir without a logger), and each carries the Trainer's global_step."""
@@ -102,14 +102,14 @@ def test_lightning_records_go_to_the_trainers_folder_with_its_step(clean_patches
 
     monkeypatch.delenv("TRAINING_PATCHES_OUTPUT_DIR", raising=False)
     monkeypatch.chdir(tmp_path)  # ./training_patches would land here: it must stay absent
-    _run.reset()
+    patches.advanced.reset_runtime_state()
     nan_guard.reset()
     patches.advanced.apply(["nan_guard", "grad_clip"])
     assert patches.status("lightning")["state"] in ("applied", "waiting")
     try:
         _fit(tmp_path / "root", "32-true")
     finally:
-        _run.reset()
+        patches.advanced.reset_runtime_state()
     events = [json.loads(line) for line in
               (tmp_path / "root" / "nonfinite_events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["trainer_step"]) for e in events] == [(BAD_STEP, BAD_STEP - 1)]
@@ -121,7 +121,7 @@ class TinyFused(Tiny):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
 
 
-def test_lightning_fused_skip_is_on_disk_at_the_next_checkpoint(clean_patches, tmp_path) -> None:
+def test_lightning_fused_skip_is_on_disk_at_the_next_checkpoint(tmp_path) -> None:
     """Fused AdamW: the guard reads its skip flags in batches, not per step. Lightning's
     save_checkpoint reads them first, so the skip of step 3 is on disk when the checkpoint of
     step 4 is written, not only at the end of the run (step 8)."""
@@ -143,7 +143,7 @@ def test_lightning_fused_skip_is_on_disk_at_the_next_checkpoint(clean_patches, t
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
-def test_a_checkpoint_that_does_not_fit_leaves_the_last_one_whole(tmp_path, clean_patches,
+def test_a_checkpoint_that_does_not_fit_leaves_the_last_one_whole(tmp_path,
                                                                   applied) -> None:
     """The checkpoint folder on its own small disk (a tmpfs: not the system temp folder's
     disk). Lightning's TorchCheckpointIO saves last.ckpt, then a second save does not fit.
@@ -202,7 +202,7 @@ class TinyText(lightning.LightningModule):
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
-def test_fit_from_a_checkpoint_into_a_grown_vocabulary(clean_patches, no_live_freezes, tmp_path,
+def test_fit_from_a_checkpoint_into_a_grown_vocabulary(tmp_path,
                                                        applied) -> None:
     """The vocabulary grew from 20 to 24 tokens after a 4-step checkpoint: ``fit(ckpt_path=)``
     continues to step 8 from the saved rows and the saved Adam moments (the new rows'
@@ -273,7 +273,7 @@ class GrowingBuffer(TinyText):
 
 
 def test_a_shape_change_that_is_not_the_vocabulary_is_left_to_the_model(
-        clean_patches, no_live_freezes, tmp_path) -> None:
+        tmp_path) -> None:
     """Only a vocabulary's rows are adapted: a grown buffer that the module's own
     load_state_dict reads back resumes exactly as upstream resumes it (the patched loader,
     taking any shape change for a grown vocabulary, refused the checkpoint)."""
@@ -294,7 +294,7 @@ def test_a_shape_change_that_is_not_the_vocabulary_is_left_to_the_model(
     assert module.seen.shape == (4,)  # 2 saved, 2 more steps
 
 
-def test_a_patched_trainer_can_be_pickled_as_ddp_spawn_does(clean_patches, tmp_path) -> None:
+def test_a_patched_trainer_can_be_pickled_as_ddp_spawn_does(tmp_path) -> None:
     """``strategy="ddp_spawn"`` pickles the Trainer with its callbacks; the integration's
     callback was a class local to a function and made every ddp_spawn fit fail (found by
     Lightning's test_model_torch_save_ddp_cpu with the patches on)."""
@@ -336,7 +336,7 @@ def _quiet_trainer(tmp_path: Path, steps: int, **kwargs: Any) -> lightning.Train
 
 
 def test_a_grown_fit_says_what_lightning_restores_and_spells_with_the_modules_tokenizer(
-        clean_patches, no_live_freezes, tmp_path, caplog) -> None:
+        tmp_path, caplog) -> None:
     """``fit(ckpt_path=)`` into a grown vocabulary: the load line names what Lightning
     restores itself (its optimizer states, the step), and the new rows are spelled with the
     LightningModule's ``tokenizer`` (each Amharic token from the rows of its latin
@@ -362,7 +362,7 @@ def test_a_grown_fit_says_what_lightning_restores_and_spells_with_the_modules_to
     assert "new tokens spelled with the LightningModule TinyText's tokenizer" in line, line
 
 
-def test_a_second_fit_into_a_log_dir_in_use_is_refused(clean_patches, tmp_path) -> None:
+def test_a_second_fit_into_a_log_dir_in_use_is_refused(tmp_path) -> None:
     """Another process trains in the Trainer's folder: ``fit`` is refused in one paragraph
     naming it, before anything is written; this process fitting there again is no other
     run, and each fit's start and end are in trainer_runs.jsonl."""

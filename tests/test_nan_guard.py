@@ -18,7 +18,7 @@ KINDS = ["loss-nan", "loss-inf", "grad-nan", "grad-inf", "act-nan", "act-inf"]
 
 
 @pytest.fixture
-def guard(clean_patches: None, tmp_path) -> str:
+def guard(tmp_path) -> str:
     nan_guard.reset()
     patches.advanced.apply(["nan_guard", "grad_clip", "grad_scaler"], output_dir=str(tmp_path))
     yield str(tmp_path)
@@ -181,7 +181,7 @@ def test_escalation_error_names_first_bad_step_and_samples(guard: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(NonFiniteTrainingError) as raised:
         for step in range(1, 50):
-            _run.batch_ids = [f"clip_{step}.wav"]
+            _run.current().batch_ids = [f"clip_{step}.wav"]
             opt.zero_grad()
             loss = model(torch.randn(4, 16)).pow(2).mean()
             if step >= 3:
@@ -256,7 +256,7 @@ def test_a_replay_that_finds_nothing_says_why_in_the_event(guard: str) -> None:
     assert found["found"] is True and found["module"] == "loss"
 
 
-def test_loss_spike_guard_skips_and_counts_separately(clean_patches: None) -> None:
+def test_loss_spike_guard_skips_and_counts_separately() -> None:
     nan_guard.reset()
     patches.advanced.apply(["nan_guard"], spike_k=6, spike_window=20)
     model = make_model()

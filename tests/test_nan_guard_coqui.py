@@ -35,7 +35,7 @@ def poison_batch(model, at_call: int) -> list[int]:
     return calls
 
 
-def test_one_nan_loss_is_skipped_and_recorded(tiny_xtts, tmp_path, clean_patches) -> None:
+def test_one_nan_loss_is_skipped_and_recorded(tiny_xtts, tmp_path) -> None:
     nan_guard.reset()
     patches.advanced.apply()
     config = tiny_xtts.make_config(tmp_path / "run", epochs=2, plot_step=1)
@@ -71,8 +71,7 @@ def test_one_nan_loss_is_skipped_and_recorded(tiny_xtts, tmp_path, clean_patches
     nan_guard.reset()
 
 
-def test_without_the_guard_the_same_nan_corrupts_the_model(tiny_xtts, tmp_path,
-                                                            clean_patches) -> None:
+def test_without_the_guard_the_same_nan_corrupts_the_model(tiny_xtts, tmp_path) -> None:
     """The upstream fault the guard exists for (so the test above can fail)."""
     config = tiny_xtts.make_config(tmp_path / "run", epochs=1)
     model = tiny_xtts.make_model(config)
@@ -83,7 +82,7 @@ def test_without_the_guard_the_same_nan_corrupts_the_model(tiny_xtts, tmp_path,
 
 @pytest.mark.slow
 def test_a_fused_skip_is_on_disk_when_the_next_checkpoint_is_written(
-        tiny_xtts, tmp_path, clean_patches) -> None:
+        tiny_xtts, tmp_path) -> None:
     """Fused AdamW (headlessXttsTrain.py's default): the guard reads its skip flags in
     batches, not per step. The Trainer's save reads them first, so a run killed after a
     checkpoint has every skip before it on disk: the skip of batch 3 is read at the save

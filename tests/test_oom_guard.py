@@ -28,8 +28,7 @@ def _oom_from(model, calls_that_fail: set[int]) -> list[int]:
     return calls
 
 
-def test_one_out_of_memory_batch_is_skipped_and_the_run_goes_on(tiny_xtts, tmp_path,
-                                                                 clean_patches) -> None:
+def test_one_out_of_memory_batch_is_skipped_and_the_run_goes_on(tiny_xtts, tmp_path) -> None:
     patches.advanced.apply()
     config = tiny_xtts.make_config(tmp_path / "run", epochs=1)
     model = tiny_xtts.make_model(config)
@@ -45,8 +44,7 @@ def test_one_out_of_memory_batch_is_skipped_and_the_run_goes_on(tiny_xtts, tmp_p
     assert event["shapes"]["text_inputs"][0] == 2 and event["longest_audio"] > 0
 
 
-def test_without_the_guard_one_out_of_memory_batch_ends_the_run(tiny_xtts, tmp_path,
-                                                                 clean_patches) -> None:
+def test_without_the_guard_one_out_of_memory_batch_ends_the_run(tiny_xtts, tmp_path) -> None:
     patches.advanced.apply()
     patches.revert(["oom_guard"])
     config = tiny_xtts.make_config(tmp_path / "run", epochs=1)
@@ -56,7 +54,7 @@ def test_without_the_guard_one_out_of_memory_batch_ends_the_run(tiny_xtts, tmp_p
         tiny_xtts.train(config, model)
 
 
-def test_repeated_out_of_memory_stops_with_sizes_that_fit(tiny_xtts, tmp_path, clean_patches,
+def test_repeated_out_of_memory_stops_with_sizes_that_fit(tiny_xtts, tmp_path,
                                                           capfd) -> None:
     patches.advanced.apply(max_oom_skips=3)
     config = tiny_xtts.make_config(tmp_path / "run", epochs=1)
@@ -71,7 +69,7 @@ def test_repeated_out_of_memory_stops_with_sizes_that_fit(tiny_xtts, tmp_path, c
     assert oom_guard.stats()["oom_skipped"] == 3
 
 
-def test_a_plain_loop_skips_with_the_context_manager(clean_patches) -> None:
+def test_a_plain_loop_skips_with_the_context_manager() -> None:
     patches.advanced.apply()
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

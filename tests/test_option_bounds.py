@@ -18,7 +18,6 @@ import patches
 from patches import _options
 from patches.advanced import ConfigError
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 def test_every_numeric_option_declares_its_range() -> None:

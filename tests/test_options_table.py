@@ -38,7 +38,7 @@ def test_every_option_belongs_to_a_known_unit_with_help() -> None:
 
 
 @pytest.fixture
-def unit_with_an_option(monkeypatch: pytest.MonkeyPatch, clean_patches: None) -> Iterator[str]:
+def unit_with_an_option(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A patch declared here, as a new patch module would declare itself: one option with a
     cross-option check. The registry and the declarations are restored afterwards."""
     # restored in place: modules that imported these tables by name see the same objects

@@ -16,7 +16,6 @@ from torch import nn
 import patches
 from patches import nan_guard
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 
 
 @pytest.fixture(autouse=True)
@@ -25,9 +24,6 @@ def _fresh_state(monkeypatch: pytest.MonkeyPatch):
     from patches import _run
 
     monkeypatch.setattr(_run, "_dir_providers", [])
-    patches.advanced.reset_runtime_state()
-    yield
-    patches.advanced.reset_runtime_state()
 
 
 def Tiny() -> TinyTextModel:

@@ -156,7 +156,7 @@ NAN_STEP, INF_STEP = 2, 8  # trainer steps: a NaN batch, inf gradients (an fp16 
 
 @pytest.mark.slow
 @pytest.mark.xtts
-def test_report_of_a_real_coqui_run(tiny_xtts, tmp_path, clean_patches) -> None:
+def test_report_of_a_real_coqui_run(tiny_xtts, tmp_path) -> None:
     """Two epochs of the tiny XTTS GPT through the real coqui Trainer with the patches on:
 
     - trainer step 2's batch gives a NaN loss (a forward hook, as a bad sample would);
@@ -198,9 +198,10 @@ def test_report_of_a_real_coqui_run(tiny_xtts, tmp_path, clean_patches) -> None:
     # The coqui integration tells the patches the trainer step before each forward.
     model.xtts.gpt.text_embedding.register_forward_hook(
         lambda module, inputs, output:
-        output * float("nan") if module.training and _run.trainer_step == NAN_STEP else output)
+        output * float("nan") if module.training and _run.current().trainer_step == NAN_STEP
+        else output)
     model.xtts.gpt.text_head.weight.register_hook(
-        lambda grad: grad * float("inf") if _run.trainer_step == INF_STEP else grad)
+        lambda grad: grad * float("inf") if _run.current().trainer_step == INF_STEP else grad)
     binding = coqui.GradScaler
     coqui.GradScaler = functools.partial(SafeGradScaler, device="cpu")
     try:

@@ -25,7 +25,6 @@ from patches import _run
 from patches.tools import cli
 from patches.tools.report import build, find_runs
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 EVENTS, HEADLESS = "nonfinite_events.jsonl", "headless_runs.jsonl"
 
 

@@ -35,7 +35,7 @@ def train(model, opt, sched, steps: int) -> None:
 
 
 @pytest.fixture
-def saved(tmp_path, clean_patches):
+def saved(tmp_path):
     """The state of a run stopped at step 30, and the patch on."""
     patches.advanced.reset_runtime_state()
     patches.advanced.set_output_dir(tmp_path)
@@ -162,7 +162,7 @@ def test_a_later_load_state_dict_checks_again(saved, tmp_path, caplog) -> None:
     assert [r["problems"] for r in resume_records(tmp_path)] == [[], ["lr_not_scheduler"]]
 
 
-def test_plain_sgd_keeps_no_step_count_and_is_no_fresh_optimizer(tmp_path, clean_patches,
+def test_plain_sgd_keeps_no_step_count_and_is_no_fresh_optimizer(tmp_path,
                                                                  caplog) -> None:
     """SGD without momentum has no state, loaded or not (found by Lightning's own
     test_finetuning_with_ckpt_path, docs/compatibility.md): not a fresh optimizer."""

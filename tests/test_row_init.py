@@ -422,8 +422,7 @@ def test_an_unreadable_tokenizer_is_refused_naming_the_rule_in_use(tmp_path) -> 
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-def test_the_environment_sets_the_rules_and_a_bad_value_is_refused(tmp_path, monkeypatch,
-                                                                    clean_patches) -> None:
+def test_the_environment_sets_the_rules_and_a_bad_value_is_refused(tmp_path, monkeypatch) -> None:
     path = _tiny_checkpoint(tmp_path, 20)
     monkeypatch.setenv("TRAINING_PATCHES_ROW_INIT", "std0.02")
     monkeypatch.setenv("TRAINING_PATCHES_HEAD_ROW_INIT", "randn")

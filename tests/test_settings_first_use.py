@@ -74,8 +74,7 @@ def test_a_setting_means_the_same_with_or_without_the_activation_line(
         assert without == expected
 
 
-def test_without_apply_the_settings_follow_the_environment(clean_patches,
-                                                           monkeypatch: pytest.MonkeyPatch
+def test_without_apply_the_settings_follow_the_environment(monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     """Before any apply() the variables are read at each use (again when they change);
     apply() fixes them as activation always did."""

@@ -17,7 +17,6 @@ import patches
 from patches import _options, _registry
 from patches._registry import Integration, Site
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 xtts = pytest.mark.xtts  # the tests that take coqui_trainer_module
 
 

@@ -1,6 +1,6 @@
 """The order within one optimizer step (docs/design/step.md), walked with real steps.
 
-``patches._step.CONTEXT.recording()`` lists the phases as the scaler, the clip and the
+``patches._step._step.context().recording()`` lists the phases as the scaler, the clip and the
 guard mark them; each test runs one real step (CPU, a tiny model) and asserts the exact
 list, and what the shared context holds between the phases.
 """
@@ -18,11 +18,11 @@ import patches
 from patches import _step, nan_guard
 from patches.advanced import SafeGradScaler
 
-CONTEXT = _step.CONTEXT
+
 
 
 @pytest.fixture
-def patched(clean_patches: None, tmp_path) -> None:
+def patched(tmp_path) -> None:
     """The scaler, the clip and the guard on; events into ``tmp_path``."""
     nan_guard.reset()
     patches.advanced.apply(["grad_scaler", "grad_clip", "nan_guard"], output_dir=str(tmp_path))
@@ -41,7 +41,7 @@ def _loss(model: torch.nn.Module, poison: float = 1.0) -> torch.Tensor:
 
 
 def _walk(step: Callable[[], object]) -> list[str]:
-    with CONTEXT.recording() as phases:
+    with _step.context().recording() as phases:
         step()
     return phases
 
@@ -180,33 +180,34 @@ def test_the_context_holds_each_part_for_its_phases_only(patched: None) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = SafeGradScaler("cpu", init_scale=1024.0)
     seen: list[bool] = []
-    handle = opt.register_step_pre_hook(lambda *_: seen.append(CONTEXT.scaler_stepping))
+    handle = opt.register_step_pre_hook(lambda *_: seen.append(_step.context().scaler_stepping))
     try:
-        assert CONTEXT.pending_scaler() is None
+        assert _step.context().pending_scaler() is None
         scaled = scaler.scale(_loss(model))
-        assert CONTEXT.pending_scaler() is scaler
+        assert _step.context().pending_scaler() is scaler
         scaled.backward()
         scaler.unscale_(opt)
         assert set(scaler.unscaled_param_ids()) == {id(p) for p in model.parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         grads = [p.grad for p in model.parameters()]
-        assert CONTEXT.take_clip(grads) is not None and CONTEXT.take_clip(grads) is None
+        context = _step.context()
+        assert context.take_clip(grads) is not None and context.take_clip(grads) is None
         scaler.step(opt)
-        assert seen == [True] and not CONTEXT.scaler_stepping
+        assert seen == [True] and not _step.context().scaler_stepping
         scaler.update()
-        assert CONTEXT.pending_scaler() is None and not scaler.unscaled_param_ids()
+        assert _step.context().pending_scaler() is None and not scaler.unscaled_param_ids()
     finally:
         handle.remove()
 
 
 def test_the_recorder_is_off_by_default() -> None:
-    assert CONTEXT.phases is None
-    CONTEXT.mark("no such phase")  # off: not even checked
-    with CONTEXT.recording() as phases:
-        CONTEXT.mark("clip")
+    assert _step.context().phases is None
+    _step.context().mark("no such phase")  # off: not even checked
+    with _step.context().recording() as phases:
+        _step.context().mark("clip")
         with pytest.raises(ValueError, match="unknown step phase"):
-            CONTEXT.mark("no such phase")
-    assert phases == ["clip"] and CONTEXT.phases is None
+            _step.context().mark("no such phase")
+    assert phases == ["clip"] and _step.context().phases is None
 
 
 # -- the pipeline: the same stages whatever order the patches came and went in ----------
@@ -257,7 +258,7 @@ ORDERS = [pytest.param(order, id="-".join(order),
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_the_stages_run_in_one_order_whatever_order_the_patches_came_in(
-        clean_patches: None, tmp_path, order: tuple[str, ...]) -> None:
+        tmp_path, order: tuple[str, ...]) -> None:
     """Issue 40: the resume check, the freeze's discovery and hold, the guard's decision
     and the record run in the pipeline's order, not in the order their hooks were made."""
     nan_guard.reset()
@@ -274,8 +275,7 @@ def test_the_stages_run_in_one_order_whatever_order_the_patches_came_in(
     nan_guard.reset()
 
 
-def test_reverting_every_step_patch_leaves_the_stages_empty(clean_patches: None,
-                                                             tmp_path) -> None:
+def test_reverting_every_step_patch_leaves_the_stages_empty(tmp_path) -> None:
     for name in STEP_PATCHES:
         patches.advanced.apply([name], output_dir=str(tmp_path))
     stages = _step.STAGES

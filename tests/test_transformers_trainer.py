@@ -77,7 +77,7 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_nan_step_is_skipped_exactly_and_recorded_in_output_dir(run_state, tmp_path) -> None:
+def test_nan_step_is_skipped_exactly_and_recorded_in_output_dir(trainer_env, tmp_path) -> None:
     """The run with the poisoned batch ends bit-identical to the run that never had it:
     the fused kernel skipped that step whole (parameters, moments, Adam's step count).
     The scheduler did step on the skipped step (HF gates it only on accelerate's fp16
@@ -124,7 +124,7 @@ class _EventsAt(transformers.TrainerCallback):
         self.seen[state.global_step] = (Path(args.output_dir) / _run.EVENTS_FILE).exists()
 
 
-def test_a_skip_before_a_save_is_recorded_by_the_save(run_state, tmp_path) -> None:
+def test_a_skip_before_a_save_is_recorded_by_the_save(trainer_env, tmp_path) -> None:
     """A save right after the bad step (global step BAD + 1) reads the fused flags: the
     record is on disk before the next step, not only every 25 steps or at the end."""
     patches.advanced.apply(["nan_guard", "grad_clip"])
@@ -140,14 +140,14 @@ def test_a_skip_before_a_save_is_recorded_by_the_save(run_state, tmp_path) -> No
     assert (tmp_path / "out" / f"checkpoint-{BAD + 1}").is_dir()
 
 
-def test_unpatched_nan_step_ruins_the_model(run_state, tmp_path) -> None:
+def test_unpatched_nan_step_ruins_the_model(trainer_env, tmp_path) -> None:
     """The control: upstream steps the fused AdamW on the NaN gradients (it filters the NaN
     out of the logged loss only)."""
     trainer = _train(tmp_path / "out", _rows(poison=BAD))
     assert all(not bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
 
 
-def test_integration_off_records_go_elsewhere_with_no_trainer_step(run_state, tmp_path) -> None:
+def test_integration_off_records_go_elsewhere_with_no_trainer_step(trainer_env, tmp_path) -> None:
     """With the integration left off, the generic guard still skips the step, but nothing
     is in output_dir when train() returns; the record, written at the next read of the
     flags, lands in ./training_patches with no trainer step."""
@@ -160,7 +160,7 @@ def test_integration_off_records_go_elsewhere_with_no_trainer_step(run_state, tm
 
 
 def test_base_vocab_rows_stay_bit_identical_through_trainer_train(
-        run_state, no_live_freezes, tmp_path) -> None:
+        trainer_env, tmp_path) -> None:
     """TRAINING_PATCHES_BASE_VOCAB on a grown, tied GPT-2 trained by Trainer.train (fused
     AdamW): the base rows of wte (which is lm_head) bit-identical, the new rows learn."""
     grown = VOCAB + 8
@@ -186,7 +186,7 @@ def _saving_args(output_dir: Path, max_steps: int) -> Any:
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
-def test_a_torn_checkpoint_folder_is_never_resumed(run_state, tmp_path, caplog,
+def test_a_torn_checkpoint_folder_is_never_resumed(trainer_env, tmp_path, caplog,
                                                    applied) -> None:
     """A run killed while writing checkpoint-6 (its model file cut short, no completion
     marker): ``resume_from_checkpoint=True`` resumes from checkpoint-4, the newest complete
@@ -219,7 +219,7 @@ def test_a_torn_checkpoint_folder_is_never_resumed(run_state, tmp_path, caplog,
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
-def test_resume_from_checkpoint_into_a_grown_vocabulary(run_state, no_live_freezes, tmp_path,
+def test_resume_from_checkpoint_into_a_grown_vocabulary(trainer_env, tmp_path,
                                                         applied) -> None:
     """The tokenizer grew after checkpoint-4 was written (64 -> 72 tokens, the model resized
     with ``resize_token_embeddings``): ``resume_from_checkpoint=True`` continues to step 8
@@ -297,7 +297,7 @@ def _char_tokenizer(extra: list[str] = ()) -> Any:
 
 
 def test_a_grown_resume_says_what_the_trainer_restores_and_spells_its_new_tokens(
-        run_state, no_live_freezes, tmp_path, caplog) -> None:
+        trainer_env, tmp_path, caplog) -> None:
     """The load line of ``resume_from_checkpoint`` into a grown vocabulary names what the
     Trainer restores itself from checkpoint-4 (optimizer, scheduler, RNG, step 4), never
     ``optimizer absent`` or ``resuming at 0``; the new rows are spelled with the Trainer's
@@ -330,7 +330,7 @@ def test_a_grown_resume_says_what_the_trainer_restores_and_spells_its_new_tokens
 
 
 def test_a_grown_resume_without_a_tokenizer_says_where_it_looked(
-        run_state, no_live_freezes, tmp_path, caplog) -> None:
+        trainer_env, tmp_path, caplog) -> None:
     """No processing_class: the new rows start by spread, and the line says the Trainer was
     given none (not only that no tokenizer was given to the loader)."""
     patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
@@ -346,7 +346,7 @@ def test_a_grown_resume_without_a_tokenizer_says_where_it_looked(
 
 
 @pytest.mark.parametrize("applied", [True, False], ids=["patched", "upstream"])
-def test_a_second_run_into_an_output_dir_in_use_is_refused(run_state, tmp_path,
+def test_a_second_run_into_an_output_dir_in_use_is_refused(trainer_env, tmp_path,
                                                            applied) -> None:
     """Another process trains in ``output_dir`` (it holds the folder's lock): this run is
     refused in one paragraph naming that process, before it writes a checkpoint (upstream

@@ -26,7 +26,7 @@ SKIP_ITER = 2  # the iteration whose gradients get an inf, as in PyTorch's tests
 
 
 @pytest.fixture
-def patched(clean_patches: None, tmp_path: Any) -> Iterator[None]:
+def patched(tmp_path: Any) -> Iterator[None]:
     """The default set, as a user's import line applies it (reports go to tmp_path)."""
     patches.advanced.reset_runtime_state()
     patches.advanced.apply(output_dir=str(tmp_path))

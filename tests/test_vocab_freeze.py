@@ -305,7 +305,7 @@ def one_thread():
 @xtts
 @pytest.mark.parametrize("wd_only_on_weights", [True, False], ids=["wd_weights", "wd_all"])
 def test_coqui_trainer_env_activation(tiny_xtts, tiny_xtts_extended_vocab, tiny_xtts_mixed_manifest,
-                                      tmp_path, clean_patches, one_thread, monkeypatch,
+                                      tmp_path, one_thread, monkeypatch,
                                       caplog: pytest.LogCaptureFixture,
                                       wd_only_on_weights: bool) -> None:
     monkeypatch.setenv("TRAINING_PATCHES_BASE_VOCAB", "74")
@@ -331,7 +331,7 @@ def test_coqui_trainer_env_activation(tiny_xtts, tiny_xtts_extended_vocab, tiny_
 
 @xtts
 def test_xtts_checkpoint_growth_prints_one_freeze_block(tiny_xtts, tiny_xtts_extended_vocab,
-                                                        tmp_path, clean_patches, one_thread,
+                                                        tmp_path, one_thread,
                                                         monkeypatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """GPTTrainer with an ``xtts_checkpoint`` of the base vocabulary: the loader freezes
@@ -415,7 +415,7 @@ def test_vocab_layout_problems_against_tokenizer_and_model(tiny_xtts, tiny_xtts_
 
 @xtts
 def test_activation_on_a_broken_vocabulary_warns_and_strict_stops(
-        tiny_xtts, tiny_xtts_extended_vocab, tmp_path, clean_patches, one_thread, monkeypatch,
+        tiny_xtts, tiny_xtts_extended_vocab, tmp_path, one_thread, monkeypatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """TRAINING_PATCHES_BASE_VOCAB on a GPTTrainer whose vocabulary lost [START] (its id
     given to [am]): a WARNING before the freeze block, not only "Base tokens: 0-73";
@@ -447,7 +447,7 @@ def test_activation_on_a_broken_vocabulary_warns_and_strict_stops(
 
 @xtts
 def test_coqui_trainer_without_freeze_moves_base_rows(tiny_xtts, tiny_xtts_extended_vocab,
-                                                      tmp_path, clean_patches, one_thread,
+                                                      tmp_path, one_thread,
                                                       monkeypatch) -> None:
     """Control: the same run with the variable unset changes the base rows."""
     monkeypatch.delenv("TRAINING_PATCHES_BASE_VOCAB", raising=False)
@@ -464,7 +464,7 @@ def test_coqui_trainer_without_freeze_moves_base_rows(tiny_xtts, tiny_xtts_exten
 @xtts
 def test_coqui_trainer_save_resume_and_nan_step(tiny_xtts, tiny_xtts_extended_vocab,
                                                 tiny_xtts_mixed_manifest, tmp_path,
-                                                clean_patches, one_thread) -> None:
+                                                one_thread) -> None:
     """Run 1 saves, run 2 resumes with continue_path (hooks come back by themselves) and
     meets a NaN loss at its third step: the base rows of run 1's start stay exact."""
     from TTS.tts.layers.xtts.trainer.gpt_trainer import GPTTrainer
@@ -508,7 +508,7 @@ def test_coqui_trainer_save_resume_and_nan_step(tiny_xtts, tiny_xtts_extended_vo
 @xtts
 def test_xtts_fp16_cpu_with_safe_grad_scaler(tiny_xtts, tiny_xtts_extended_vocab,
                                              tiny_xtts_mixed_manifest, tmp_path,
-                                             clean_patches, one_thread) -> None:
+                                             one_thread) -> None:
     """A plain loop over the real XTTS GPTTrainer step with CPU fp16 autocast."""
     config = tiny_xtts.make_config(tmp_path / "run", vocab=tiny_xtts_extended_vocab,
                                    manifest=tiny_xtts_mixed_manifest,
@@ -537,7 +537,7 @@ def test_xtts_fp16_cpu_with_safe_grad_scaler(tiny_xtts, tiny_xtts_extended_vocab
     assert_base_frozen_new_trained(before, gpt, frozen, trained)
 
 
-def test_leading_filler_row_is_frozen_with_the_base(no_live_freezes, caplog) -> None:
+def test_leading_filler_row_is_frozen_with_the_base(caplog) -> None:
     """F5-TTS's text embedding keeps a filler row 0 and token i at row i + 1: 26 base tokens
     are rows 0..26. ``leading_rows=1`` freezes exactly those; the first new token's row (27)
     trains. Without it, row 26 (the last base token) would train."""

@@ -16,7 +16,6 @@ from patches import vocab_freeze
 from patches.integrations.layouts import INDEXTTS_SLOT, XTTS_START_LAST
 from patches.vocab_rows import PLAIN, frozen_rows, owner_paths, row_layout
 
-pytestmark = pytest.mark.usefixtures("clean_patches")
 
 BASE, NEW = 40, 8
 

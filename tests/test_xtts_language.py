@@ -39,7 +39,7 @@ def am_tiny(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture
-def language_patch(clean_patches):
+def language_patch():
     patches.advanced.apply(["xtts_language"])
     yield
 
@@ -137,7 +137,7 @@ def test_a_romanizer_added_to_a_coqui_language_keeps_coquis_cleaner(am_tiny,
     assert languages.romanize("да") is None
 
 
-def test_revert_gives_coqui_back(am_tiny, clean_patches) -> None:
+def test_revert_gives_coqui_back(am_tiny) -> None:
     from TTS.tts.layers.xtts import tokenizer as tokenizer_module
     from TTS.tts.layers.xtts.trainer import gpt_trainer
 

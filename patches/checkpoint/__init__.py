@@ -37,11 +37,8 @@ if TYPE_CHECKING:  # the names :func:`__getattr__` loads on first use, for the r
     from .rng import capture_rng_state, restore_rng_state
     from .sharded import DCP_SUFFIX, check_folder
 
-# The loader, the manager and the modules they use load on the first use of one of their
-# names (``patches.checkpoint.load_checkpoint``, ``from patches.checkpoint import
-# CheckpointManager``), not at ``import patches.auto``: they are half the package's import
-# time (issue 41), and the patch itself needs only ``data_position`` and the errors until a
-# checkpoint is loaded or saved. Each public name -> the submodule it is taken from.
+# The loader, the manager and their modules load on the first use of one of their names, not
+# at ``import patches.auto`` (half its time, issue 41). Each public name -> its submodule.
 _LAZY: dict[str, str] = {name: module for module, names in (
     ("reading", ("CHECKPOINT_SUFFIXES", "FORMAT", "MANIFEST_SUFFIX", "Manifest", "check_file",
                  "manifest_path", "newest_valid_beside", "read_checkpoint", "read_manifest")),
@@ -54,8 +51,7 @@ _LAZY: dict[str, str] = {name: module for module, names in (
     ("rng", ("capture_rng_state", "restore_rng_state")),
     ("sharded", ("DCP_SUFFIX", "check_folder")),
 ) for name in names}
-# The submodules, which ``import patches`` used to import all: ``patches.checkpoint.manager``
-# still answers without an import of its own.
+# The submodules, which ``patches.checkpoint.<name>`` still reaches without an import.
 _SUBMODULES = frozenset((
     "_collective", "atomic", "data_position", "decide", "digest", "ema", "errors", "file_model",
     "grown", "load", "manager", "optimizer", "parts", "plan", "reading", "report", "rng",
@@ -79,9 +75,8 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
-# The generic ``checkpoint`` patch: the loader and the manager above are its API; its sites
-# come from the integrations (the coqui Trainer's restore/save/continue, XTTS's
-# gpt_checkpoint/xtts_checkpoint).
+# The generic ``checkpoint`` patch: the loader and the manager are its API; the integrations
+# bring its other sites.
 def _resume_policy(text: Any) -> str:
     from .load import POLICIES  # lazy: the loader loads on first use (see _LAZY)
 

@@ -1,29 +1,18 @@
 """The data position, a part of a checkpoint: where each rank's DataLoader stood, so that a
-resumed run sees the same next batches as the run that was stopped, mid-epoch included.
+resumed run sees the same next batches as the stopped one, mid-epoch included.
 
-While the ``checkpoint`` patch is applied, every ``iter()`` of a torch ``DataLoader`` is
-watched (the site ``DataLoader.__iter__``): the RNG states the epoch starts from (torch's
-global RNG and the loader's own ``generator``: what ``RandomSampler`` and the workers' base
-seed draw from), the iterator, whose count of batches handed out is the position, and the
-index batches its sampler draws (:class:`_Order`: how many, whether the epoch drew them
-all, a running fingerprint of the sample order). ``CheckpointManager.save(..., loader=)``
-stores ``{"epoch", "batches", "length", "rng", "order"}`` for each rank with what
-identifies the data (:func:`identity`: the number of samples, the batch size, ``drop_last``,
-the sampler, whether it shuffles, a dataset's own ``_fingerprint``);
-``load_checkpoint(..., loader=)`` refuses a loader whose data differs, and arms the loader:
-its next ``iter()`` replays the start of that epoch from the saved RNG states, skips the
-batches already seen (at the sampler in one process, none of them loaded; with workers by
-loading and dropping them, so that the workers' RNG ends where it was), checks that the
-samples skipped are the ones the saved run trained on (the order's fingerprint; else the
-epoch starts from its beginning, said in a WARNING and in the report), then puts the RNG
-back as the checkpoint left it. A loader with its own ``state_dict``/``load_state_dict``
-(torchdata's ``StatefulDataLoader``) is saved and restored through them instead;
-accelerate's prepared loader (``accelerator.prepare(loader)``) through the DataLoader it
-wraps, or through its own ``state_dict`` when that one is stateful.
+While the ``checkpoint`` patch is applied, every ``iter()`` of a ``DataLoader`` is watched
+(the site ``DataLoader.__iter__``): the RNG states the epoch starts from, its iterator's count
+of batches handed out, and a fingerprint of the index batches its sampler draws
+(:class:`_Order`). :func:`position_of` is what a save stores, with :func:`identity`;
+:func:`plan` refuses a loader over other data, and :func:`arm` makes the next ``iter()``
+replay the epoch's start, skip the batches seen (checked against the fingerprint, else the
+epoch starts again, said) and put the RNG back. A loader with its own ``state_dict``
+(torchdata's) goes through it; accelerate's prepared loader through the one it wraps. What
+cannot be resumed exactly (an ``IterableDataset``, a loader never iterated under the patch)
+is said, never skipped silently.
 
-What cannot be resumed exactly is said, never skipped silently: an ``IterableDataset``
-(the dataset, not a sampler, decides the order), another number of ranks, a loader that
-was never iterated under the patch (its save leaves the position out, with a WARNING).
+Design: docs/design/checkpoint.md
 """
 
 from __future__ import annotations
@@ -266,19 +255,12 @@ def _tell(armed: Mapping[str, Any], why: str) -> None:
 
 def _skip(iterator: Any, batches: int) -> int:
     """Advance a fresh DataLoader iterator by ``batches``; returns its count of batches
-    handed out afterwards.
-
-    In one process the batches are skipped at the sampler, none of them loaded: what their
-    loading drew from the RNG is in the RNG state the checkpoint restores. With workers
-    each batch is loaded and dropped: a worker's RNG (seeded from the epoch's base seed)
-    advances with every sample it reads, and only reading them again puts it where the
-    stopped run had it (XTTS's dataset draws its samples from ``random`` in the workers)."""
-    if getattr(iterator, "_num_workers", 0) > 0:
-        for _ in range(batches):
-            next(iterator)
-        return int(iterator._num_yielded)
-    for _ in range(batches):  # the sampler's own order, nothing loaded (draws its seed now)
-        next(iterator._sampler_iter)
+    handed out afterwards. In one process they are skipped at the sampler, none loaded (what
+    loading drew is in the restored RNG); with workers each is loaded and dropped, as only
+    that puts a worker's RNG where the stopped run had it (XTTS's dataset draws ``random``)."""
+    source = iterator if getattr(iterator, "_num_workers", 0) > 0 else iterator._sampler_iter
+    for _ in range(batches):
+        next(source)
     return int(iterator._num_yielded)
 
 
@@ -364,13 +346,9 @@ def yielded(loader: Any) -> int | None:
 
 
 def position_of(loader: Any, *, yielded: int | None = None) -> dict[str, Any]:
-    """The position of ``loader`` now, as stored in a checkpoint (plain values and tensors),
-    with what identifies its data (:func:`identity`) and the fingerprint of the sample order
-    up to it. ``yielded``: the iterator's count of batches handed out to use instead of
-    its count now (the position after the last finished step, where a batch was read
-    since).
-
-    Raises ValueError (one paragraph: what was found, what to do) when it cannot be known."""
+    """The position of ``loader`` now as a checkpoint stores it, with :func:`identity` and the
+    fingerprint of the sample order up to it; ``yielded``: the count of batches handed out to
+    use instead of the iterator's now. A one-paragraph ValueError when it cannot be known."""
     if _stateful(loader):
         return {"kind": KIND_STATEFUL, "state": loader.state_dict()}
     inner = _inner(loader)
@@ -382,11 +360,10 @@ def position_of(loader: Any, *, yielded: int | None = None) -> dict[str, Any]:
             f"DataLoader the training loop iterates, or leave loader= out.")
     watch = _WATCHED.get(inner)
     if watch is None or watch.start_rng is None:
-        raise ValueError(
-            "training-patches: cannot read the data position of this DataLoader: it was not "
-            "iterated while the checkpoint patch was applied, so where its epoch began is "
-            "unknown. Apply the patches before the loader's first iter() (import patches.auto "
-            "at the top of the script), or leave loader= out.")
+        raise _unreadable("it was not iterated while the checkpoint patch was applied, so where "
+                          "its epoch began is unknown", "Apply the patches before the loader's "
+                          "first iter() (import patches.auto at the top of the script), or "
+                          "leave loader= out.")
     length = _length(inner)
     # accelerate's prepared loader draws one batch ahead of the one it hands out, except at
     # the end of the epoch (its end_of_dataloader)
@@ -396,10 +373,8 @@ def position_of(loader: Any, *, yielded: int | None = None) -> dict[str, Any]:
         if yielded is None:
             yielded = getattr(iterator, "_num_yielded", None)
         if yielded is None:  # torch's DataLoader iterator no longer counts what it handed out
-            raise ValueError(
-                f"training-patches: cannot read the data position of this DataLoader: its "
-                f"iterator ({type(iterator).__name__}) has no count of the batches it handed "
-                f"out in this torch version. Leave loader= out.")
+            raise _unreadable(f"its iterator ({type(iterator).__name__}) has no count of the "
+                              f"batches it handed out in this torch version")
         batches = watch.skipped + max(int(yielded) - watch.base - ahead, 0)
     elif order is None:  # not recorded (an IterableDataset's, which a load drops anyway)
         batches = watch.skipped
@@ -408,16 +383,20 @@ def position_of(loader: Any, *, yielded: int | None = None) -> dict[str, Any]:
     elif watch.workers == 0:  # one process draws what it hands out
         batches = max(order.drawn - ahead, 0)
     else:
-        raise ValueError(
-            "training-patches: cannot read the data position of this DataLoader: the iterator "
-            "of its epoch is gone before the end of the epoch and its workers had read batches "
-            "ahead, so how many of them were trained on is unknown. Save while the epoch's "
-            "loop runs (inside it) or after it ends, or leave loader= out.")
+        raise _unreadable("the iterator of its epoch is gone before the end of the epoch and "
+                          "its workers had read batches ahead, so how many of them were trained "
+                          "on is unknown", "Save while the epoch's loop runs (inside it) or "
+                          "after it ends, or leave loader= out.")
     # the fingerprint of the order of the epoch's first ``batches`` batches (a resume's
     # replay records the batches it skips too); None when not recorded
     return {"kind": KIND_PLAIN, "epoch": watch.epochs - 1, "batches": batches,
             "length": length, "rng": dict(watch.start_rng), **identity(loader),
             "order": order.at(batches) if order is not None else None}
+
+
+def _unreadable(why: str, do: str = "Leave loader= out.") -> ValueError:
+    return ValueError(f"training-patches: cannot read the data position of this DataLoader: "
+                      f"{why}. {do}")
 
 
 _TOLD: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
@@ -521,10 +500,8 @@ def patched() -> bool:
 
 def arm(loader: Any, position: Mapping[str, Any],
         told: Callable[[str], None] | None = None) -> Callable[[], None]:
-    """Make ``loader``'s next ``iter()`` continue from ``position`` (accelerate's prepared
-    loader: the DataLoader it wraps); returns the undo. ``told(why)`` is called if that
-    ``iter()`` starts the epoch from its beginning instead (the order's fingerprint differs,
-    or the replay failed)."""
+    """Make ``loader``'s next ``iter()`` continue from ``position``; returns the undo.
+    ``told(why)`` is called if that ``iter()`` starts the epoch from its beginning instead."""
     if position["kind"] == KIND_STATEFUL:
         before = loader.state_dict()
         loader.load_state_dict(position["state"])

@@ -1,18 +1,9 @@
 """Integration ``accelerate``: Hugging Face accelerate (``accelerate launch``), 1.x.
 
-What it adds to the generic patches: accelerate builds its fp16 loss scaler in
-``Accelerator.__init__``. For DDP and FSDP1 it goes through
-``accelerate.utils.modeling.get_grad_scaler``, which looks up ``torch.amp.GradScaler``
-(or FSDP's ``ShardedGradScaler``) at call time, so the generic ``grad_scaler`` patch
-reaches it. For FSDP2 it calls ``get_fsdp2_grad_scaler``, which imports the class from
-``torch.amp.grad_scaler`` (a name the generic patch leaves alone, it being torch's own
-module): that binding becomes SafeGradScaler here.
-
-Everything else accelerate does in a training step goes through names the generic
-patches already hold: ``Accelerator.backward`` calls ``Tensor.backward`` (the NaN guard
-sees the loss), ``accelerator.clip_grad_norm_`` calls ``torch.nn.utils.clip_grad_norm_``
-by attribute, and its ``AcceleratedOptimizer.step`` calls the torch optimizer's ``step``
-(the guard's hook).
+accelerate's FSDP2 fp16 path calls ``get_fsdp2_grad_scaler``, which imports the scaler from
+``torch.amp.grad_scaler`` (a name the generic patch leaves alone): that binding becomes
+SafeGradScaler here. DDP/FSDP1 (``get_grad_scaler``), the backward, the clip and the step go
+through names the generic patches hold already.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """The coqui Trainer's checkpoint sites (the ``checkpoint`` patch, declared by
-:mod:`.coqui_trainer`): restore, save and continue through training-patches.
+:mod:`.coqui_trainer`, whose ``lost=`` texts say what each prevents):
 
-Sites (coqui-tts-trainer 0.4), all reversible through the registry:
-
-- ``trainer.trainer.Trainer.restore_model``: ``restore_path`` and ``continue_path``
-  load with :func:`patches.checkpoint.load_checkpoint`. Upstream falls back to a
-  partial load that drops every tensor whose shape changed (74 -> 82 tokens: 0 of 74
-  trained rows kept) and restores scheduler and scaler even when the optimizer did not
-  load. Here a grown vocabulary is resized (rows kept, new rows by
-  :mod:`patches.row_init`'s rules, spelled with the config's ``tokenizer_file``, the
-  base rows frozen), any other mismatch is an error, and ``continue_path`` restores
-  optimizer, scheduler and scaler as one set (``TRAINING_PATCHES_RESUME_POLICY``:
-  ``remap``, or ``reset`` to start all three fresh). ``restore_path`` alone loads the
-  weights only, as upstream does.
-- ``trainer.io.save_fsspec``: every coqui checkpoint (``checkpoint_N.pth``,
-  ``best_model_N.pth``) is written atomically (temporary file in the same folder,
-  fsync, ``os.replace``). Remote (fsspec URL) paths go to the original. A checkpoint
-  written by ``Trainer.save_checkpoint`` also holds the train loader's data position
-  (:mod:`patches.checkpoint.data_position`), and ``continue_path`` continues the epoch
-  at the batch where it stopped instead of starting it again.
-- ``trainer.trainer.get_last_checkpoint``: ``continue_path`` resumes from the newest
-  checkpoint that validates; upstream trusts the newest name, torn or not.
-
-XTTS's own checkpoint sites (``gpt_checkpoint``, ``xtts_checkpoint``) are in
-:mod:`.xtts_gpt`.
+- ``Trainer.restore_model``: ``restore_path``/``continue_path`` through
+  :func:`patches.checkpoint.load_checkpoint` (a grown vocabulary resized, new rows spelled
+  with the config's ``tokenizer_file``; ``continue_path`` restores optimizer, scheduler and
+  scaler as one set, by ``TRAINING_PATCHES_RESUME_POLICY``; ``restore_path`` alone loads
+  the weights only, as upstream); the train loader continues its epoch.
+- ``trainer.io.save_fsspec``: local checkpoints written atomically, with the train loader's
+  data position (:mod:`patches.checkpoint.data_position`); ``get_last_checkpoint`` passes
+  over a torn newest file; ``get_experiment_folder_path``/``copy_model_files``: one run per
+  run folder. XTTS's own sites are in :mod:`.xtts_gpt`. The user's view:
+  TRAINING_PATCHES_README.md, "With the coqui Trainer / XTTS".
 """
 
 from __future__ import annotations
@@ -57,12 +44,10 @@ def local_path(path: Any) -> Path:
 
 
 def model_tokenizer(config: Any, model: Any = None) -> Any:
-    """The tokenizer the model was built with, for the loader's spelled new rows
-    (``spelling``, ``romanized``), which checks it against the model's rows: the
-    model's own (GPTTrainer's ``xtts.tokenizer``, loaded) when ``model`` has one (under
-    ``continue_path`` the Trainer's config is the run folder's, which names the vocabulary
-    before a growth), else the local file a coqui config names (``model_args.tokenizer_file``,
-    XTTS); None when it names none that exists here."""
+    """The tokenizer the model was built with, for the loader's spelled new rows: the model's
+    own (GPTTrainer's ``xtts.tokenizer``; under ``continue_path`` the config is the run
+    folder's, naming the vocabulary before a growth), else the local file the config's
+    ``model_args.tokenizer_file`` names; None when there is none here."""
     model = getattr(model, "module", model)  # under DDP
     own = getattr(getattr(model, "xtts", None), "tokenizer", None)
     if getattr(own, "tokenizer", None) is not None:
@@ -102,21 +87,18 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
                     "starts again from its beginning (batches already trained on come again)",
                     path)
             if report.policy == "remap":
-                # as upstream: +1 so that a restored model is not checkpointed at once
+                # coqui saves inside a step, before counting it: a file's step N holds N + 1
                 self.total_steps_done = report.step + 1
                 self.epochs_done = report.epoch or 0
-                # coqui saves inside a step, before counting it: a file's step N holds N + 1
-                # steps (a checkpoint written on a signal is stored the same way)
                 info("training-patches: continue_path: %s holds step %d in coqui's count; the "
                      "run continues at trainer step %d", path, report.step,
                      self.total_steps_done)
             else:
                 self.total_steps_done = 0
                 self.epochs_done = 0
-            # The first step checks LR, scheduler and moments; the scheduler's step count is
-            # not compared: coqui counts batches under accumulation, holds the scheduler on
-            # the scaler's skipped steps, and (0.4) never steps a per-epoch scheduler of a
-            # single optimizer (it records optimizer index None, then looks for 0).
+            # The scheduler's step count is not compared: coqui counts batches under
+            # accumulation, holds the scheduler on skipped steps, and (0.4) never steps a
+            # per-epoch scheduler of a single optimizer.
             resume_check.expect_resume(self.total_steps_done, source="coqui continue_path")
         else:
             # restore_path alone: weights only, fresh optimizer/scheduler/scaler (upstream).
@@ -140,8 +122,8 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
 
 
 def _train_loader(trainer: Any) -> Any:
-    """The loader a continued run will train on, made now (``train_epoch`` would make the
-    same one later) so that the load can set its position; None where that cannot be."""
+    """The loader a continued run will train on, made now (as ``train_epoch`` would) so that
+    the load can set its position; None where that cannot be."""
     if getattr(trainer, "use_accelerate", False):
         return None  # accelerate prepares (wraps) the loader after the restore
     if getattr(trainer, "train_loader", None) is None:
@@ -157,9 +139,8 @@ def _train_loader(trainer: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class AfterStep:
-    """What a checkpoint written between two steps needs of the moment the last step ended:
-    the RNG (one process) and the batches the train loader had handed out. A signal can
-    come while the next batch is read, after its samples drew from ``random``."""
+    """What a checkpoint written between two steps needs of the moment the last one ended (a
+    signal can come while the next batch is read): the RNG (one process), the batches read."""
 
     rng: dict[str, Any] | None
     yielded: int | None
@@ -176,11 +157,10 @@ _saving: list[tuple[Any, AfterStep | None]] = []  # the Trainer whose save_check
 
 @contextlib.contextmanager
 def saving_from(trainer: Any, between_steps: AfterStep | None = None):
-    """While ``trainer`` saves a checkpoint: :func:`make_save_fsspec` adds its train
-    loader's data position to what it writes. ``between_steps``: the save is not coqui's
-    own (which runs inside a step, before the step is counted) but one after the last step
-    ended: the file holds the state of that moment, and its ``step`` is one less than the
-    steps done, as coqui's own saves count it (``continue_path`` resumes at ``step + 1``)."""
+    """While ``trainer`` saves a checkpoint, :func:`make_save_fsspec` adds its train loader's
+    data position. ``between_steps``: a save after the last step ended, not coqui's own
+    (inside a step): the file holds that moment, its ``step`` one less than the steps done,
+    as coqui's own saves count it (``continue_path`` resumes at ``step + 1``)."""
     _saving.append((trainer, between_steps))
     try:
         yield
@@ -207,9 +187,8 @@ def _with_data_position(state: Any) -> Any:
         return {**state, **extra}
     extra["data_ranks"] = [position]
     if "rng" not in state and _dist.world_size() <= 1:
-        # One process: its RNG too, which continue_path restores, so that what the samples
-        # draw when they are read (XTTS's dataset picks them with ``random``) continues as
-        # in the stopped run. (Under DDP only rank 0 saves: its RNG is not every rank's.)
+        # One process: its RNG too (XTTS's dataset picks samples with ``random``); under DDP
+        # only rank 0 saves, and its RNG is not every rank's.
         extra["rng"] = (between.rng if between is not None and between.rng is not None
                         else capture_rng_state())
     return {**state, **extra}
@@ -238,12 +217,9 @@ def _one_process() -> bool:
 
 
 def make_experiment_folder(original: Callable[[Any, str], Path]) -> Callable[[Any, str], Path]:
-    """``get_experiment_folder_path`` that never names a folder another run has.
-
-    Upstream names a new run ``<run_name>-<month-day-year_hour+minute>-<commit>``: two runs
-    started in the same minute into one output folder shared it, each overwriting the
-    other's checkpoints and config.json. Here the name is claimed as it is made (the first
-    free of ``<name>``, ``<name>-2``, ...); ranks of one job keep upstream's shared name."""
+    """``get_experiment_folder_path`` that never names a folder another run has (upstream's
+    name is by the minute): the first free of ``<name>``, ``<name>-2``, ..., claimed as it is
+    made; ranks of one job keep upstream's shared name."""
 
     @functools.wraps(original)
     def get_experiment_folder_path(root_path: Any, model_name: str) -> Path:
@@ -257,9 +233,8 @@ def make_experiment_folder(original: Callable[[Any, str], Path]) -> Callable[[An
 
 
 def make_copy_model_files(original: Callable[..., None]) -> Callable[..., None]:
-    """``copy_model_files``, the Trainer's first write into its run folder (new or
-    continued), after the folder is locked for this process: a second run continuing a
-    folder in use is :class:`patches.RunFolderInUse`, before it writes anything there."""
+    """``copy_model_files``, the Trainer's first write into its run folder, after the folder
+    is locked for this process (:func:`patches._runlock.lock_folder`)."""
 
     @functools.wraps(original)
     def copy_model_files(config: Any, out_path: Any, *args: Any, **kwargs: Any) -> None:

@@ -1,27 +1,14 @@
 """The coqui Trainer stopped by a signal (the ``checkpoint`` patch, declared by
-:mod:`.coqui_trainer`): SIGTERM and SIGHUP are an interruption, as Ctrl-C is.
+:mod:`.coqui_trainer`): SIGTERM and SIGHUP interrupt a run as Ctrl-C does
+(:mod:`patches._interrupt`), where upstream (coqui-tts-trainer 0.4) dies unsaved on them and
+ends Ctrl-C with ``os._exit(130)``.
 
-Upstream (coqui-tts-trainer 0.4) catches ``KeyboardInterrupt`` in ``Trainer.fit``: it saves
-a checkpoint, calls the ``on_keyboard_interrupt`` callbacks and ends the process with
-``os._exit(130)`` (no cleanup: DataLoader workers are left to notice on their own). SIGTERM,
-which a cloud machine sends before it stops, and SIGHUP (a closed ssh session) kill the
-process outright: no checkpoint, no callback, no message. Here, for the three signals
-(:mod:`patches._interrupt`):
-
-- ``Trainer.fit``: the signals interrupt the run while it trains; after the interruption is
-  handled ``fit`` ends with ``SystemExit(128 + signal)`` (130, 143, 129), a normal exit
-  that shuts the DataLoader workers down.
-- ``Trainer.train_step`` and ``Trainer.save_best_model``: a signal during a step (or the
-  epoch's best-model save) waits for it to end (a second one does not wait).
-- ``Trainer._fit``: the interruption is handled here, inside upstream's ``fit``: a checkpoint
-  when a step finished since the last one (and ``save_on_interrupt`` is on), the
-  ``on_keyboard_interrupt`` callbacks, one WARNING line, an ``interrupted`` record; no
-  further signal cuts this short.
-- Each ``fit`` records its ``start`` and its end (``finished`` or ``interrupted``) in the
-  run folder's ``trainer_runs.jsonl``: ``report`` names a run stopped by a signal and not
-  continued since as interrupted.
-- ``Trainer.save_checkpoint``: records the fused steps' waiting skips first (as ``fit`` does
-  at its end), and remembers the step of the last checkpoint.
+``Trainer.fit`` installs the interruption and exits ``128 + signal`` normally;
+``Trainer.train_step``/``save_best_model`` finish before a signal is raised; ``Trainer._fit``
+handles it (a checkpoint when a step finished since the last one, the
+``on_keyboard_interrupt`` callbacks, one WARNING, an ``interrupted`` record in
+``trainer_runs.jsonl``); ``Trainer.save_checkpoint`` records the fused steps' waiting skips
+first. The user's view: TRAINING_PATCHES_README.md, "With the coqui Trainer / XTTS".
 """
 
 from __future__ import annotations
@@ -77,9 +64,7 @@ def make_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
 def make_uninterrupted(original: Callable[..., Any], *,
                        on_end: Callable[[Any], None] | None = None) -> Callable[..., Any]:
     """A Trainer method (``train_step``, ``save_best_model``) that a signal interrupts only
-    once it has ended: an optimizer step or a save stopped half-way leaves nothing usable.
-    ``on_end(trainer)`` runs when it has ended, before a signal that came meanwhile is
-    raised."""
+    once it has ended; ``on_end(trainer)`` runs then, before that signal is raised."""
 
     @functools.wraps(original)
     def uninterrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -101,16 +86,14 @@ def _keep_after_step(trainer: Any) -> None:
 
 
 def make_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Trainer.train_step`` as :func:`make_uninterrupted`, which also keeps what a
-    checkpoint written on an interruption needs of the moment the step ended
-    (:func:`.coqui_checkpoint.after_step`): a signal may come while the next batch is read."""
+    """``Trainer.train_step`` as :func:`make_uninterrupted`, keeping what a checkpoint written
+    on an interruption needs of the moment it ended (:func:`.coqui_checkpoint.after_step`)."""
     return make_uninterrupted(original, on_end=_keep_after_step)
 
 
 def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Trainer.save_checkpoint`` that remembers the step it saved, and first records the
-    skips of fused steps whose flags still wait on the device (they are read in batches):
-    a run killed after a save has every skip up to it on disk."""
+    """``Trainer.save_checkpoint`` that first records the fused steps' waiting skips (a run
+    killed after a save has every skip up to it on disk), and remembers the step it saved."""
 
     @functools.wraps(original)
     def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -149,8 +132,7 @@ def on_interrupt(trainer: Any, stop: TrainingInterrupted) -> None:
     ``on_keyboard_interrupt`` callbacks, say it in one line."""
     steps = _steps(trainer)
     folder = Path(getattr(trainer, "output_path", "."))
-    # A periodic save runs inside the step, before upstream counts it: its weights are
-    # those of the step after it.
+    # a periodic save runs inside the step, before upstream counts it
     last = _saved_at.get(trainer)
     done = max(_started_at.get(trainer, 0), last + 1 if last is not None else 0)
     wanted = bool(getattr(getattr(trainer, "config", None), "save_on_interrupt", True))
@@ -186,9 +168,7 @@ def on_interrupt(trainer: Any, stop: TrainingInterrupted) -> None:
 def _record(trainer: Any, event: str, **fields: Any) -> None:
     """One line in the run folder's ``trainer_runs.jsonl`` (best effort, as every record)."""
     folder = getattr(trainer, "output_path", None)
-    if folder and os.path.isdir(folder):
-        # the host: report infers a run whose start has no end, and whose process is gone
-        # from this machine, as interrupted (a SIGKILL, a lost machine)
+    if folder and os.path.isdir(folder):  # the host: report tells a killed run from a live one
         _run.record_in(folder, _run.TRAINER_RUNS_FILE, event, run_folder=str(folder),
                        step=_steps(trainer), host=socket.gethostname(), **fields)
 

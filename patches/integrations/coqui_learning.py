@@ -30,14 +30,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import learning
+from .. import _run, learning
 from .._log import info
 
 # A language tag as XTTS's tokenizer writes it: [en], [am], [zh-cn]
 _TAG = re.compile(r"^\[([a-z]{2,3}(?:-[a-z]{2,4})?)\]$")
 
 _monitors: "weakref.WeakKeyDictionary[Any, learning.LearningMonitor]" = weakref.WeakKeyDictionary()
-_said_batch_fallback = False
 
 
 def _model(trainer: Any) -> Any:
@@ -120,7 +119,6 @@ def audio_losses(model: Any, texts: list[torch.Tensor], audios: list[dict[str, A
     """XTTS's audio-code loss of each (text, audio) pair: nats per code, per utterance; the
     batch's ``loss_mel`` alone (one number) when the per-utterance figures do not add up to
     it, so that :func:`patches.learning.reading_gap` measures one utterance at a time."""
-    global _said_batch_fallback
     gpt = _gpt(model)
     device = next(gpt.parameters()).device
     text = _pad(texts).to(device)
@@ -140,8 +138,7 @@ def audio_losses(model: Any, texts: list[torch.Tensor], audios: list[dict[str, A
     counted = (targets != -1).sum(1)
     if not math.isclose(float(nats.sum() / counted.sum()), float(loss_mel), rel_tol=1e-3,
                         abs_tol=1e-5):
-        if not _said_batch_fallback:
-            _said_batch_fallback = True
+        if _run.current().first_time("coqui_learning.batch_fallback"):
             info("learning: XTTS's per-utterance audio losses do not add up to its loss_mel "
                  "in this coqui-tts version; the probe measures one utterance at a time")
         return loss_mel
@@ -197,9 +194,7 @@ def make_fit(original: Any) -> Any:
 
 
 def reset() -> None:
-    global _said_batch_fallback
     _monitors.clear()
-    _said_batch_fallback = False
 
 
 __all__ = ["keep_utterances", "audio_losses", "mel_targets", "monitor_of", "make_eval_step",

@@ -1,31 +1,14 @@
 """Integration ``coqui_trainer``: coqui-tts-trainer (package ``trainer``, 0.4).
 
-What it adds to the generic patches, site by site:
-
-- ``grad_scaler``: ``trainer/trainer.py`` binds ``GradScaler = functools.partial(
-  torch.GradScaler, device="cuda")`` at its own import time, so patching torch's names
-  alone does not reach it; that binding becomes a SafeGradScaler partial. (It calls
-  ``torch.nn.utils.clip_grad_norm_`` by attribute at call time: ``grad_clip`` needs
-  nothing here.)
-- ``nan_guard``: the batch's loss is handed to the guard before backward
-  (``Trainer._compute_loss``), NaN losses are kept out of the running averages
-  (``Trainer.detach_loss_dict``), the counters go to TensorBoard (``Trainer.train_step``)
-  and a run folder holding our reports is kept on error (``remove_experiment_folder``).
-- ``checkpoint``: restore, save and continue (:mod:`.coqui_checkpoint`); SIGTERM and
-  SIGHUP interrupt a run as Ctrl-C does, the step under way finished and a checkpoint
-  written (:mod:`.coqui_interrupt`).
-- ``learning``: the reading gap of XTTS's GPTTrainer at every evaluation, from the
-  Trainer's own evaluation batches (:mod:`.coqui_learning`).
-- ``nan_guard`` under DDP (``python -m trainer.distribute``): coqui 0.4 wraps the model in
-  ``DistributedDataParallel`` but keeps only ``ddp_model.module`` and calls
-  ``model.train_step`` on it, so DDP's forward never runs and gradients are never
-  all-reduced: each rank trains its own copy and the ranks drift apart (rank 0's is the
-  one saved). The wrapper is kept (``DDP_th``) and the training forward goes through it
-  (``Trainer._model_train_step``, the ``forward`` redirection accelerate and TRL use), so
-  every rank steps with the same averaged gradients, and skips the same steps.
-
-The run folder is known from the Trainer's log file as soon as the Trainer is built
-(see :func:`output_dir_from_logging`), registered with :mod:`patches._run`.
+What it adds to the generic patches (each site's ``lost=`` says what it prevents):
+``grad_scaler``: the ``GradScaler`` partial the module binds at import becomes a
+SafeGradScaler one; ``nan_guard``: the loss seen before backward, NaN losses kept out of the
+running averages, the counters on TensorBoard, a failed run's folder kept with its reports,
+and under coqui's DDP (which keeps only ``ddp_model.module``: gradients were never
+all-reduced, the ranks drifted apart) the training forward through the kept wrapper;
+``oom_guard``; ``checkpoint`` (:mod:`.coqui_checkpoint`, :mod:`.coqui_interrupt`);
+``learning`` (:mod:`.coqui_learning`). The run folder is known from the Trainer's log file
+(:func:`output_dir_from_logging`).
 """
 
 from __future__ import annotations
@@ -54,11 +37,8 @@ SCALER_ATTR = "GradScaler"
 
 
 def output_dir_from_logging() -> str | None:
-    """The newest coqui Trainer's output folder: where its ``trainer_N_log.txt`` is written.
-
-    Known as soon as the Trainer is built, in DataLoader workers too (they inherit the
-    logging handlers), before any training step reports the folder.
-    """
+    """The newest coqui Trainer's output folder, where its ``trainer_N_log.txt`` is written:
+    known once the Trainer is built, in DataLoader workers too (they inherit the handlers)."""
     for handler in reversed(logging.getLogger("trainer").handlers):
         path = getattr(handler, "baseFilename", "")
         if isinstance(handler, logging.FileHandler) and re.search(r"trainer_\d+_log\.txt$", path):
@@ -118,11 +98,6 @@ def make_model_train_step(original: Any) -> Any:
 
 
 # -- NaN guard: what the Trainer's step hands the guard ---------------------------------
-# The Trainer computes the loss in ``Trainer._compute_loss``, turns losses into floats
-# for its running averages in ``Trainer.detach_loss_dict`` and logs to its dashboard in
-# ``Trainer.train_step``. On any exception ``fit()`` calls ``remove_experiment_folder``,
-# which deletes a run folder holding no .pth file: with it the reports that explain
-# the failure.
 
 def make_compute_loss(original: Any) -> Any:
     watched: set[int] = set()
@@ -130,8 +105,7 @@ def make_compute_loss(original: Any) -> Any:
     @functools.wraps(original)
     def _compute_loss(self: Any, batch: Any, criterion: Any, optimizer_idx: Any) -> Any:
         _run.set_trainer_dir(getattr(self, "output_path", None))
-        _run.batch_ids = _run.sample_ids(batch)
-        _run.trainer_step = getattr(self, "total_steps_done", None)
+        _run.set_batch(batch, getattr(self, "total_steps_done", None))
         nan_guard.expect_accumulation(int(getattr(self, "grad_accum_steps", 1) or 1))
         if id(self.model) not in watched:
             watched.add(id(self.model))

@@ -105,14 +105,10 @@ def _keep_rows(engine: Any) -> None:
                 param.data[rows.start:rows.stop] = values.to(param.device, param.dtype)
 
 
-_said: list[str] = []
-
-
 def _cannot_keep(exc: Exception) -> None:
     """The rows could not be put back (a DeepSpeed that moved its fp32 masters): the step
     stands, the freeze is said to hold no more, once."""
-    if not _said:
-        _said.append(type(exc).__name__)
+    if _run.current().first_time("deepspeed.cannot_keep"):
         logger.warning("training-patches: DeepSpeed: the frozen base rows could not be put back "
                        "in the fp32 master weights (%s: %s): from this step on the base rows "
                        "TRAIN; training goes on", type(exc).__name__, str(exc)[:200])
@@ -126,7 +122,7 @@ def make_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         _check(self)
         skipped, steps = self.skipped_steps, self.global_steps
-        _run.trainer_step = int(steps)  # the records' trainer step: the engine's own count
+        _run.current().trainer_step = int(steps)  # the records' trainer step: the engine's
         result = original(self, *args, **kwargs)
         if self.global_steps != steps and _masters(self) and self.zero_optimization_stage() < 3:
             try:

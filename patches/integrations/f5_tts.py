@@ -47,10 +47,9 @@ def _model(trainer: Any) -> torch.nn.Module:
 
 
 class _EmaRows:
-    """Keeps the EMA's base rows while the model's are frozen: at the first ``update()``,
-    when a freeze of the model's text embedding exists, the EMA's rows are taken as they
-    are and put back after every update (:class:`patches.checkpoint.ema.KeptRows`). A
-    resume into a grown vocabulary keeps them already (the loader's own KeptRows)."""
+    """Keeps the EMA's base rows while the model's are frozen: from the first ``update()``
+    that finds a freeze of the model's text embedding, put back after every update
+    (:class:`patches.checkpoint.ema.KeptRows`; a grown resume's loader keeps them already)."""
 
     def __init__(self, trainer: Any) -> None:
         self.ema = trainer.ema_model
@@ -97,16 +96,15 @@ class _EmaRows:
 
 
 def make_train(original: Any) -> Any:
-    """``Trainer.train`` that tells the patches where the Trainer writes and how it counts
-    its updates, keeps the EMA's base rows with the model's, and reads the fused steps'
-    waiting skip flags when training ends."""
+    """``Trainer.train`` that tells the patches where the Trainer writes and counts its
+    updates, keeps the EMA's base rows, and reads the fused steps' skip flags at the end."""
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         _run.set_trainer_dir(getattr(self, "checkpoint_path", None))
-        _run.trainer_step = 0  # load_checkpoint sets the update it resumes from
+        _run.current().trainer_step = 0  # load_checkpoint sets the update it resumes from
 
         def count(*_: Any) -> None:  # F5 counts every update, a skipped one too
-            _run.trainer_step = (_run.trainer_step or 0) + 1
+            _run.current().trainer_step = (_run.current().trainer_step or 0) + 1
 
         hook = _inner(self.optimizer).register_step_post_hook(count)
         ema = _EmaRows(self) if hasattr(self, "ema_model") else None
@@ -122,15 +120,14 @@ def make_train(original: Any) -> Any:
 
 
 def make_train_run(original: Any) -> Any:
-    """``Trainer.train`` that claims ``checkpoint_path`` for this run (on the main process;
-    another process training there: :class:`patches.RunFolderInUse`, before anything is
-    written) and records its start and end there (:mod:`.trainers`)."""
+    """``Trainer.train`` that claims ``checkpoint_path`` for this run on the main process and
+    records its start and end there (:class:`.trainers.RunRecord`)."""
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         folder = getattr(self, "checkpoint_path", None)
         run = trainers.RunRecord(
             trainer=NAME, said=NAME_SAID, overwritten="model_last.pt and model_N.pt",
-            step=lambda: int(_run.trainer_step or 0),
+            step=lambda: int(_run.current().trainer_step or 0),
             checkpoint=lambda: latest_checkpoint(folder),
             continue_with="the same checkpoint_path (F5 resumes from model_last.pt)",
             writes=bool(self.accelerator.is_main_process))
@@ -142,7 +139,7 @@ def make_train_run(original: Any) -> Any:
 
 def make_save_checkpoint(original: Any) -> Any:
     """``Trainer.save_checkpoint`` that records the fused steps' waiting skips first and
-    writes the file atomically (a temporary file beside it, fsync, ``os.replace``)."""
+    writes the file atomically."""
     @functools.wraps(original)
     def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         nan_guard.settle()
@@ -190,9 +187,8 @@ NAME_SAID = "F5's Trainer"
 
 
 class CharVocab:
-    """F5's ``vocab_char_map`` (each character or pinyin syllable of its ``vocab.txt`` -> its
-    id, as the model was built with it) as the loader spells new tokens with it: a token
-    is its entry, a text the ids of its characters (those the vocabulary has)."""
+    """F5's ``vocab_char_map`` (character or pinyin syllable -> id) as the loader spells new
+    tokens with it: a text is the ids of its characters that the vocabulary has."""
 
     def __init__(self, chars: dict[str, int]) -> None:
         self.ids = dict(chars)
@@ -215,8 +211,8 @@ class CharVocab:
 
 
 def _tokenizer_of(trainer: Any) -> tuple[Any, str]:
-    """The vocabulary the model was built with (``CFM.vocab_char_map``, read from F5's
-    vocab.txt), and where; (None, why) when the model has none (it takes token ids)."""
+    """The vocabulary the model was built with (``CFM.vocab_char_map``) and where; (None,
+    why) when the model has none (it takes token ids)."""
     chars = getattr(_model(trainer), "vocab_char_map", None)
     cfg = getattr(trainer, "model_cfg_dict", None) or {}
     model_cfg = cfg.get("model", {}) if isinstance(cfg, dict) else {}
@@ -228,8 +224,7 @@ def _tokenizer_of(trainer: Any) -> tuple[Any, str]:
 
 
 def _resume_of(trainer: Any, ckpt: dict[str, Any], update: int) -> grown.TrainerResume:
-    """What F5's load restores itself from the checkpoint after the weights (the keys that
-    are there), the update it resumes at, and the vocabulary the new rows are spelled with."""
+    """What F5's load restores itself after the weights, its update and its vocabulary."""
     keys = {"optimizer": "optimizer_state_dict", "step": "update" if "update" in ckpt else "step"}
     if getattr(trainer, "scheduler", None):
         keys["scheduler"] = "scheduler_state_dict"
@@ -241,9 +236,8 @@ def _resume_of(trainer: Any, ckpt: dict[str, Any], update: int) -> grown.Trainer
 
 
 def make_load_checkpoint(original: Any) -> Any:
-    """``Trainer.load_checkpoint`` that resumes a training checkpoint into a model whose
-    vocabulary grew since it was saved (upstream: a size-mismatch error); upstream's load
-    otherwise. The update it resumes from becomes the records' ``trainer_step``."""
+    """``Trainer.load_checkpoint`` that also resumes into a model whose vocabulary grew since
+    the save (upstream: a size mismatch); its update becomes the records' ``trainer_step``."""
     @functools.wraps(original)
     def load_checkpoint(self: Any) -> Any:
         from ..checkpoint import grown  # lazy: heavy (issue 41)
@@ -277,7 +271,7 @@ def make_load_checkpoint(original: Any) -> Any:
             if self.scheduler:
                 self.scheduler.load_state_dict(ckpt["scheduler_state_dict"])
             del ckpt
-        _run.trainer_step = int(update)
+        _run.current().trainer_step = int(update)
         return update
     return load_checkpoint
 
@@ -291,8 +285,8 @@ _watched: "weakref.WeakKeyDictionary[Any, learning.LearningMonitor]" = \
 
 
 def _mel_batch(model: Any, audio: Any) -> torch.Tensor:
-    """One audio as ``CFM.forward`` takes it, a batch of one: a mel ``[frames, n_mel]`` (also
-    ``[n_mel, frames]`` and the dataset's ``[1, n_mel, frames]``) or a raw wave ``[samples]``."""
+    """One audio as a batch of one for ``CFM.forward``: a mel ``[frames, n_mel]`` (or
+    ``[n_mel, frames]``, ``[1, n_mel, frames]``) or a raw wave ``[samples]``."""
     audio = torch.as_tensor(audio)
     if audio.dim() == 3 and audio.shape[0] == 1:
         audio = audio[0]
@@ -313,13 +307,11 @@ def flow_matching_losses(model: Any, texts: list[Any], audios: list[Any]) -> lis
         monitor = patches.advanced.LearningMonitor(probe, f5_tts.flow_matching_losses,
                                                    measured_on=f5_tts.FLOW_MATCHING)
 
-    ``model`` is F5's ``CFM`` (the EMA's ``ema_model`` too); a text is what ``CFM.forward``
-    takes for one utterance (a string, a list of characters or pinyin, or a tensor of
-    ids), an audio a mel ``[frames, n_mel]`` or a raw wave. Each pair is its own forward
-    (the loss is a mean over its masked span); the random span, time and noise are the
-    seeded draws :func:`patches.learning.reading_gap` makes alike for the own and the other
-    text. CFM's training-time drops of the text and the audio condition are off while it
-    measures (a dropped text would make both losses equal)."""
+    ``model`` is F5's ``CFM``; a text what ``CFM.forward`` takes for one utterance (a string,
+    characters or pinyin, a tensor of ids), an audio a mel ``[frames, n_mel]`` or a raw wave.
+    Each pair is its own forward, with the seeded draws :func:`patches.learning.reading_gap`
+    makes alike for both texts; CFM's drops of the text and audio condition are off meanwhile
+    (a dropped text would make both losses equal)."""
     drops = (model.audio_drop_prob, model.cond_drop_prob)
     model.audio_drop_prob = model.cond_drop_prob = 0.0
     try:
@@ -344,12 +336,11 @@ def watch_reading(trainer: Any, monitor: learning.LearningMonitor) -> learning.L
         f5_tts.watch_reading(trainer, monitor)
         trainer.train(dataset)
 
-    It measures the model being trained (not its EMA) on F5's only loss, the flow matching
-    (a monitor on :func:`flow_matching_losses` left at the default ``measured_on`` is set to
-    :data:`FLOW_MATCHING`). The records go to ``learning_health.jsonl`` in
-    ``checkpoint_path``. Needs the ``learning`` patch applied (it is in the default set);
-    without it this says once that nothing is measured. A monitor without ``loss_fn`` is a
-    TypeError here. Returns the monitor."""
+    It measures the model being trained, not its EMA (a monitor on
+    :func:`flow_matching_losses` at the default ``measured_on`` gets :data:`FLOW_MATCHING`),
+    into ``learning_health.jsonl`` in ``checkpoint_path``. Without the ``learning`` patch it
+    says once that nothing is measured; a monitor without ``loss_fn`` is a TypeError here.
+    Returns the monitor."""
     checked = learning.checked_monitor(monitor, "f5_tts.watch_reading")
     if checked.loss_fn is flow_matching_losses and checked.measured_on == learning.AUDIO_LOSS:
         checked.measured_on = FLOW_MATCHING
@@ -363,8 +354,8 @@ def watch_reading(trainer: Any, monitor: learning.LearningMonitor) -> learning.L
 
 
 def make_save_checkpoint_reading(original: Any) -> Any:
-    """``Trainer.save_checkpoint(update, last)`` that measures the reading gap of a trainer
-    given to :func:`watch_reading` once the checkpoint is written, once per update."""
+    """``Trainer.save_checkpoint(update, last)`` that then measures the reading gap of a
+    trainer given to :func:`watch_reading`."""
     @functools.wraps(original)
     def save_checkpoint(self: Any, update: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, update, *args, **kwargs)

@@ -1,31 +1,17 @@
 """The text-vocabulary row layouts of upstream models, registered with
-:mod:`patches.vocab_rows` (which the freeze, the checkpoint loader and the tokenizer
-check read): what is specific to XTTS and IndexTTS about which rows are base rows.
+:mod:`patches.vocab_rows` (read by the freeze, the checkpoint loader and the tokenizer check):
 
 - XTTS, ``[START]`` last (:data:`XTTS_START_LAST`): coqui's ``GPTTrainer`` grows a
-  ``gpt_checkpoint`` by moving the old LAST row to the new last row, on the assumption
-  that it is the start-text token ``[START]`` (read in ``GPTTrainer.__init__``,
-  ``TTS/tts/layers/xtts/trainer/gpt_trainer.py`` of coqui-tts 0.28.0); the checkpoint
-  loader does the same move. When the owning ``GPT``'s ``start_text_token`` is the last
-  row (the layout in which that move is right), the base rows are ``0 .. base-2`` plus
-  the last row and the new rows ``base-1 .. vocab-2``: the ``[START]`` row is pretrained
-  and every training sequence begins with it, so it is frozen with the other base rows.
-  An XTTS vocabulary whose ``[START]`` is not last is plain (base rows ``0 .. base-1``).
-- IndexTTS, +1 slot (:data:`INDEXTTS_SLOT`): ``UnifiedVoice`` builds its text embedding
-  and head with ``number_text_tokens * types + 1`` rows (the shape the IndexTTS2 client
-  stand-in ``tests/clients/indextts/indextts/unified_voice.py`` reproduces), the last
-  one a slot that is no token of its SentencePiece tokenizer; the slot is kept last and
-  frozen, and a base of N tokens is N + 1 rows.
+  ``gpt_checkpoint`` by moving the old last row (``[START]``) to the new last row, as the
+  loader does; when the ``GPT``'s ``start_text_token`` is the last row, the base rows are
+  ``0 .. base-2`` plus that row (pretrained, it begins every sequence), else plain.
+- IndexTTS, +1 slot (:data:`INDEXTTS_SLOT`): ``UnifiedVoice`` has ``number_text_tokens *
+  types + 1`` rows, the last a slot that is no token, kept last and frozen.
+- F5-TTS, filler row 0 (:data:`F5_FILLER`): ``text_embed`` looks token ``i`` up at row
+  ``i + 1`` (row 0: padding's filler, frozen); no head; found anywhere in the model.
 
-- F5-TTS, filler row 0 (:data:`F5_FILLER`): its ``TextEmbedding`` (``DiT``, ``UNetT``,
-  ``MMDiT`` of ``f5_tts.model.backbones``) holds ``text_embed = nn.Embedding(tokens + 1)``
-  and looks token ``i`` up at row ``i + 1`` (row 0 is the filler of padding and dropped
-  text); there is no text head. A base of N tokens is N + 1 rows, the filler frozen with
-  them; new tokens are appended. Found anywhere in the model (``transformer.text_embed``
-  of a ``CFM``, ``ema_model.transformer.text_embed`` of its EMA).
-
-The owners are looked for at ``.gpt`` (coqui ``Xtts``), ``.xtts.gpt`` (``GPTTrainer``)
-and ``.model.gpt`` (a wrapper's ``Xtts``), besides the model itself and its ``.model``.
+Owners are looked for at ``.gpt``, ``.xtts.gpt`` and ``.model.gpt``, besides the model itself
+and its ``.model``.
 """
 
 from __future__ import annotations

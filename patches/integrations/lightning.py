@@ -34,15 +34,13 @@ MODULE = "lightning.pytorch.trainer.trainer"
 @functools.cache
 def _callback_class() -> type:
     """The Callback that hands the Trainer's step to the records before each batch, and
-    records the fused steps' waiting skips (read in batches) at each checkpoint and at the
-    end of training. Made once, on first use (lightning is imported by then), and reachable
-    as this module's ``TrainerStep`` (``__getattr__`` below): ``ddp_spawn`` pickles the
-    Trainer with its callbacks, and a class local to a function cannot be pickled."""
+    records the fused steps' waiting skips at each checkpoint and at the end. Made once, on
+    first use, and this module's ``TrainerStep`` (``__getattr__``): ``ddp_spawn`` pickles it."""
     from lightning.pytorch.callbacks import Callback  # lazy: lightning is imported by now
 
     class TrainerStep(Callback):
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
-            _run.trainer_step = int(trainer.global_step)
+            _run.current().trainer_step = int(trainer.global_step)
 
         def on_save_checkpoint(self, *args: Any) -> None:
             nan_guard.settle()
@@ -56,8 +54,7 @@ def _callback_class() -> type:
 
 @functools.cache
 def _reading_class() -> type:
-    """The Callback of :func:`reading_callback`, made once, reachable as this module's
-    ``ReadingCallback`` (``__getattr__`` below) so that ``ddp_spawn`` can pickle it."""
+    """The Callback of :func:`reading_callback`, this module's ``ReadingCallback``."""
     from lightning.pytorch.callbacks import Callback  # lazy: the integration never imports it
 
     class ReadingCallback(Callback):
@@ -87,9 +84,9 @@ def reading_callback(monitor: learning.LearningMonitor) -> Any:
         monitor = patches.advanced.LearningMonitor(probe, loss_fn)  # loss_fn(module, texts, audios)
         Trainer(..., val_check_interval=500, callbacks=[lightning.reading_callback(monitor)])
 
-    The module runs on global rank 0 alone (so not with sharded parameters: FSDP, DeepSpeed
-    stage 3); the records go to ``learning_health.jsonl`` in the Trainer's ``log_dir``. A
-    monitor without ``loss_fn`` is a TypeError here, not at validation."""
+    On global rank 0 alone (so not with FSDP or DeepSpeed stage 3's sharded parameters), into
+    ``learning_health.jsonl`` in the Trainer's ``log_dir``. A monitor without ``loss_fn`` is a
+    TypeError."""
     checked = learning.checked_monitor(monitor, "lightning.reading_callback")
     return _reading_class()(checked)
 
@@ -140,11 +137,9 @@ _runs: "weakref.WeakKeyDictionary[Any, trainers.RunRecord]" = weakref.WeakKeyDic
 
 @functools.cache
 def _claim_class() -> type:
-    """The Callback that claims the Trainer's folder and records the run's start at
-    ``on_fit_start``: after the loggers made their folders (a CSVLogger warns of a version
-    folder that is not empty when it makes its own, and deletes its metrics.csv), before
-    anything is saved. Reachable as this module's ``RunClaim`` (``__getattr__``) so that it
-    pickles."""
+    """The Callback (this module's ``RunClaim``) that claims the Trainer's folder and records
+    the run's start at ``on_fit_start``: after the loggers made their folders (a CSVLogger
+    deletes the metrics.csv of a version folder that is not empty), before any save."""
     from lightning.pytorch.callbacks import Callback  # lazy: lightning is imported by now
 
     class RunClaim(Callback):
@@ -159,8 +154,7 @@ def _claim_class() -> type:
 
 def make_fit_run(original: Any) -> Any:
     """``Trainer.fit`` that claims the Trainer's ``log_dir`` for this run (on global rank 0,
-    at ``on_fit_start``: :class:`patches.RunFolderInUse` when another process trains there,
-    before a checkpoint is written) and records its start and end there (:mod:`.trainers`)."""
+    at ``on_fit_start``) and records its start and end there (:class:`.trainers.RunRecord`)."""
     @functools.wraps(original)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         run = trainers.RunRecord(
@@ -191,8 +185,8 @@ def make_atomic_save(original: Any) -> Any:
 
 
 def make_load_model_state_dict(original: Any) -> Any:
-    """``Strategy.load_model_state_dict(checkpoint, strict)`` that loads a checkpoint into a
-    LightningModule whose vocabulary grew since the save, through the library."""
+    """``Strategy.load_model_state_dict`` that also loads into a LightningModule whose
+    vocabulary grew since the save."""
     @functools.wraps(original)
     def load_model_state_dict(self: Any, checkpoint: Mapping[str, Any], strict: bool = True
                               ) -> Any:
@@ -214,9 +208,8 @@ def make_load_model_state_dict(original: Any) -> Any:
 
 
 def _tokenizer_of(module: Any) -> tuple[Any, str]:
-    """The ``tokenizer`` the LightningModule holds, else its Trainer's datamodule's (Lightning
-    has no place of its own for one), as the loader spells new tokens with it, and where;
-    (None, where it looked) when neither has one the loader can read."""
+    """The ``tokenizer`` of the LightningModule, else of its Trainer's datamodule, as the
+    loader reads it, and where; (None, where it looked) when neither has one."""
     trainer = getattr(module, "_trainer", None)
     for owner, said in ((module, f"the LightningModule {type(module).__name__}"),
                         (getattr(trainer, "datamodule", None), "the Trainer's datamodule")):
@@ -229,8 +222,7 @@ def _tokenizer_of(module: Any) -> tuple[Any, str]:
 
 
 def _resume_of(checkpoint: Mapping[str, Any], module: Any) -> grown.TrainerResume:
-    """What Lightning restores itself from the checkpoint after the weights (the keys that
-    hold something), the step it resumes at, and the tokenizer."""
+    """What Lightning restores itself after the weights, its step and the tokenizer."""
     keys = {"optimizer": "optimizer_states", "scheduler": "lr_schedulers",
             "scaler": "native_amp_scaling_state", "step": "global_step"}
     restores = {part: f"the checkpoint's {key!r}" for part, key in keys.items()
@@ -245,18 +237,8 @@ def _resume_of(checkpoint: Mapping[str, Any], module: Any) -> grown.TrainerResum
 
 def make_load_optimizer_state_dict(original: Any) -> Any:
     """``Strategy.load_optimizer_state_dict`` that grows the loaded moments of the rows
-    :func:`make_load_model_state_dict` grew."""
-    @functools.wraps(original)
-    def load_optimizer_state_dict(self: Any, checkpoint: Mapping[str, Any]) -> Any:
-        result = original(self, checkpoint)
-        rows = getattr(self, "_training_patches_grown", None)
-        if rows:
-            from ..checkpoint import grown  # lazy: heavy (issue 41)
-
-            for optimizer in self.optimizers:
-                grown.grow_loaded_moments(optimizer, rows)
-        return result
-    return load_optimizer_state_dict
+    :func:`make_load_model_state_dict` grew (:func:`.trainers.growing_moments`)."""
+    return trainers.growing_moments(original, lambda strategy: strategy.optimizers)
 
 
 INTEGRATION = register_integration(Integration(

@@ -1,33 +1,22 @@
 """What the integrations of the trainers that run their own loop share (the Hugging Face
-Trainer, Lightning, F5-TTS): one run per folder, its start and end recorded, and the
-tokenizer the trainer holds. The coqui Trainer's are :mod:`.coqui_checkpoint` and
-:mod:`.coqui_interrupt`.
+Trainer, Lightning, F5-TTS): :func:`claim` (one run per folder: it is locked for this
+process, a second run is :class:`patches.RunFolderInUse`), :class:`RunRecord` (each run's
+start and end in ``trainer_runs.jsonl``, with the host and process, kept with the lock in the
+hidden ``.<name>.training-patches`` folder beside it) and :func:`spelling_tokenizer` (the
+tokenizer a trainer holds, to spell a grown vocabulary's new tokens). The coqui Trainer's
+are :mod:`.coqui_checkpoint` and :mod:`.coqui_interrupt`.
 
-- :func:`claim`: the folder the trainer writes its checkpoints into is locked for this
-  process (:func:`patches._runlock.lock_folder`, the lock in the hidden
-  ``.<name>.training-patches`` folder beside it, so that the trainer's folder holds only
-  what the trainer writes) before it writes there: a second run into a
-  folder another process trains in is :class:`patches.RunFolderInUse`, one paragraph naming
-  that process, nothing written (upstream: the two overwrote each other's checkpoints, exit
-  0). The lock goes when the process ends, however it ends; a later run in the same folder
-  (a resume) takes it again.
-- :class:`RunRecord`: ``start`` when the run begins (the folder claimed then), and its end
-  (``finished``, ``interrupted`` with the signal, ``failed`` with the error) in the folder's
-  ``trainer_runs.jsonl`` (beside it, in ``.<name>.training-patches``), which
-  ``training-patches report`` reads with the folder. Each record names the
-  host and the process, so that a run killed outright (SIGKILL, or a SIGTERM the trainer
-  does not handle), which records no end, is told from one still running.
-- :func:`spelling_tokenizer`: the tokenizer a trainer holds, as ``load_checkpoint``'s
-  ``tokenizer=`` reads it, to spell a grown vocabulary's new tokens.
+Design: docs/design/trainers.md
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .. import _run, _runlock
 from .._interrupt import TrainingInterrupted
@@ -67,14 +56,11 @@ def _record(folder: Any, event: str, **fields: Any) -> None:
 
 
 class RunRecord:
-    """One run of a trainer in its folder: :meth:`start` claims the folder (:func:`claim`)
-    and records ``start`` in its ``trainer_runs.jsonl``; :meth:`ending` records how the run
-    ended: ``finished``; ``interrupted`` (the signal, the step, the newest ``checkpoint()``
-    and ``continue_with``, how the trainer resumes it); or ``failed`` (the error).
-    ``trainer``: the integration's name; ``said``: the trainer as the refusal names it;
-    ``overwritten``: what two runs in the folder would overwrite; ``step()``: the trainer's
-    step count; ``writes``: False on the processes that do not write there (nothing is
-    claimed or recorded)."""
+    """One run of a trainer in its folder: :meth:`start` claims it and records ``start``;
+    :meth:`ending` records ``finished``, ``interrupted`` (the signal, the step, the newest
+    ``checkpoint()``, ``continue_with``) or ``failed`` (the error). ``said``: the trainer as
+    the refusal names it; ``overwritten``: what two runs in the folder would overwrite;
+    ``writes``: False on the processes that do not write there (nothing is recorded)."""
 
     def __init__(self, *, trainer: str, said: str, overwritten: str, step: Callable[[], int],
                  checkpoint: Callable[[], Any], continue_with: str, writes: bool = True) -> None:
@@ -129,6 +115,25 @@ class RunRecord:
         self.folder = None
 
 
+def growing_moments(original: Any, optimizers: Callable[[Any], Iterable[Any]]) -> Any:
+    """``original(self, checkpoint)`` (a trainer's load of its optimizers' states) that then
+    grows the loaded moments of the rows its grown load grew (``_training_patches_grown``):
+    torch's ``load_state_dict`` takes them at the old shape, and a step then fails (torch
+    2.14's fused AdamW reads past them and corrupts the heap)."""
+    @functools.wraps(original)
+    def load(self: Any, checkpoint: Any) -> Any:
+        result = original(self, checkpoint)
+        rows = getattr(self, "_training_patches_grown", None)
+        if checkpoint is not None and rows:
+            from ..checkpoint import grown  # lazy: heavy (issue 41)
+
+            for optimizer in optimizers(self):
+                if optimizer is not None:
+                    grown.grow_loaded_moments(optimizer, rows)
+        return result
+    return load
+
+
 def _reads(tokenizer: Any) -> bool:
     """Whether the loader reads ``tokenizer`` as it is (a ``tokenizers.Tokenizer``, a
     SentencePiece processor, or an object with their two methods)."""
@@ -162,4 +167,4 @@ def spelling_tokenizer(held: Any) -> tuple[Any, str]:
                   f"spell with")
 
 
-__all__ = ["RunRecord", "claim", "signal_of", "spelling_tokenizer"]
+__all__ = ["RunRecord", "claim", "growing_moments", "signal_of", "spelling_tokenizer"]

@@ -35,16 +35,15 @@ MODULE = "transformers.trainer"
 
 @functools.cache
 def _callback_class() -> type:
-    """The TrainerCallback class, made once (so that "already added" is an isinstance test)
-    and reachable as this module's ``TrainingPatchesCallback`` (``__getattr__`` below), so
-    that a Trainer holding it can be pickled and copied."""
+    """The TrainerCallback class, made once (so "already added" is an isinstance test), and
+    this module's ``TrainingPatchesCallback`` (``__getattr__``) so that it pickles."""
     from transformers import TrainerCallback  # lazy: transformers is imported by now
 
     class TrainingPatchesCallback(TrainerCallback):
         """Hands the Trainer's step to the records; settles the guard's waiting flags."""
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            _run.trainer_step = int(state.global_step)
+            _run.current().trainer_step = int(state.global_step)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             nan_guard.settle()
@@ -94,9 +93,8 @@ def reading_callback(monitor: learning.LearningMonitor) -> Any:
         args = TrainingArguments(..., eval_strategy="steps", eval_steps=500)
         Trainer(model, args, ..., callbacks=[transformers_trainer.reading_callback(monitor)])
 
-    The model runs on the main process alone (so not with sharded parameters: FSDP,
-    DeepSpeed ZeRO-3); the records go to ``learning_health.jsonl`` in ``output_dir``. A
-    monitor without ``loss_fn`` is a TypeError here, not at the first evaluation."""
+    On the main process alone (so not with FSDP or ZeRO-3's sharded parameters), into
+    ``learning_health.jsonl`` in ``output_dir``. A monitor without ``loss_fn`` is a TypeError."""
     checked = learning.checked_monitor(monitor, "transformers_trainer.reading_callback")
     return _reading_class()(checked)
 
@@ -126,9 +124,8 @@ NAME_SAID = "the Hugging Face Trainer"
 
 
 def make_train_run(original: Any) -> Any:
-    """``Trainer.train`` that claims ``output_dir`` for this run (another process training
-    there: :class:`patches.RunFolderInUse`, before anything is written) and records its start
-    and end in it (:mod:`.trainers`)."""
+    """``Trainer.train`` that claims ``output_dir`` for this run and records its start and end
+    there (:class:`.trainers.RunRecord`)."""
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         folder = getattr(self.args, "output_dir", None)
@@ -199,8 +196,8 @@ def _checkpoints(folder: Any) -> list[tuple[int, Path]]:
 
 
 def make_get_last_checkpoint(original: Any) -> Any:
-    """``get_last_checkpoint(folder)``: the newest checkpoint folder whose save completed,
-    where the folder holds completion markers; upstream's answer otherwise."""
+    """``get_last_checkpoint(folder)``: the newest complete checkpoint folder where the
+    folder holds completion markers; upstream's answer otherwise."""
     @functools.wraps(original)
     def get_last_checkpoint(folder: Any) -> Any:
         try:
@@ -224,9 +221,8 @@ WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # a checkpoint folder's on
 
 
 def _tokenizer_of(trainer: Any) -> tuple[Any, str]:
-    """The tokenizer the Trainer holds (``processing_class``), as the loader spells new tokens
-    with it, and where it came from; (None, where the integration looked) when there is
-    none the loader can read."""
+    """The tokenizer the Trainer holds (``processing_class``) as the loader reads it, and
+    where; (None, where it looked) when there is none it can read."""
     held = getattr(trainer, "processing_class", None)
     if held is None:
         return None, f"{NAME_SAID} was given no processing_class"
@@ -235,9 +231,8 @@ def _tokenizer_of(trainer: Any) -> tuple[Any, str]:
 
 
 def _resume_of(trainer: Any, folder: Path) -> grown.TrainerResume:
-    """What the Trainer restores itself from ``folder`` after the weights (the files it
-    will read, those that are there), the step its trainer_state.json holds, and the
-    tokenizer the new rows are spelled with."""
+    """What the Trainer restores itself from ``folder`` after the weights (the files there),
+    the step of its trainer_state.json, and the tokenizer."""
     world = int(getattr(trainer.args, "world_size", 1) or 1)
     rng = f"rng_state_{trainer.args.process_index}.pth" if world > 1 else "rng_state.pth"
     files = {"optimizer": ("optimizer.pt", "optimizer.bin"), "scheduler": ("scheduler.pt",),
@@ -260,7 +255,7 @@ def _resume_of(trainer: Any, folder: Path) -> grown.TrainerResume:
 
 def _grown_load(trainer: Any, folder: Path, model: Any) -> grown.Grown | None:
     """Load ``folder``'s one-file weights into ``model`` through the library when a shape
-    differs; None (upstream loads) when the shapes agree or there is no such file."""
+    differs; None (upstream loads) otherwise."""
     path = next((folder / name for name in WEIGHTS if (folder / name).is_file()), None)
     if path is None:
         return None
@@ -276,8 +271,8 @@ def _grown_load(trainer: Any, folder: Path, model: Any) -> grown.Grown | None:
 
 
 def make_load_from_checkpoint(original: Any) -> Any:
-    """``Trainer._load_from_checkpoint`` that loads a checkpoint into a model whose vocabulary
-    grew since it was written (upstream: a size-mismatch error)."""
+    """``Trainer._load_from_checkpoint`` that also loads into a model whose vocabulary grew
+    since the save (upstream: a size mismatch)."""
     @functools.wraps(original)
     def _load_from_checkpoint(self: Any, resume_from_checkpoint: str, model: Any = None) -> Any:
         self._training_patches_grown = None
@@ -294,18 +289,8 @@ def make_load_from_checkpoint(original: Any) -> Any:
 
 def make_load_optimizer_and_scheduler(original: Any) -> Any:
     """``Trainer._load_optimizer_and_scheduler`` that grows the loaded moments of the
-    parameters whose rows grew: torch's ``load_state_dict`` takes them at the old shape, and
-    a step then fails (torch 2.14's fused AdamW reads past them and corrupts the heap)."""
-    @functools.wraps(original)
-    def _load_optimizer_and_scheduler(self: Any, checkpoint: Any) -> Any:
-        result = original(self, checkpoint)
-        rows = getattr(self, "_training_patches_grown", None)
-        if checkpoint is not None and rows and self.optimizer is not None:
-            from ..checkpoint import grown  # lazy: heavy (issue 41)
-
-            grown.grow_loaded_moments(self.optimizer, rows)
-        return result
-    return _load_optimizer_and_scheduler
+    parameters whose rows grew (:func:`.trainers.growing_moments`)."""
+    return trainers.growing_moments(original, lambda trainer: [trainer.optimizer])
 
 
 INTEGRATION = register_integration(Integration(

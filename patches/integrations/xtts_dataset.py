@@ -1,30 +1,13 @@
 """``xtts_dataset``: the XTTS dataset drops bad samples visibly and never loops.
 
-coqui-tts 0.28's ``XTTSDataset.__getitem__`` catches every exception (bare
-``except:``) and recurses into ``self[1]`` with no bound; its failures are only
-logged with ``debug_loading_failures``. When nothing can be loaded (no FFmpeg for
-torchcodec, every transcript has a character the vocabulary lacks) it never
-returns: measured, 24 GB resident and killed. A dataset in a script the tokenizer
-does not cover silently trains on nothing.
-
-The patch replaces the module binding ``XTTSDataset`` (in
-``TTS.tts.layers.xtts.trainer.dataset`` and the copy ``gpt_trainer`` imports) with
-a subclass whose ``__getitem__``:
-
-- picks samples as coqui does (same random calls), in a loop of at most
-  :data:`MAX_PICKS` picks instead of unbounded recursion;
-- records each dropped sample once, with its reason (``decode_failure``,
-  ``too_short``, ``too_long_audio``, ``too_long_text``, ``unknown_token``,
-  ``empty_text``, ...) in ``dropped_samples.jsonl`` in the run's output folder and
-  a log line (the first ones each, then every 100th with the running totals);
-- raises :class:`DatasetUnusableError` naming the share, the reasons and the
-  report when more than ``max_drop_share`` of the samples
-  (``TRAINING_PATCHES_MAX_DROP_SHARE``, default 0.5) cannot be loaded.
-
-The run's output folder is :func:`patches._run.output_dir` (``TRAINING_PATCHES_OUTPUT_DIR``
-when set, else the coqui Trainer's output folder), else the
-working directory. A vocabulary without the ``[lang]`` token is not a bad sample
-but a bad setup: that error (from ``xtts_language``) stops the run at once.
+coqui-tts 0.28's ``XTTSDataset.__getitem__`` catches every exception and recurses into
+``self[1]`` with no bound (measured: 24 GB resident and killed when nothing loads). The
+module binding ``XTTSDataset`` (and ``gpt_trainer``'s copy) becomes a subclass that picks as
+coqui does in at most :data:`MAX_PICKS` picks, records each dropped sample once with its
+reason in ``dropped_samples.jsonl`` (:func:`patches._run.output_dir`) and a log line, and
+raises :class:`DatasetUnusableError` when more than ``max_drop_share`` of the samples fail. A
+vocabulary without the ``[lang]`` token is a bad setup, not a bad sample: that error stops the
+run at once. The user's view: TRAINING_PATCHES_README.md, "Dataset guard".
 """
 
 from __future__ import annotations
@@ -40,7 +23,7 @@ import torch
 
 from .. import _options, _run
 from .._log import logger
-from .._registry import Integration, Site, is_enabled, register_integration
+from .._registry import Integration, Site, is_enabled, register_integration, subclass_site
 from ..dataset_guard import (  # noqa: F401  (re-exported: the XTTS guard's public names)
     REPORT_NAME, DatasetUnusableError, log_summary, read_report, record_drop, report_path,
     sample_key, summary)
@@ -298,25 +281,15 @@ def _dataset_class(original: type) -> type:
     return GuardedXTTSDataset
 
 
-_made: dict[int, type] = {}
-
-
-def _make(original: type) -> type:
-    cls = _made.get(id(original))
-    if cls is None or cls.__bases__[0] is not original:
-        cls = _made[id(original)] = _dataset_class(original)
-        cls.__module__ = __name__
-        globals()["GuardedXTTSDataset"] = cls  # found by name when workers unpickle it
-    return cls
-
-
 INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
     supported=SUPPORTED,
     module="TTS",
     describe=f"XTTS dataset: at most {MAX_PICKS} picks per item, every dropped sample listed",
-    sites=(Site(MODULE, "XTTSDataset", _make, sweep=True, patch="dataset_guard",
+    sites=(Site(MODULE, "XTTSDataset", subclass_site(_dataset_class, __name__,
+                                                     "GuardedXTTSDataset"),
+                sweep=True, patch="dataset_guard",
                 lost="XTTSDataset retries a bad sample forever (unbounded recursion) and "
                      "drops samples without a word"),),
 ))

@@ -1,19 +1,11 @@
 """Integration ``xtts_gpt``: XTTS's ``GPTTrainer`` (coqui-tts 0.28) loads and freezes
 through training-patches.
 
-Sites, all on ``TTS.tts.layers.xtts.trainer.gpt_trainer.GPTTrainer``:
-
-- ``__init__`` (patch ``checkpoint``): ``gpt_checkpoint`` loads through the
-  vocabulary-aware loader instead of coqui's, which pads new vocabulary rows with
-  ``torch.randn`` (std 1, about 50 times the model's own init).
-- ``__init__`` (patch ``vocab_freeze``): with ``TRAINING_PATCHES_BASE_VOCAB`` set, the
-  base rows of every GPTTrainer are frozen once it is built. The registry composes the
-  two layers (the loader inside, the freeze around it), so the stored base rows are the
-  loaded ones. Every start and every resume builds a fresh GPTTrainer, so the freeze
-  comes back by itself on resume; weights the coqui Trainer restores later go through
-  ``load_state_dict``, which the freeze watches.
-- ``load_checkpoint`` (patch ``checkpoint``): ``xtts_checkpoint`` loads through the same
-  loader (a vocabulary growth is resized instead of failing).
+Sites on ``GPTTrainer``: ``__init__`` (patch ``checkpoint``) loads ``gpt_checkpoint`` with the
+vocabulary-aware loader, not coqui's ``torch.randn`` padding; ``__init__`` (patch
+``vocab_freeze``) freezes the base rows with ``TRAINING_PATCHES_BASE_VOCAB`` set, around the
+loader (the registry composes the layers), on every start and resume; ``load_checkpoint``
+(patch ``checkpoint``) loads ``xtts_checkpoint`` with the same loader.
 """
 
 from __future__ import annotations
@@ -65,23 +57,16 @@ def make_gpt_trainer_load_checkpoint(original: Callable[..., Any]) -> Callable[.
                                     **kwargs: Any) -> Any:
         if not is_local(checkpoint_path) or not local_path(checkpoint_path).is_file():
             return original(self, config, checkpoint_path, eval=eval, strict=strict, **kwargs)
-        from ..checkpoint.load import load_checkpoint, warn_weights_only  # lazy: heavy (issue 41)
+        from ..checkpoint.load import load_checkpoint  # lazy: heavy (issue 41)
 
-        # XTTS drops the DVAE and mel-spectrogram keys of GPTTrainer checkpoints and loads
-        # into self.xtts; the loader aligns the "xtts." prefix by itself. Weights only:
-        # GPTTrainer.__init__ calls this before any optimizer exists, and the coqui Trainer
-        # then counts from step 0, so the report says the saved step was dropped.
+        # XTTS drops the DVAE and mel-spectrogram keys and loads into self.xtts (the loader
+        # aligns the "xtts." prefix); weights only, before any optimizer exists.
         report = load_checkpoint(local_path(checkpoint_path), self.xtts, strict=strict,
                                  restore_rng=False, key_filter=_xtts_state_filter,
                                  resume_step=False, tokenizer=model_tokenizer(config))
         _base_loads[self] = report
         if not eval:
-            warn_weights_only(
-                report, "xtts_checkpoint loads the model weights only (GPTTrainer builds no "
-                "optimizer before it, and the coqui Trainer counts from step 0)",
-                "To resume that run with its optimizer, scheduler and step, start the coqui "
-                "Trainer with continue_path=<its run folder> instead; to fine-tune from its "
-                "weights on purpose, nothing needs to change.")
+            _weights_only(report, "xtts_checkpoint loads the model")
         if eval:
             self.xtts.gpt.init_gpt_for_inference(kv_cache=self.args.kv_cache, use_deepspeed=False)
             self.eval()
@@ -90,31 +75,33 @@ def make_gpt_trainer_load_checkpoint(original: Callable[..., Any]) -> Callable[.
     return gpt_trainer_load_checkpoint
 
 
+def _weights_only(report: Any, what: str) -> None:
+    """The WARNING of a load into a fresh GPTTrainer that drops a training checkpoint's state."""
+    from ..checkpoint.load import warn_weights_only  # lazy: heavy (issue 41)
+
+    warn_weights_only(
+        report, f"{what} weights only (GPTTrainer builds no optimizer before it, and the coqui "
+        f"Trainer counts from step 0)", "To resume that run with its optimizer, scheduler and "
+        "step, start the coqui Trainer with continue_path=<its run folder> instead; to "
+        "fine-tune from its weights on purpose, nothing needs to change.")
+
+
 def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
                         freeze: bool = True) -> Any:
-    """What ``GPTTrainer.__init__`` does with ``gpt_checkpoint``, through the loader.
-
-    Accepts a bare GPT state dict or a coqui Trainer checkpoint (keys ``xtts.gpt.*``);
-    a grown vocabulary's new rows start by the loader's rules (``TRAINING_PATCHES_ROW_INIT``;
-    not ``torch.randn``), spelled with GPTTrainer's own ``tokenizer_file``. Returns the
-    LoadReport.
-    """
+    """What ``GPTTrainer.__init__`` does with ``gpt_checkpoint`` (a bare GPT state dict or a
+    coqui Trainer checkpoint), through the loader: a grown vocabulary's new rows by its rules,
+    spelled with GPTTrainer's own ``tokenizer_file``. Returns the LoadReport."""
     def gpt_keys(key: str) -> bool:
         # a coqui Trainer checkpoint holds the whole GPTTrainer: keep xtts.gpt.* only
         return key.startswith("xtts.gpt.") or not key.startswith(("xtts.", *_XTTS_IGNORED))
 
-    from ..checkpoint.load import load_checkpoint, warn_weights_only  # lazy: heavy (issue 41)
+    from ..checkpoint.load import load_checkpoint  # lazy: heavy (issue 41)
 
     report = load_checkpoint(path, gpt_trainer.xtts.gpt, restore_rng=False, freeze=freeze,
                              strict=True, key_filter=gpt_keys, resume_step=False,
                              tokenizer=model_tokenizer(getattr(gpt_trainer, "config", None)))
     _base_loads[gpt_trainer] = report
-    warn_weights_only(
-        report, "gpt_checkpoint loads the GPT weights only (GPTTrainer builds no optimizer "
-        "before it, and the coqui Trainer counts from step 0)",
-        "To resume that run with its optimizer, scheduler and step, start the coqui Trainer "
-        "with continue_path=<its run folder> instead; to fine-tune from its weights on "
-        "purpose, nothing needs to change.")
+    _weights_only(report, "gpt_checkpoint loads the GPT")
     return report
 
 
@@ -137,15 +124,12 @@ def make_gpt_trainer_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-
 def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
                           base_tokens: int, data_languages: Sequence[str] = ()) -> list[str]:
     """What is wrong between the tokenizer, the XTTS ``GPT`` and a freeze of the first
-    ``base_tokens`` tokens: the special tokens ``verify-tokenizer`` fails on ([STOP] 0,
-    [UNK] 1, [SPACE], [START], the ``[lang]`` token of each of ``data_languages``, under
-    its code or a registered alias), the model's start/stop token ids against the
-    tokenizer's, the rows against the ids, and a frozen row that would keep a base row for
-    another token (a [START] dropped or moved into the new range). Empty when all agree."""
+    ``base_tokens`` tokens: the special tokens ``verify-tokenizer`` fails on (with each of
+    ``data_languages``' ``[lang]``), the start/stop ids, the rows against the ids, and a frozen
+    row that would keep a base row for another token. Empty when all agree."""
     from .xtts_vocab import FAIL, XttsVocab, parse_vocab_json  # lazy: only for a freeze check
 
     try:

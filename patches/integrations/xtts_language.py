@@ -1,23 +1,12 @@
 """Integration ``xtts_language`` (patch ``languages``): the XTTS tokenizer and model accept
 registered languages.
 
-coqui-tts 0.28 cannot train or speak a language it does not list:
-
-- ``VoiceBpeTokenizer.preprocess_text`` raises ``NotImplementedError`` for any code
-  outside its 17 languages, and ``char_limits[lang]`` is a KeyError at inference
-  with text splitting;
-- ``Xtts.synthesize`` asserts ``language in config.languages`` (test sentences
-  during training and every inference call);
-- ``encode`` prefixes ``[lang]``; a vocabulary without that special token splits it
-  into BPE pieces (or ``[UNK]``) and the dataset silently drops every sample.
-
-The patch replaces the module-level bindings ``VoiceBpeTokenizer`` (in
-``TTS.tts.layers.xtts.tokenizer``) and ``Xtts`` (in ``TTS.tts.models.xtts``), and
-every copy taken with ``from ... import``, with subclasses that handle the
-languages in :mod:`patches.languages` and defer to coqui for everything else.
-Module bindings (not class attributes) are what the registry patches, so the
-usual import-order and revert guarantees hold; objects built while the patch was
-applied fall back to coqui's behaviour once it is reverted.
+coqui-tts 0.28's ``VoiceBpeTokenizer.preprocess_text`` raises ``NotImplementedError`` outside
+its 17 languages and ``Xtts.synthesize`` asserts ``language in config.languages``. The module
+bindings ``VoiceBpeTokenizer`` and ``Xtts`` (and every ``from ... import`` copy) become
+subclasses that handle the languages of :mod:`patches.languages` (their cleaner, character
+limit and ``[code]`` token) and defer to coqui otherwise. The user's view:
+TRAINING_PATCHES_README.md, "Languages the XTTS tokenizer does not know".
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ from typing import Any
 
 from .. import languages
 from .._log import info, logger
-from .._registry import Integration, Site, is_enabled, register_integration
+from .._registry import Integration, Site, is_enabled, register_integration, subclass_site
 
 NAME = "xtts_language"
 DISTRIBUTION = "coqui-tts"
@@ -48,12 +37,8 @@ def _active_language(lang: str) -> languages.Language | None:
 
 
 class _CharLimits(dict):
-    """coqui's ``char_limits`` table that also answers for registered languages.
-
-    ``Xtts.inference`` indexes it (``char_limits[language]``) and
-    ``check_input_length`` calls ``.get``; both must see a language registered
-    after the tokenizer was built.
-    """
+    """coqui's ``char_limits`` table that also answers (``[]`` and ``.get``) for languages
+    registered, even after the tokenizer was built."""
 
     def __missing__(self, key: str) -> int:
         language = _active_language(key)
@@ -182,11 +167,8 @@ def _model_class(original: type) -> type:
 
 
 def accept_language(config: Any, code: str) -> bool:
-    """Add a registered ``code`` to an XTTS config's ``languages``; True if added.
-
-    coqui checks ``language in config.languages`` before synthesising; the saved
-    ``config.json`` of a fine-tune should also list the language it learned.
-    """
+    """Add a registered ``code`` to an XTTS config's ``languages`` (which coqui checks before
+    synthesising, and a fine-tune's config.json should list); True if added."""
     language = _active_language(code)
     langs = getattr(config, "languages", None)
     if language is None or not isinstance(langs, list) or language.code in langs:
@@ -197,23 +179,6 @@ def accept_language(config: Any, code: str) -> bool:
     return True
 
 
-# One subclass per original class, so apply/revert/apply installs the same object
-# and pickling (DataLoader workers under spawn) finds it by name in this module.
-_made: dict[int, type] = {}
-
-
-def _cached(factory: Any, public_name: str) -> Any:
-    def make(original: type) -> type:
-        cls = _made.get(id(original))
-        if cls is None or cls.__bases__[0] is not original:
-            cls = _made[id(original)] = factory(original)
-            cls.__module__ = __name__
-            cls.__qualname__ = cls.__name__ = public_name
-            globals()[public_name] = cls
-        return cls
-    return make
-
-
 INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
@@ -222,11 +187,11 @@ INTEGRATION = register_integration(Integration(
     describe="the XTTS tokenizer and model accept registered languages",
     sites=(
         Site(TOKENIZER_MODULE, "VoiceBpeTokenizer",
-             _cached(_tokenizer_class, "LanguageAwareTokenizer"), sweep=True,
+             subclass_site(_tokenizer_class, __name__, "LanguageAwareTokenizer"), sweep=True,
              patch="languages",
              lost="the XTTS tokenizer raises NotImplementedError for registered languages"),
-        Site(MODEL_MODULE, "Xtts", _cached(_model_class, "LanguageAwareXtts"), sweep=True,
-             patch="languages",
+        Site(MODEL_MODULE, "Xtts", subclass_site(_model_class, __name__, "LanguageAwareXtts"),
+             sweep=True, patch="languages",
              lost="Xtts.synthesize refuses registered languages (test sentences, inference)"),
     ),
 ))

@@ -1,22 +1,14 @@
 """Languages the XTTS tokenizer does not know, registered with their text cleaner.
 
-coqui-tts 0.28's ``VoiceBpeTokenizer`` hard-codes its languages: any other code
-raises ``NotImplementedError`` in ``preprocess_text``. With the ``xtts_language``
-patch applied, a language registered here is encoded with its own cleaner and
-character limit (and the XTTS config accepts its code)::
+With the ``xtts_language`` patch applied, a registered language is encoded with its own
+cleaner and character limit (coqui-tts 0.28 raises ``NotImplementedError`` for it)::
 
-    import patches
     patches.advanced.register_language("ti", cleaner=my_tigrinya_cleaner, char_limit=150,
                                        romanize=my_tigrinya_romanizer)
 
-A language's ``romanize`` (text -> Latin letters, or None) serves the pronunciation-informed
-init of new vocabulary rows (:mod:`patches.row_init`). Amharic (``am``) is registered from the
-start with :func:`patches.languages.amharic.normalize` and
-:func:`patches.languages.amharic.romanize` (the library's own table). A user's romaniser is
-asked before the library's tables (Tigrinya's shares Amharic's script), and a romaniser alone,
-for a language coqui-tts or this table already knows (``register_language("ru",
-romanize=f)``), keeps that language's cleaner and limit.
-Registering only fills these tables; nothing upstream changes until the patch is applied.
+A language's ``romanize`` spells new vocabulary rows' tokens (:mod:`patches.row_init`), the
+users' romanisers asked before the library's tables. Amharic (``am``) is registered from the
+start (:mod:`patches.languages.amharic`). Registering only fills these tables.
 """
 
 from __future__ import annotations
@@ -116,24 +108,16 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
                       replace: bool = False) -> Language:
     """Teach the XTTS tokenizer a language (effective while ``xtts_language`` is applied).
 
-    ``cleaner(text) -> text`` turns raw text into what should be spoken (numbers as
-    words, abbreviations expanded ...); ``char_limit`` (default 250) is the length above
-    which coqui warns that audio may be truncated and splits text at inference. The
-    vocabulary must hold ``[code]`` as a special token; encoding says so clearly if
-    it does not. Registering a code that is already registered, or one coqui
-    handles itself (``en``, ``de`` ...), needs ``replace=True``. ``aliases`` are other
-    codes of the same language (the ISO 639-3 ``amh`` for ``am``): manifests, the
-    tokenizer and the headless CLI accept each of them as this language. ``romanize(text)``
-    spells text of this language's script in Latin letters as the base language reads them
-    (``ሰላም`` -> ``selam``) and returns None for text it cannot spell: the "romanized" rule
-    of :mod:`patches.row_init` starts a new token's rows from the base rows of its spelling.
-    A user's romaniser is asked before the library's own tables (Amharic's spells every
-    Ethiopic letter, Tigrinya's too).
-
-    ``romanize=`` alone (no cleaner, limit or aliases) for a language coqui-tts or this
-    table already knows adds only the romaniser: the language keeps its cleaner and limit
-    (coqui's own for ``ru``: ``'В 2024 году'`` is still spelled out in words). Replacing a
-    romaniser the language already has needs ``replace=True``.
+    ``cleaner(text) -> text`` turns raw text into what should be spoken; ``char_limit``
+    (default 250) is the length above which coqui warns and splits text at inference; the
+    vocabulary must hold ``[code]`` as a special token. A code already registered, or one
+    coqui handles itself (``en``, ``de`` ...), needs ``replace=True``. ``aliases``: other
+    codes of the language (``amh`` for ``am``), accepted everywhere as it. ``romanize(text)``
+    spells the language's script in Latin letters as the base language reads them (``ሰላም``
+    -> ``selam``), None for text it cannot spell (:mod:`patches.row_init`'s spelled rules);
+    a user's romaniser is asked before the library's tables. ``romanize=`` alone, for a
+    language coqui-tts or this table knows, adds only the romaniser (its cleaner and limit
+    kept); replacing a romaniser it has needs ``replace=True``.
     """
     key = base_code(code)
     alias_keys = tuple(base_code(alias) for alias in aliases)
@@ -144,11 +128,6 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
                 f"Expected a 2- or 3-letter ISO 639 code such as 'am' or 'tir' (a region such "
                 f"as 'am-ET' is allowed and ignored). Pass the code your manifests use in "
                 f"their language column.")
-    if not _CODE_RE.match(key):
-        raise _options.ConfigError(
-            f"training-patches: register_language got the language code {code!r}. Expected a "
-            f"2- or 3-letter ISO 639 code such as 'am' or 'tir' (a region such as 'am-ET' is "
-            f"allowed and ignored). Pass the code your manifests use in their language column.")
     if cleaner is not None and not callable(cleaner):
         raise _options.ConfigError(
             f"training-patches: register_language({key!r}) got cleaner={cleaner!r}, which is not "

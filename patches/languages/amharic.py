@@ -1,26 +1,15 @@
-"""Amharic (``am``) text normaliser for the XTTS tokenizer.
+"""Amharic (``am``) text normaliser for the XTTS tokenizer, and the library's romaniser.
 
-XTTS reads text one BPE token at a time and learns prosody from punctuation it
-saw in training (``.`` ``,`` ``?`` ``!`` ...). Amharic text arrives in forms the
-model cannot read aloud as written: Ethiopic punctuation, digits and Ethiopic
-numerals, abbreviations with ``.`` or ``/`` inside, several letters that sound the
-same. :func:`normalize` turns a sentence into what should be *spoken*:
-
-1. Unicode NFC; zero-width characters removed, no-break spaces made plain spaces.
-2. Numeric dates (``12/05/2016``, ``12.05.2016``) read as month name, day, ``ቀን``,
-   year: Ethiopian month names, Gregorian ones when the date follows ``እ.ኤ.አ.``.
-3. Common abbreviations expanded (``ዓ.ም.`` -> ``ዓመተ ምሕረት``, ``ዶ/ር`` -> ``ዶክተር`` ...).
-4. Ethiopic numerals (``፳፻፲፮``) and Arabic digits (``2,024``, ``3.5``, ``25%``,
-   ``3ኛ``) spoken as Amharic number words (``ሁለት ሺህ ሃያ አራት``).
-5. Ethiopic punctuation mapped to the ASCII marks the tokenizer and prosody know:
-   ``።`` -> ``.``, ``፣`` -> ``,``, ``፤`` -> ``;``, ``፥`` ``፦`` -> ``:``, ``፧`` -> ``?``,
-   ``፨`` -> ``.``, the word separator ``፡`` -> a space.
-6. Optionally (``homophones=True``), letters that sound alike written one way:
-   ``ሐ`` ``ኀ`` -> ``ሀ``, ``ሠ`` -> ``ሰ``, ``ዐ`` -> ``አ``, ``ፀ`` -> ``ጸ``, in all their
-   orders (``ሑ`` -> ``ሁ``, ``ሣ`` -> ``ሳ``, ``ዓ`` -> ``ኣ`` ...). Use it only when the
-   vocabulary was built from text normalised the same way.
-7. Quotes dropped, Latin letters lowercased (as coqui's own cleaners do), spaces
-   collapsed.
+XTTS learns prosody from the punctuation it saw in training; Amharic text arrives with
+Ethiopic punctuation, digits and numerals, abbreviations and homophone letters.
+:func:`normalize` turns a sentence into what should be *spoken*, in the marks the tokenizer
+knows: NFC, zero-width characters removed; numeric dates read as month, day, ``ቀን``, year
+(Gregorian months after ``እ.ኤ.አ.``); abbreviations expanded; Ethiopic numerals and digits as
+Amharic number words; Ethiopic punctuation as ASCII (``።`` -> ``.``, the word separator ``፡``
+-> a space); with ``homophones=True`` letters that sound alike written one way (only for a
+vocabulary built from text normalised the same way); quotes dropped, Latin lowercased, spaces
+collapsed. :func:`romanize` spells it in Latin letters. The user's view:
+TRAINING_PATCHES_README.md, "Amharic normaliser".
 """
 
 from __future__ import annotations
