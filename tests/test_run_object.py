@@ -155,17 +155,19 @@ ALLOWED: dict[str, str] = {
     "patches.integrations.f5_tts._watched": _WEAK, "patches.integrations.lightning._runs": _WEAK,
     "patches.integrations.xtts_gpt._base_loads": _WEAK,
 }
-_MUTABLE_CALLS = {"dict", "list", "set", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary",
-                  "Counter", "defaultdict", "OrderedDict", "deque", "local"}
+_MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "deque"}
+_SYNC = {"Lock", "RLock", "Condition", "Event", "Semaphore"}  # guards, not state
 
 
 def _mutable(value: ast.expr | None) -> bool:
+    """A container, or an instance of a class (a ``_State()``, a ``WeakSet()``, a
+    ``DeviceCounters(...)``): what a module could keep state in."""
     if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
         return True
     if isinstance(value, ast.Call):
         func = value.func
-        return (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")) \
-            in _MUTABLE_CALLS
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        return name in _MUTABLE_CALLS or (name.lstrip("_")[:1].isupper() and name not in _SYNC)
     return False
 
 
@@ -209,5 +211,6 @@ def test_no_patch_module_keeps_run_state_in_a_module_global() -> None:
 
 def test_the_module_state_rule_can_fail() -> None:
     source = ("_counts = {}\nLIMITS = {'a': 1}\n_seen: set[int] = set()\n_flag = False\n"
+              "_state = _State()\n_lock = threading.Lock()\n"
               "def f():\n    global _flag\n    _flag = True\n")
-    assert module_state(source, "m") == {"m._counts", "m._seen", "m._flag"}
+    assert module_state(source, "m") == {"m._counts", "m._seen", "m._flag", "m._state"}
