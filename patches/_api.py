@@ -83,7 +83,7 @@ def apply(names: str | Iterable[str] | None = None, **options: Any) -> dict[str,
         # naming an integration applies the generic patches it serves
         for integ in wanted_integrations:
             wanted += [n for n in _registry.integrations()[integ].patches() if n not in wanted]
-    first = not any(_registry.is_enabled(name) for name in specs)
+    first = not _registry.any_applied()
     previous = None if first else _options.current()
     if previous is not None:
         opts = _options.merge(previous, opts, touched=set(wanted), explicit=explicit)
@@ -154,7 +154,7 @@ def revert(names: str | Iterable[str] | None = None) -> list[str]:
             _registry.set_integration(name, True)  # the next apply() starts with all of them
     if done:
         logger.info("training-patches: reverted %s", ", ".join(done))
-    if not any(_registry.is_enabled(name) for name in specs):
+    if not _registry.any_applied():
         _runstate.end()  # its counters stay readable until the next apply()
     return [name for name in integration_names if name in done] + \
         [name for name in patch_names if name in done]
@@ -291,8 +291,7 @@ def reset_runtime_state() -> None:
     their options. A script that runs two trainings in one process may call it between
     them (``revert()`` of every patch ends the run as well).
     """
-    still = any(_registry.is_enabled(name) for name in _registry.specs())
-    options = _runstate.current().options if still else None
+    options = _runstate.current().options if _registry.any_applied() else None
     _runstate.restart()
     _options.set_current(options)
     for spec in _registry.specs().values():

@@ -188,6 +188,11 @@ def integrations() -> dict[str, Integration]:
     return dict(_integrations)
 
 
+def any_applied() -> bool:
+    """True while any patch is applied (the run lasts as long)."""
+    return bool(_active)
+
+
 def is_enabled(name: str) -> bool:
     """True while the patch (or the integration) is applied and not left off."""
     if name in _integrations:

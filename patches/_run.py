@@ -326,7 +326,7 @@ def append_line(path: str, line: str, *, shared: bool = False,
             return True
         _written(writer, path, len(lines) - (not wrote))
     if writer.waiting:
-        retry_waiting()
+        retry_waiting(writer)
     return wrote
 
 

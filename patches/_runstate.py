@@ -77,8 +77,11 @@ def current() -> Run:
 
 
 def start() -> Run:
-    """Make a new run current if the current one has ended; return the current run."""
+    """Make a new run current if the current one has ended; return the current run. Cheap
+    when it has not (the coqui integration sets the trainer's folder at every step)."""
     global _current
+    if not _current.ended:
+        return _current
     with _lock:
         if _current.ended:
             _current = Run(_current.number + 1)

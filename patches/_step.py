@@ -43,7 +43,7 @@ class StepContext:
     :func:`context`).
 
     Thread-safety is the modules' own of before: the scaler's ``stepping`` flag is per
-    thread (the optimizer step it covers runs in one); the rest is process-wide, as a
+    thread (the optimizer step it covers runs in one); the rest is run-wide, as a
     training step is driven from one thread.
     """
 

@@ -114,8 +114,9 @@ def safe_clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_
         counts.device.add("nonfinite_norms", _plain(nonfinite))
     counts.host["calls"] += 1
     # The NaN guard takes this flag instead of reducing the same gradients again.
-    _step.context().put_clip([p.grad for p in with_grad], nonfinite)
-    _step.context().mark("clip")
+    context = _step.context()
+    context.put_clip([p.grad for p in with_grad], nonfinite)
+    context.mark("clip")
     return total
 
 
