@@ -30,15 +30,18 @@ demo: setup
 # Every tier, one pytest worker per core (pytest-xdist): the distributed and client tiers
 # start their own processes, which share those cores. worksteal: a worker that runs out of
 # tests takes queued ones from the other (the tests last from 0.01 s to a minute).
+# PYTHONDONTWRITEBYTECODE (set on some machines, these among them) would make each of the
+# suite's hundreds of Python processes compile this repository's modules again: the tests write
+# their bytecode once, as a user's runs do.
 test: setup
-	$(PY) -m pytest -q -n auto --dist worksteal
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n auto --dist worksteal
 
 # The unit tier, under a minute on 2 cores: no coqui (xtts), nothing slow (subprocess
 # matrices, real trainings), no torchrun (distributed). --check-markers (tests/conftest.py)
 # fails a test run here that imports coqui, and lists (never fails) one whose call takes over 2 s.
 FAST := not slow and not xtts and not distributed
 test-fast: setup
-	$(PY) -m pytest -q -m "$(FAST)" --check-markers
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m "$(FAST)" --check-markers
 
 bench: setup
 	$(PY) benchmarks/run.py
