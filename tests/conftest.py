@@ -112,7 +112,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The many-process tier: every test in tests/distributed is marked ``distributed``
     (``-m distributed`` runs only them) and skips where torch has no gloo. (No conftest of
-    its own there: a second ``conftest`` module would shadow this one's helpers.)"""
+    its own there: a second ``conftest`` module would shadow this one's helpers.) The
+    files with slow, coqui or many-process tests run first."""
     import torch
 
     gloo = torch.distributed.is_available() and torch.distributed.is_gloo_available()
@@ -121,6 +122,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.distributed)
             if not gloo:
                 item.add_marker(pytest.mark.skip(reason="torch.distributed with gloo is not available"))
+    # The files that start processes first, each file's tests kept together (a module's
+    # fixtures are built once): on ``make test``'s workers the run then ends on tests of a
+    # few milliseconds, not on a minute-long one while the other worker waits.
+    heavy = {item.path for item in items
+             if any(item.get_closest_marker(m) for m in ("slow", "xtts", "distributed"))}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 # -- the markers are right: ``--check-markers`` (used by ``make test-fast``) -------------
