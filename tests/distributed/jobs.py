@@ -2,10 +2,13 @@
 
 :func:`ranks` starts a job's ranks the way ``torchrun`` starts its workers (the same
 environment variables, each rank in its own session, the others stopped when one fails),
-without torchrun's agent process: that process imports torch and torch.distributed.elastic
-for each job (about 1.7 s of CPU, on 45 jobs a minute of the suite). The tests of the
-launchers themselves (test_launch_launchers) run the real ``torchrun``
-(:func:`torchrun_command`, :func:`run_job`, :func:`two_nodes`).
+without torchrun's agent process (it imports torch.distributed.elastic for each job). Each
+rank is forked from a server that imported torch, torch.distributed and numpy and nothing
+else (zygote.py; one per local rank in a test process): the rank scripts import torch
+first, and the child gets the environment, session, output, seeds and ``__main__`` of a
+fresh ``python script`` and ends as one ends, less the ~2 s of CPU of that import. A job
+whose environment differs in what start-up may read, and every job under
+``TESTS_NO_ZYGOTE=1``, runs fresh processes. The launchers' tests run the real ``torchrun``.
 
 No job hangs a test: a job past its time limit is stopped (SIGTERM to every rank's
 session, then SIGKILL) and the test fails with its output.
@@ -13,7 +16,11 @@ session, then SIGKILL) and the test fails with its output.
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -21,7 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import pytest
 from processes import child_path
@@ -94,7 +101,8 @@ def ranks(script: str | Path, *args: object, nproc: int = 2, env: dict[str, str]
     """Run ``script`` as one job of ``nproc`` ranks on this host, each started with the
     environment torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``/``MASTER_PORT`` for ``init_process_group``, ``TORCHELASTIC_RUN_ID``
-    unique to the job). Their output interleaves in ``stdout`` as under torchrun. As
+    unique to the job), in its own session, forked from a server that imported torch
+    (:func:`start_rank`). Their output interleaves in ``stdout`` as under torchrun. As
     torchrun does, when one rank fails the others get SIGTERM, then SIGKILL 30 s later;
     the return code is 0 when every rank exited 0, else 1."""
     port = free_port()
@@ -105,15 +113,17 @@ def ranks(script: str | Path, *args: object, nproc: int = 2, env: dict[str, str]
                   TORCHELASTIC_RUN_ID=f"tests-{os.getpid()}-{port}",
                   TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
     command = [sys.executable, str(script), *map(str, args)]
-    with tempfile.TemporaryFile("w+") as log:
-        procs = [subprocess.Popen(command, env={**base, **common, "RANK": str(r),
-                                                "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
-                                  stdout=log, stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True)
+    if forking():
+        for r in range(nproc):
+            zygote(r)  # started together: they import torch at once
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        log = Path(folder) / "log"
+        log.touch()
+        procs = [start_rank(command, {**base, **common, "RANK": str(r), "LOCAL_RANK": str(r),
+                                      "ROLE_RANK": str(r)}, log)
                  for r in range(nproc)]
         timed_out = _wait_ranks(procs, time.monotonic() + timeout)
-        log.seek(0)
-        out = log.read()
+        out = log.read_text(errors="replace")
     said = f"{nproc} ranks of {' '.join(command)}"
     if timed_out:
         pytest.fail(f"job timed out after {timeout}s: {said}\n{out[-6000:]}")
@@ -122,6 +132,176 @@ def ranks(script: str | Path, *args: object, nproc: int = 2, env: dict[str, str]
     if check and rc != 0:
         pytest.fail(f"job failed (rank exit codes {codes}): {said}\n{out[-6000:]}")
     return subprocess.CompletedProcess(command, rc, out, None)
+
+
+# -- ranks forked from servers that imported torch (zygote.py) -------------------------
+
+NO_ZYGOTE = "TESTS_NO_ZYGOTE"  # =1: every rank a fresh process (not TRAINING_PATCHES_*:
+# the library refuses a variable of its prefix it does not know, in the test process too)
+# The variables a forked rank may have otherwise than its server: the job's and the rank's
+# (torchrun's, the library's settings, pytest's name of the test), read only by the rank
+# script. Any other difference runs a fresh process: what is read at start-up cannot be
+# listed (PYTHON*, OMP_*, TORCH_*, LD_*, ... by name; torch's import of tqdm reads TQDM_*
+# by scanning the environment), while none of these is read then (checked: torch 2.14.1).
+PER_RANK = re.compile(r"((LOCAL_|GROUP_|ROLE_)?(RANK|WORLD_SIZE)|ROLE_NAME|MASTER_ADDR|"
+                      r"MASTER_PORT|PYTEST_CURRENT_TEST)$|TORCHELASTIC_|TRAINING_PATCHES_")
+
+
+class Forked:
+    """A rank forked by a server: the part of ``subprocess.Popen`` the jobs use. Its exit
+    code comes from the file the server writes when it reaps it."""
+
+    def __init__(self, pid: int, rc_file: Path, server: Zygote) -> None:
+        self.pid, self.rc_file, self.server = pid, rc_file, server
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = int(self.rc_file.read_text())
+            except FileNotFoundError:
+                if not self.server.alive() and _gone(self.pid):
+                    self.returncode = 1  # no server left to report it: a failure, not a hang
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+
+Rank = subprocess.Popen | Forked  # what start_rank returns
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` ended (a zombie nobody reaps counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+class Zygote:
+    """The client of one zygote.py server, started with ``env`` (it imports torch while the
+    test goes on; :meth:`can_fork` waits for it)."""
+
+    def __init__(self, env: dict[str, str], ready_timeout: float = 120) -> None:
+        self.env, self.ready_timeout = env, ready_timeout
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "zygote.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=HERE)  # a folder no test removes
+        atexit.register(self.close)
+        self.ok: bool | None = None  # not known until it says it is ready
+        self.startup: dict[str, str] = {}
+
+    def _ready(self) -> bool:
+        if self.ok is None:
+            ready = self._answer(self.ready_timeout)
+            self.ok = bool(ready and ready.get("ready"))
+            # What the interpreter's start set in its environment (LC_CTYPE in a C locale)
+            # and a fresh rank's start sets too
+            self.startup = {k: v for k, v in (ready or {}).get("env", {}).items()
+                            if self.env.get(k) != v}
+        return self.ok
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _answer(self, timeout: float) -> dict[str, Any] | None:
+        """The server's next protocol line (None: it ended, or said nothing in ``timeout``).
+        Other lines (something torch printed while the server imported it) are skipped."""
+        assert self.proc.stdout is not None
+        end = time.monotonic() + timeout
+        while select.select([self.proc.stdout], [], [], max(0.0, end - time.monotonic()))[0]:
+            line = self.proc.stdout.readline()
+            if not line:
+                return None
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(answer, dict):
+                return answer
+        return None
+
+    def can_fork(self, env: dict[str, str]) -> bool:
+        """Whether a rank with ``env`` may be forked: the server runs, and only
+        :data:`PER_RANK` variables differ from its environment."""
+        if not (self._ready() and self.alive()):
+            return False
+        return all(self.env.get(k) == env.get(k) for k in self.env.keys() | env.keys()
+                   if not PER_RANK.match(k))
+
+    def fork(self, argv: list[str], env: dict[str, str], cwd: str, log: Path) -> Forked | None:
+        """``python *argv`` forked by the server (None: it could not, start it fresh)."""
+        assert self.proc.stdin is not None
+        umask = os.umask(0o022)  # the only way to read it; a fresh process inherits it
+        os.umask(umask)
+        request = {"argv": argv, "env": {**env, **self.startup}, "cwd": cwd, "log": str(log),
+                   "umask": umask}
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            self.ok = False
+            return None
+        answer = self._answer(60)
+        if answer is None:
+            self.ok = False  # ended or stuck: every later rank starts fresh
+            return None
+        if "pid" not in answer:
+            return None  # it refused (a thread it should not have): this rank starts fresh
+        return Forked(answer["pid"], Path(f"{log}.{answer['pid']}.rc"), self)
+
+    def close(self) -> None:
+        """End the server (at exit): end of its stdin, then a bounded wait, then SIGKILL."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+# One server per local rank: the ranks of a job come from different processes, each with
+# its own str hash seed and address layout, as fresh ranks are (a fork shares both).
+_servers: dict[int, Zygote] = {}
+
+
+def zygote(local_rank: int = 0) -> Zygote:
+    """This test process's server for ``local_rank``, started on first use with
+    :func:`rank_env`."""
+    if local_rank not in _servers:
+        _servers[local_rank] = Zygote(rank_env())
+    return _servers[local_rank]
+
+
+def forking() -> bool:
+    """Whether ranks are forked (``TESTS_NO_ZYGOTE=1``: fresh processes, to compare)."""
+    return os.environ.get(NO_ZYGOTE) != "1"
+
+
+def start_rank(command: list[str], env: dict[str, str], log: Path) -> Rank:
+    """Start ``command`` (``[sys.executable, script, *args]``) in its own session in this
+    working directory, output appended to ``log``: forked from the server of its
+    ``LOCAL_RANK`` when that is equivalent to a fresh process, else a fresh process."""
+    if forking() and command[0] == sys.executable:
+        server = zygote(int(env.get("LOCAL_RANK", "0")))
+        forked = server.fork(command[1:], env, os.getcwd(), log) if server.can_fork(env) \
+            else None
+        if forked is not None:
+            return forked
+    # A fresh process: asked for, the server did not start or could not fork, or the job's
+    # environment differs from the server's in what start-up may read.
+    with open(log, "a") as sink:  # O_APPEND: the ranks' lines interleave, none overwritten
+        return subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
 
 
 def rank_results(script: str | Path, out: Path, *args: object, nproc: int = 2,
@@ -134,11 +314,11 @@ def rank_results(script: str | Path, out: Path, *args: object, nproc: int = 2,
     return [torch.load(Path(out) / f"result{rank}.pt") for rank in range(nproc)]
 
 
-def _wait_ranks(procs: list[subprocess.Popen], deadline: float) -> bool:
+def _wait_ranks(procs: list[Rank], deadline: float) -> bool:
     """Wait for every rank; stop the rest when one fails (torchrun's agent does), and all
     of them past ``deadline``. Returns whether the deadline was passed."""
     stop_at: float | None = None
-    while any(p.poll() is None for p in procs):
+    while None in [p.poll() for p in procs]:  # each polled: any() stopped at a running one
         now = time.monotonic()
         if now > deadline:
             _signal_all(procs, signal.SIGTERM)
@@ -154,7 +334,7 @@ def _wait_ranks(procs: list[subprocess.Popen], deadline: float) -> bool:
     return False
 
 
-def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
+def _signal_all(procs: list[Rank], sig: int) -> None:
     for proc in procs:
         if proc.poll() is None:
             try:
@@ -163,7 +343,7 @@ def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
                 pass
 
 
-def _reap(procs: list[subprocess.Popen], grace: float) -> None:
+def _reap(procs: list[Rank], grace: float) -> None:
     end = time.monotonic() + grace
     while any(p.poll() is None for p in procs) and time.monotonic() < end:
         time.sleep(0.05)
