@@ -137,3 +137,20 @@ def test_a_forked_rank_sees_what_a_fresh_one_sees(probe, monkeypatch) -> None:
             del saw[key]
         saw["argv"].pop()  # its own file
     assert seen[0] == seen[1]
+
+
+def test_a_rank_that_fails_stops_a_peer_that_still_runs(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 fails while rank 0 still runs: rank 0 is stopped (SIGTERM), as torchrun's agent
+    stops it, and the job returns 1 with both outputs, long before rank 0 would end or the
+    job's time limit (polling stopped at the first running rank once: this job timed out)."""
+    monkeypatch.delenv(jobs.NO_ZYGOTE, raising=False)
+    script = tmp_path / "peers.py"
+    script.write_text("import os, sys, time\n"
+                      "print('rank', os.environ['RANK'], 'started', flush=True)\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    sys.exit(3)\n"
+                      "time.sleep(600)\n", encoding="utf-8")
+    result = jobs.ranks(script, timeout=90, check=False)
+    assert result.returncode == 1
+    assert "rank 0 started" in result.stdout and "rank 1 started" in result.stdout
