@@ -87,8 +87,8 @@ def test_a_plain_loop_skips_with_the_context_manager() -> None:
 @pytest.mark.parametrize("cuda_in_use", [False, True], ids=["cpu", "cuda"])
 def test_the_release_collects_garbage_only_where_device_memory_is_in_use(monkeypatch,
                                                                          cuda_in_use) -> None:
-    """A full collection costs 0.2-0.5 s once torch is imported: it runs, then the cache is
-    emptied, only where a CUDA context holds memory to give back."""
+    """A full collection costs ~0.1 s once torch and a model are in memory: it runs, then the
+    cache is emptied, only where a CUDA context holds memory to give back."""
     calls: list[str] = []
     monkeypatch.setattr(oom_guard.gc, "collect", lambda *a: calls.append("collect"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_in_use)
