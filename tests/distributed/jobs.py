@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import pytest
-from processes import child_path
+from processes import alive, child_path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -160,7 +160,7 @@ class Forked:
             try:
                 self.returncode = int(self.rc_file.read_text())
             except FileNotFoundError:
-                if not self.server.alive() and _gone(self.pid):
+                if not self.server.alive() and not alive(self.pid):
                     self.returncode = 1  # no server left to report it: a failure, not a hang
         return self.returncode
 
@@ -175,15 +175,6 @@ class Forked:
 
 
 Rank = subprocess.Popen | Forked  # what start_rank returns
-
-
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` ended (a zombie nobody reaps counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 class Zygote:
