@@ -187,9 +187,9 @@ def status(name: str) -> dict[str, Any]:
     if name in _registry.integrations():
         integ = _registry.integrations()[name]
         landed = sorted(str(s) for s in integ.sites
-                        if str(s) in _registry.landed_sites(s.patch)[0])
+                        if any(str(s) in _registry.landed_sites(p)[0] for p in s.serves))
         pending = sorted(str(s) for s in integ.sites
-                         if str(s) in _registry.landed_sites(s.patch)[1])
+                         if any(str(s) in _registry.landed_sites(p)[1] for p in s.serves))
         on = _registry.is_enabled(name)
     else:
         landed, pending = _registry.landed_sites(name)

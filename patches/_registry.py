@@ -4,20 +4,23 @@ Every patch is a :class:`PatchSpec` (its sites, or an ``enable``/``disable`` pai
 upstream package an :class:`Integration`; ``apply``/``revert`` in :mod:`patches` are the only
 doors. A site lands from a post-import hook (:func:`patches._imports.when_imported`: now, or
 once its module's import ends), which holds its activation's token and does nothing once that
-activation is reverted (hooks cannot be unregistered). Several patches may want one site:
-each site keeps a stack of layers ordered by priority, each made over the one below, the
-original at the bottom (kept first-wins, restored by identity when the last layer goes).
+activation is reverted (hooks cannot be unregistered). One upstream name is one
+:class:`Site`, and holds one replacement: a site several patches want is declared once,
+naming them all, and its one wrapper does the work of each, asking :func:`active` per call.
+It lands with the first of them and goes with the last; in between it is made again when
+one comes or goes. The original is kept first-wins and restored by identity.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import _options
 from ._imports import when_imported
@@ -34,21 +37,31 @@ _SWEEP_SKIP_PREFIXES = ("torch", "patches", "wrapt")
 @dataclass(frozen=True)
 class Site:
     """One place where a name is bound: ``module.attr`` (``"Class.method"``: the original
-    taken from the class's own ``__dict__``). ``make(original)`` builds the replacement; with
-    ``sweep`` it also replaces every copy of the original in imported modules outside torch.
-    An integration's site names the generic ``patch`` it serves; ``lost`` says what goes
-    unprotected when the site cannot land."""
+    taken from the class's own ``__dict__``). ``make(original)`` builds its one replacement;
+    with ``sweep`` it also replaces every copy of the original in imported modules outside
+    torch. ``patch`` names the patch it serves (a patch's own site: that patch), or a tuple
+    of the patches it serves: its wrapper runs each one's part only while :func:`active`
+    says that patch is applied. ``lost`` says what goes unprotected when the site cannot
+    land: one text, or a dict of one per patch it serves."""
 
     module: str
     attr: str
     make: Callable[[Any], Any]
     sweep: bool = False
-    patch: str = ""
-    lost: str = ""
+    patch: str | tuple[str, ...] = ""
+    lost: str | dict[str, str] = field(default="", compare=False)
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.module, self.attr)
+
+    @property
+    def serves(self) -> tuple[str, ...]:
+        """The patches this site does the work of."""
+        return (self.patch,) if isinstance(self.patch, str) else tuple(self.patch)
+
+    def lost_for(self, patch: str) -> str:
+        return self.lost.get(patch, "") if isinstance(self.lost, dict) else self.lost
 
     def __str__(self) -> str:
         return f"{self.module}.{self.attr}"
@@ -66,7 +79,6 @@ class PatchSpec:
     describe: Callable[[Any], str]
     sites: tuple[Site, ...] = ()
     default: bool = True
-    priority: int = 0
     enable: Callable[[Any], None] | None = None
     disable: Callable[[], None] | None = None
     off_hint: str = ""
@@ -83,7 +95,8 @@ class PatchSpec:
 @dataclass(frozen=True)
 class Integration:
     """What one upstream package adds to the generic patches: its sites (each serving one
-    generic patch), its distribution and supported versions (PEP 440, checked at apply)."""
+    generic patch or several), its distribution and supported versions (PEP 440, checked at
+    apply)."""
 
     name: str
     distribution: str
@@ -96,7 +109,7 @@ class Integration:
     options: tuple[_options.Option, ...] = ()
 
     def patches(self) -> list[str]:
-        return sorted({site.patch for site in self.sites})
+        return sorted({patch for site in self.sites for patch in site.serves})
 
 
 @dataclass(frozen=True)
@@ -114,29 +127,13 @@ class PatchSiteError(RuntimeError):
 
 
 @dataclass
-class _Layer:
-    priority: int
-    patch: str
-    make: Callable[[Any], Any]
-    replacement: Any = None
-
-
-@dataclass
 class _SiteState:
+    """A landed site: the original (first-wins), the replacement put there, and the applied
+    patches it serves now."""
+
     original: Any
-    layers: list[_Layer] = field(default_factory=list)
-
-    def top(self) -> Any:
-        return self.layers[-1].replacement if self.layers else self.original
-
-    def rebuild(self) -> None:
-        """Make every layer again over the one below it, bottom to top."""
-        below = self.original
-        for layer in self.layers:
-            _replacements.pop(id(layer.replacement), None)
-            layer.replacement = layer.make(below)
-            _replacements[id(layer.replacement)] = (layer.replacement, self.original)
-            below = layer.replacement
+    replacement: Any
+    patches: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -165,8 +162,13 @@ in_apply = False
 
 
 def register(spec: PatchSpec) -> PatchSpec:
-    """Declare a generic patch, with its options (each patch module, once)."""
+    """Declare a generic patch, with its options (each patch module, once). Its own sites
+    that name no patch serve it."""
     with _lock:
+        spec = dataclasses.replace(spec, sites=tuple(
+            site if site.patch else dataclasses.replace(site, patch=spec.name)
+            for site in spec.sites))
+        _check_one_site_per_name(spec.name, spec.sites)
         _options.declare(spec.name, spec.options, spec.check)
         _specs[spec.name] = spec
     return spec
@@ -175,9 +177,33 @@ def register(spec: PatchSpec) -> PatchSpec:
 def register_integration(integration: Integration) -> Integration:
     """Declare an upstream integration, with its options."""
     with _lock:
+        _check_one_site_per_name(integration.name, integration.sites)
         _options.declare(integration.name, integration.options)
         _integrations[integration.name] = integration
     return integration
+
+
+def _declared() -> Iterator[tuple[Site, str | None]]:
+    """Every declared site, with its integration (None: a generic patch's own)."""
+    for spec in _specs.values():
+        yield from ((site, None) for site in spec.sites)
+    for integ in _integrations.values():
+        yield from ((site, integ.name) for site in integ.sites)
+
+
+def _check_one_site_per_name(owner: str, sites: tuple[Site, ...]) -> None:
+    """One Site per upstream name: a second would be a second wrapper over the first."""
+    declared = {**{name: spec.sites for name, spec in _specs.items()},
+                **{name: integ.sites for name, integ in _integrations.items()}}
+    seen = {site.key: other for other, others in declared.items() if other != owner
+            for site in others}
+    for site in sites:
+        if site.key in seen:
+            raise ValueError(
+                f"training-patches: {owner} declares {site}, which {seen[site.key]} declares "
+                f"already. Expected one Site per upstream name: declare it once, naming every "
+                f"patch it serves (patch=(...)), and do each one's part in its one wrapper")
+        seen[site.key] = owner
 
 
 def specs() -> dict[str, PatchSpec]:
@@ -193,32 +219,31 @@ def any_applied() -> bool:
     return bool(_active)
 
 
+def active(patch: str) -> bool:
+    """True while ``patch`` is applied: a wrapper serving several patches asks it per call."""
+    return patch in _active
+
+
 def is_enabled(name: str) -> bool:
     """True while the patch (or the integration) is applied and not left off."""
     if name in _integrations:
         return name not in _integrations_off and any(
-            site.patch in _active for site in _integrations[name].sites)
+            patch in _active for patch in _integrations[name].patches())
     return name in _active
 
 
 def sites_of(name: str) -> tuple[Site, ...]:
-    """Every site of a patch: its own and those its integrations contribute (all of them,
-    left off or not); for an integration, its sites."""
+    """Every site that serves a patch: its own, another patch's it shares, and those its
+    integrations contribute (all of them, left off or not); for an integration, its sites."""
     if name in _integrations:
         return _integrations[name].sites
-    own = _specs[name].sites
-    return own + tuple(site for integ in _integrations.values() for site in integ.sites
-                       if site.patch == name)
+    return tuple(site for site, _ in _declared() if name in site.serves)
 
 
 def _wanted_sites(spec: PatchSpec) -> list[tuple[Site, str | None]]:
     """(site, integration name or None) this patch lands now."""
-    found: list[tuple[Site, str | None]] = [(site, None) for site in spec.sites]
-    for integ in _integrations.values():
-        if integ.name in _integrations_off:
-            continue
-        found += [(site, integ.name) for site in integ.sites if site.patch == spec.name]
-    return found
+    return [(site, integ) for site, integ in _declared()
+            if spec.name in site.serves and integ not in _integrations_off]
 
 
 def version_problem(integ: Integration, found: UpstreamVersion) -> Problem | None:
@@ -275,7 +300,7 @@ def _watch_import(integ: Integration) -> None:
     def on_import(module: ModuleType) -> None:
         _watched.discard(integ.name)
         if integ.name in _integrations_off or not any(
-                site.patch in _active for site in integ.sites):
+                patch in _active for patch in integ.patches()):
             return
         before = _checked_versions.get(integ.name)
         found = upstream_version(integ)
@@ -319,7 +344,7 @@ def _site_problem(spec: PatchSpec, site: Site, integration: str | None, kind: st
     dist = _integrations[integration].distribution if integration else "torch"
     version = (upstream_version(_integrations[integration]).version if integration
                else distribution_version(dist)) or "?"
-    lost = site.lost or f"what {spec.name} does at this site"
+    lost = site.lost_for(spec.name) or f"what {spec.name} does at this site"
     return Problem(spec.name, kind, str(site),
                    f"{site} {detail} ({dist} {version}, {owner}); therefore NOT protected: {lost}")
 
@@ -385,64 +410,81 @@ def _rebind(site: Site, module: ModuleType, old: Any, new: Any) -> None:
 
 def _land(spec: PatchSpec, token: object, site: Site, integration: str | None,
           module: ModuleType) -> None:
+    """Install the site's replacement for ``spec``: made now, over the original, whether it
+    is the first patch the site serves or one more (the site is then made again)."""
     # Inside the user's own ``import``: a failure must never break it (unless strict).
     with _lock:
         activation = _active.get(spec.name)
         if activation is None or activation.token is not token:
             return  # reverted (or re-applied) since this hook was registered
-        if integration is not None and integration in _integrations_off:
-            activation.pending.discard(site.key)
-            return
         activation.pending.discard(site.key)
+        if integration is not None and integration in _integrations_off:
+            return
         current = _current(site, module)
         if current is _MISSING:
             _report(_site_problem(spec, site, integration, "missing",
                                   "does not exist in this version"), activation, site.key)
             return
         state = _sites.get(site.key)
-        created = state is None
-        if state is None:
-            state = _sites[site.key] = _SiteState(original=_unpatched(current))
-        if any(layer.patch == spec.name for layer in state.layers):
+        if state is not None and spec.name in state.patches:
             return
-        state.layers.append(_Layer(spec.priority, spec.name, site.make))
-        state.layers.sort(key=lambda layer: layer.priority)
+        original = _unpatched(current) if state is None else state.original
         try:
-            state.rebuild()
-        except Exception as exc:  # noqa: BLE001 - any failure: leave the original in place
-            state.layers = [layer for layer in state.layers if layer.patch != spec.name]
-            state.rebuild()
-            if created and not state.layers:
-                del _sites[site.key]
+            replacement = site.make(original)
+        except Exception as exc:  # noqa: BLE001 - any failure: leave what is there in place
             _report(_site_problem(spec, site, integration, "failed",
                                   f"could not be patched ({type(exc).__name__}: {exc}); the "
                                   f"original is left in place"), activation, site.key)
             return
-        _rebind(site, module, current, state.top())
+        if state is None:
+            state = _sites[site.key] = _SiteState(original, replacement=current)
+        state.patches.add(spec.name)
+        _install(spec, site, module, state, replacement)
         activation.landed.add(site.key)
 
 
-def _unland(spec: PatchSpec, site: Site) -> None:
-    state = _sites.get(site.key)
-    module = sys.modules.get(site.module)
-    if state is None or module is None:
-        return
-    layer = next((lay for lay in state.layers if lay.patch == spec.name), None)
-    if layer is None:
-        return
-    old_top = state.top()
-    state.layers.remove(layer)
-    _replacements.pop(id(layer.replacement), None)
+def _install(spec: PatchSpec, site: Site, module: ModuleType, state: _SiteState,
+             new: Any) -> None:
+    """Put ``new`` at the site in place of ``state.replacement``, the object put there for
+    the site's patches; an object someone else put there since is left in place, loudly."""
     current = _current(site, module)
-    if current is not old_top:
+    if current is not state.replacement:
         logger.warning(
             "%s: %s was replaced by someone else after training-patches patched it; "
             "leaving their object in place", spec.name, site)
-    else:
-        state.rebuild()
-        _rebind(site, module, old_top, state.top())
-    if not state.layers:
+        return
+    _forget(current)
+    _rebind(site, module, current, new)
+    state.replacement = new
+    if new is not state.original:
+        _replacements[id(new)] = (new, state.original)
+
+
+def _forget(replacement: Any) -> None:
+    entry = _replacements.get(id(replacement))
+    if entry is not None and entry[0] is replacement:
+        del _replacements[id(replacement)]
+
+
+def _unland(spec: PatchSpec, site: Site) -> None:
+    """Take ``spec`` out of the site: the original back when no other patch it serves is
+    applied, else the replacement made again for those."""
+    state = _sites.get(site.key)
+    module = sys.modules.get(site.module)
+    if state is None or module is None or spec.name not in state.patches:
+        return
+    state.patches.discard(spec.name)
+    if not state.patches:
+        _install(spec, site, module, state, state.original)
+        _forget(state.replacement)  # someone else's object left in place: ours is gone
         del _sites[site.key]
+        return
+    try:
+        _install(spec, site, module, state, site.make(state.original))
+    except Exception as exc:  # noqa: BLE001 - revert never fails on a site's make
+        logger.warning("training-patches: %s: %s could not be made again without it "
+                       "(%s: %s); what it holds is left in place", spec.name, site,
+                       type(exc).__name__, exc)
 
 
 def enable(spec: PatchSpec, options: Any) -> bool:
@@ -495,25 +537,26 @@ def set_integration(name: str, on: bool) -> bool:
             _integrations_off.add(name)
             _version_problems.pop(name, None)
             for site in integ.sites:
-                activation = _active.get(site.patch)
-                if activation is None:
-                    continue
-                activation.problems.pop(site.key, None)
-                activation.pending.discard(site.key)
-                if site.key in activation.landed:
-                    _unland(_specs[site.patch], site)
-                    activation.landed.discard(site.key)
+                for patch, activation in _activations(site):
+                    activation.problems.pop(site.key, None)
+                    activation.pending.discard(site.key)
+                    if site.key in activation.landed:
+                        _unland(_specs[patch], site)
+                        activation.landed.discard(site.key)
             return True
         _integrations_off.discard(name)
         for site in integ.sites:
-            activation = _active.get(site.patch)
-            if activation is None:
-                continue
-            activation.pending.add(site.key)
-            when_imported(
-                functools.partial(_land, _specs[site.patch], activation.token, site, name),
-                site.module)
+            for patch, activation in _activations(site):
+                activation.pending.add(site.key)
+                when_imported(
+                    functools.partial(_land, _specs[patch], activation.token, site, name),
+                    site.module)
         return True
+
+
+def _activations(site: Site) -> list[tuple[str, _Activation]]:
+    """(patch, its activation) for each applied patch the site serves."""
+    return [(patch, _active[patch]) for patch in site.serves if patch in _active]
 
 
 def integration_off(name: str) -> bool:

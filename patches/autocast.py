@@ -4,7 +4,8 @@
 ``torch.cuda.amp.GradScaler(...)`` and ``torch.cuda.amp.custom_fwd/custom_bwd``
 emit a FutureWarning on every use in torch 2.4+. After this patch they are the
 ``torch.amp`` objects with the same arguments and emit nothing. (With the
-``grad_scaler`` patch on, ``torch.cuda.amp.GradScaler`` is a SafeGradScaler.)
+``grad_scaler`` patch on, ``torch.cuda.amp.GradScaler`` is a SafeGradScaler: that site is
+declared once, by :mod:`patches.grad_scaler`, for both patches.)
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ SPEC = register(PatchSpec(
     sites=(
         Site("torch.cuda.amp", "autocast", _constant(CudaAutocast), sweep=True),
         Site("torch.cpu.amp", "autocast", _constant(CpuAutocast), sweep=True),
-        Site("torch.cuda.amp", "GradScaler", _constant(CudaGradScaler), sweep=True),
         Site("torch.cuda.amp", "custom_fwd", _constant(custom_fwd), sweep=True),
         Site("torch.cuda.amp", "custom_bwd", _constant(custom_bwd), sweep=True),
     ),

@@ -48,7 +48,8 @@ from ._counters import DeviceCounters
 from ._log import info, logger
 from ._options import (FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, INT64_MAX, ConfigError, Option,
                        flag, positive_float, positive_int)
-from ._registry import PatchSpec, Site, register
+from ._registry import PatchSpec, Site, active, register
+from .autocast import CudaGradScaler
 
 # The private torch names SafeGradScaler relies on. A torch that lacks one leaves only
 # this patch off (loudly, see ``_missing_private_names``), never ``import patches``.
@@ -575,6 +576,12 @@ class CudaSafeGradScaler(SafeGradScaler):
                          enabled, **kwargs)
 
 
+def cuda_scaler_class(original: type) -> type:
+    """What the deprecated ``torch.cuda.amp.GradScaler`` is: CudaSafeGradScaler while this
+    patch is applied, else (``autocast`` alone) torch's modern class under the old signature."""
+    return CudaSafeGradScaler if active("grad_scaler") else CudaGradScaler
+
+
 _sharded_classes: dict[int, type] = {}
 
 
@@ -652,11 +659,16 @@ SPEC = register(PatchSpec(
         f"SafeGradScaler(init_scale={o.init_scale:g}, growth_interval={o.growth_interval}, "
         f"hysteresis={o.hysteresis}) wherever a GradScaler or FSDP's ShardedGradScaler is "
         f"built"),
-    priority=10,  # above autocast's plain modern torch.cuda.amp.GradScaler
     sites=(
         Site("torch", "GradScaler", lambda original: SafeGradScaler, sweep=True),
         Site("torch.amp", "GradScaler", lambda original: SafeGradScaler),
-        Site("torch.cuda.amp", "GradScaler", lambda original: CudaSafeGradScaler, sweep=True),
+        # this patch's and autocast's: made again when either comes or goes
+        Site("torch.cuda.amp", "GradScaler", cuda_scaler_class, sweep=True,
+             patch=("grad_scaler", "autocast"),
+             lost={"grad_scaler": "torch.cuda.amp.GradScaler builds torch's GradScaler "
+                                  "(initial scale 65536, no skip counters, no floor)",
+                   "autocast": "torch.cuda.amp.GradScaler warns (FutureWarning) at each "
+                               "use"}),
         # FSDP's scaler (torch.distributed.fsdp does not re-export it); sweep: a trainer's
         # `from ...sharded_grad_scaler import ShardedGradScaler` made before apply().
         Site("torch.distributed.fsdp.sharded_grad_scaler", "ShardedGradScaler",

@@ -959,7 +959,6 @@ def _base_vocab(text: Any) -> int | None:
 SPEC = register(PatchSpec(
     name="vocab_freeze",
     describe=_describe_patch,
-    priority=5,  # around the checkpoint patch's GPTTrainer.__init__: freeze after loading
     enable=_enable,
     disable=_disable,
     state=_state,

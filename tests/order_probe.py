@@ -98,16 +98,22 @@ def is_ours(value: object) -> bool:
     return bool(code) and code.co_filename.startswith(PATCHES_DIR)
 
 
+def serving(site, patch: str) -> bool:
+    """Whether the site's one replacement is in place for ``patch`` now."""
+    state = _registry._sites.get(site.key)
+    return state is not None and patch in state.patches
+
+
 def check_sites(patch: str, patched: bool) -> None:
-    spec = _registry.specs()[patch]
-    for site in spec.sites:
+    # the generic sites that serve the patch (torch.cuda.amp.GradScaler: grad_scaler's too)
+    generic = [site for spec in _registry.specs().values() for site in spec.sites
+               if patch in site.serves]
+    for site in generic:
         if site.module not in sys.modules:
             continue
         value = _registry._current(site, sys.modules[site.module])
         if site.key not in ORIGINALS and site.key != ("trainer.trainer", "GradScaler"):
-            state = _registry._sites.get(site.key)
-            layers = [lay for lay in (state.layers if state else []) if lay.patch == patch]
-            check(len(layers) == (1 if patched else 0), f"{site}: {len(layers)} layers")
+            check(serving(site, patch) == patched, f"{site} serves {patch}: {not patched}")
             check(is_ours(value) == patched, f"{site} is {'not ' if patched else ''}ours")
             if patched:
                 # A class names what it wraps (SafeShardedGradScaler: FSDP's class, while
@@ -123,10 +129,8 @@ def check_sites(patch: str, patched: bool) -> None:
             check(getattr(value, "func", None) is not None, f"{site} is not a partial")
             value = value.func
             original = torch.amp.grad_scaler.GradScaler
-        state = _registry._sites.get(site.key)
         if patched:
-            layers = [layer for layer in (state.layers if state else []) if layer.patch == patch]
-            check(len(layers) == 1, f"{site}: {len(layers)} layers of {patch} (double wrap?)")
+            check(serving(site, patch), f"{site} does not serve {patch}")
             check(value is not original, f"{site} is still the original")
             wrapped = getattr(value, "__wrapped__", None)
             check(wrapped is None or wrapped is original,

@@ -3,22 +3,24 @@
 (:mod:`patches._interrupt`), where upstream (coqui-tts-trainer 0.4) dies unsaved on them and
 ends Ctrl-C with ``os._exit(130)``.
 
-``Trainer.fit`` installs the interruption and exits ``128 + signal`` normally;
-``Trainer.train_step``/``save_best_model`` finish before a signal is raised; ``Trainer._fit``
-handles it (a checkpoint when a step finished since the last one, the
-``on_keyboard_interrupt`` callbacks, one WARNING, an ``interrupted`` record in
-``trainer_runs.jsonl``); ``Trainer.save_checkpoint`` records the fused steps' waiting skips
+``Trainer.fit`` installs the interruption and exits ``128 + signal`` normally
+(:func:`interruptible_run`, inside :mod:`.coqui_trainer`'s one ``fit`` wrapper);
+``Trainer.train_step``/``save_best_model`` finish before a signal is raised
+(:func:`uninterrupted`); ``Trainer._fit`` handles it (a checkpoint when a step finished since
+the last one, the ``on_keyboard_interrupt`` callbacks, one WARNING, an ``interrupted`` record
+in ``trainer_runs.jsonl``); ``Trainer.save_checkpoint`` records the fused steps' waiting skips
 first. The user's view: TRAINING_PATCHES_README.md, "With the coqui Trainer / XTTS".
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .. import _run, nan_guard
 from . import coqui_checkpoint, xtts_gpt
@@ -40,55 +42,49 @@ def _steps(trainer: Any) -> int:
     return int(getattr(trainer, "total_steps_done", 0) or 0)
 
 
-def make_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
-    """``Trainer.fit`` with SIGINT, SIGTERM and SIGHUP interrupting the run."""
+@contextlib.contextmanager
+def interruptible_run(trainer: Any) -> Iterator[None]:
+    """``Trainer.fit``'s run with SIGINT, SIGTERM and SIGHUP interrupting it: once
+    ``Trainer._fit`` has handled one, the run exits ``128 + signal``; else it is recorded
+    as finished."""
+    interruption = Interruption()
+    _interruptions[trainer] = interruption
+    _started_at[trainer] = _steps(trainer)
+    base = xtts_gpt.base_load(getattr(trainer, "model", None))
+    _record(trainer, "start", **({"base_weights": base.as_record()} if base is not None else {}))
+    with interruption.installed():
+        yield
+    if interruption.signum is not None:
+        raise SystemExit(128 + interruption.signum)
+    nan_guard.settle()  # the last fused steps' skips, recorded before the run says it ended
+    _record(trainer, "finished")
+
+
+@contextlib.contextmanager
+def uninterrupted(trainer: Any, *, keep_step: bool = False) -> Iterator[None]:
+    """What runs inside (a ``train_step``, a ``save_best_model``) is interrupted by a signal
+    only once it has ended. ``keep_step``: what a checkpoint written on that interruption
+    needs of the moment the step ended is kept (:func:`.coqui_checkpoint.after_step`)."""
+    interruption = _interruptions.get(trainer)
+    if interruption is None:
+        yield
+        return
+    with interruption.step():
+        yield
+        if keep_step:
+            _after_step[trainer] = coqui_checkpoint.after_step(trainer)
+
+
+def make_uninterrupted(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A Trainer method (``save_best_model``) run :func:`uninterrupted`."""
 
     @functools.wraps(original)
-    def fit(self: Any) -> None:
-        interruption = Interruption()
-        _interruptions[self] = interruption
-        _started_at[self] = _steps(self)
-        base = xtts_gpt.base_load(getattr(self, "model", None))
-        _record(self, "start", **({"base_weights": base.as_record()} if base is not None else {}))
-        with interruption.installed():
-            original(self)
-        if interruption.signum is not None:
-            raise SystemExit(128 + interruption.signum)
-        nan_guard.settle()  # the last fused steps' skips, recorded before the run says it ended
-        _record(self, "finished")
-
-    fit._training_patch = PATCH  # type: ignore[attr-defined]
-    return fit
-
-
-def make_uninterrupted(original: Callable[..., Any], *,
-                       on_end: Callable[[Any], None] | None = None) -> Callable[..., Any]:
-    """A Trainer method (``train_step``, ``save_best_model``) that a signal interrupts only
-    once it has ended; ``on_end(trainer)`` runs then, before that signal is raised."""
-
-    @functools.wraps(original)
-    def uninterrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        interruption = _interruptions.get(self)
-        if interruption is None:
+    def uninterrupted_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with uninterrupted(self):
             return original(self, *args, **kwargs)
-        with interruption.step():
-            result = original(self, *args, **kwargs)
-            if on_end is not None:
-                on_end(self)
-            return result
 
-    uninterrupted._training_patch = PATCH  # type: ignore[attr-defined]
-    return uninterrupted
-
-
-def _keep_after_step(trainer: Any) -> None:
-    _after_step[trainer] = coqui_checkpoint.after_step(trainer)
-
-
-def make_train_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Trainer.train_step`` as :func:`make_uninterrupted`, keeping what a checkpoint written
-    on an interruption needs of the moment it ended (:func:`.coqui_checkpoint.after_step`)."""
-    return make_uninterrupted(original, on_end=_keep_after_step)
+    uninterrupted_method._training_patch = PATCH  # type: ignore[attr-defined]
+    return uninterrupted_method
 
 
 def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -181,6 +177,5 @@ def interrupted_by(trainer: Any) -> str | None:
     return TrainingInterrupted(interruption.signum).name
 
 
-__all__ = ["make_fit", "make_inner_fit", "make_uninterrupted", "make_train_step",
-           "make_save_checkpoint",
-           "on_interrupt", "interrupted_by"]
+__all__ = ["interruptible_run", "uninterrupted", "make_inner_fit", "make_uninterrupted",
+           "make_save_checkpoint", "on_interrupt", "interrupted_by"]

@@ -9,8 +9,8 @@ Sites of :mod:`.coqui_trainer` (``trainer.trainer``):
 - ``Trainer.eval_epoch``: after each evaluation, the reading gap on those utterances
   (:mod:`patches.learning`), at the Trainer's ``total_steps_done``, with its evaluation loss
   (``avg_loss``) for the no-improvement verdict. Rank 0 only; no collective.
-- ``Trainer.fit``: a run with ``run_eval`` off, or a model the library cannot read, is
-  said once: nothing is measured.
+- ``Trainer.fit`` (:func:`say_if_unmeasured`): a run with ``run_eval`` off, or a model the
+  library cannot read, is said once: nothing is measured.
 
 The loss is XTTS's own audio-code loss (``loss_mel``), per utterance: the GPT is run on
 the probe's utterances as one batch, and each utterance's cross entropy is read from its
@@ -181,16 +181,14 @@ def make_eval_epoch(original: Any) -> Any:
     return eval_epoch
 
 
-def make_fit(original: Any) -> Any:
-    @functools.wraps(original)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _is_rank0(self) and not getattr(getattr(self, "config", None), "run_eval", True):
-            learning.say_not_measured(
-                "the coqui Trainer's run_eval is off, so there are no evaluations to measure "
-                "it at (set run_eval=True with evaluation samples; headlessXttsTrain.py: "
-                "--eval-manifest)")
-        return original(self, *args, **kwargs)
-    return fit
+def say_if_unmeasured(trainer: Any) -> None:
+    """At ``Trainer.fit`` (:mod:`.coqui_trainer`'s one ``fit`` wrapper): a run with
+    ``run_eval`` off is told once that nothing is measured."""
+    if _is_rank0(trainer) and not getattr(getattr(trainer, "config", None), "run_eval", True):
+        learning.say_not_measured(
+            "the coqui Trainer's run_eval is off, so there are no evaluations to measure "
+            "it at (set run_eval=True with evaluation samples; headlessXttsTrain.py: "
+            "--eval-manifest)")
 
 
 def reset() -> None:
@@ -198,4 +196,4 @@ def reset() -> None:
 
 
 __all__ = ["keep_utterances", "audio_losses", "mel_targets", "monitor_of", "make_eval_step",
-           "make_eval_epoch", "make_fit"]
+           "make_eval_epoch", "say_if_unmeasured"]

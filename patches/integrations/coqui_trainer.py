@@ -13,6 +13,7 @@ all-reduced, the ranks drifted apart) the training forward through the kept wrap
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -25,7 +26,7 @@ import torch
 
 from .. import _api, _run, nan_guard, oom_guard
 from .._log import logger
-from .._registry import Integration, Site, register_integration
+from .._registry import Integration, Site, active, register_integration
 from ..grad_scaler import SafeGradScaler
 from . import coqui_checkpoint, coqui_interrupt, coqui_learning
 
@@ -142,38 +143,67 @@ def make_detach_loss_dict(original: Any) -> Any:
     return detach_loss_dict
 
 
+# -- the one wrapper of each Trainer method that several patches want ---------------------
+
 def make_train_step(original: Any) -> Any:
-    @functools.wraps(original)
-    def train_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        step = getattr(self, "total_steps_done", 1) - 1
-        plot_step = getattr(getattr(self, "config", None), "plot_step", 0) or 0
-        if plot_step and step % plot_step == 0 and getattr(self.args, "rank", 0) == 0:
-            scalars = {f"{patch}_{name}": float(value)
-                       for patch, counts in _api.stats().items()
-                       for name, value in counts.items()}
-            self.dashboard_logger.add_scalars("TrainingPatches", scalars, step)
-        return result
-    return train_step
-
-
-def make_oom_train_step(original: Any) -> Any:
-    """One batch that runs out of GPU memory is skipped (``oom_guard``); coqui's epoch loop
-    already skips a step whose ``train_step`` returns no outputs."""
+    """``Trainer.train_step`` for three patches, each part run while its patch is applied.
+    ``oom_guard``: a batch that runs out of GPU memory is skipped (coqui's epoch loop skips a
+    step whose ``train_step`` returns no outputs). ``checkpoint``: a signal interrupts only a
+    step that has ended (:func:`.coqui_interrupt.uninterrupted`). ``nan_guard``: the
+    patches' counters go to TensorBoard every ``plot_step``."""
     @functools.wraps(original)
     def train_step(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        skip_oom = active("oom_guard")
         try:
-            result = original(self, batch, *args, **kwargs)
+            with contextlib.ExitStack() as parts:
+                if active("checkpoint"):
+                    parts.enter_context(coqui_interrupt.uninterrupted(self, keep_step=True))
+                result = original(self, batch, *args, **kwargs)
+                if active("nan_guard"):
+                    _plot_counters(self)
         except oom_guard.OOM_ERRORS as exc:
-            optimizers = self.optimizer if isinstance(self.optimizer, list) else [self.optimizer]
-            audio = getattr(getattr(self, "config", None), "audio", None)
-            oom_guard.on_oom(exc, batch, [o for o in optimizers if o is not None],
-                             step=getattr(self, "total_steps_done", None),
-                             sample_rate=getattr(audio, "sample_rate", None))
+            if not skip_oom:
+                raise
+            _skip_oom(self, batch, exc)
             return None, None
-        oom_guard.on_success()
+        if skip_oom:
+            oom_guard.on_success()
         return result
     return train_step
+
+
+def _plot_counters(trainer: Any) -> None:
+    step = getattr(trainer, "total_steps_done", 1) - 1
+    plot_step = getattr(getattr(trainer, "config", None), "plot_step", 0) or 0
+    if plot_step and step % plot_step == 0 and getattr(trainer.args, "rank", 0) == 0:
+        scalars = {f"{patch}_{name}": float(value)
+                   for patch, counts in _api.stats().items()
+                   for name, value in counts.items()}
+        trainer.dashboard_logger.add_scalars("TrainingPatches", scalars, step)
+
+
+def _skip_oom(trainer: Any, batch: Any, exc: BaseException) -> None:
+    optimizers = trainer.optimizer if isinstance(trainer.optimizer, list) else [trainer.optimizer]
+    audio = getattr(getattr(trainer, "config", None), "audio", None)
+    oom_guard.on_oom(exc, batch, [o for o in optimizers if o is not None],
+                     step=getattr(trainer, "total_steps_done", None),
+                     sample_rate=getattr(audio, "sample_rate", None))
+
+
+def make_fit(original: Any) -> Any:
+    """``Trainer.fit`` for two patches, each part run while its patch is applied.
+    ``learning``: a run without evaluations is told that its reading gap goes unmeasured.
+    ``checkpoint``: SIGINT, SIGTERM and SIGHUP interrupt the run, which then exits
+    ``128 + signal`` (:func:`.coqui_interrupt.interruptible_run`)."""
+    @functools.wraps(original)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if active("learning"):
+            coqui_learning.say_if_unmeasured(self)
+        with contextlib.ExitStack() as parts:
+            if active("checkpoint"):
+                parts.enter_context(coqui_interrupt.interruptible_run(self))
+            return original(self, *args, **kwargs)
+    return fit
 
 
 def make_remove_experiment_folder(original: Any) -> Any:
@@ -210,10 +240,13 @@ INTEGRATION = register_integration(Integration(
                   "no sample ids or trainer step"),
         Site(MODULE, "Trainer.detach_loss_dict", make_detach_loss_dict, patch="nan_guard",
              lost="a NaN loss stays in the coqui Trainer's running averages"),
-        Site(MODULE, "Trainer.train_step", make_train_step, patch="nan_guard",
-             lost="the patches' counters do not reach TensorBoard"),
-        Site(MODULE, "Trainer.train_step", make_oom_train_step, patch="oom_guard",
-             lost="one batch that runs out of GPU memory ends the run"),
+        Site(MODULE, "Trainer.train_step", make_train_step,
+             patch=("nan_guard", "checkpoint", "oom_guard"),
+             lost={"nan_guard": "the patches' counters do not reach TensorBoard",
+                   "checkpoint": "a signal stops a coqui step half-way (weights "
+                                 "half-updated), and the checkpoint written on a signal "
+                                 "continues one step off, with other draws",
+                   "oom_guard": "one batch that runs out of GPU memory ends the run"}),
         Site(MODULE, "DDP_th", make_ddp, patch="nan_guard",
              lost="under coqui's DDP gradients are never all-reduced: each rank trains its "
                   "own copy and the ranks drift apart"),
@@ -230,16 +263,15 @@ INTEGRATION = register_integration(Integration(
         Site(MODULE, "get_last_checkpoint", coqui_checkpoint.make_get_last_checkpoint,
              patch="checkpoint",
              lost="continue_path resumes from the newest file name even when it is torn"),
-        Site(MODULE, "Trainer.fit", coqui_interrupt.make_fit, patch="checkpoint",
-             lost="SIGTERM (a cloud machine stopping) or SIGHUP kills a coqui run with no "
-                  "checkpoint, and Ctrl-C ends it with os._exit(130), workers left behind"),
+        Site(MODULE, "Trainer.fit", make_fit, patch=("checkpoint", "learning"),
+             lost={"checkpoint": "SIGTERM (a cloud machine stopping) or SIGHUP kills a coqui "
+                                 "run with no checkpoint, and Ctrl-C ends it with "
+                                 "os._exit(130), workers left behind",
+                   "learning": "a coqui run without evaluations is not told that its "
+                               "reading gap goes unmeasured"}),
         Site(MODULE, "Trainer._fit", coqui_interrupt.make_inner_fit, patch="checkpoint",
              lost="SIGTERM (a cloud machine stopping) or SIGHUP kills a coqui run with no "
                   "checkpoint"),
-        Site(MODULE, "Trainer.train_step", coqui_interrupt.make_train_step,
-             patch="checkpoint",
-             lost="a signal stops a coqui step half-way (weights half-updated), and the "
-                  "checkpoint written on a signal continues one step off, with other draws"),
         Site(MODULE, "Trainer.save_best_model", coqui_interrupt.make_uninterrupted,
              patch="checkpoint", lost="a signal stops the epoch's best-model save half-way"),
         Site(MODULE, "Trainer.save_checkpoint", coqui_interrupt.make_save_checkpoint,
@@ -260,9 +292,6 @@ INTEGRATION = register_integration(Integration(
              lost="the reading gap has no probe: nothing tells whether XTTS reads its text"),
         Site(MODULE, "Trainer.eval_epoch", coqui_learning.make_eval_epoch, patch="learning",
              lost="the reading gap is not measured at the coqui Trainer's evaluations"),
-        Site(MODULE, "Trainer.fit", coqui_learning.make_fit, patch="learning",
-             lost="a coqui run without evaluations is not told that its reading gap goes "
-                  "unmeasured"),
     ),
     reset=coqui_learning.reset,
 ))

@@ -13,18 +13,19 @@ Design: docs/design/trainers.md
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import types
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from .. import _run, learning, nan_guard, vocab_freeze
 from .._log import logger
-from .._registry import Integration, Site, landed_sites, register_integration
+from .._registry import Integration, Site, active, landed_sites, register_integration
 from . import trainers
 from .layouts import f5_vocab_modules
 
@@ -96,72 +97,92 @@ class _EmaRows:
 
 
 def make_train(original: Any) -> Any:
-    """``Trainer.train`` that tells the patches where the Trainer writes and counts its
-    updates, keeps the EMA's base rows, and reads the fused steps' skip flags at the end."""
+    """``Trainer.train`` for two patches, each part run while its patch is applied.
+    ``checkpoint``: ``checkpoint_path`` is claimed for this run on the main process, its start
+    and end recorded there (:class:`.trainers.RunRecord`). ``nan_guard``: the patches are
+    told where the Trainer writes and count its updates, the EMA's base rows are kept, and
+    the fused steps' skip flags are read at the end."""
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _run.set_trainer_dir(getattr(self, "checkpoint_path", None))
-        _run.current().trainer_step = 0  # load_checkpoint sets the update it resumes from
-
-        def count(*_: Any) -> None:  # F5 counts every update, a skipped one too
-            _run.current().trainer_step = (_run.current().trainer_step or 0) + 1
-
-        hook = _inner(self.optimizer).register_step_post_hook(count)
-        ema = _EmaRows(self) if hasattr(self, "ema_model") else None
-        try:
-            result = original(self, *args, **kwargs)
-            nan_guard.settle()
-            return result
-        finally:
-            hook.remove()
-            if ema is not None:
-                ema.remove()
-    return train
-
-
-def make_train_run(original: Any) -> Any:
-    """``Trainer.train`` that claims ``checkpoint_path`` for this run on the main process and
-    records its start and end there (:class:`.trainers.RunRecord`)."""
-    @functools.wraps(original)
-    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        folder = getattr(self, "checkpoint_path", None)
-        run = trainers.RunRecord(
-            trainer=NAME, said=NAME_SAID, overwritten="model_last.pt and model_N.pt",
-            step=lambda: int(_run.current().trainer_step or 0),
-            checkpoint=lambda: latest_checkpoint(folder),
-            continue_with="the same checkpoint_path (F5 resumes from model_last.pt)",
-            writes=bool(self.accelerator.is_main_process))
-        run.start(folder)
-        with run.ending():
+        with contextlib.ExitStack() as parts:
+            if active("checkpoint"):
+                parts.enter_context(_recorded_run(self))
+            if active("nan_guard"):
+                parts.enter_context(_updates_counted(self))
             return original(self, *args, **kwargs)
     return train
+
+
+def _recorded_run(trainer: Any) -> contextlib.AbstractContextManager[None]:
+    """Claim ``checkpoint_path`` and record the start; the context records the end."""
+    folder = getattr(trainer, "checkpoint_path", None)
+    run = trainers.RunRecord(
+        trainer=NAME, said=NAME_SAID, overwritten="model_last.pt and model_N.pt",
+        step=lambda: int(_run.current().trainer_step or 0),
+        checkpoint=lambda: latest_checkpoint(folder),
+        continue_with="the same checkpoint_path (F5 resumes from model_last.pt)",
+        writes=bool(trainer.accelerator.is_main_process))
+    run.start(folder)
+    return run.ending()
+
+
+@contextlib.contextmanager
+def _updates_counted(trainer: Any) -> Iterator[None]:
+    _run.set_trainer_dir(getattr(trainer, "checkpoint_path", None))
+    _run.current().trainer_step = 0  # load_checkpoint sets the update it resumes from
+
+    def count(*_: Any) -> None:  # F5 counts every update, a skipped one too
+        _run.current().trainer_step = (_run.current().trainer_step or 0) + 1
+
+    hook = _inner(trainer.optimizer).register_step_post_hook(count)
+    ema = _EmaRows(trainer) if hasattr(trainer, "ema_model") else None
+    try:
+        yield
+        nan_guard.settle()
+    finally:
+        hook.remove()
+        if ema is not None:
+            ema.remove()
 
 
 def make_save_checkpoint(original: Any) -> Any:
-    """``Trainer.save_checkpoint`` that records the fused steps' waiting skips first and
-    writes the file atomically."""
+    """``Trainer.save_checkpoint(update, last)`` for two patches, each part run while its
+    patch is applied. ``checkpoint``: the fused steps' waiting skips are recorded first and
+    the file is written atomically. ``learning``: the reading gap of a trainer given to
+    :func:`watch_reading` is measured after it."""
     @functools.wraps(original)
-    def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
-        nan_guard.settle()
-        accelerator = self.accelerator
-        own = accelerator.__dict__.get("save")
-
-        def save(obj: Any, f: Any, *a: Any, **k: Any) -> Any:
-            if not accelerator.is_main_process or not isinstance(f, (str, os.PathLike)):
-                return type(accelerator).save(accelerator, obj, f, *a, **k)
-            from ..checkpoint.atomic import atomic_torch_save  # lazy: heavy (issue 41)
-
-            return atomic_torch_save(obj, f)
-
-        accelerator.save = save
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            if own is None:
-                accelerator.__dict__.pop("save", None)
-            else:
-                accelerator.save = own
+    def save_checkpoint(self: Any, update: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as parts:
+            if active("checkpoint"):
+                nan_guard.settle()
+                parts.enter_context(_atomic_saves(self.accelerator))
+            result = original(self, update, *args, **kwargs)
+        if active("learning"):
+            _measure_reading(self, update)
+        return result
     return save_checkpoint
+
+
+@contextlib.contextmanager
+def _atomic_saves(accelerator: Any) -> Iterator[None]:
+    """The main process's ``accelerator.save`` to a path goes through the atomic writer."""
+    own = accelerator.__dict__.get("save")
+
+    def save(obj: Any, f: Any, *a: Any, **k: Any) -> Any:
+        if not accelerator.is_main_process or not isinstance(f, (str, os.PathLike)):
+            return type(accelerator).save(accelerator, obj, f, *a, **k)
+        from ..checkpoint.atomic import atomic_torch_save  # lazy: heavy (issue 41)
+
+        return atomic_torch_save(obj, f)
+
+    accelerator.save = save
+    try:
+        yield
+    finally:
+        if own is None:
+            accelerator.__dict__.pop("save", None)
+        else:
+            accelerator.save = own
 
 
 def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
@@ -353,19 +374,12 @@ def watch_reading(trainer: Any, monitor: learning.LearningMonitor) -> learning.L
     return checked
 
 
-def make_save_checkpoint_reading(original: Any) -> Any:
-    """``Trainer.save_checkpoint(update, last)`` that then measures the reading gap of a
-    trainer given to :func:`watch_reading`."""
-    @functools.wraps(original)
-    def save_checkpoint(self: Any, update: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, update, *args, **kwargs)
-        monitor = _watched.get(self)
-        if monitor is not None and self.accelerator.is_main_process:
-            if _run.output_dir() is None:  # beside the checkpoints, as train()'s site puts them
-                _run.set_trainer_dir(self.checkpoint_path)
-            learning.evaluate_once(monitor, _model(self), int(update))
-        return result
-    return save_checkpoint
+def _measure_reading(trainer: Any, update: Any) -> None:
+    monitor = _watched.get(trainer)
+    if monitor is not None and trainer.accelerator.is_main_process:
+        if _run.output_dir() is None:  # beside the checkpoints, as train()'s site puts them
+            _run.set_trainer_dir(trainer.checkpoint_path)
+        learning.evaluate_once(monitor, _model(trainer), int(update))
 
 
 INTEGRATION = register_integration(Integration(
@@ -379,22 +393,22 @@ INTEGRATION = register_integration(Integration(
              "and end recorded, checkpoints written atomically, a resume "
              "into a grown vocabulary, the reading gap at each save (watch_reading)",
     sites=(
-        Site(MODULE, "Trainer.train", make_train, patch="nan_guard",
-             lost="an F5-TTS run's records go to ./training_patches, not its checkpoint "
-                  "folder, carry no trainer step, a fused step's skip near the end is "
-                  "written only at exit, and the EMA's base rows drift while the model's "
-                  "are frozen"),
-        Site(MODULE, "Trainer.train", make_train_run, patch="checkpoint",
-             lost="two F5-TTS runs into one checkpoint_path overwrite each other's "
-                  "model_last.pt, and a stopped run is not found by report"),
-        Site(MODULE, "Trainer.save_checkpoint", make_save_checkpoint, patch="checkpoint",
-             lost="a kill or a full disk during an F5-TTS save leaves a torn model_last.pt "
-                  "that the next start cannot read"),
+        Site(MODULE, "Trainer.train", make_train, patch=("nan_guard", "checkpoint"),
+             lost={"nan_guard": "an F5-TTS run's records go to ./training_patches, not its "
+                                "checkpoint folder, carry no trainer step, a fused step's "
+                                "skip near the end is written only at exit, and the EMA's "
+                                "base rows drift while the model's are frozen",
+                   "checkpoint": "two F5-TTS runs into one checkpoint_path overwrite each "
+                                 "other's model_last.pt, and a stopped run is not found by "
+                                 "report"}),
+        Site(MODULE, "Trainer.save_checkpoint", make_save_checkpoint,
+             patch=("checkpoint", "learning"),
+             lost={"checkpoint": "a kill or a full disk during an F5-TTS save leaves a torn "
+                                 "model_last.pt that the next start cannot read",
+                   "learning": "a monitor given to f5_tts.watch_reading measures nothing: "
+                               "the reading gap of an F5-TTS run goes unmeasured"}),
         Site(MODULE, "Trainer.load_checkpoint", make_load_checkpoint, patch="checkpoint",
              lost="an F5-TTS resume into a model whose vocabulary grew stops at a size "
                   "mismatch"),
-        Site(MODULE, "Trainer.save_checkpoint", make_save_checkpoint_reading, patch="learning",
-             lost="a monitor given to f5_tts.watch_reading measures nothing: the reading gap "
-                  "of an F5-TTS run goes unmeasured"),
     ),
 ))

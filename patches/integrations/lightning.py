@@ -12,6 +12,7 @@ Design: docs/design/trainers.md
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _run, learning, nan_guard
-from .._registry import Integration, Site, register_integration
+from .._registry import Integration, Site, active, register_integration
 from . import trainers
 
 if TYPE_CHECKING:  # imported where used: heavy (issue 41)
@@ -102,17 +103,24 @@ def __getattr__(name: str) -> Any:
 
 
 def make_fit(original: Any) -> Any:
-    """``Trainer.fit`` that first tells the patches where the Trainer writes and how it
-    counts its steps."""
+    """``Trainer.fit`` for two patches, each part run while its patch is applied.
+    ``checkpoint``: the Trainer's ``log_dir`` is claimed for this run (on global rank 0, at
+    ``on_fit_start``), its start and end recorded there (:class:`.trainers.RunRecord`).
+    ``nan_guard``: the patches are told where the Trainer writes and how it counts its
+    steps (its callback)."""
     @functools.wraps(original)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            _run.set_trainer_dir(self.log_dir or self.default_root_dir)
-        except Exception:  # noqa: BLE001 - a logger that cannot say: the default folder stays
-            pass
-        if not any(isinstance(c, _callback_class()) for c in self.callbacks):
-            self.callbacks.append(_callback_class()())
-        return original(self, *args, **kwargs)
+        with contextlib.ExitStack() as parts:
+            if active("checkpoint"):
+                parts.enter_context(_recorded_run(self))
+            if active("nan_guard"):
+                try:
+                    _run.set_trainer_dir(self.log_dir or self.default_root_dir)
+                except Exception:  # noqa: BLE001 - a logger that cannot say: the default stays
+                    pass
+                if not any(isinstance(c, _callback_class()) for c in self.callbacks):
+                    self.callbacks.append(_callback_class()())
+            return original(self, *args, **kwargs)
     return fit
 
 
@@ -152,22 +160,18 @@ def _claim_class() -> type:
     return RunClaim
 
 
-def make_fit_run(original: Any) -> Any:
-    """``Trainer.fit`` that claims the Trainer's ``log_dir`` for this run (on global rank 0,
-    at ``on_fit_start``) and records its start and end there (:class:`.trainers.RunRecord`)."""
-    @functools.wraps(original)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        run = trainers.RunRecord(
-            trainer=NAME, said=NAME_SAID, overwritten="checkpoints and logs",
-            step=lambda: int(self.global_step), checkpoint=lambda: _last_checkpoint(self),
-            continue_with="trainer.fit(model, ckpt_path=<that checkpoint>)",
-            writes=bool(getattr(self, "is_global_zero", True)))
-        _runs[self] = run
-        if not any(isinstance(c, _claim_class()) for c in self.callbacks):
-            self.callbacks.append(_claim_class()())
-        with run.ending():
-            return original(self, *args, **kwargs)
-    return fit
+def _recorded_run(trainer: Any) -> contextlib.AbstractContextManager[None]:
+    """The run's record, started by the :func:`_claim_class` callback; the context records
+    the end."""
+    run = trainers.RunRecord(
+        trainer=NAME, said=NAME_SAID, overwritten="checkpoints and logs",
+        step=lambda: int(trainer.global_step), checkpoint=lambda: _last_checkpoint(trainer),
+        continue_with="trainer.fit(model, ckpt_path=<that checkpoint>)",
+        writes=bool(getattr(trainer, "is_global_zero", True)))
+    _runs[trainer] = run
+    if not any(isinstance(c, _claim_class()) for c in trainer.callbacks):
+        trainer.callbacks.append(_claim_class()())
+    return run.ending()
 
 
 def make_atomic_save(original: Any) -> Any:
@@ -251,12 +255,12 @@ INTEGRATION = register_integration(Integration(
              "recorded; checkpoints written atomically beside themselves; fit(ckpt_path=) "
              "into a grown vocabulary",
     sites=(
-        Site(MODULE, "Trainer.fit", make_fit, patch="nan_guard",
-             lost="a Lightning run's records go to ./training_patches, not the Trainer's "
-                  "log_dir, and carry no trainer step"),
-        Site(MODULE, "Trainer.fit", make_fit_run, patch="checkpoint",
-             lost="two Lightning runs into one log_dir overwrite each other's checkpoints, "
-                  "and a stopped run is not named interrupted by report"),
+        Site(MODULE, "Trainer.fit", make_fit, patch=("nan_guard", "checkpoint"),
+             lost={"nan_guard": "a Lightning run's records go to ./training_patches, not the "
+                                "Trainer's log_dir, and carry no trainer step",
+                   "checkpoint": "two Lightning runs into one log_dir overwrite each other's "
+                                 "checkpoints, and a stopped run is not named interrupted by "
+                                 "report"}),
         Site("lightning.fabric.plugins.io.torch_io", "_atomic_save", make_atomic_save,
              patch="checkpoint",
              lost="a Lightning checkpoint on another disk than the temp folder is copied over "

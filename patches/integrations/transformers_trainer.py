@@ -12,6 +12,7 @@ Design: docs/design/trainers.md
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _run, learning, nan_guard
 from .._log import logger
-from .._registry import Integration, Site, register_integration
+from .._registry import Integration, Site, active, register_integration
 from . import trainers
 
 if TYPE_CHECKING:  # imported where used: heavy (issue 41)
@@ -108,38 +109,39 @@ def __getattr__(name: str) -> Any:
 
 
 def make_train(original: Any) -> Any:
-    """``Trainer.train`` that first tells the patches where the Trainer writes and how it
-    counts its steps."""
+    """``Trainer.train`` for two patches, each part run while its patch is applied.
+    ``checkpoint``: ``output_dir`` is claimed for this run, its start and end recorded there
+    (:class:`.trainers.RunRecord`). ``nan_guard``: the patches are told where the Trainer
+    writes and how it counts its steps (its callback)."""
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _run.set_trainer_dir(getattr(self.args, "output_dir", None))
-        callback = _callback_class()
-        if not any(isinstance(c, callback) for c in self.callback_handler.callbacks):
-            self.add_callback(callback())
-        return original(self, *args, **kwargs)
+        with contextlib.ExitStack() as parts:
+            if active("checkpoint"):
+                parts.enter_context(_recorded_run(self))
+            if active("nan_guard"):
+                _run.set_trainer_dir(getattr(self.args, "output_dir", None))
+                callback = _callback_class()
+                if not any(isinstance(c, callback) for c in self.callback_handler.callbacks):
+                    self.add_callback(callback())
+            return original(self, *args, **kwargs)
     return train
 
 
 NAME_SAID = "the Hugging Face Trainer"
 
 
-def make_train_run(original: Any) -> Any:
-    """``Trainer.train`` that claims ``output_dir`` for this run and records its start and end
-    there (:class:`.trainers.RunRecord`)."""
-    @functools.wraps(original)
-    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        folder = getattr(self.args, "output_dir", None)
-        run = trainers.RunRecord(
-            trainer=NAME, said=NAME_SAID, overwritten="checkpoint-N folders",
-            step=lambda: int(self.state.global_step),
-            checkpoint=lambda: next((path for _, path in _checkpoints(folder)
-                                     if _complete(path) is None), None),
-            continue_with="trainer.train(resume_from_checkpoint=True)",
-            writes=bool(getattr(self.args, "should_save", True)))
-        run.start(folder)
-        with run.ending():
-            return original(self, *args, **kwargs)
-    return train
+def _recorded_run(trainer: Any) -> contextlib.AbstractContextManager[None]:
+    """Claim the Trainer's ``output_dir`` and record the start; the context records the end."""
+    folder = getattr(trainer.args, "output_dir", None)
+    run = trainers.RunRecord(
+        trainer=NAME, said=NAME_SAID, overwritten="checkpoint-N folders",
+        step=lambda: int(trainer.state.global_step),
+        checkpoint=lambda: next((path for _, path in _checkpoints(folder)
+                                 if _complete(path) is None), None),
+        continue_with="trainer.train(resume_from_checkpoint=True)",
+        writes=bool(getattr(trainer.args, "should_save", True)))
+    run.start(folder)
+    return run.ending()
 
 
 COMPLETE = "training_patches_complete.json"
@@ -303,13 +305,13 @@ INTEGRATION = register_integration(Integration(
              "output_dir with its start and end recorded, checkpoint folders marked complete "
              "and torn ones never resumed, a resume into a grown vocabulary",
     sites=(
-        Site(MODULE, "Trainer.train", make_train, patch="nan_guard",
-             lost="a Hugging Face Trainer's records go to ./training_patches, not its "
-                  "output_dir, carry no trainer step, and a fused step's skip near a save "
-                  "or the end is written only at exit"),
-        Site(MODULE, "Trainer.train", make_train_run, patch="checkpoint",
-             lost="two Hugging Face runs into one output_dir overwrite each other's "
-                  "checkpoints, and a run killed outright is not found by report"),
+        Site(MODULE, "Trainer.train", make_train, patch=("nan_guard", "checkpoint"),
+             lost={"nan_guard": "a Hugging Face Trainer's records go to ./training_patches, "
+                                "not its output_dir, carry no trainer step, and a fused "
+                                "step's skip near a save or the end is written only at exit",
+                   "checkpoint": "two Hugging Face runs into one output_dir overwrite each "
+                                 "other's checkpoints, and a run killed outright is not found "
+                                 "by report"}),
         Site(MODULE, "Trainer._save_checkpoint", make_save_checkpoint, patch="checkpoint",
              lost="a Hugging Face checkpoint folder cut short by a kill looks complete"),
         Site(MODULE, "get_last_checkpoint", make_get_last_checkpoint, patch="checkpoint",

@@ -1,23 +1,24 @@
 """Integration ``xtts_gpt``: XTTS's ``GPTTrainer`` (coqui-tts 0.28) loads and freezes
 through training-patches.
 
-Sites on ``GPTTrainer``: ``__init__`` (patch ``checkpoint``) loads ``gpt_checkpoint`` with the
-vocabulary-aware loader, not coqui's ``torch.randn`` padding; ``__init__`` (patch
-``vocab_freeze``) freezes the base rows with ``TRAINING_PATCHES_BASE_VOCAB`` set, around the
-loader (the registry composes the layers), on every start and resume; ``load_checkpoint``
-(patch ``checkpoint``) loads ``xtts_checkpoint`` with the same loader.
+Sites on ``GPTTrainer``: ``__init__``, one wrapper for two patches: ``checkpoint`` loads
+``gpt_checkpoint`` with the vocabulary-aware loader, not coqui's ``torch.randn`` padding, and
+then ``vocab_freeze`` freezes the base rows with ``TRAINING_PATCHES_BASE_VOCAB`` set, on every
+start and resume; ``load_checkpoint`` (patch ``checkpoint``) loads ``xtts_checkpoint`` with
+the same loader.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .. import _options, languages
 from .._log import logger
-from .._registry import Integration, Site, is_enabled, register_integration
+from .._registry import Integration, Site, active, register_integration
 from ..vocab_freeze import TAG, VocabFreezeError, freeze_base_vocab
 from ..vocab_rows import describe_rows, frozen_rows, row_layout
 from ..row_init import tokenizer_format
@@ -106,22 +107,40 @@ def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
 
 
 def make_gpt_trainer_init(original: Callable[..., None]) -> Callable[..., None]:
-    """``GPTTrainer.__init__`` that loads ``gpt_checkpoint`` with :func:`load_gpt_checkpoint`."""
+    """``GPTTrainer.__init__`` for two patches, each part run while its patch is applied.
+    ``checkpoint``: ``gpt_checkpoint`` is loaded with :func:`load_gpt_checkpoint` after
+    upstream's ``__init__``. ``vocab_freeze``: then, with ``base_vocab`` set, the base rows
+    are frozen, once the tokenizer's special tokens and the frozen range are checked against
+    the model (:func:`check_vocab_layout`)."""
 
     @functools.wraps(original)
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-        model_args = getattr(config, "model_args", None)
-        path = getattr(model_args, "gpt_checkpoint", "") if model_args is not None else ""
-        if not path or not is_local(path):
-            return original(self, config, *args, **kwargs)
-        model_args.gpt_checkpoint = ""  # coqui would load it and pad new rows with randn
-        try:
+        with contextlib.ExitStack() as parts:
+            if active("checkpoint"):
+                parts.enter_context(_gpt_checkpoint_loaded(self, config))
             original(self, config, *args, **kwargs)
-        finally:
-            model_args.gpt_checkpoint = path
-        load_gpt_checkpoint(self, local_path(path))  # the loader logs what it did
-        return None
+        base = _options.current().base_vocab
+        if base and active("vocab_freeze"):
+            check_vocab_layout(self, base)
+            freeze_base_vocab(self, base)
     return __init__
+
+
+@contextlib.contextmanager
+def _gpt_checkpoint_loaded(trainer: Any, config: Any) -> Iterator[None]:
+    """Upstream's ``__init__`` inside runs without a local ``gpt_checkpoint`` (coqui would
+    load it and pad new rows with randn), which is then loaded with the loader."""
+    model_args = getattr(config, "model_args", None)
+    path = getattr(model_args, "gpt_checkpoint", "") if model_args is not None else ""
+    if not path or not is_local(path):
+        yield
+        return
+    model_args.gpt_checkpoint = ""
+    try:
+        yield
+    finally:
+        model_args.gpt_checkpoint = path
+    load_gpt_checkpoint(trainer, local_path(path))  # the loader logs what it did
 
 
 def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
@@ -204,22 +223,6 @@ def check_vocab_layout(gpt_trainer: Any, base_tokens: int) -> list[str]:
     return problems
 
 
-def make_freezing_init(original: Callable[..., None]) -> Callable[..., None]:
-    """``GPTTrainer.__init__`` that freezes the base rows when ``base_vocab`` is set,
-    after checking the tokenizer's special tokens and the frozen range against the model
-    (:func:`check_vocab_layout`)."""
-
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        base = _options.current().base_vocab
-        if base and is_enabled("vocab_freeze"):
-            check_vocab_layout(self, base)
-            freeze_base_vocab(self, base)
-
-    return __init__
-
-
 INTEGRATION = register_integration(Integration(
     name=NAME,
     distribution=DISTRIBUTION,
@@ -228,12 +231,14 @@ INTEGRATION = register_integration(Integration(
     describe="gpt_checkpoint/xtts_checkpoint through the vocabulary-aware loader; "
              "TRAINING_PATCHES_BASE_VOCAB freezes every GPTTrainer",
     sites=(
-        Site(GPT_TRAINER, "GPTTrainer.__init__", make_gpt_trainer_init, patch="checkpoint",
-             lost="gpt_checkpoint pads new vocabulary rows with torch.randn (std 1)"),
+        Site(GPT_TRAINER, "GPTTrainer.__init__", make_gpt_trainer_init,
+             patch=("checkpoint", "vocab_freeze"),
+             lost={"checkpoint": "gpt_checkpoint pads new vocabulary rows with torch.randn "
+                                 "(std 1)",
+                   "vocab_freeze": "TRAINING_PATCHES_BASE_VOCAB does not freeze XTTS "
+                                   "GPTTrainer models"}),
         Site(GPT_TRAINER, "GPTTrainer.load_checkpoint", make_gpt_trainer_load_checkpoint,
              patch="checkpoint",
              lost="xtts_checkpoint fails on a grown vocabulary instead of resizing it"),
-        Site(GPT_TRAINER, "GPTTrainer.__init__", make_freezing_init, patch="vocab_freeze",
-             lost="TRAINING_PATCHES_BASE_VOCAB does not freeze XTTS GPTTrainer models"),
     ),
 ))
