@@ -220,18 +220,22 @@ def time_rounds(folder: Path, vocab: int, hidden: int, layers: int, depth: int,
     if chunked:
         from patches.checkpoint import manifest_path
 
+        from patches.checkpoint.reading import FORMAT
+
         manifest = json.loads(manifest_path(path).read_text())
-        algorithm = f"{manifest['digest']['algorithm']} chunks"
+        entry = manifest["files"][path.name]
+        algorithm = f"{entry['digest']['algorithm']} chunks"
         for name, record in (("SHA-256 chunks", "sha256"), ("old manifest: SHA-256", None)):
             link = folder / name.replace(" ", "_").replace(":", "") / path.name
             link.parent.mkdir()
             os.link(path, link)  # the same inode: the same page cache
-            other = dict(manifest)
-            if record is None:
-                del other["digest"]
-                other["sha256"] = digest.sha256_file(link)
+            if record is None:  # as versions before the one format wrote it
+                other = {k: v for k, v in manifest.items() if k != "files"}
+                other.update(format=FORMAT, file=path.name, bytes=entry["bytes"],
+                             sha256=digest.sha256_file(link))
             else:
-                other["digest"] = digest.file_record(link, record)
+                other = {**manifest, "files": {path.name: {
+                    **entry, "digest": digest.file_record(link, record)}}}
             manifest_path(link).write_text(json.dumps(other))
             loads[f"load_checkpoint ({name})"] = (
                 lambda link=link: load_checkpoint(link, model, optimizer, freeze=False))

@@ -390,9 +390,10 @@ def test_manager_writes_manifest_latest_and_prunes_only_its_own(tmp_path):
     manifest = json.loads((out / "ckpt_000000040.pt.manifest.json").read_text())
     assert manifest["step"] == 40 and manifest["vocab_size"] == 20 and manifest["amp"] is False
     assert manifest["param_shapes"]["text_head.weight"] == [20, HIDDEN]
-    assert manifest["bytes"] == (out / "ckpt_000000040.pt").stat().st_size
+    entry = manifest["files"]["ckpt_000000040.pt"]
+    assert entry["bytes"] == (out / "ckpt_000000040.pt").stat().st_size
     # The digest is taken while writing (the file is not read back): it must be the file's.
-    assert manifest["digest"]["chunks"] == [
+    assert entry["digest"]["chunks"] == [
         blake3.blake3((out / "ckpt_000000040.pt").read_bytes()).hexdigest()]
     assert manifest["generation"] == 3 and manifest["nonfinite"] == []
     assert not [p for p in out.iterdir() if ".tp-tmp-" in p.name]

@@ -135,7 +135,8 @@ def test_the_manifest_hash_is_the_files_with_blocks_over_the_parallel_size(tmp_p
     from patches.checkpoint.reading import read_manifest
 
     manifest, _ = read_manifest(path)
-    assert manifest.digest["chunks"] == [blake3.blake3(path.read_bytes()).hexdigest()]
+    assert manifest.files[path.name]["digest"]["chunks"] == [
+        blake3.blake3(path.read_bytes()).hexdigest()]
 
 
 def test_the_save_scans_for_nonfinite_tensors_while_it_writes(tmp_path, monkeypatch):

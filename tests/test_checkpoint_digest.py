@@ -1,7 +1,8 @@
 """The manifest's chunked digest (issue 41): a save records each chunk's BLAKE3 (SHA-256
 without the blake3 package) as it writes; a load checks them in threads beside torch.load and
 refuses a changed chunk, naming the file and the bytes, before anything is changed. A manifest
-written before the record (the whole file's ``sha256``) is still read and checked."""
+written before the record (the whole file's ``sha256``) is still read and checked: the one
+parser takes it for the record of one SHA-256 chunk."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def small_chunks(monkeypatch):
 def test_the_manifest_records_each_chunks_blake3_of_the_bytes_written(tmp_path, small_chunks):
     model, opt = _objects()
     path = CheckpointManager(tmp_path / "run", keep=None).save(1, model, opt)
-    record = json.loads(manifest_path(path).read_text())["digest"]
+    record = json.loads(manifest_path(path).read_text())["files"][path.name]["digest"]
     data = path.read_bytes()
     assert record["version"] == 1 and record["algorithm"] == "blake3"
     assert record["chunk_bytes"] == CHUNK and len(record["chunks"]) > 3
@@ -104,27 +105,32 @@ def test_bytes_appended_after_the_last_chunk_are_refused(tmp_path, small_chunks)
     hash would see bytes added while it runs."""
     model, opt = _objects()
     path = CheckpointManager(tmp_path / "run", keep=None).save(1, model, opt)
-    record = read_manifest(path)[0].digest
+    record = read_manifest(path)[0].files[path.name]["digest"]
     with open(path, "ab") as handle:
         handle.write(b"more")
     assert digest.mismatch(path, record) is not None
 
 
 def test_an_old_manifest_with_the_whole_files_sha256_is_still_checked(tmp_path):
+    """A manifest as training-patches wrote it before the digest record (format
+    training-patches-checkpoint/1, the file's facts at the top, its whole SHA-256)."""
     model, opt = _objects()
     path = CheckpointManager(tmp_path / "run", keep=None).save(1, model, opt)
-    data = json.loads(manifest_path(path).read_text())
-    del data["digest"]
-    data["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
-    manifest_path(path).write_text(json.dumps(data))
-    assert read_manifest(path)[0].digest is None
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    manifest_path(path).write_text(json.dumps({
+        "format": "training-patches-checkpoint/1", "file": path.name, "step": 1,
+        "generation": 0, "bytes": path.stat().st_size, "sha256": sha, "nonfinite": [],
+        "vocab_size": None, "amp": False, "time": "2024-01-01T00:00:00+0000"}, indent=1))
+    assert read_manifest(path)[0].files == {path.name: {"bytes": path.stat().st_size, "digest": {
+        "version": 1, "algorithm": "sha256", "chunk_bytes": path.stat().st_size,
+        "chunks": [sha]}}}
     target = _objects(seed=1)
     load_checkpoint(path, *target, freeze=False)
     assert torch.equal(target[0][1].weight, model[1].weight)
     _flip_at(path, _offset_of(path, model[1].weight) + 4 * 9)
     target = _objects(seed=1)
     before = _state(*target)
-    with pytest.raises(CheckpointError, match="does not match the SHA-256 in its manifest"):
+    with pytest.raises(CheckpointError, match="does not match the SHA-256 digest in its manifest"):
         load_checkpoint(path, *target, freeze=False)
     assert _same(_state(*target), before)
 
@@ -134,7 +140,7 @@ def test_without_blake3_a_save_records_sha256_chunks_and_they_are_checked(
     monkeypatch.setattr(digest, "_blake3", None)
     model, opt = _objects()
     path = CheckpointManager(tmp_path / "run", keep=None).save(1, model, opt)
-    record = read_manifest(path)[0].digest
+    record = read_manifest(path)[0].files[path.name]["digest"]
     data = path.read_bytes()
     assert record["algorithm"] == "sha256"
     assert record["chunks"] == [hashlib.sha256(data[i:i + CHUNK]).hexdigest()
@@ -172,7 +178,7 @@ def test_a_digest_record_this_version_cannot_read_makes_the_manifest_invalid(
     model, opt = _objects()
     path = CheckpointManager(tmp_path / "run", keep=None).save(1, model, opt)
     data = json.loads(manifest_path(path).read_text())
-    change(data["digest"])
+    change(data["files"][path.name]["digest"])
     manifest_path(path).write_text(json.dumps(data))
     manifest, invalid = read_manifest(path)
     assert manifest is None and reason in invalid
@@ -241,11 +247,20 @@ def test_the_loaded_optimizer_state_is_not_the_files_mapping(tmp_path):
 
 
 def test_the_manifest_page_lists_every_field_a_save_writes(tmp_path):
-    """docs/reference/manifest.md is checked against a real save: every field of the
-    manifest and of its digest record is in the page's tables, and the page names no field
-    the schema does not know."""
+    """docs/reference/manifest.md is checked against a real save of each kind (a file, a
+    one-process sharded folder): every field of the manifest, of a file's entry and of its
+    digest record is in the page's tables, and the page names no field the schema does not
+    know but those of earlier versions' manifests."""
+    from patches.checkpoint.sharded import MANIFEST_NAME, save_sharded
+
     page = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "manifest.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", page, flags=re.MULTILINE))
-    path = CheckpointManager(tmp_path / "run", keep=None).save(1, *_objects())
-    written = json.loads(manifest_path(path).read_text())
-    assert set(written) | set(written["digest"]) | {"sha256"} == documented
+    model, opt = _objects()
+    path = CheckpointManager(tmp_path / "run", keep=None).save(1, model, opt)
+    folder = save_sharded(CheckpointManager(tmp_path / "dcp"), 1, model, opt, None, None, {})
+    for written in (json.loads(manifest_path(path).read_text()),
+                    json.loads((folder / MANIFEST_NAME).read_text())):
+        entries = list(written["files"].values())
+        assert {key for entry in entries for key in entry} == {"bytes", "digest"}
+        assert set(written) | {"bytes", "digest", "file", "sha256"} | set(
+            entries[0]["digest"]) == documented

@@ -124,8 +124,10 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
                                                                   max_size=4),
     max_leaves=12)
-REAL_KEYS = ("format", "file", "step", "generation", "bytes", "digest", "sha256", "nonfinite",
-             "vocab_size", "param_shapes", "amp", "time", "written_by")
+REAL_KEYS = ("format", "step", "generation", "world_size", "files", "nonfinite", "vocab_size",
+             "param_shapes", "has_optimizer", "amp", "time", "written_by",
+             # the file's entry, and what an earlier version's manifest had at the top
+             "files.bytes", "files.digest", "files.sha256", "file", "bytes", "sha256")
 
 
 @st.composite
@@ -137,11 +139,13 @@ def manifests(draw) -> bytes:
     if kind == "bytes":
         return draw(st.binary(max_size=200))
     data = json.loads(_good()[1])
+    entry = data["files"][NAME]
     for key in draw(st.lists(st.sampled_from(REAL_KEYS), min_size=1, max_size=3, unique=True)):
+        target, key = (entry, key[6:]) if key.startswith("files.") else (data, key)
         if draw(st.booleans()):
-            data.pop(key, None)
+            target.pop(key, None)
         else:
-            data[key] = draw(JSON)
+            target[key] = draw(JSON)
     return json.dumps(data).encode()
 
 

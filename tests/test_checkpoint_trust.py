@@ -10,6 +10,7 @@ monkeypatching ``shutil.disk_usage``/``os.statvfs`` or by a write that raises EN
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -726,11 +727,12 @@ def _bad_manifest(real: dict, kind: str) -> str:
     if kind == "step_fifty":
         data["step"] = "fifty"
     elif kind == "missing_digest":
-        del data["digest"]
+        del data["files"][next(iter(data["files"]))]["digest"]
     elif kind == "negative_generation":
         data["generation"] = -1
     else:
-        data["bytes"] = str(data["bytes"])
+        entry = data["files"][next(iter(data["files"]))]
+        entry["bytes"] = str(entry["bytes"])
     return json.dumps(data)
 
 
@@ -764,13 +766,14 @@ def test_wrong_shaped_manifest_never_crashes_save_resume_or_load(tmp_path, caplo
 def test_manifest_schema_accepts_what_the_manager_writes_and_old_manifests(tmp_path):
     model, *_ = _objects()
     path = CheckpointManager(tmp_path / "run", keep=None).save(7, model)
-    data = json.loads(manifest_path(path).read_text())
     parsed = ck.read_manifest(path)[0]
     assert parsed.step == 7 and parsed.generation == 0 and parsed.nonfinite == ()
-    # A manifest from before generations (0.1): still valid, older than any newer save.
-    for key in ("generation", "nonfinite"):
-        del data[key]
-    manifest_path(path).write_text(json.dumps(data))
-    assert check_file(path) is None
+    # A manifest from before generations (0.1), as it wrote it: still valid, older than any
+    # newer save.
+    manifest_path(path).write_text(json.dumps({
+        "format": "training-patches-checkpoint/1", "file": path.name, "step": 7,
+        "bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "vocab_size": None, "param_shapes": {}, "amp": False}))
+    assert check_file(path) is None and ck.read_manifest(path)[0].generation is None
     newer = CheckpointManager(tmp_path / "run", keep=None).save(3, model)
     assert CheckpointManager(tmp_path / "run").resume("auto") == newer

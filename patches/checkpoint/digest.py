@@ -8,8 +8,8 @@ about 5 GB/s on one core, four times SHA-256's 1.2-1.5 GB/s, so that the check k
 is missing. Both are cryptographic: a file that changed is refused, whether by accident or
 on purpose. Chunks let several threads hash one file (hashers and reads release the GIL:
 :func:`file_chunks`) and name the bytes that changed. Manifests written before the record
-hold ``sha256``, the SHA-256 of the whole file, which is still read and checked
-(:func:`sha256_file`).
+hold ``sha256``, the SHA-256 of the whole file: the reader takes it for what it is, the record
+of one SHA-256 chunk as long as the file.
 
 A load does not wait for the hash: the reader runs it in a thread while ``torch.load`` and
 the loader's checks run (:class:`patches.checkpoint.reading.Verification`) and waits only
@@ -50,9 +50,6 @@ def _blake3_module() -> Any:
         _blake3 = blake3
     return _blake3
 
-# Bytes per read of a whole-file SHA-256: large enough that hashlib releases the GIL and a
-# read is one system call.
-BLOCK = 1 << 22
 # Bytes per read of a chunk: the buffer stays in the core's cache between the read and the
 # hash (1 MiB: 0.42 s of CPU for 1.8 GB with BLAKE3 here, 4 MiB: 0.46 s).
 READ_BLOCK = 1 << 20
@@ -71,8 +68,8 @@ NAMES = {"blake3": "BLAKE3", "sha256": "SHA-256"}
 # At most this many threads hash one file's chunks.
 MAX_WORKERS = 8
 
-# (real path, device, inode, size, mtime_ns, ctime_ns[, algorithm, chunk_bytes]) -> the
-# SHA-256 hex, or the chunks' digests, of a file whose times were settled when it was hashed.
+# (real path, device, inode, size, mtime_ns, ctime_ns, algorithm, chunk_bytes) -> the chunks'
+# digests of a file whose times were settled when it was hashed.
 _verified: dict[tuple[Any, ...], Any] = {}
 _verified_lock = threading.Lock()
 # Bytes read for a hash in this process (tests count them: a load reads its file once).
@@ -102,30 +99,6 @@ def _remember(key: tuple[Any, ...], changed: float, started: float, result: Any)
 def _remembered(key: tuple[Any, ...]) -> Any:
     with _verified_lock:
         return _verified.get(key)
-
-
-def _hash(path: Path, stop: threading.Event | None = None) -> str | None:
-    """SHA-256 of ``path`` (None: stopped). Reads into one reused buffer."""
-    key, changed = _identity(path)
-    started = time.time()
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as handle:
-        if not _read_chunk(handle, memoryview(bytearray(BLOCK)), digest, 0, None, stop):
-            return None
-    result = digest.hexdigest()
-    _remember(key, changed, started, result)
-    return result
-
-
-def sha256_file(path: str | os.PathLike[str], stop: threading.Event | None = None) -> str:
-    """The SHA-256 (hex) of the file ``path``; remembered for a file unchanged since.
-    ``stop`` set: the reading ends at the next block and "" is returned."""
-    path = Path(path)
-    try:
-        known = _remembered(_identity(path)[0])
-    except OSError:
-        known = None
-    return known or _hash(path, stop) or ""
 
 
 def default_algorithm() -> str:
@@ -315,6 +288,13 @@ def file_chunks(path: str | os.PathLike[str], algorithm: str, chunk_bytes: int,
     return found
 
 
+def sha256_file(path: str | os.PathLike[str], stop: threading.Event | None = None) -> str:
+    """The SHA-256 (hex) of the file ``path``: one chunk as long as the file
+    (:func:`file_chunks`, remembered so). ``stop`` set: "" is returned."""
+    found = file_chunks(path, "sha256", max(os.path.getsize(path), 1), stop)
+    return str(found[0] or "") if found else ""
+
+
 def file_record(path: str | os.PathLike[str], algorithm: str | None = None) -> dict[str, Any]:
     """The ``digest`` record of a file already written (a save whose writer seeked)."""
     algorithm = algorithm or default_algorithm()
@@ -388,6 +368,6 @@ def update_while(digest: Any, data: Any, write: Callable[[Any], int]) -> int:
 
 
 __all__ = ["sha256_file", "file_chunks", "file_record", "mismatch", "ChunkedDigest",
-           "default_algorithm", "can_check", "chunk_count", "beside", "update_while", "BLOCK",
+           "default_algorithm", "can_check", "chunk_count", "beside", "update_while",
            "READ_BLOCK", "PARALLEL_BYTES", "SETTLED_S", "DIGEST_VERSION", "CHUNK_BYTES",
            "ALGORITHMS"]

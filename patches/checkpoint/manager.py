@@ -10,13 +10,11 @@ candidates, and only those are ever pruned.
 
 from __future__ import annotations
 
-import json
 import logging
 import operator
 import os
 import re
 import secrets
-import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,13 +22,12 @@ import torch
 
 from .. import _dist, _run
 from .._runlock import RunFolderInUse, lock_folder
-from .._version import __version__
 from .._log import info
 from . import _collective
 from .digest import beside, file_record
-from .reading import (FORMAT, MANIFEST_SUFFIX, _what_to_do, check_file,
-                      iter_tensors, manager_checkpoints, manifest_path, nonfinite_flags,
-                      read_manifest)
+from .reading import (FORMAT, MANIFEST_SUFFIX, Manifest, _what_to_do, check_file,
+                      iter_tensors, manager_checkpoints, manifest_path, manifest_text,
+                      nonfinite_flags, read_manifest)
 from .atomic import TMP_OWNER, host_name
 from .atomic import atomic_text as _atomic_text
 from .atomic import (disk_free, disk_full_error, ensure_free_space, no_room, space_needed,
@@ -49,13 +46,6 @@ logger = logging.getLogger("training_patches")
 LATEST = "latest"
 
 
-def _vocab_size(state: Mapping[str, torch.Tensor]) -> int | None:
-    for key, value in state.items():
-        if key.endswith("text_embedding.weight"):
-            return int(value.shape[0])
-    return None
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -63,6 +53,22 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return True
+
+
+def _remove(path: Path) -> bool:
+    """Delete a complete checkpoint, what vouches for it first (a file's manifest, a folder's
+    commit marker): an interrupted removal leaves an incomplete checkpoint, never a manifest
+    that vouches for a missing file. False (and a WARNING) when it could not."""
+    try:
+        if path.is_dir():
+            remove_folder(path)
+        else:
+            manifest_path(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("training-patches: could not remove the old checkpoint %s (%s)", path, exc)
+        return False
     return True
 
 
@@ -254,23 +260,11 @@ class CheckpointManager:
             size, record = written.size, written.digest
             if path.stat().st_size != size:  # torch wrote out of order: hash the file itself
                 size, record = path.stat().st_size, file_record(path)
-            manifest = {
-                "format": FORMAT,
-                "written_by": f"training-patches {__version__} CheckpointManager",
-                "file": path.name,
-                "step": step,
-                "generation": generation,
-                "bytes": size,
-                "digest": record,
-                "nonfinite": nonfinite,
-                "vocab_size": _vocab_size(model_state),
-                "param_shapes": {k: list(v.shape) for k, v in model_state.items()},
-                "amp": scaler_enabled(scaler),
-                "world_size": len(rng_ranks) if rng_ranks else 1,
-                "writer": {"rank": _dist.rank(), "host": host_name(), "pid": os.getpid()},
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-            _atomic_text(manifest_path(path), json.dumps(manifest, indent=1))
+            _atomic_text(manifest_path(path), manifest_text(
+                step, generation, {path.name: {"bytes": size, "digest": record}},
+                {k: list(v.shape) for k, v in model_state.items()}, nonfinite,
+                amp=scaler_enabled(scaler), world_size=len(rng_ranks) if rng_ranks else 1,
+                has_optimizer=bool(optimizer_states)))
         except BaseException as exc:
             # The checkpoint is ours and has no manifest of its own: remove it (and a
             # manifest of an earlier save of this step, which no longer describes it).
@@ -313,19 +307,11 @@ class CheckpointManager:
         owned = [p for p, _ in self._own() if p != path]
         early = [p for p in self._replaced_by(path) if p != path and owned and p != owned[-1]]
         for old in early:
-            try:
-                if old.is_dir():
-                    remove_folder(old)
-                else:
-                    manifest_path(old).unlink(missing_ok=True)  # the manifest first (_prune)
-                    old.unlink(missing_ok=True)
-            except OSError as exc:
-                logger.warning("training-patches: could not remove the old checkpoint %s (%s)",
-                               old, exc)
-                continue
-            info("training-patches: removed %s before writing %s, not after: the folder has %d "
-                 "bytes free and the new checkpoint needs about %d (keep=%d would remove it once "
-                 "the new one is written)", old.name, path.name, free, needed, self.keep)
+            if _remove(old):
+                info("training-patches: removed %s before writing %s, not after: the folder has "
+                     "%d bytes free and the new checkpoint needs about %d (keep=%d would remove "
+                     "it once the new one is written)", old.name, path.name, free, needed,
+                     self.keep)
 
     @staticmethod
     def _nonfinite(model: torch.nn.Module, model_state: Mapping[str, torch.Tensor],
@@ -338,19 +324,11 @@ class CheckpointManager:
         for index, state in enumerate(optimizer_states):
             named += [(f"optimizer.{index}.state.{name}", _dist.local(value), False)
                       for name, value in iter_tensors(state.get("state", {}))]
-        bad = nonfinite_flags(named)
-        if bad:
-            logger.warning(
-                "training-patches: the checkpoint being saved holds NaN or Inf in %d tensor(s) "
-                "(%s); it is written, but resume('auto') will pass over it and load_checkpoint "
-                "refuses it unless allow_nonfinite=True", len(bad), ", ".join(bad[:5]))
-        return bad
+        return nonfinite_flags(named)
 
     def _next_generation(self) -> int:
-        generations = [generation for _, generation, _ in self._complete()]
-        generations += [m.generation for _, m in manager_checkpoints(self.output_dir)
-                        if m.generation is not None]
-        return max(generations, default=-1) + 1
+        return max((m.generation for _, m in self._all() if m.generation is not None),
+                   default=-1) + 1
 
     def _point_latest(self, path: Path) -> None:
         latest = self.output_dir / LATEST
@@ -394,44 +372,27 @@ class CheckpointManager:
             entry.unlink(missing_ok=True)
             logger.debug("training-patches: removed %s, left by an interrupted save", entry.name)
 
-    def _complete(self) -> list[tuple[Path, int, Any]]:
-        """Complete sharded checkpoint folders of this manager: (folder, generation, manifest)."""
-        return [(folder, manifest["generation"], manifest)
-                for folder, manifest in complete_folders(self.output_dir)
-                if self.folder_pattern.match(folder.name)]
+    def _all(self) -> list[tuple[Path, Manifest]]:
+        """Complete checkpoints in the folder, newest first (by generation): files with a valid
+        manifest (any name) and folders with their commit marker (this manager's names)."""
+        found = manager_checkpoints(self.output_dir) + [
+            (folder, manifest) for folder, manifest in complete_folders(self.output_dir)
+            if self.folder_pattern.match(folder.name)]
+        return sorted(found, key=lambda item: item[1].order(), reverse=True)
 
-    def _own(self) -> list[tuple[Path, Any]]:
+    def _own(self) -> list[tuple[Path, Manifest]]:
         """Complete checkpoints this manager wrote (files with a valid manifest and folders
         with their commit marker, by its name patterns), oldest first by generation."""
-        entries: list[tuple[tuple[int, int], Path, Any]] = [
-            (manifest.order(), path, manifest)
-            for path, manifest in manager_checkpoints(self.output_dir)
-            if self.pattern.match(path.name)]
-        entries += [((generation, manifest["step"]), folder, manifest)
-                    for folder, generation, manifest in self._complete()]
-        entries.sort(key=lambda item: item[0])
-        return [(path, manifest) for _, path, manifest in entries]
+        return [(path, manifest) for path, manifest in reversed(self._all())
+                if path.is_dir() or self.pattern.match(path.name)]
 
     def _prune(self, keep_path: Path | None = None) -> None:
         if self.keep is None:
             return
         owned = self._own()
-        for path, manifest in owned[: max(len(owned) - self.keep, 0)]:
-            if keep_path is not None and path == keep_path:
-                continue
-            try:
-                if path.is_dir():
-                    remove_folder(path)
-                else:
-                    # Manifest first: an interrupted prune leaves an incomplete checkpoint,
-                    # never a manifest that vouches for a missing file.
-                    manifest_path(path).unlink(missing_ok=True)
-                    path.unlink(missing_ok=True)
-            except OSError as exc:
-                logger.warning("training-patches: could not remove the old checkpoint %s (%s)",
-                               path, exc)
-                continue
-            logger.debug("training-patches: pruned checkpoint %s", path)
+        for path, _ in owned[: max(len(owned) - self.keep, 0)]:
+            if path != keep_path and _remove(path):
+                logger.debug("training-patches: pruned checkpoint %s", path)
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints written by this manager, oldest first by generation (the
@@ -555,17 +516,12 @@ class CheckpointManager:
                     f"{_what_to_do(path)}")
             return path
         skipped: list[str] = []
-        candidates = [(manifest.order(), path, manifest.nonfinite)
-                      for path, manifest in manager_checkpoints(self.output_dir)]
-        candidates += [((generation, manifest["step"]), folder, manifest.get("nonfinite"))
-                       for folder, generation, manifest in self._complete()]
-        candidates.sort(key=lambda item: item[0], reverse=True)
-        for _, candidate, nonfinite in candidates:
+        for candidate, manifest in self._all():
             problem = (check_folder(candidate, verify_hash=verify_hash) if candidate.is_dir()
                        else check_file(candidate, verify_hash=verify_hash))
-            if problem is None and nonfinite and not allow_nonfinite:
+            if problem is None and manifest.nonfinite and not allow_nonfinite:
                 problem = (f"held NaN or Inf when it was saved "
-                           f"({', '.join(nonfinite[:3])})")
+                           f"({', '.join(manifest.nonfinite[:3])})")
             if problem is None:
                 if skipped:
                     logger.warning(

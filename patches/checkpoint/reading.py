@@ -1,7 +1,8 @@
 """Reading a checkpoint: :func:`read_checkpoint` (weights-only ``torch.load``) and the
 checks before it, none of which runs the file's code: file checks (size, zip directory,
-CRC-32s, torch's legacy magic number, safetensors headers), the manifest and its schema,
-pickle inspection with :mod:`pickletools`, the checkpoints a
+CRC-32s, torch's legacy magic number, safetensors headers), the one manifest format of a
+file and a sharded folder (its schema, reader, writer and each file's check), pickle
+inspection with :mod:`pickletools`, the checkpoints a
 :class:`~patches.checkpoint.manager.CheckpointManager` wrote (newest = highest
 generation), the one-paragraph diagnosis of a failed read that names the newest valid
 checkpoint beside the file, and the NaN/Inf scan of tensors."""
@@ -15,6 +16,7 @@ import os
 import pickletools
 import re
 import threading
+import time
 import warnings
 import zipfile
 from dataclasses import dataclass, field
@@ -23,15 +25,23 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from .. import _dist
 from .._log import info
+from .._version import __version__
 from .atomic import TMP_MARK as _TMP_MARK
+from .atomic import host_name
 from . import digest as _digest
-from .digest import sha256_file
 from .errors import CheckpointError, UnsafeCheckpointError
 
 logger = logging.getLogger("training_patches")
 
+# The one manifest format, of a checkpoint file and of a sharded folder alike.
+MANIFEST_FORMAT = "training-patches-manifest/1"
+# The format key of a checkpoint file's payload; also what earlier versions wrote in a file's
+# manifest (its one file's 'file', 'bytes', 'digest' or 'sha256' at the top), as DCP_FORMAT in
+# a sharded folder's (each file's whole 'sha256'): :func:`parse_manifest` converts both.
 FORMAT = "training-patches-checkpoint/1"
+DCP_FORMAT = "training-patches-dcp-checkpoint/1"
 MANIFEST_SUFFIX = ".manifest.json"
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar")
 # A manifest is a few kilobytes (one shape per tensor); anything this large is not one.
@@ -44,28 +54,34 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class Manifest:
-    """A manifest that passed the schema (see :func:`parse_manifest`).
+    """A manifest that passed the schema (:func:`parse_manifest`), in today's format whatever
+    version wrote it.
 
-    ``generation`` orders saves by when they were written (None: written before
-    generations existed; older than any with one). ``nonfinite`` names the tensors that
-    held NaN/Inf when saved (None: not recorded). ``digest`` is the file's chunked digest
-    record (:mod:`.digest`; None in a manifest written before it, which has ``sha256``, the
-    SHA-256 of the whole file; a newer one has no ``sha256``).
+    ``files``: each file's name -> ``{"bytes", "digest"}`` (the digest record of
+    :mod:`.digest`). ``generation`` orders saves by when they were written (None: written
+    before generations existed; older than any with one). ``nonfinite`` names the tensors
+    that held NaN/Inf when saved (None: not recorded). ``manifest[key]``: any field of the
+    JSON object (``data``, its files converted).
     """
 
-    file: str
     step: int
-    bytes: int
-    sha256: str | None
+    files: dict[str, dict[str, Any]] = field(repr=False, compare=False)
     generation: int | None = None
     nonfinite: tuple[str, ...] | None = None
     vocab_size: int | None = None
     data: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    digest: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def order(self) -> tuple[int, int]:
         """Sort key, newest last: the generation, then the step (for old manifests)."""
         return (-1 if self.generation is None else self.generation, self.step)
+
+    @property
+    def file(self) -> str:
+        """The first file it lists: a checkpoint file's manifest lists that one file."""
+        return next(iter(self.files))
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
 
 
 def _is_count(value: Any) -> bool:
@@ -77,91 +93,153 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_digest(record: Any, size: int) -> None:
-    """``ValueError`` when the manifest's ``digest`` record is not one this version reads:
-    ``version`` 1, ``algorithm`` ``"blake3"`` or ``"sha256"``, ``chunk_bytes`` (whole number
-    >= 1), ``chunks`` (64 hex digits each, one per ``chunk_bytes`` of the file's ``bytes``,
-    the last one shorter; one for an empty file)."""
+def _check_digest(record: Any, size: int, name: str) -> None:
+    """``ValueError`` when the ``digest`` record of the file ``name`` is not one this version
+    reads: ``version`` 1, ``algorithm`` ``"blake3"`` or ``"sha256"``, ``chunk_bytes`` (whole
+    number >= 1), ``chunks`` (64 hex digits each, one per ``chunk_bytes`` of the file's
+    ``bytes``, the last one shorter; one for an empty file)."""
     if not isinstance(record, dict):
-        raise ValueError(f"'digest' is {_shown(record)}, expected an object")
+        raise ValueError(f"'digest' of {name} is {_shown(record)}, expected an object")
     version = record.get("version")
     if version != _digest.DIGEST_VERSION or not _is_count(version):
-        raise ValueError(f"'digest' has version {_shown(version)}; this training-patches "
-                         f"reads version {_digest.DIGEST_VERSION} (a newer one wrote it?)")
+        raise ValueError(f"'digest' of {name} has version {_shown(version)}; this "
+                         f"training-patches reads version {_digest.DIGEST_VERSION} (a newer one "
+                         f"wrote it?)")
     if record.get("algorithm") not in _digest.ALGORITHMS:
-        raise ValueError(f"'digest.algorithm' is {_shown(record.get('algorithm'))}, expected "
-                         f"one of {', '.join(_digest.ALGORITHMS)}")
+        raise ValueError(f"'digest.algorithm' of {name} is {_shown(record.get('algorithm'))}, "
+                         f"expected one of {', '.join(_digest.ALGORITHMS)}")
     chunk_bytes = record.get("chunk_bytes")
     if not _is_count(chunk_bytes) or chunk_bytes < 1:
-        raise ValueError(f"'digest.chunk_bytes' is {_shown(chunk_bytes)}, expected a whole "
-                         f"number >= 1")
+        raise ValueError(f"'digest.chunk_bytes' of {name} is {_shown(chunk_bytes)}, expected a "
+                         f"whole number >= 1")
     chunks = record.get("chunks")
     if not isinstance(chunks, list) or not all(
             isinstance(c, str) and _SHA256.fullmatch(c) for c in chunks):
-        raise ValueError(f"'digest.chunks' is {_shown(chunks)}, expected a list of 64 hex "
-                         f"digits each")
+        raise ValueError(f"'digest.chunks' of {name} is {_shown(chunks)}, expected a list of 64 "
+                         f"hex digits each")
     if len(chunks) != _digest.chunk_count(size, chunk_bytes):
-        raise ValueError(f"'digest.chunks' lists {len(chunks)} chunk(s), a file of {size} bytes "
-                         f"has {_digest.chunk_count(size, chunk_bytes)} of {chunk_bytes} bytes")
+        raise ValueError(f"'digest.chunks' of {name} lists {len(chunks)} chunk(s), a file of "
+                         f"{size} bytes has {_digest.chunk_count(size, chunk_bytes)} of "
+                         f"{chunk_bytes} bytes")
+
+
+def _file_entry(name: Any, entry: Any) -> dict[str, Any]:
+    """One file's entry of ``files`` as today's format has it: ``bytes`` and ``digest``. An
+    earlier version's ``sha256`` (of the whole file) becomes what it is: the digest record
+    of one SHA-256 chunk."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name:
+        raise ValueError(f"'files' names {_shown(name)}, expected a file name")
+    if not isinstance(entry, dict):
+        raise ValueError(f"the entry of {name} is {_shown(entry)}, expected an object")
+    size = entry.get("bytes")
+    if not _is_count(size):
+        raise ValueError(f"'bytes' of {name} is {_shown(size)}, expected a whole number >= 0")
+    if "digest" in entry:
+        _check_digest(entry["digest"], size, name)
+        return {"bytes": size, "digest": entry["digest"]}
+    sha = entry.get("sha256")
+    if sha is None:
+        raise ValueError(f"{name} has no 'digest' (nor the 'sha256' of older manifests)")
+    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        raise ValueError(f"'sha256' of {name} is {_shown(sha)}, expected 64 hex digits")
+    return {"bytes": size, "digest": {"version": _digest.DIGEST_VERSION, "algorithm": "sha256",
+                                      "chunk_bytes": max(size, 1), "chunks": [sha]}}
 
 
 def parse_manifest(data: Any) -> Manifest:
     """A :class:`Manifest` from parsed JSON; ``ValueError`` (short reason) when the shape is
-    wrong. Required: ``format`` (this library's), ``file`` (a name), ``step`` and
-    ``bytes`` (whole numbers >= 0), and ``digest`` (the chunked digest record, see
-    :func:`_check_digest`) or, in a manifest written before it, ``sha256`` (64 hex digits:
-    the whole file's SHA-256; with both, ``digest`` is the one checked). Optional, checked
-    when present: ``generation`` (whole number >= 0), ``nonfinite`` (list of names),
-    ``vocab_size`` (whole number or null), ``param_shapes`` (name -> list of sizes),
-    ``amp`` (true/false), ``written_by`` and ``time`` (text)."""
+    wrong. Required: ``format`` (:data:`MANIFEST_FORMAT`), ``step``, ``generation`` and
+    ``world_size`` (whole numbers >= 0) and ``files`` (file name -> ``bytes`` and ``digest``,
+    see :func:`_check_digest`). Optional, checked when present: ``nonfinite`` (list of
+    names), ``vocab_size`` (whole number or null), ``param_shapes`` (name -> list of sizes),
+    ``amp`` and ``has_optimizer`` (true/false), ``written_by`` and ``time`` (text). The
+    formats of earlier versions are converted: a file's (:data:`FORMAT`: ``file``, ``bytes``
+    and ``digest`` or ``sha256`` at the top; ``generation`` optional) and a sharded folder's
+    (:data:`DCP_FORMAT`: each file's ``sha256``)."""
     if not isinstance(data, dict):
         raise ValueError(f"it is a JSON {type(data).__name__}, expected an object")
-    if data.get("format") != FORMAT:
-        raise ValueError(f"'format' is {_shown(data.get('format'))}, expected {FORMAT!r}")
-    for name in ("file", "step", "bytes"):
+    form = data.get("format")
+    if form not in (MANIFEST_FORMAT, FORMAT, DCP_FORMAT):
+        raise ValueError(f"'format' is {_shown(form)}, expected {MANIFEST_FORMAT!r}")
+    required = ("file", "step", "bytes") if form == FORMAT else (
+        "step", "generation", "world_size", "files")
+    for name in required:
         if name not in data:
             raise ValueError(f"it has no {name!r}")
-    if "digest" not in data and "sha256" not in data:
-        raise ValueError("it has no 'digest' (nor the 'sha256' of older manifests)")
-    if not isinstance(data["file"], str) or not data["file"] or "/" in data["file"]:
-        raise ValueError(f"'file' is {_shown(data['file'])}, expected a file name")
-    for name in ("step", "bytes"):
-        if not _is_count(data[name]):
+    files = data.get("files")
+    if form == FORMAT:  # its one file's facts at the top
+        if not isinstance(data["file"], str):
+            raise ValueError(f"'file' is {_shown(data['file'])}, expected a file name")
+        files = {data["file"]: {k: data[k] for k in ("bytes", "digest", "sha256") if k in data}}
+    if not isinstance(files, dict) or not files:
+        raise ValueError(f"'files' is {_shown(files)}, expected an object of file name -> "
+                         f"bytes and digest")
+    files = {name: _file_entry(name, entry) for name, entry in files.items()}
+    for name in ("step", "generation", "world_size", "vocab_size"):  # null: only if optional
+        if name in data and not _is_count(data[name]) and (data[name] is not None
+                                                           or name in required):
             raise ValueError(f"{name!r} is {_shown(data[name])}, expected a whole number >= 0")
-    if "sha256" in data and (not isinstance(data["sha256"], str)
-                             or not _SHA256.fullmatch(data["sha256"])):
-        raise ValueError(f"'sha256' is {_shown(data['sha256'])}, expected 64 hex digits")
-    if "digest" in data:
-        _check_digest(data["digest"], data["bytes"])
-    generation = data.get("generation")
-    if generation is not None and not _is_count(generation):
-        raise ValueError(f"'generation' is {_shown(generation)}, expected a whole number >= 0")
     nonfinite = data.get("nonfinite")
     if nonfinite is not None and (not isinstance(nonfinite, list)
                                   or not all(isinstance(n, str) for n in nonfinite)):
         raise ValueError(f"'nonfinite' is {_shown(nonfinite)}, expected a list of names")
-    vocab = data.get("vocab_size")
-    if vocab is not None and not _is_count(vocab):
-        raise ValueError(f"'vocab_size' is {_shown(vocab)}, expected a whole number or null")
     shapes = data.get("param_shapes")
     if shapes is not None and (not isinstance(shapes, dict) or not all(
             isinstance(v, list) and all(_is_count(d) for d in v) for v in shapes.values())):
         raise ValueError("'param_shapes' is not an object of name -> list of sizes")
-    if "amp" in data and not isinstance(data["amp"], bool):
-        raise ValueError(f"'amp' is {_shown(data['amp'])}, expected true or false")
-    for name in ("written_by", "time"):
-        if name in data and not isinstance(data[name], str):
-            raise ValueError(f"{name!r} is {_shown(data[name])}, expected text")
-    return Manifest(file=data["file"], step=data["step"], bytes=data["bytes"],
-                    sha256=data.get("sha256"), generation=generation,
+    for name, kind, expected in (("amp", bool, "true or false"), ("written_by", str, "text"),
+                                 ("has_optimizer", bool, "true or false"), ("time", str, "text")):
+        if name in data and not isinstance(data[name], kind):
+            raise ValueError(f"{name!r} is {_shown(data[name])}, expected {expected}")
+    return Manifest(step=data["step"], files=files, generation=data.get("generation"),
                     nonfinite=tuple(nonfinite) if nonfinite is not None else None,
-                    vocab_size=vocab, data=data, digest=data.get("digest"))
+                    vocab_size=data.get("vocab_size"), data={**data, "files": files})
+
+
+def manifest_text(step: int, generation: int, files: dict[str, Any],
+                  shapes: dict[str, list[int]], nonfinite: list[str], *, amp: bool,
+                  world_size: int, has_optimizer: bool) -> str:
+    """The JSON of a new manifest (both writers'), checked by :func:`parse_manifest`: a writer
+    never writes what its readers refuse. A WARNING when ``nonfinite`` names tensors."""
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "written_by": f"training-patches {__version__} CheckpointManager",
+        "step": step, "generation": generation, "world_size": world_size,
+        "vocab_size": next((int(v[0]) for k, v in shapes.items()
+                            if k.endswith("text_embedding.weight")), None),
+        "param_shapes": shapes, "has_optimizer": has_optimizer, "nonfinite": nonfinite,
+        "amp": amp, "files": files,
+        "writer": {"rank": _dist.rank(), "host": host_name(), "pid": os.getpid()},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    parse_manifest(manifest)
+    if nonfinite:
+        logger.warning(
+            "training-patches: the checkpoint of step %d being saved holds NaN or Inf in %d "
+            "tensor(s) (%s); it is written, but resume('auto') will pass over it and "
+            "load_checkpoint refuses it unless allow_nonfinite=True", step, len(nonfinite),
+            ", ".join(nonfinite[:5]))
+    return json.dumps(manifest, indent=1)
 
 
 def manifest_path(checkpoint: str | os.PathLike[str]) -> Path:
     """Where the manifest of ``checkpoint`` is: ``<name>.manifest.json`` beside it."""
     path = Path(checkpoint)
     return path.with_name(path.name + MANIFEST_SUFFIX)
+
+
+def manifest_from(raw: bytes) -> tuple[Manifest | None, str | None]:
+    """(manifest, None) from a manifest file's bytes, or (None, why it is not valid)."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        return None, f"it is over {MAX_MANIFEST_BYTES} bytes, far more than a manifest"
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        return None, f"it cannot be read as JSON ({str(exc)[:120]})"
+    try:
+        return parse_manifest(data), None
+    except ValueError as exc:
+        return None, str(exc)
 
 
 def read_manifest(checkpoint: str | os.PathLike[str]) -> tuple[Manifest | None, str | None]:
@@ -171,16 +249,13 @@ def read_manifest(checkpoint: str | os.PathLike[str]) -> tuple[Manifest | None, 
     try:
         if not man.is_file():
             return None, None
-        size = man.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            return None, f"it is {size} bytes, far more than a manifest"
-        data = json.loads(man.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        return None, f"it cannot be read as JSON ({str(exc)[:120]})"
-    try:
-        return parse_manifest(data), None
-    except ValueError as exc:
-        return None, str(exc)
+        with open(man, "rb") as handle:
+            manifest, invalid = manifest_from(handle.read(MAX_MANIFEST_BYTES + 1))
+    except OSError as exc:
+        return None, f"it cannot be read ({str(exc)[:120]})"
+    if manifest is not None and len(manifest.files) != 1:
+        return None, f"it lists {len(manifest.files)} files, a checkpoint file's manifest one"
+    return manifest, invalid
 
 
 # --------------------------------------------------------------------------- files
@@ -280,26 +355,28 @@ def _safetensors_installed() -> bool:
         return False
 
 
-_HASH_MISMATCH = "does not match the SHA-256 in its manifest (changed or damaged on disk)"
-
-
-def _integrity_problem(path: Path, manifest: Manifest, stop: threading.Event | None = None,
-                       beside_load: bool = False, mapped: bool = False,
-                       ) -> tuple[str, str] | None:
-    """(kind, reason) when ``path`` is not the file its manifest vouches for, else None (or
-    ``stop`` was set): its ``digest`` record (its chunks in threads on every core, but the
-    load's one ``beside_load``; read through a memory map where the load maps the file too:
-    ``mapped``), else the whole file's SHA-256."""
-    record = manifest.digest
-    if record is None:
-        found = sha256_file(path, stop)
-        return None if found == manifest.sha256 or (stop is not None and stop.is_set()) \
-            else ("hash", _HASH_MISMATCH)
-    if not _digest.can_check(record["algorithm"]):
-        return "unverifiable", (f"cannot be verified here: its manifest's digest is "
-                                f"{_digest.NAMES[record['algorithm']]} and the "
-                                f"{record['algorithm']} package is not installed")
-    reason = _digest.mismatch(path, record, stop, mapped=mapped, beside_load=beside_load)
+def file_problem(path: Path, entry: dict[str, Any], *, verify_hash: bool = True,
+                 stop: threading.Event | None = None, beside_load: bool = False,
+                 mapped: bool = False) -> tuple[str, str] | None:
+    """(kind, reason) when ``path`` is not the file its manifest's ``entry`` vouches for, else
+    None (or ``stop`` was set): its size ("size"), then with ``verify_hash`` its digest
+    ("hash"; "unverifiable" without the algorithm's package): its chunks in threads on every
+    core, but the load's one ``beside_load``, read through a memory map where the load maps
+    the file too (``mapped``); "missing" when it cannot be read."""
+    record = entry["digest"]
+    try:
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return "size", f"has {size} bytes but its manifest says {entry['bytes']}"
+        if not verify_hash:
+            return None
+        if not _digest.can_check(record["algorithm"]):
+            return "unverifiable", (f"cannot be verified here: its manifest's digest is "
+                                    f"{_digest.NAMES[record['algorithm']]} and the "
+                                    f"{record['algorithm']} package is not installed")
+        reason = _digest.mismatch(path, record, stop, mapped=mapped, beside_load=beside_load)
+    except OSError as exc:
+        return "missing", f"cannot be read ({exc.strerror or exc})"
     return None if reason is None else ("hash", reason)
 
 
@@ -320,12 +397,10 @@ def _check(path: Path, verify_hash: bool, *, hash_now: bool = True) -> tuple[str
         return "manifest", (f"has a manifest {manifest_path(path).name} that is not valid: "
                             f"{invalid}")
     if manifest is not None:
-        if manifest.bytes != size:
-            return "size", f"has {size} bytes but its manifest says {manifest.bytes}"
-        if verify_hash and hash_now:
-            problem = _integrity_problem(path, manifest)
-            if problem is not None:
-                return problem
+        problem = file_problem(path, manifest.files[manifest.file],
+                               verify_hash=verify_hash and hash_now)
+        if problem is not None:
+            return problem
     is_st, problem = _safetensors_check(path, size)
     if is_st:
         if problem is not None:
@@ -537,10 +612,11 @@ def _problem_error(path: Path, kind: str, reason: str) -> CheckpointError:
     if kind == "manifest":
         return CheckpointError(
             f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
-            f"Expected the JSON manifest CheckpointManager writes (format {FORMAT!r}, with "
-            f"'file', 'step', 'bytes' and 'digest', or an older one's 'sha256'); without a "
-            f"valid one the file cannot be verified. Nothing was loaded. {_what_to_do(path)} "
-            f"If you trust the file, move {man.name} away and load it again.")
+            f"Expected the JSON manifest CheckpointManager writes (format {MANIFEST_FORMAT!r}: "
+            f"'step', 'generation', 'world_size', 'files' with the file's 'bytes' and 'digest'; "
+            f"or an earlier version's); without a valid one the file cannot be verified. "
+            f"Nothing was loaded. {_what_to_do(path)} If you trust the file, move {man.name} "
+            f"away and load it again.")
     return CheckpointError(
         f"training-patches: cannot load the checkpoint {path}: the file {reason}. Expected a "
         f"complete file written by torch.save; a save interrupted half-way leaves such a "
@@ -590,8 +666,8 @@ class Verification:
         if self._expected is None:
             crc = _zip_crc_problem(self.path)
             return None if crc is None else ("crc", crc)
-        return _integrity_problem(self.path, self._expected, self._stop, beside_load=True,
-                                  mapped=self._mapped)
+        return file_problem(self.path, self._expected.files[self._expected.file],
+                            stop=self._stop, beside_load=True, mapped=self._mapped)
 
     def _run(self) -> None:
         try:
@@ -789,5 +865,6 @@ def nonfinite_flags(named: list[tuple[str, torch.Tensor, bool]]) -> list[str]:
 
 
 __all__ = ["check_file", "read_checkpoint", "open_checkpoint", "Verification", "read_manifest",
-           "parse_manifest", "Manifest", "manifest_path", "manager_checkpoints", "newest_valid_beside", "FORMAT",
-           "MANIFEST_SUFFIX", "CHECKPOINT_SUFFIXES"]
+           "parse_manifest", "manifest_from", "manifest_text", "file_problem", "Manifest",
+           "manifest_path", "manager_checkpoints", "newest_valid_beside", "FORMAT",
+           "MANIFEST_FORMAT", "DCP_FORMAT", "MANIFEST_SUFFIX", "CHECKPOINT_SUFFIXES"]

@@ -6,9 +6,9 @@ A checkpoint is a folder ``<prefix>_<step>.dcp`` written by every rank together:
   dicts of ``torch.distributed.checkpoint.state_dict.get_state_dict``, each rank its shards;
 - ``rng.rank<R>.pt``: each rank's own RNG states; ``meta.pt`` (rank 0): step, scheduler,
   scaler, runtime counters, ``extra``;
-- ``manifest.json`` (rank 0, after every rank reported its files): format, step,
-  generation, world size, vocabulary size, parameter shapes, NaN/Inf names and the size
-  and SHA-256 of every file above;
+- ``manifest.json`` (rank 0, after every rank reported its files): the manifest a
+  checkpoint file has too (:func:`.reading.parse_manifest`, one format), with the size and
+  digest of every file above;
 - ``COMMITTED`` (rank 0, LAST): the SHA-256 of the manifest. A folder without it, or whose
   manifest does not match it, is incomplete: never resumed, never pruned;
 - ``writer.json`` (rank 0, FIRST, when it makes the folder): the host and pid of the
@@ -30,19 +30,18 @@ import logging
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .. import _dist
-from .._version import __version__
 from .._log import info
 from . import _collective, data_position
-from .reading import iter_tensors, nonfinite_flags
+from .reading import (Manifest, file_problem, iter_tensors, manifest_from, manifest_text,
+                      nonfinite_flags)
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
-from .digest import sha256_file
+from .digest import file_record
 from .errors import CheckpointError, CheckpointMismatchError
 from .optimizer import _as_list, scaler_enabled
 from .parts import ModelSource, Source, StatePlan, carry_out, plan_state, saved_state
@@ -52,7 +51,6 @@ from .rng import capture_rng_state, state_for_rank
 logger = logging.getLogger("training_patches")
 
 DCP_SUFFIX = ".dcp"
-DCP_FORMAT = "training-patches-dcp-checkpoint/1"
 MANIFEST_NAME = "manifest.json"
 COMMIT_NAME = "COMMITTED"
 META_NAME = "meta.pt"
@@ -89,7 +87,7 @@ def _on_every_rank(fn: Callable[[Callable[..., None]], Any], *, gather: bool) ->
 # --------------------------------------------------------------------------- reading
 
 
-def read_folder_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+def read_folder_manifest(folder: Path) -> tuple[Manifest | None, str | None]:
     """(manifest, None) for a complete folder; (None, why) otherwise. Never raises."""
     marker, man = folder / COMMIT_NAME, folder / MANIFEST_NAME
     try:
@@ -97,22 +95,16 @@ def read_folder_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | Non
             return None, ("has no commit marker (its save did not complete: a rank was "
                           "stopped or failed before every rank had written its shards)")
         if not man.is_file():
-            return None, "has a commit marker but no manifest.json"
+            return None, f"has a commit marker but no {MANIFEST_NAME}"
         raw = man.read_bytes()
         if marker.read_text().strip() != hashlib.sha256(raw).hexdigest():
-            return None, "has a manifest.json that does not match its commit marker"
-        data = json.loads(raw.decode("utf-8"))
+            return None, f"has a {MANIFEST_NAME} that does not match its commit marker"
     except (OSError, ValueError) as exc:
         return None, f"cannot be read ({str(exc)[:120]})"
-    if not isinstance(data, dict) or data.get("format") != DCP_FORMAT:
-        return None, f"has a manifest whose format is not {DCP_FORMAT!r}"
-    for key in ("step", "generation", "world_size"):
-        value = data.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return None, f"has a manifest whose {key!r} is {value!r}, expected a whole number"
-    if not isinstance(data.get("files"), dict) or not data["files"]:
-        return None, "has a manifest without its list of files"
-    return data, None
+    manifest, invalid = manifest_from(raw)
+    if invalid is not None:
+        return None, f"has a manifest {MANIFEST_NAME} that is not valid: {invalid}"
+    return manifest, None
 
 
 def folder_problem(folder: Path) -> str | None:
@@ -122,27 +114,19 @@ def folder_problem(folder: Path) -> str | None:
 
 def check_folder(folder: str | os.PathLike[str], *, verify_hash: bool = True) -> str | None:
     """Why ``folder`` cannot be loaded (marker, manifest, every file's size and, with
-    ``verify_hash``, SHA-256), or None. Never raises."""
+    ``verify_hash``, digest), or None. Never raises."""
     folder = Path(folder)
     if not folder.is_dir():
         return "is not a folder"
     manifest, problem = read_folder_manifest(folder)
-    if problem is not None:
-        return problem
-    for name, info_ in manifest["files"].items():
-        path = folder / name
-        try:
-            size = path.stat().st_size
-            if size != info_.get("bytes"):
-                return f"has {name} of {size} bytes, its manifest says {info_.get('bytes')}"
-            if verify_hash and sha256_file(path) != info_.get("sha256"):
-                return f"has {name} whose SHA-256 does not match its manifest (damaged)"
-        except OSError as exc:
-            return f"lacks {name} ({exc.strerror or exc})"
-    return None
+    for name, entry in manifest.files.items() if manifest is not None else ():
+        found = file_problem(folder / name, entry, verify_hash=verify_hash)
+        if found is not None:
+            return f"does not hold what its manifest vouches for: {name} {found[1]}"
+    return problem
 
 
-def complete_folders(output_dir: str | os.PathLike[str]) -> list[tuple[Path, dict[str, Any]]]:
+def complete_folders(output_dir: str | os.PathLike[str]) -> list[tuple[Path, Manifest]]:
     """Folders in ``output_dir`` with a commit marker and a valid manifest, newest first."""
     output_dir = Path(output_dir)
     found = []
@@ -156,7 +140,7 @@ def complete_folders(output_dir: str | os.PathLike[str]) -> list[tuple[Path, dic
         manifest, _ = read_folder_manifest(entry)
         if manifest is not None:
             found.append((entry, manifest))
-    found.sort(key=lambda item: (item[1]["generation"], item[1]["step"]), reverse=True)
+    found.sort(key=lambda item: item[1].order(), reverse=True)
     return found
 
 
@@ -296,7 +280,7 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
             meta["data_world"] = _dist.world_size() if position is not None else None
             atomic_torch_save(meta, folder / META_NAME, check_space=False)
         files = {name: {"bytes": (folder / name).stat().st_size,
-                        "sha256": sha256_file(folder / name)} for name in _own_files(folder, rank)}
+                        "digest": file_record(folder / name)} for name in _own_files(folder, rank)}
         return {"files": files, "nonfinite": nonfinite,
                 "shapes": {k: list(v.shape) for k, v in msd.items()
                            if isinstance(v, torch.Tensor)},
@@ -310,31 +294,9 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
         for report in reports:
             files.update(report["files"])
             nonfinite += [n for n in report["nonfinite"] if n not in nonfinite]
-        shapes = reports[0]["shapes"]
-        vocab = next((int(v[0]) for k, v in shapes.items()
-                      if k.endswith("text_embedding.weight")), None)
-        manifest = {
-            "format": DCP_FORMAT,
-            "written_by": f"training-patches {__version__} CheckpointManager (DCP)",
-            "step": step,
-            "generation": manager._next_generation(),
-            "world_size": len(reports),
-            "vocab_size": vocab,
-            "param_shapes": shapes,
-            "has_optimizer": reports[0]["has_optimizer"],
-            "nonfinite": nonfinite,
-            "amp": scaler_enabled(scaler),
-            "files": files,
-            "writer": {"rank": _dist.rank(), "host": host_name(), "pid": os.getpid()},
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        if nonfinite:
-            logger.warning(
-                "training-patches: the sharded checkpoint being saved holds NaN or Inf in %d "
-                "tensor(s) (%s); it is written, but resume('auto') will pass over it and "
-                "load_checkpoint refuses it unless allow_nonfinite=True",
-                len(nonfinite), ", ".join(nonfinite[:5]))
-        text = json.dumps(manifest, indent=1)
+        text = manifest_text(step, manager._next_generation(), files, reports[0]["shapes"],
+                             nonfinite, amp=scaler_enabled(scaler), world_size=len(reports),
+                             has_optimizer=reports[0]["has_optimizer"])
         atomic_text(folder / MANIFEST_NAME, text)
         # The commit marker LAST: every rank has reported its files; it vouches for the
         # manifest by its hash.
@@ -356,7 +318,7 @@ class ShardedModel(ModelSource):
     against the shapes the manifest names, then loaded by DCP in the saved shapes, with the
     optimizer moments under ``remap`` (DCP reshards: a folder of N ranks loads into M)."""
 
-    def __init__(self, path: Path, model: torch.nn.Module, manifest: dict[str, Any],
+    def __init__(self, path: Path, model: torch.nn.Module, manifest: Manifest,
                  optimizers: list[Any]) -> None:
         self.path, self.model, self.manifest, self.optimizers = path, model, manifest, optimizers
 
@@ -433,10 +395,10 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
             f"Nothing was loaded. Resume from another checkpoint (CheckpointManager.resume('auto') "
             f"picks the newest complete one by itself); {path} was left as it is.")
     manifest, _ = read_folder_manifest(path)
-    if manifest["nonfinite"] and not allow_nonfinite:
+    if manifest.nonfinite and not allow_nonfinite:
         raise CheckpointError(
             f"training-patches: cannot load {path}: it held NaN or Inf when it was saved "
-            f"({', '.join(manifest['nonfinite'][:5])}). Nothing was loaded. Resume from an "
+            f"({', '.join(manifest.nonfinite[:5])}). Nothing was loaded. Resume from an "
             f"earlier checkpoint, or pass allow_nonfinite=True to load it anyway.")
     optimizers = _as_list(optimizer)
     schedulers = [s for s in _as_list(scheduler) if s is not None]
@@ -456,7 +418,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
         meta = torch.load(path / META_NAME, weights_only=True)
         saved_world = meta.get("data_world")
         source = Source(path=path, kind="folder", meta=meta,
-                        has_optimizer=bool(manifest.get("has_optimizer")), read_rng=read_rng,
+                        has_optimizer=bool(manifest.data.get("has_optimizer")), read_rng=read_rng,
                         rng_in_file=True, model=ShardedModel(path, model, manifest, optimizers),
                         data_in_file=isinstance(saved_world, int),
                         read_data=lambda: [torch.load(path / _data_name(r), weights_only=True)
@@ -469,7 +431,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
     return _on_every_rank(load_rank, gather=False)
 
 
-__all__ = ["DCP_SUFFIX", "DCP_FORMAT", "is_sharded_model", "save_sharded", "load_sharded",
+__all__ = ["DCP_SUFFIX", "is_sharded_model", "save_sharded", "load_sharded",
            "ShardedModel",
            "check_folder", "complete_folders", "folder_problem", "remove_folder",
            "read_folder_manifest"]
