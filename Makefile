@@ -7,12 +7,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast bench gpu-suite setup ffmpeg espeak clean
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[xtts,tools,test,bench]'
-	# F5-TTS's trainer for its integration tests, without its app's requirements (setup.cfg)
-	$(PY) -m pip install -q -c constraints.txt --no-deps f5-tts
+# uv installs what pip would, in under half the time; pip where uv cannot (scripts/setup_venv.py)
+$(STAMP): setup.cfg pyproject.toml constraints.txt scripts/setup_venv.py
+	$(PYTHON) scripts/setup_venv.py $(VENV)
 	touch $(STAMP)
 
 setup: $(STAMP) ffmpeg espeak
