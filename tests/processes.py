@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "headlessXttsTrain.py"
 # XTTS's never-trained modules at small widths, in every process a test starts
@@ -48,7 +50,7 @@ def default_signals() -> None:
 def start_headless(*args: str, cwd: Path) -> subprocess.Popen[str]:
     """``headlessXttsTrain.py args...`` in a new session; stdout and stderr together."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
+    return forkserver.popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
                             start_new_session=True, preexec_fn=default_signals)
 

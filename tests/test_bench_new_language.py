@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 from processes import child_path
 
@@ -33,7 +34,7 @@ ARMS = NAN_ARMS + CLEAN_ARMS
 
 def test_quick_run_writes_table_json_and_plot_with_every_kind_of_arm(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_new_language.py"), "--quick",
          "--steps", "8", "--base-steps", "8", "--seeds", "1", "--arms", ",".join(ARMS),
          "--out", str(out)],

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 from processes import child_path
 
@@ -32,7 +33,7 @@ RULES = ("spelling", "std0.02")
                     reason="espeak-ng is not installed (scripts/ensure_espeak.sh; make setup runs it)")
 def test_quick_run_writes_table_json_and_plot_with_two_rules(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_speech_language.py"), "--quick",
          "--steps", "4", "--base-steps", "4", "--utterances", "160", "--arms",
          ",".join(f"{rule}/{rule} " for rule in RULES), "--out", str(out), "--clean"],

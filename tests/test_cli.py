@@ -6,6 +6,7 @@ from pathlib import Path
 
 import json
 
+import forkserver
 from patches.tools import cli
 from processes import child_path
 
@@ -276,7 +277,7 @@ def test_a_json_write_the_system_refuses_is_one_paragraph_and_exit_1(tmp_path, c
 
 def _tool(argv: list[str], cwd: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "patches", *argv], cwd=cwd, env=env,
+    return forkserver.popen([sys.executable, "-m", "patches", *argv], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

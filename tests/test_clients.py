@@ -10,10 +10,10 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from processes import child_path
@@ -33,7 +33,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) -> str:
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+    done = forkserver.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]

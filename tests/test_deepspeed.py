@@ -10,10 +10,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from processes import child_path
@@ -37,7 +37,7 @@ def _job(script: Path, tmp_path: Path, out: Path, *args: str, **env: str):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
     environ.update(PYTHONPATH=child_path(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                    TRAINING_PATCHES_BASE_VOCAB="20", **env)
-    proc = subprocess.run([sys.executable, str(script), *args], env=environ, cwd=tmp_path,
+    proc = forkserver.run([sys.executable, str(script), *args], env=environ, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     return proc, (torch.load(out, weights_only=False) if out.exists() else None)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 from processes import child_path
 
@@ -19,7 +20,7 @@ SCRIPT = ROOT / "headlessXttsTrain.py"
 
 def _run(*args: str, timeout: int = 400) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=child_path(ROOT))
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+    return forkserver.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
 
 
@@ -144,7 +145,7 @@ def test_the_fine_tune_child_ends_with_the_demo(tmp_path: Path, signame: str) ->
 
     out = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=child_path(ROOT))
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--demo", "--output-dir", str(out)],
+    proc = forkserver.popen([sys.executable, str(SCRIPT), "--demo", "--output-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT, start_new_session=True,
                             preexec_fn=default_signals)

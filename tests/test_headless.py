@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 from processes import child_path
 
@@ -19,7 +20,7 @@ SCRIPT = ROOT / "headlessXttsTrain.py"
 
 def _run(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT), **env_vars)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+    return forkserver.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
 
 
@@ -211,7 +212,7 @@ def test_a_signal_is_an_interruption(tmp_path: Path, signame: str, code: int) ->
 
 def _run_report(folder: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=child_path(ROOT))
-    return subprocess.run([sys.executable, "-m", "patches", "report", str(folder),
+    return forkserver.run([sys.executable, "-m", "patches", "report", str(folder),
                            "--no-picture"], capture_output=True, text=True, env=env)
 
 

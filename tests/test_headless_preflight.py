@@ -13,11 +13,11 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+import forkserver
 import pytest
 from processes import child_path
 
@@ -187,7 +187,7 @@ def test_bad_inputs_as_real_processes(setup: dict[str, Path], tmp_path: Path) ->
     for name in ("wrong model file", "latin-1 manifest"):
         argv, words = _case(name, setup, tmp_path / name.replace(" ", "_"))
         before = _hashes(setup["base"], setup["data"])
-        result = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True,
+        result = forkserver.run([sys.executable, str(SCRIPT), *argv], capture_output=True,
                                 text=True, env=env, timeout=300, cwd=tmp_path)
         assert result.returncode == 2, result.stderr[-2000:]
         assert words in _one_paragraph(result.stderr)
@@ -348,7 +348,7 @@ def test_bad_setting_at_activation_is_one_paragraph(setup: dict[str, Path],
     """A misspelled variable stops the first-line activation: one paragraph, exit 2."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT),
                TRAINING_PATCHES_BASEVOCAB="12000")
-    result = subprocess.run([sys.executable, str(SCRIPT), *_args(setup, tmp_path / "out")],
+    result = forkserver.run([sys.executable, str(SCRIPT), *_args(setup, tmp_path / "out")],
                             capture_output=True, text=True, env=env, timeout=300,
                             cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
@@ -407,7 +407,7 @@ def test_trainer_error_is_one_paragraph_and_reports_land_in_output_dir(
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT),
                TRAINING_PATCHES_MAX_BAD_STEPS="1")
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, str(SCRIPT), *_args(setup, out, "--epochs", "3", "--lr", "1e-4",
                                              "--print-step", "1", "--inject-nan-step", "5",
                                              manifest=manifest)],

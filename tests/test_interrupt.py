@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 
+import forkserver
 import pytest
 
 from patches import _interrupt, _run
@@ -86,7 +87,6 @@ def test_a_coqui_trainer_stopped_by_a_signal_is_recorded_and_reported_interrupte
     again, Ctrl-C) do not cut it short; the run folder's trainer_runs.jsonl says start,
     interrupted; ``report`` calls the run interrupted. A run that ends says finished."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -131,7 +131,7 @@ def test_a_coqui_trainer_stopped_by_a_signal_is_recorded_and_reported_interrupte
     last = records[-1]
     assert last["signal"] == "SIGTERM" and last["step"] == stopped.total_steps_done
     assert Path(last["checkpoint"]).is_file()
-    report = subprocess.run([sys.executable, "-m", "patches", "report", str(tmp_path / "runs"),
+    report = forkserver.run([sys.executable, "-m", "patches", "report", str(tmp_path / "runs"),
                              "--no-picture"], capture_output=True, text=True,
                             env=dict(os.environ, PYTHONPATH=child_path(Path(__file__).parents[1])))
     assert "verdict: interrupted" in report.stdout, report.stdout + report.stderr

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 
 from patches.tools import launcher
@@ -29,7 +30,7 @@ BOOTSTRAPPED = ("import sys; m = sys.modules.get('sitecustomize'); "
 def _launch(*command: str, env: dict[str, str] | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     environ = dict(os.environ if env is None else env, PYTHONPATH=child_path(ROOT))
-    return subprocess.run([sys.executable, "-m", "patches", "run", *command], env=environ,
+    return forkserver.run([sys.executable, "-m", "patches", "run", *command], env=environ,
                           cwd=cwd, capture_output=True, text=True, timeout=180)
 
 

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import torch
 
@@ -450,11 +451,11 @@ def test_a_run_stopped_by_sigterm_is_named_interrupted_with_its_logged_loss(
     script.write_text(STOPPED.format(tests=str(Path(__file__).parent),
                                      logs=str(tmp_path / "logs"),
                                      auto="import patches.auto" if applied else ""))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+    done = forkserver.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env=_child_env())
     # SIGTERMException is a SystemExit(None): the stopped run exits 0, as a finished one
     assert done.returncode == 0 and "Received SIGTERM" in done.stderr, done.stderr[-3000:]
-    report = subprocess.run([sys.executable, "-m", "patches", "report", str(tmp_path / "logs"),
+    report = forkserver.run([sys.executable, "-m", "patches", "report", str(tmp_path / "logs"),
                              "--no-picture"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, env=_child_env())
     out = report.stdout

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
+import forkserver
 import pytest
 
 from patches import RunFolderInUse
@@ -136,7 +137,7 @@ def test_coqui_runs_started_in_the_same_minute_get_their_own_folders(tmp_path: P
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+    return forkserver.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=900)
 
 
@@ -179,7 +180,7 @@ def test_two_headless_runs_into_one_output_folder_never_share_a_run_folder(
     assert first.returncode == 143
     folders = sorted(out.glob("xtts_finetune-*"))
     assert len(folders) == 2 and all(list(f.glob("checkpoint_*.pth")) for f in folders)
-    report = subprocess.run([sys.executable, "-m", "patches", "report", str(out), "--json", "-",
+    report = forkserver.run([sys.executable, "-m", "patches", "report", str(out), "--json", "-",
                              "--no-picture"], capture_output=True, text=True,
                             env=dict(os.environ, PYTHONPATH=child_path(ROOT)))
     runs = json.loads(report.stdout)["runs"]

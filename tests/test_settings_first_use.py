@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import forkserver
 import pytest
 
 import patches
@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent("""
 
 def _run(how: str, env: dict[str, str], tmp_path: Path) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TRAINING_PATCHES_")}
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-c", SCRIPT, how, str(tmp_path / f"{how}.pt")], capture_output=True,
         text=True, timeout=300, cwd=tmp_path,
         env={**clean, **env, "OMP_NUM_THREADS": "1",

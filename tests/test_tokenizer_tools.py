@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 
 from patches.tools import cli
@@ -493,7 +494,7 @@ def test_headless_extend_vocab_trains_amharic_with_base_rows_frozen(tmp_path) ->
            "am", "--output-dir", str(out), "--epochs", "1", "--batch-size", "2", "--lr",
            "1e-3", "--print-step", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT))
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    result = forkserver.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert _sha(base / "vocab.json") == before
     extended = out / "vocab_am.json"
@@ -572,7 +573,7 @@ def g2p(text):
 
 def _tool(argv: list, env_extra: dict) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=child_path(ROOT), **env_extra)
-    return subprocess.Popen([sys.executable, "-m", "patches", *map(str, argv)], cwd=ROOT,
+    return forkserver.popen([sys.executable, "-m", "patches", *map(str, argv)], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -12,6 +12,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import torch
 
@@ -434,10 +435,10 @@ def test_a_run_killed_by_sigterm_is_found_and_called_interrupted(tmp_path, appli
     script = tmp_path / "train.py"
     script.write_text(KILLED.format(tests=str(Path(__file__).parent), out=str(out),
                                     auto="import patches.auto" if applied else ""))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+    done = forkserver.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env=_child_env())
     assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]
-    report = subprocess.run([sys.executable, "-m", "patches", "report", str(out),
+    report = forkserver.run([sys.executable, "-m", "patches", "report", str(out),
                              "--no-picture"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, env=_child_env())
     if not applied:  # found, by its trainer_state.json, but nothing says how it ended

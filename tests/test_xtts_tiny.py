@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import forkserver
 import pytest
 import torch
 
@@ -95,6 +96,6 @@ def test_the_never_trained_modules_are_small_here_and_in_every_child(tiny_xtts, 
             "d = DiscreteVAE(channels=80, normalization=None, positional_dims=1, num_tokens=1024,"
             " codebook_dim=512, hidden_dim=512, num_resnet_blocks=3, kernel_size=3, num_layers=2)\n"
             "print(sum(p.numel() for p in d.parameters()))")
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    child = forkserver.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=child_path(ROOT)), check=True)
     assert int(child.stdout.split()[-1]) == sizes["dvae"]

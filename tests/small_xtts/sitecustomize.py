@@ -44,3 +44,19 @@ def _speaker_encoder(module: Any) -> None:
 wrapt.register_post_import_hook(_dvae, "TTS.tts.layers.xtts.dvae")
 wrapt.register_post_import_hook(_decoder, "TTS.tts.layers.xtts.hifigan_decoder")
 wrapt.register_post_import_hook(_speaker_encoder, "TTS.encoder.models.resnet")
+
+
+def _scan_once() -> None:
+    """coqui's ``import TTS`` scans every installed distribution twice
+    (``importlib.metadata.packages_distributions()`` in ``TTS/__init__.py`` and
+    ``TTS/utils/import_utils.py``, 0.2-0.4 s each here): the answer cannot change while the
+    process runs, so it is read once (and inherited by a child of tests/forkserver.py)."""
+    import functools
+    import importlib.metadata
+
+    scan = functools.cache(importlib.metadata.packages_distributions)
+    importlib.metadata.packages_distributions = lambda: {  # type: ignore[assignment]
+        name: list(found) for name, found in scan().items()}
+
+
+_scan_once()

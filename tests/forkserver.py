@@ -1,0 +1,420 @@
+"""A fork server for the Python processes the tests start (headlessXttsTrain.py, ``python -m
+patches ...``, the client trainers): each child is forked from a server that has imported
+torch, transformers and the other libraries those processes import and the patches never
+patch, and becomes ``python script args`` (``-m module``, ``-c code``) with its own pipes,
+environment, working directory, session and ``__main__``. A fresh process spends 3-4 s of
+CPU importing them, most of such a test's time; the library under test, coqui's Trainer
+and TTS are never imported by the server, so the child imports them in the order a fresh
+process does. ``popen``/``run`` start a fresh process instead wherever the server cannot
+stand in for one (another interpreter or option, an environment a preloaded module reads,
+a server not ready yet) and always under ``TESTS_NO_FORKSERVER=1``.
+
+Protocol over a SOCK_SEQPACKET socket: ``{"ready": true}`` once; then each request
+``{"argv", "env", "cwd", "umask", "session", "default_signals", "rc"}`` with the child's
+stdin, stdout and stderr as passed descriptors, answered ``{"pid": N}`` (or ``{"error"}``);
+the child's raw wait status is written to ``rc`` when the server reaps it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import json
+import os
+import random
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+SMALL_XTTS = Path(__file__).resolve().parent / "small_xtts"
+# What the started processes import that no patch site is (tests/test_forkserver.py checks):
+# torch's compiler and distributed tensors, transformers' model code, coqui's audio stack
+PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+           "scipy.signal", "scipy.optimize", "scipy.stats", "transformers", "tokenizers", "safetensors", "huggingface_hub",
+           "einops", "librosa", "coqpit", "soundfile", "fsspec", "torchaudio", "matplotlib")
+# Variables the preloaded modules do not read at import: a child may set them its own way
+FREE = re.compile(r"(TRAINING_PATCHES_|CLIENT_|PYTEST_).*|DS_ACCELERATOR|PATH|PYTHONPATH|"
+                  r"TORCHINDUCTOR_CACHE_DIR|OMP_NUM_THREADS")
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD,
+           signal.SIGPIPE, signal.SIGXFSZ)
+
+
+# -- the server --------------------------------------------------------------------------
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))  # native ones too: a fork copies one thread
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def _reap(children: dict[int, str]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = children.pop(pid, None)
+        if path is not None:
+            try:
+                Path(f"{path}.tmp").write_text(str(status))
+                os.replace(f"{path}.tmp", path)  # never half a number
+            except OSError:
+                pass  # its client is gone
+
+
+def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """Answer requests until the client closes its end (None); in a child, its request."""
+    children: dict[int, str] = {}
+    while True:
+        readable, _, _ = select.select([sock], [], [], 0.02)
+        _reap(children)
+        if not readable:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+        if not data:
+            return None
+        request = json.loads(data)
+        if _threads() != 1:
+            _send(sock, {"error": f"{_threads()} threads: forking is unsafe"})
+            for fd in fds:
+                os.close(fd)
+            continue
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            if request["session"]:
+                os.setsid()
+            os.close(ready_r)
+            os.close(ready_w)  # the server goes on once the child leads its session
+            return request, fds
+        os.close(ready_w)
+        os.read(ready_r, 1)
+        os.close(ready_r)
+        for fd in fds:
+            os.close(fd)  # the child's copies only: its pipes end when it does
+        children[pid] = request["rc"]
+        _send(sock, {"pid": pid})
+
+
+def become(request: dict[str, Any], fds: list[int], sock: socket.socket,
+           start_signals: dict[int, Any]) -> types.ModuleType:
+    """In the child: the state of a fresh ``python argv...`` (its ``__main__`` module)."""
+    sock.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    for sig, handler in start_signals.items():
+        signal.signal(sig, handler)
+    if request["default_signals"]:  # processes.default_signals, run before exec
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    server_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ.clear()
+    os.environ.update(request["env"])  # putenv too: C libraries read it
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    # OpenMP read OMP_NUM_THREADS (1) when the server loaded it: the count a fresh process
+    # would take from its own (or, without it, one thread per CPU it may run on)
+    threads = request["env"].get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
+    if threads.isdigit() and int(threads) != 1:
+        sys.modules["torch"].set_num_threads(int(threads))
+    random.seed()  # a fresh process seeds these from the OS; a fork shares the server's
+    sys.modules["numpy"].random.seed()
+    import importlib  # lazy: the child's only
+
+    importlib.invalidate_caches()  # files written since the server listed the folders
+    mode, target, *args = request["argv"]
+    if mode == "script":
+        path = os.path.abspath(target)
+        first, sys.argv = os.path.dirname(path), [target, *args]
+    else:
+        path, first = None, os.getcwd() if mode == "-m" else ""
+        sys.argv = ["-c" if mode == "-c" else target, *args]
+    child_path = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[: 1 + len([p for p in server_path if p])] = [first, *child_path]
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__annotations__={}, __builtins__=builtins, __cached__=None)
+    if path is not None:
+        main.__file__ = path
+    sys.modules["__main__"] = main
+    return main
+
+
+def run_main(mode: str, target: str, main: types.ModuleType) -> None:
+    """Run as the interpreter runs it; SystemExit and KeyboardInterrupt go on to the
+    interpreter, which ends the child as it ends a fresh process; another exception: its
+    traceback without this file's frames, exit code 1."""
+    try:
+        if mode == "-m":
+            import runpy  # lazy: the child's only
+
+            runpy._run_module_as_main(target, alter_argv=True)
+            return
+        if mode == "-c":
+            source, name = target, "<string>"
+        else:
+            name = main.__file__
+            try:
+                with open(name, "rb") as f:
+                    source = f.read()
+            except OSError as exc:
+                print(f"{sys.executable}: can't open file {name!r}: [Errno {exc.errno}] "
+                      f"{exc.strerror}", file=sys.stderr)
+                sys.exit(2)
+        exec(compile(source, name, "exec", dont_inherit=True), main.__dict__)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        exc.__traceback__ = tb  # the one printed (excepthook's argument only if none)
+        sys.excepthook(type(exc), exc, tb)
+        sys.exit(1)
+
+
+def _server_main(fd: int, sites: list[str], preload: list[str]) -> None:
+    sock = socket.socket(fileno=fd)
+    start_signals = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    import importlib  # lazy: the server's only
+
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # a library this machine lacks: its children import it themselves
+    import importlib.metadata  # lazy: the server's only
+
+    importlib.metadata.packages_distributions()  # coqui's scan, cached (small_xtts)
+    found = sorted(name for name in sites if name in sys.modules)
+    if found or _threads() != 1:
+        _send(sock, {"ready": False, "why": f"sites {found}, {_threads()} threads"})
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the test run
+    import gc  # lazy: the server's only
+
+    gc.freeze()  # the children's collections skip what the server imported (and copy less)
+    _send(sock, {"ready": True})
+    served = serve(sock)
+    if served is not None:
+        request, fds = served
+        mode, target = request["argv"][:2]
+        run_main(mode, target, become(request, fds, sock, start_signals))
+
+
+# -- the client ----------------------------------------------------------------------------
+
+class Server:
+    """The client of one server process (started with the environment a test run's
+    children mostly have: OMP_NUM_THREADS=1, the small XTTS modules on PYTHONPATH)."""
+
+    def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
+        from patches import _registry  # lazy: the sites it must not preload
+
+        # torch's sites are imported before any patch in every process (the library imports
+        # torch); every other site must be imported by the child itself, as in a fresh one
+        sites = sorted({site.module for name in _registry.specs()
+                        for site in _registry.sites_of(name) if not site.module.startswith("torch")}
+                       | {"patches", "trainer", "TTS"})
+        self.env = {k: v for k, v in os.environ.items() if not FREE.fullmatch(k)}
+        self.env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SMALL_XTTS))
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno()), json.dumps(sites),
+             json.dumps(preload)],
+            pass_fds=[theirs.fileno()], env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, cwd=Path(__file__).parent)
+        theirs.close()
+        self.ready: bool | None = None
+        self.why = ""  # what a server that is not ready said
+        self.lock = threading.Lock()
+        self.folder = tempfile.mkdtemp(prefix="forkserver-")
+        atexit.register(self.close)
+
+    def is_ready(self) -> bool:
+        if self.ready is None and select.select([self.sock], [], [], 0)[0]:
+            data = self.sock.recv(1 << 16)
+            said = json.loads(data) if data else {"why": "it ended"}
+            self.ready, self.why = said.get("ready") is True, said.get("why", "")
+        return bool(self.ready)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fits(self, env: dict[str, str]) -> bool:
+        """Whether a child with ``env`` can be forked: it differs from the server's only in
+        variables no preloaded module reads, and keeps the small XTTS modules on its path."""
+        keys = set(env) | set(self.env)
+        return all(env.get(k) == self.env.get(k) or FREE.fullmatch(k) for k in keys) and \
+            str(SMALL_XTTS) in env.get("PYTHONPATH", "").split(os.pathsep)
+
+    def fork(self, request: dict[str, Any], fds: list[int]) -> int | None:
+        with self.lock:
+            if not self.alive():
+                return None
+            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+            data = self.sock.recv(1 << 16)
+        answer = json.loads(data) if data else {}
+        return answer.get("pid")
+
+    def close(self) -> None:
+        self.sock.close()  # the server ends with its socket
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+_server: Server | None = None
+
+
+def _the_server() -> Server | None:
+    global _server
+    if os.environ.get("TESTS_NO_FORKSERVER") == "1":
+        return None
+    if _server is None:
+        _server = Server()
+    return _server if _server.is_ready() and _server.alive() else None
+
+
+def _mode(argv: list[str]) -> list[str] | None:
+    """``["script"|"-m"|"-c", target, *args]`` for ``python ...`` argv, else None."""
+    if len(argv) < 2 or argv[0] != sys.executable:
+        return None
+    if argv[1] in ("-m", "-c") and len(argv) > 2:
+        return [argv[1], *argv[2:]]
+    return None if argv[1].startswith("-") else ["script", *argv[1:]]
+
+
+class Forked(subprocess.Popen):
+    """``subprocess.Popen`` whose child is forked by the server: the pipes, ``communicate``,
+    ``send_signal`` and ``wait`` are Popen's own; the wait status comes from the server."""
+
+    def __init__(self, argv: list[str], server: Server, mode: list[str], **kwargs: Any):
+        self._server, self._mode = server, mode
+        self._rc = os.path.join(server.folder, f"{time.monotonic_ns()}-{threading.get_ident()}")
+        super().__init__(argv, **kwargs)
+
+    def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: Any,
+                       pass_fds: Any, cwd: Any, env: Any, startupinfo: Any,
+                       creationflags: Any, shell: Any, p2cread: int, p2cwrite: int,
+                       c2pread: int, c2pwrite: int, errread: int, errwrite: int,
+                       *rest: Any) -> None:
+        start_new_session = rest[-2]
+        request = {"argv": self._mode, "env": dict(env if env is not None else os.environ),
+                   "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd()),
+                   "umask": _umask(), "session": bool(start_new_session),
+                   "default_signals": preexec_fn is not None, "rc": self._rc}
+        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
+               errwrite if errwrite != -1 else 2]
+        pid = self._server.fork(request, fds)
+        if pid is None:  # the server could not: a fresh process, as Popen starts it
+            super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd,
+                                   env, startupinfo, creationflags, shell, p2cread, p2cwrite,
+                                   c2pread, c2pwrite, errread, errwrite, *rest)
+            self._rc = ""
+            return
+        self.pid, self._child_created = pid, True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+    def _status(self) -> int | None:
+        try:
+            return int(Path(self._rc).read_text())
+        except (FileNotFoundError, ValueError):
+            if not self._server.alive() and not _alive(self.pid):
+                return 1 << 8  # no server left to say it: exit code 1, not a hang
+            return None
+
+    def _try_wait(self, wait_flags: int) -> tuple[int, int]:
+        if not self._rc:
+            return super()._try_wait(wait_flags)
+        while True:
+            status = self._status()
+            if status is not None:
+                return self.pid, status
+            if wait_flags & os.WNOHANG:
+                return 0, 0
+            time.sleep(0.01)
+
+    def _internal_poll(self, _deadstate: Any = None, **_: Any) -> int | None:
+        if not self._rc:
+            return super()._internal_poll(_deadstate=_deadstate)
+        if self.returncode is None:
+            pid, status = self._try_wait(os.WNOHANG)
+            if pid == self.pid:
+                self._handle_exitstatus(status)
+        return self.returncode
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _alive(pid: int) -> bool:
+    from processes import alive  # lazy: a helper of the tests' own
+
+    return alive(pid)
+
+
+def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(argv, **kwargs)``, forked by the server where it can stand in for
+    a fresh process."""
+    from processes import default_signals  # lazy: a helper of the tests' own
+
+    mode = _mode([str(a) for a in argv])
+    env = kwargs.get("env")
+    plain = not set(kwargs) - {"env", "cwd", "stdin", "stdout", "stderr", "text",
+                               "start_new_session", "preexec_fn", "encoding", "errors",
+                               "universal_newlines", "bufsize"}
+    if mode is not None and plain and kwargs.get("preexec_fn") in (None, default_signals):
+        server = _the_server()
+        if server is not None and server.fits(dict(env if env is not None else os.environ)):
+            return Forked([str(a) for a in argv], server, mode, **kwargs)
+    return subprocess.Popen(argv, **kwargs)
+
+
+def run(argv: list[str], *, input: Any = None, capture_output: bool = False,
+        timeout: float | None = None, check: bool = False,
+        **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    """``subprocess.run`` over :func:`popen`."""
+    if input is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    with popen(argv, **kwargs) as process:
+        try:
+            stdout, stderr = process.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        except BaseException:
+            process.kill()
+            raise
+        retcode = process.poll()
+        if check and retcode:
+            raise subprocess.CalledProcessError(retcode, process.args, output=stdout,
+                                                stderr=stderr)
+    return subprocess.CompletedProcess(process.args, retcode, stdout, stderr)
+
+
+if __name__ == "__main__":
+    _server_main(int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]))
