@@ -44,6 +44,9 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor", "t
 # Variables the preloaded modules do not read at import: a child may set them its own way
 FREE = re.compile(r"(TRAINING_PATCHES_|CLIENT_|PYTEST_).*|DS_ACCELERATOR|PATH|PYTHONPATH|"
                   r"TORCHINDUCTOR_CACHE_DIR|OMP_NUM_THREADS")
+# The test process's environment before any test changed it (a server started while a test
+# has set a variable would otherwise fit no later child)
+BASE_ENV = dict(os.environ)
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD,
            signal.SIGPIPE, signal.SIGXFSZ)
 
@@ -232,7 +235,7 @@ class Server:
         sites = sorted({site.module for name in _registry.specs()
                         for site in _registry.sites_of(name) if not site.module.startswith("torch")}
                        | {"patches", "trainer", "TTS"})
-        self.env = {k: v for k, v in os.environ.items() if not FREE.fullmatch(k)}
+        self.env = {k: v for k, v in BASE_ENV.items() if not FREE.fullmatch(k)}
         self.env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SMALL_XTTS))
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
@@ -257,12 +260,15 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def fits(self, env: dict[str, str]) -> bool:
-        """Whether a child with ``env`` can be forked: it differs from the server's only in
-        variables no preloaded module reads, and keeps the small XTTS modules on its path."""
+    def misfits(self, env: dict[str, str]) -> list[str]:
+        """Why a child with ``env`` cannot be forked (nothing: it can): the variables where
+        it differs from the server's that a preloaded module may read, or a PYTHONPATH
+        without the small XTTS modules."""
         keys = set(env) | set(self.env)
-        return all(env.get(k) == self.env.get(k) or FREE.fullmatch(k) for k in keys) and \
-            str(SMALL_XTTS) in env.get("PYTHONPATH", "").split(os.pathsep)
+        found = sorted(k for k in keys if env.get(k) != self.env.get(k) and not FREE.fullmatch(k))
+        if str(SMALL_XTTS) not in env.get("PYTHONPATH", "").split(os.pathsep):
+            found.append("PYTHONPATH without tests/small_xtts")
+        return found
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> int | None:
         with self.lock:
@@ -386,9 +392,23 @@ def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
                                "universal_newlines", "bufsize"}
     if mode is not None and plain and kwargs.get("preexec_fn") in (None, default_signals):
         server = _the_server()
-        if server is not None and server.fits(dict(env if env is not None else os.environ)):
+        why = ["no server ready"] if server is None else server.misfits(
+            dict(env if env is not None else os.environ))
+        if server is not None and not why:
+            _note("forked", argv)
             return Forked([str(a) for a in argv], server, mode, **kwargs)
+        _note(f"fresh ({', '.join(why)})", argv)
+    else:
+        _note("fresh (not python with a script, -m or -c and plain arguments)", argv)
     return subprocess.Popen(argv, **kwargs)
+
+
+def _note(what: str, argv: list[Any]) -> None:
+    """With TESTS_FORKSERVER_LOG=FILE: a line per process started, forked or fresh and why."""
+    log = os.environ.get("TESTS_FORKSERVER_LOG")
+    if log:
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"{what}: {' '.join(map(str, argv))[:200]}\n")
 
 
 def run(argv: list[str], *, input: Any = None, capture_output: bool = False,

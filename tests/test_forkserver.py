@@ -75,6 +75,7 @@ def test_a_forked_child_sees_what_a_fresh_one_sees(server, monkeypatch, tmp_path
     env = dict(os.environ, PYTHONPATH=child_path(tmp_path), CLIENT_PROBE="x",
                TRAINING_PATCHES_QUIET="1")
     env.pop("OMP_NUM_THREADS", None)  # the server's is 1: the child takes a fresh one's
+    assert server.misfits(env) == []
     forked, fresh = _both(monkeypatch, [sys.executable, *argv, "a b", "3"], input="to stdin",
                           env=env, cwd=cwd, start_new_session=True,
                           preexec_fn=default_signals)
@@ -93,6 +94,7 @@ def test_a_failing_child_exits_1_with_its_own_traceback(server, monkeypatch,
     script = tmp_path / "probe.py"
     script.write_text(PROBE, encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=child_path(), OMP_NUM_THREADS="1")
+    assert server.misfits(env) == []
     forked, fresh = _both(monkeypatch, [sys.executable, str(script), "raise"], env=env)
     assert forked.returncode == fresh.returncode == 1
     assert forked.stderr.splitlines()[-1] == "ValueError: the probe fails on purpose"
@@ -129,6 +131,7 @@ def test_a_child_the_server_cannot_stand_in_for_runs_fresh(server, tmp_path: Pat
         child = forkserver.popen(argv, env={**env, **extra}, stdout=subprocess.PIPE,
                                  stdin=subprocess.DEVNULL, text=True)
         assert type(child) is subprocess.Popen
+        assert server.misfits({**env, **extra}) in ([], ["MKL_NUM_THREADS"])
         assert json.loads(child.communicate(timeout=120)[0])["first"] == []
 
 
