@@ -41,9 +41,12 @@ SMALL_XTTS = Path(__file__).resolve().parent / "small_xtts"
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
            "scipy.signal", "scipy.optimize", "scipy.stats", "transformers", "tokenizers", "safetensors", "huggingface_hub",
            "einops", "librosa", "coqpit", "soundfile", "fsspec", "torchaudio", "matplotlib")
-# Variables the preloaded modules do not read at import: a child may set them its own way
-FREE = re.compile(r"(TRAINING_PATCHES_|CLIENT_|PYTEST_).*|DS_ACCELERATOR|PATH|PYTHONPATH|"
-                  r"TORCHINDUCTOR_CACHE_DIR|OMP_NUM_THREADS")
+# Variables the preloaded modules do not read at import: a child may set them its own way.
+# Some are set in the test process by what its tests import (scikit-learn sets Intel
+# OpenMP's KMP_*, which torch's GNU OpenMP never reads; Lightning sets the NVML check, read
+# per call); OMP_NUM_THREADS is applied in the child (become).
+FREE = re.compile(r"(TRAINING_PATCHES_|CLIENT_|PYTEST_|KMP_).*|DS_ACCELERATOR|PATH|PYTHONPATH|"
+                  r"TORCHINDUCTOR_CACHE_DIR|OMP_NUM_THREADS|PYTORCH_NVML_BASED_CUDA_CHECK")
 # The test process's environment before any test changed it (a server started while a test
 # has set a variable would otherwise fit no later child)
 BASE_ENV = dict(os.environ)
