@@ -47,9 +47,9 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor", "t
 # per call); OMP_NUM_THREADS is applied in the child (become).
 FREE = re.compile(r"(TRAINING_PATCHES_|CLIENT_|PYTEST_|KMP_).*|DS_ACCELERATOR|PATH|PYTHONPATH|"
                   r"TORCHINDUCTOR_CACHE_DIR|OMP_NUM_THREADS|PYTORCH_NVML_BASED_CUDA_CHECK")
-# The test process's environment before any test changed it (a server started while a test
-# has set a variable would otherwise fit no later child)
-BASE_ENV = dict(os.environ)
+# At most this many servers per test process, one per environment its children start with
+# (an in-process coqui Trainer sets PYTHONHASHSEED for every later child: a server of its own)
+MAX_SERVERS = 3
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD,
            signal.SIGPIPE, signal.SIGXFSZ)
 
@@ -226,11 +226,18 @@ def _server_main(fd: int, sites: list[str], preload: list[str]) -> None:
 
 # -- the client ----------------------------------------------------------------------------
 
-class Server:
-    """The client of one server process (started with the environment a test run's
-    children mostly have: OMP_NUM_THREADS=1, the small XTTS modules on PYTHONPATH)."""
+def server_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of the server that forks a child with ``env``: the variables a
+    preloaded module may read as the child has them, OMP_NUM_THREADS=1 and the small XTTS
+    modules on PYTHONPATH."""
+    return {**{k: v for k, v in env.items() if not FREE.fullmatch(k)},
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SMALL_XTTS)}
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
+
+class Server:
+    """The client of one server process, started with ``env``."""
+
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = PRELOAD) -> None:
         from patches import _registry  # lazy: the sites it must not preload
 
         # torch's sites are imported before any patch in every process (the library imports
@@ -238,8 +245,7 @@ class Server:
         sites = sorted({site.module for name in _registry.specs()
                         for site in _registry.sites_of(name) if not site.module.startswith("torch")}
                        | {"patches", "trainer", "TTS"})
-        self.env = {k: v for k, v in BASE_ENV.items() if not FREE.fullmatch(k)}
-        self.env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(SMALL_XTTS))
+        self.env = env
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(theirs.fileno()), json.dumps(sites),
@@ -290,16 +296,26 @@ class Server:
             self.proc.kill()
 
 
-_server: Server | None = None
+_servers: dict[tuple[tuple[str, str], ...], Server] = {}
+_asked: set[tuple[tuple[str, str], ...]] = set()
 
 
-def _the_server() -> Server | None:
-    global _server
+def _key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(server_env(env).items()))
+
+
+def server_for(env: dict[str, str], start: bool = True) -> Server | None:
+    """The ready server whose children start with ``env`` (None: none yet). A server starts
+    for the second child asking for one environment, so that a one-off (a job's own
+    variables) costs no server's imports; ``start`` starts it at once."""
     if os.environ.get("TESTS_NO_FORKSERVER") == "1":
         return None
-    if _server is None:
-        _server = Server()
-    return _server if _server.is_ready() and _server.alive() else None
+    key = _key(env)
+    server = _servers.get(key)
+    if server is None and (key in _asked or start) and len(_servers) < MAX_SERVERS:
+        server = _servers[key] = Server(server_env(env))
+    _asked.add(key)
+    return server if server is not None and server.is_ready() and server.alive() else None
 
 
 def _mode(argv: list[str]) -> list[str] | None:
@@ -394,9 +410,9 @@ def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
                                "start_new_session", "preexec_fn", "encoding", "errors",
                                "universal_newlines", "bufsize"}
     if mode is not None and plain and kwargs.get("preexec_fn") in (None, default_signals):
-        server = _the_server()
-        why = ["no server ready"] if server is None else server.misfits(
-            dict(env if env is not None else os.environ))
+        child_env = dict(env if env is not None else os.environ)
+        server = server_for(child_env, start=False)
+        why = ["no server ready"] if server is None else server.misfits(child_env)
         if server is not None and not why:
             _note("forked", argv)
             return Forked([str(a) for a in argv], server, mode, **kwargs)

@@ -44,13 +44,14 @@ PER_PROCESS = ("first", "pid", "sid")
 def server(monkeypatch: pytest.MonkeyPatch) -> forkserver.Server:
     """This worker's server, ready (it imports for a few seconds)."""
     monkeypatch.delenv("TESTS_NO_FORKSERVER", raising=False)
-    forkserver._the_server()
-    assert forkserver._server is not None
+    env = dict(os.environ)
+    forkserver.server_for(env)
+    server = forkserver._servers[forkserver._key(env)]
     deadline = time.monotonic() + 120
-    while not forkserver._server.is_ready():
-        assert forkserver._server.alive() and time.monotonic() < deadline, "no server"
+    while not server.is_ready():
+        assert server.alive() and time.monotonic() < deadline, f"no server: {server.why}"
         time.sleep(0.1)
-    return forkserver._server
+    return server
 
 
 def _both(monkeypatch: pytest.MonkeyPatch, argv: list[str], **kwargs):
@@ -121,8 +122,9 @@ def test_a_forked_child_in_its_session_ends_by_a_signal_to_its_group(server,
 
 
 def test_a_child_the_server_cannot_stand_in_for_runs_fresh(server, tmp_path: Path) -> None:
-    """An environment a preloaded module reads at import (MKL_NUM_THREADS), another
-    interpreter option, or another program: a fresh process."""
+    """The first child with an environment a preloaded module reads at import
+    (MKL_NUM_THREADS: a server of its own starts for the second), another interpreter
+    option: a fresh process."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE, encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=child_path(), OMP_NUM_THREADS="1")
@@ -131,17 +133,38 @@ def test_a_child_the_server_cannot_stand_in_for_runs_fresh(server, tmp_path: Pat
         child = forkserver.popen(argv, env={**env, **extra}, stdout=subprocess.PIPE,
                                  stdin=subprocess.DEVNULL, text=True)
         assert type(child) is subprocess.Popen
-        assert server.misfits({**env, **extra}) in ([], ["MKL_NUM_THREADS"])
         assert json.loads(child.communicate(timeout=120)[0])["first"] == []
 
 
 def test_a_server_whose_imports_reach_a_patch_site_forks_nothing() -> None:
     """Preloading coqui's Trainer (a site) would let the child find it imported before the
     patches: such a server says so and never becomes ready."""
-    bad = forkserver.Server(preload=("numpy", "trainer"))
+    bad = forkserver.Server(forkserver.server_env(dict(os.environ)), preload=("numpy", "trainer"))
     try:
         assert bad.proc.wait(timeout=120) == 0
         assert not bad.is_ready() and bad.ready is False
         assert "trainer" in bad.why
     finally:
         bad.close()
+
+
+def test_children_with_a_fixed_hash_seed_get_a_server_started_with_it(
+        server, monkeypatch, tmp_path: Path) -> None:
+    """An in-process coqui Trainer leaves PYTHONHASHSEED in the test process's environment,
+    and every later child inherits it: the server that forks them is started with it, so a
+    forked child hashes as a fresh one does."""
+    code = "import sys; print(hash('a str'), 'torch' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=child_path(), OMP_NUM_THREADS="1", PYTHONHASHSEED="123")
+    argv = [sys.executable, "-c", code]
+    first = forkserver.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert first.stdout.split()[1] == "False"  # the first asks for a server, runs fresh
+    forkserver.server_for(env)
+    seeded = forkserver._servers[forkserver._key(env)]
+    assert seeded is not server and seeded.env["PYTHONHASHSEED"] == "123"
+    deadline = time.monotonic() + 120
+    while not seeded.is_ready():
+        assert seeded.alive() and time.monotonic() < deadline, seeded.why
+        time.sleep(0.1)
+    forked, fresh = _both(monkeypatch, argv, env=env)
+    assert forked.stdout.split() == [first.stdout.split()[0], "True"]
+    assert fresh.stdout.split() == [first.stdout.split()[0], "False"]
