@@ -107,6 +107,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") and \
             signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # make test: the fork server imports meanwhile
+        import forkserver
+
+        forkserver.server_for(dict(os.environ), start=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

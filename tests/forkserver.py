@@ -5,9 +5,10 @@ patch, and becomes ``python script args`` (``-m module``, ``-c code``) with its 
 environment, working directory, session and ``__main__``. A fresh process spends 3-4 s of
 CPU importing them, most of such a test's time; the library under test, coqui's Trainer
 and TTS are never imported by the server, so the child imports them in the order a fresh
-process does. ``popen``/``run`` start a fresh process instead wherever the server cannot
-stand in for one (another interpreter or option, an environment a preloaded module reads,
-a server not ready yet) and always under ``TESTS_NO_FORKSERVER=1``.
+process does. One server per environment the children start with; ``popen``/``run``
+start a fresh process where no server can stand in for one (another interpreter option, no
+server ready yet) and always under ``TESTS_NO_FORKSERVER=1``. What differs from a fresh
+process: the children of one server share its string-hash seed, and its imports are done.
 
 Protocol over a SOCK_SEQPACKET socket: ``{"ready": true}`` once; then each request
 ``{"argv", "env", "cwd", "umask", "session", "default_signals", "rc"}`` with the child's
@@ -44,9 +45,11 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor", "t
 # Variables the preloaded modules do not read at import: a child may set them its own way.
 # Some are set in the test process by what its tests import (scikit-learn sets Intel
 # OpenMP's KMP_*, which torch's GNU OpenMP never reads; Lightning sets the NVML check, read
-# per call); OMP_NUM_THREADS is applied in the child (become).
+# per call; tokenizers reads its parallelism per call too); OMP_NUM_THREADS is applied in
+# the child (become).
 FREE = re.compile(r"(TRAINING_PATCHES_|CLIENT_|PYTEST_|KMP_).*|DS_ACCELERATOR|PATH|PYTHONPATH|"
-                  r"TORCHINDUCTOR_CACHE_DIR|OMP_NUM_THREADS|PYTORCH_NVML_BASED_CUDA_CHECK")
+                  r"TORCHINDUCTOR_CACHE_DIR|OMP_NUM_THREADS|PYTORCH_NVML_BASED_CUDA_CHECK|"
+                  r"TOKENIZERS_PARALLELISM")
 # At most this many servers per test process, one per environment its children start with
 # (an in-process coqui Trainer sets PYTHONHASHSEED for every later child: a server of its own)
 MAX_SERVERS = 3

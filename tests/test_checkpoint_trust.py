@@ -638,6 +638,31 @@ def test_a_killed_writers_latest_temp_file_is_swept_like_the_others(tmp_path):
     assert _latest(out) == "ckpt_000000002.pt"
 
 
+def test_a_killed_writer_not_yet_reaped_has_ended_and_its_temp_file_is_swept(tmp_path):
+    """A writer killed with its launcher stays a zombie until someone reaps it: it no longer
+    runs, so the next save removes its temporary file (a zombie answers ``kill(pid, 0)``)."""
+    import signal
+    import subprocess
+    import time
+
+    from patches.checkpoint.atomic import host_name, pid_alive
+
+    out = tmp_path / "run"
+    out.mkdir()
+    writer = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(writer.pid, signal.SIGKILL)
+        while Path(f"/proc/{writer.pid}/stat").read_text().split(")")[-1].split()[0] != "Z":
+            time.sleep(0.01)  # killed, not reaped: a zombie
+        assert not pid_alive(writer.pid) and pid_alive(os.getpid())
+        torn = out / f".ckpt_000000001.pt.tp-tmp-{writer.pid}@{host_name()}~abc123"
+        torn.write_bytes(b"half a checkpoint")
+        CheckpointManager(out, keep=None).save(2, TinyGPT())
+        assert not torn.exists()
+    finally:
+        writer.wait()
+
+
 SAVE_UNDER_A_LIMIT = r"""
 import sys
 import torch

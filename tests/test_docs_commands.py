@@ -28,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 from processes import child_path
 
@@ -285,6 +286,20 @@ def _bin(folder: Path) -> dict[str, str]:
     return _env(folder)
 
 
+# A command without shell syntax: its words are the argv the shell would run
+PLAIN_COMMAND = re.compile(r"[^$|&;<>()`\\'\"*?~{}=]+")
+
+
+def _argv(command: str) -> list[str] | None:
+    """The argv a plain ``python ...`` or ``training-patches ...`` line runs through its
+    shim (:func:`_bin`); None for anything else (bash runs it)."""
+    if not PLAIN_COMMAND.fullmatch(command):
+        return None
+    first, *rest = shlex.split(command)
+    prefix = {"python": [sys.executable], "training-patches": [sys.executable, "-m", "patches"]}
+    return [*prefix[first], *rest] if first in prefix else None
+
+
 def _docs_that_run() -> list[str]:
     return [doc for doc in DOCS
             if any(d == doc and c not in SKIP for d, _, c in doc_commands())]
@@ -303,8 +318,13 @@ def test_every_doc_command_exits_as_the_docs_say(doc: str, world: Path, tmp_path
     for name, line, command in doc_commands():
         if name != doc or command in SKIP:
             continue
-        done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=300)
+        argv = _argv(command)
+        if argv is None:
+            done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env,
+                                  capture_output=True, text=True, timeout=300)
+        else:  # what the shim would exec, forked where it can be (tests/forkserver.py)
+            done = forkserver.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                                  timeout=300)
         expected = EXPECTED[command]
         assert done.returncode == expected, (f"{doc}:{line}: `{command}` exited "
                                              f"{done.returncode}, the docs say {expected}\n"

@@ -153,6 +153,7 @@ def test_children_with_a_fixed_hash_seed_get_a_server_started_with_it(
     """An in-process coqui Trainer leaves PYTHONHASHSEED in the test process's environment,
     and every later child inherits it: the server that forks them is started with it, so a
     forked child hashes as a fresh one does."""
+    monkeypatch.setattr(forkserver, "MAX_SERVERS", len(forkserver._servers) + 1)
     code = "import sys; print(hash('a str'), 'torch' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=child_path(), OMP_NUM_THREADS="1", PYTHONHASHSEED="123")
     argv = [sys.executable, "-c", code]

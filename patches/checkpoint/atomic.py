@@ -54,6 +54,24 @@ def host_name() -> str:
 def temp_prefix(name: str) -> str:
     """The start of a temporary name for ``name``: ``.<name>.tp-tmp-<pid>@<host>~``."""
     return f".{name}{TMP_MARK}{os.getpid()}@{host_name()}~"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs. A zombie (killed, not yet reaped by
+    its parent: a launcher killed with it) has ended: its temporary files are garbage."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # someone else's process, or a pid this system cannot have: not "gone"
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"  # after "(name)": state
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): it answered the signal
+
+
 # Errors that mean "no room": the disk is full or the user's quota is spent.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # What torch.save writes beside the tensors' bytes, at most: the records every file has
@@ -363,4 +381,5 @@ def atomic_text(path: Path, text: str) -> None:
 
 __all__ = ["atomic_write", "atomic_torch_save", "atomic_text", "write_atomically",
            "estimate_bytes", "space_needed", "no_room", "file_bytes", "ensure_free_space",
-           "disk_free", "Written", "TMP_MARK", "TMP_OWNER", "host_name", "temp_prefix", "MARGIN"]
+           "disk_free", "Written", "TMP_MARK", "TMP_OWNER", "host_name", "temp_prefix", "MARGIN",
+           "pid_alive"]

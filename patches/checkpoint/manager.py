@@ -28,7 +28,7 @@ from .digest import beside, file_record
 from .reading import (FORMAT, MANIFEST_SUFFIX, Manifest, _what_to_do, check_file,
                       iter_tensors, manager_checkpoints, manifest_path, manifest_text,
                       nonfinite_flags, read_manifest)
-from .atomic import TMP_OWNER, host_name
+from .atomic import TMP_OWNER, host_name, pid_alive
 from .atomic import atomic_text as _atomic_text
 from .atomic import (disk_free, disk_full_error, ensure_free_space, no_room, space_needed,
                      write_atomically)
@@ -44,16 +44,6 @@ from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem
 logger = logging.getLogger("training_patches")
 
 LATEST = "latest"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(path: Path) -> bool:
@@ -357,7 +347,7 @@ class CheckpointManager:
         """
         if not self.output_dir.is_dir():
             return
-        sweep_incomplete(self.output_dir, self.folder_pattern, _pid_alive)
+        sweep_incomplete(self.output_dir, self.folder_pattern, pid_alive)
         # The ``latest`` pointer is written the same way: its temporary file too.
         own = rf"{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
         mark = re.compile(rf"^\.(?:{own}|{re.escape(LATEST)}){TMP_OWNER.pattern}")
@@ -367,7 +357,7 @@ class CheckpointManager:
             if match is None:
                 continue
             pid, host = int(match.group(1)), match.group(2)
-            if host != here or (pid != os.getpid() and _pid_alive(pid)):
+            if host != here or (pid != os.getpid() and pid_alive(pid)):
                 continue
             entry.unlink(missing_ok=True)
             logger.debug("training-patches: removed %s, left by an interrupted save", entry.name)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import learning
+from ...checkpoint.atomic import pid_alive
 from . import reading
 from .reading import Run
 
@@ -319,16 +320,6 @@ def _names_folder(recorded: Any, folder: str) -> bool:
         os.path.basename(os.path.normpath(recorded)) == os.path.basename(os.path.normpath(folder)))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # someone else's process, or a pid this system cannot have: not "gone"
-    return True
-
-
 def _last_record(run: Run) -> dict[str, Any] | None:
     """The run's last start/stop record that says how it ended: of headless_runs.jsonl
     (headlessXttsTrain.py) and a trainer integration's trainer_runs.jsonl (the coqui
@@ -388,7 +379,7 @@ def _ending(run: Run, f: Facts) -> None:
                 f"whether the run ended: it recorded its start on {last['host']} (process "
                 f"{last['pid']}, {last['recorded_in']}) and no end, and a process of another "
                 f"machine cannot be looked at from here")
-        elif _pid_alive(last["pid"]):
+        elif pid_alive(last["pid"]):
             f.running = last
         else:
             newest = os.path.dirname(state["path"]) if state is not None else ""
