@@ -13,7 +13,7 @@ process: the children of one server share its string-hash seed, and its imports 
 Protocol over a SOCK_SEQPACKET socket: ``{"ready": true}`` once; then each request
 ``{"argv", "env", "cwd", "umask", "session", "default_signals", "rc"}`` with the child's
 stdin, stdout and stderr as passed descriptors, answered ``{"pid": N}`` (or ``{"error"}``);
-the child's raw wait status is written to ``rc`` when the server reaps it.
+the child's exit code is written to ``rc`` when the server reaps it (the zygote's ``reap``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import time
 import types
 from pathlib import Path
 from typing import Any
+
+from distributed.zygote import reap, run_code, run_script
 
 SMALL_XTTS = Path(__file__).resolve().parent / "small_xtts"
 # What the started processes import that no patch site is (tests/test_forkserver.py checks):
@@ -67,29 +69,12 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.send(json.dumps(message).encode())
 
 
-def _reap(children: dict[int, str]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        path = children.pop(pid, None)
-        if path is not None:
-            try:
-                Path(f"{path}.tmp").write_text(str(status))
-                os.replace(f"{path}.tmp", path)  # never half a number
-            except OSError:
-                pass  # its client is gone
-
-
 def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     """Answer requests until the client closes its end (None); in a child, its request."""
     children: dict[int, str] = {}
     while True:
         readable, _, _ = select.select([sock], [], [], 0.02)
-        _reap(children)
+        reap(children)
         if not readable:
             continue
         data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
@@ -166,36 +151,16 @@ def become(request: dict[str, Any], fds: list[int], sock: socket.socket,
 
 
 def run_main(mode: str, target: str, main: types.ModuleType) -> None:
-    """Run as the interpreter runs it; SystemExit and KeyboardInterrupt go on to the
-    interpreter, which ends the child as it ends a fresh process; another exception: its
-    traceback without this file's frames, exit code 1."""
-    try:
-        if mode == "-m":
-            import runpy  # lazy: the child's only
+    """Run as the interpreter runs it (the zygote's :func:`run_code`: its exit code and
+    traceback as a fresh process's)."""
+    if mode == "-m":
+        import runpy  # lazy: the child's only
 
-            runpy._run_module_as_main(target, alter_argv=True)
-            return
-        if mode == "-c":
-            source, name = target, "<string>"
-        else:
-            name = main.__file__
-            try:
-                with open(name, "rb") as f:
-                    source = f.read()
-            except OSError as exc:
-                print(f"{sys.executable}: can't open file {name!r}: [Errno {exc.errno}] "
-                      f"{exc.strerror}", file=sys.stderr)
-                sys.exit(2)
-        exec(compile(source, name, "exec", dont_inherit=True), main.__dict__)
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException as exc:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-            tb = tb.tb_next
-        exc.__traceback__ = tb  # the one printed (excepthook's argument only if none)
-        sys.excepthook(type(exc), exc, tb)
-        sys.exit(1)
+        runpy._run_module_as_main(target, alter_argv=True)
+    elif mode == "-c":
+        run_code(main, target, "<string>")
+    else:
+        run_script(main)
 
 
 def _server_main(fd: int, sites: list[str], preload: list[str]) -> None:
@@ -362,8 +327,10 @@ class Forked(subprocess.Popen):
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
     def _status(self) -> int | None:
+        """The child's wait status, from the exit code the server wrote (-N: signal N)."""
         try:
-            return int(Path(self._rc).read_text())
+            code = int(Path(self._rc).read_text())
+            return code << 8 if code >= 0 else -code
         except (FileNotFoundError, ValueError):
             if not self._server.alive() and not _alive(self.pid):
                 return 1 << 8  # no server left to say it: exit code 1, not a hang

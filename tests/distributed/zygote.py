@@ -56,7 +56,8 @@ def _write_rc(path: str, status: int) -> None:
         pass  # the job's folder is gone: its client stopped waiting
 
 
-def _reap(children: dict[int, str]) -> None:
+def reap(children: dict[int, str]) -> None:
+    """Write the exit code of each ended child to its file (``children``: pid -> file)."""
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -93,7 +94,7 @@ def serve() -> dict[str, Any] | None:
     pending = b""
     while True:
         readable, _, _ = select.select([0], [], [], 0.02)
-        _reap(children)
+        reap(children)
         if not readable:
             continue
         chunk = os.read(0, 1 << 16)  # not sys.stdin: its buffer would hide lines from select
@@ -151,10 +152,7 @@ def become(request: dict[str, Any]) -> types.ModuleType:
 
 
 def run_script(main: types.ModuleType) -> None:
-    """Run the script as the interpreter runs ``python script.py``; SystemExit and
-    KeyboardInterrupt go on to the interpreter, which ends the process as it ends a fresh
-    one (SIGINT for an unhandled KeyboardInterrupt). Another exception: its traceback from
-    the script's frame on, exit code 1."""
+    """Run the script as the interpreter runs ``python script.py`` (:func:`run_code`)."""
     path = main.__file__
     try:
         with open(path, "rb") as f:
@@ -163,7 +161,15 @@ def run_script(main: types.ModuleType) -> None:
         print(f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] "
               f"{exc.strerror}", file=sys.stderr)
         sys.exit(2)
-    code = compile(source, path, "exec", dont_inherit=True)  # no __future__ of this file
+    run_code(main, source, path)
+
+
+def run_code(main: types.ModuleType, source: str | bytes, filename: str) -> None:
+    """Run ``source`` in ``main`` as the interpreter runs a script; SystemExit and
+    KeyboardInterrupt go on to the interpreter, which ends the process as it ends a fresh
+    one (SIGINT for an unhandled KeyboardInterrupt). Another exception: its traceback from
+    the script's frame on, exit code 1."""
+    code = compile(source, filename, "exec", dont_inherit=True)  # no __future__ of this file
     try:
         exec(code, main.__dict__)
     except (SystemExit, KeyboardInterrupt):
