@@ -17,6 +17,9 @@ import forkserver
 import pytest
 from processes import child_path, default_signals
 
+# Each comparison starts a fresh process beside the forked one, and a server imports for
+# seconds: not the unit tier's
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = '''import sys
 FIRST = sorted(m for m in ("torch", "transformers", "patches", "TTS", "trainer")
