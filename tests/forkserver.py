@@ -19,10 +19,8 @@ the child's exit code is written to ``rc`` when the server reaps it (the zygote'
 from __future__ import annotations
 
 import atexit
-import builtins
 import json
 import os
-import random
 import re
 import select
 import signal
@@ -36,7 +34,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from distributed.zygote import reap, run_code, run_script
+from distributed.zygote import fresh_state, new_main, reap, run_code, run_script
 
 SMALL_XTTS = Path(__file__).resolve().parent / "small_xtts"
 # What the started processes import that no patch site is (tests/test_forkserver.py checks):
@@ -112,27 +110,17 @@ def become(request: dict[str, Any], fds: list[int], sock: socket.socket,
     for fd in set(fds):
         if fd > 2:
             os.close(fd)
-    for sig, handler in start_signals.items():
-        signal.signal(sig, handler)
+    server_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    fresh_state(start_signals, request["env"], request["cwd"], request["umask"])
     if request["default_signals"]:  # processes.default_signals, run before exec
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    server_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    os.environ.clear()
-    os.environ.update(request["env"])  # putenv too: C libraries read it
-    os.chdir(request["cwd"])
-    os.umask(request["umask"])
     # OpenMP read OMP_NUM_THREADS (1) when the server loaded it: the count a fresh process
     # would take from its own (or, without it, one thread per CPU it may run on)
     threads = request["env"].get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
     if threads.isdigit() and int(threads) != 1:
         sys.modules["torch"].set_num_threads(int(threads))
-    random.seed()  # a fresh process seeds these from the OS; a fork shares the server's
-    sys.modules["numpy"].random.seed()
-    import importlib  # lazy: the child's only
-
-    importlib.invalidate_caches()  # files written since the server listed the folders
     mode, target, *args = request["argv"]
     if mode == "script":
         path = os.path.abspath(target)
@@ -142,12 +130,7 @@ def become(request: dict[str, Any], fds: list[int], sock: socket.socket,
         sys.argv = ["-c" if mode == "-c" else target, *args]
     child_path = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[: 1 + len([p for p in server_path if p])] = [first, *child_path]
-    main = types.ModuleType("__main__")
-    main.__dict__.update(__annotations__={}, __builtins__=builtins, __cached__=None)
-    if path is not None:
-        main.__file__ = path
-    sys.modules["__main__"] = main
-    return main
+    return new_main(path)
 
 
 def run_main(mode: str, target: str, main: types.ModuleType) -> None:
@@ -237,15 +220,14 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def misfits(self, env: dict[str, str]) -> list[str]:
-        """Why a child with ``env`` cannot be forked (nothing: it can): the variables where
-        it differs from the server's that a preloaded module may read, or a PYTHONPATH
-        without the small XTTS modules."""
-        keys = set(env) | set(self.env)
-        found = sorted(k for k in keys if env.get(k) != self.env.get(k) and not FREE.fullmatch(k))
-        if str(SMALL_XTTS) not in env.get("PYTHONPATH", "").split(os.pathsep):
-            found.append("PYTHONPATH without tests/small_xtts")
-        return found
+    @staticmethod
+    def misfits(env: dict[str, str]) -> list[str]:
+        """Why a child with ``env`` cannot be forked by the server :func:`server_for` gives it
+        (which has every variable a preloaded module may read as ``env`` has it): a
+        PYTHONPATH without the small XTTS modules its sitecustomize installed."""
+        if str(SMALL_XTTS) in env.get("PYTHONPATH", "").split(os.pathsep):
+            return []
+        return ["PYTHONPATH without tests/small_xtts"]
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> int | None:
         with self.lock:

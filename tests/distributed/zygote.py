@@ -120,12 +120,6 @@ def serve() -> dict[str, Any] | None:
 def become(request: dict[str, Any]) -> types.ModuleType:
     """In the child: the process state of ``python script args...`` started by the client
     (``subprocess.Popen(..., start_new_session=True)``); returns its ``__main__`` module."""
-    for sig, handler in START_SIGNALS.items():
-        signal.signal(sig, handler)
-    os.environ.clear()
-    os.environ.update(request["env"])  # putenv too: gloo and the C libraries read it
-    os.chdir(request["cwd"])
-    os.umask(request["umask"])
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -133,20 +127,38 @@ def become(request: dict[str, Any]) -> types.ModuleType:
     os.dup2(log, 1)  # the job's ranks share one log, their lines interleave as under torchrun
     os.dup2(log, 2)
     os.close(log)
+    fresh_state(START_SIGNALS, request["env"], request["cwd"], request["umask"])
+    script, *args = request["argv"]
+    path = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(path)
+    return new_main(path)
+
+
+def fresh_state(signals: dict[int, Any], env: dict[str, str], cwd: str, umask: int) -> None:
+    """In a forked child: what a fresh process started with ``env`` in ``cwd`` has (the
+    signal dispositions it starts with, its own seeds, the folders listed anew)."""
+    for sig, handler in signals.items():
+        signal.signal(sig, handler)
+    os.environ.clear()
+    os.environ.update(env)  # putenv too: gloo and the C libraries read it
+    os.chdir(cwd)
+    os.umask(umask)
     # A fresh process seeds these from the OS; a fork would share the server's state.
     # (torch's default generator starts from a fixed seed, and no torch op ran here.)
     random.seed()
     sys.modules["numpy"].random.seed()
     importlib.invalidate_caches()  # files written since the server listed the folders
-    script, *args = request["argv"]
-    path = os.path.abspath(script)
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(path)
-    # Not runpy.run_path: it puts the server's __main__ back when the script returns, while
-    # the atexit handlers and the finalization still run; and __file__ is absolute.
+
+
+def new_main(path: str | None) -> types.ModuleType:
+    """A fresh ``__main__`` module, for the script at ``path`` (None: ``-c`` or ``-m``).
+    Not runpy.run_path: it puts the server's __main__ back when the script returns, while
+    the atexit handlers and the finalization still run; and ``__file__`` is absolute."""
     main = types.ModuleType("__main__")
-    main.__dict__.update(__annotations__={}, __builtins__=builtins, __file__=path,
-                         __cached__=None, __loader__=SourceFileLoader("__main__", path))
+    main.__dict__.update(__annotations__={}, __builtins__=builtins, __cached__=None)
+    if path is not None:
+        main.__dict__.update(__file__=path, __loader__=SourceFileLoader("__main__", path))
     sys.modules["__main__"] = main
     return main
 
