@@ -4,18 +4,11 @@ Importing this package changes nothing; :func:`patches.advanced.apply` and :func
 are the only doors. ``from utils import training_patches`` (or ``import patches.auto``)
 applies the default set once. See TRAINING_PATCHES_README.md.
 
-The public core (``__all__``) is what a user of an XTTS fine-tune needs: ``load_checkpoint``,
-``CheckpointManager``, ``stats``/``status``/``revert``, the errors and the report these raise
-or return, and :mod:`patches.advanced`, which holds every other public name (choosing patches
-and options by hand, a plain loop's own scaler/clip/freeze, the learning monitor, languages,
-runtime inspection). Their old top-level spellings (``patches.apply``: deprecated) still
-answer, as aliases for one release (:func:`__getattr__`).
-
-Layout, in three layers (``tests/test_import_graph.py``): the generic patches (one module
-each, with the core ``_*`` modules, ``checkpoint`` and ``languages``) import torch and each
-other; :mod:`patches.integrations` adds what is specific to one upstream (coqui Trainer,
-XTTS) on top of them; :mod:`patches.tools` (the ``training-patches`` command) sits above
-both and is never imported from here.
+The public core (``__all__``) is what a user of an XTTS fine-tune needs; :mod:`patches.advanced`
+holds every other public name (their old top-level spellings answer as deprecated aliases for
+one release: :func:`__getattr__`). Layout, in three layers (``tests/test_import_graph.py``):
+the generic patches and the core ``_*`` modules; :mod:`patches.integrations` on top of them;
+:mod:`patches.tools` (the ``training-patches`` command) above both, never imported from here.
 """
 
 from __future__ import annotations
@@ -56,16 +49,14 @@ _MOVED = frozenset((
     "freeze_base_vocab", "OutOfMemoryTrainingError", "skip_on_oom", "LearningMonitor",
     "ReadingProbe"))
 _warned_aliases: set[str] = set()
-# Core names whose module (the checkpoint loader and manager) loads on their first use, not at
-# ``import patches.auto`` (issue 41): each is patches.checkpoint's object, as before.
+# Core names whose module (patches.checkpoint) loads on their first use (issue 41).
 _LAZY = frozenset(("CheckpointManager", "LoadReport", "load_checkpoint"))
 
 
 def __getattr__(name: str) -> object:
     """``patches.<old name>`` is ``patches.advanced.<old name>``, with one DeprecationWarning
-    per name per process that names the new spelling; a name of :data:`_LAZY` is
-    ``patches.checkpoint``'s, imported on first use and kept (PEP 562: asked only for a name
-    this module does not hold)."""
+    per name per process; a name of :data:`_LAZY` is ``patches.checkpoint``'s, imported on
+    first use and kept (PEP 562)."""
     if name in _LAZY:
         value = globals()[name] = getattr(checkpoint, name)
         return value

@@ -38,13 +38,9 @@ def _check_names(names: Iterable[str], source: str) -> None:
 
 
 def check_settings(**options: Any) -> _options.Options:
-    """The settings :func:`apply` would use (keyword arguments, ``TRAINING_PATCHES_*``
-    variables, defaults), validated exactly as activation validates them; changes nothing.
-
-    Raises :class:`ConfigError` with the paragraph activation would stop with. ``doctor``
-    and ``headlessXttsTrain.py``'s pre-flight call this, so they can never disagree with it;
-    so does every use of the library before any :func:`apply` (:func:`_options.current`).
-    """
+    """The settings :func:`apply` would use, validated exactly as activation validates them
+    (:class:`ConfigError` with its paragraph); changes nothing. ``doctor``, the headless
+    pre-flight and every use before any :func:`apply` call this, so none can disagree."""
     opts = _options.resolve(options)
     _check_names(opts.disable, "TRAINING_PATCHES_DISABLE (or disable=)")
     return opts
@@ -64,11 +60,9 @@ def _split(names: Iterable[str]) -> tuple[list[str], list[str]]:
 def apply(names: str | Iterable[str] | None = None, **options: Any) -> dict[str, list[str]]:
     """Apply patches (the default set when ``names`` is None) with these options.
 
-    Options come from keyword arguments, else ``TRAINING_PATCHES_*`` environment
-    variables, else defaults; patches and integrations named in ``disable`` stay off.
-    Applying a patch that is already applied wraps nothing twice; if its options
-    differ, only that patch's options change, and the change is logged. Options of
-    patches not named are never touched. Returns :func:`applied`.
+    Options come from keyword arguments, else ``TRAINING_PATCHES_*`` variables, else
+    defaults; those named in ``disable`` stay off. A patch already applied wraps nothing
+    twice: only its own options change (logged). Returns :func:`applied`.
     """
     explicit = set(options) | {name for name, option in _options.OPTIONS.items()
                                if option.env in os.environ}
@@ -83,8 +77,7 @@ def apply(names: str | Iterable[str] | None = None, **options: Any) -> dict[str,
         # naming an integration applies the generic patches it serves
         for integ in wanted_integrations:
             wanted += [n for n in _registry.integrations()[integ].patches() if n not in wanted]
-    first = not _registry.any_applied()
-    previous = None if first else _options.current()
+    previous = _options.current() if _registry.any_applied() else None
     if previous is not None:
         opts = _options.merge(previous, opts, touched=set(wanted), explicit=explicit)
     _runstate.start()  # a new run when the last one ended (revert() of every patch)
@@ -138,10 +131,9 @@ def _log_option_changes(before: _options.Options, after: _options.Options,
 def revert(names: str | Iterable[str] | None = None) -> list[str]:
     """Take patches (or integrations) back out (every applied patch when ``names`` is None).
 
-    Every replaced object is restored by identity; a patch whose target module
-    was never imported simply never lands. With no patch left applied, the run ends: what
-    waits to be written is tried once more, and its counters (``stats()``) stay readable
-    until the next ``apply()`` starts a new run. Returns the names reverted.
+    Every replaced object is restored by identity. With no patch left applied the run ends;
+    its counters (``stats()``) stay readable until the next ``apply()``. Returns the names
+    reverted.
     """
     specs = _registry.specs()
     targets = list(specs) if names is None else _as_names(names)
@@ -156,8 +148,7 @@ def revert(names: str | Iterable[str] | None = None) -> list[str]:
         logger.info("training-patches: reverted %s", ", ".join(done))
     if not _registry.any_applied():
         _runstate.end()  # its counters stay readable until the next apply()
-    return [name for name in integration_names if name in done] + \
-        [name for name in patch_names if name in done]
+    return [name for name in integration_names + patch_names if name in done]
 
 
 def applied() -> dict[str, list[str]]:
@@ -179,21 +170,17 @@ def status(name: str) -> dict[str, Any]:
     """The state of one patch or integration: ``state`` is ``applied``, ``degraded`` (some
     site missing or failed, or an unsupported upstream version), ``waiting`` (nothing
     imported yet) or ``off``; with the landed and pending sites and the problems. A patch
-    with no sites of its own (``vocab_freeze``) says what it has done in ``detail``
-    ("frozen 12000 rows of 12500 in gpt.text_embedding, ..."), ``waiting`` until it could
-    act, and ``degraded`` with the reason among the problems when it could not."""
+    with no sites of its own (``vocab_freeze``) says what it has done in ``detail``,
+    ``waiting`` until it could act, and ``degraded`` with the reason when it could not."""
     _check_names([name], "status()")
     problems = _registry.problems(name)
+    on = _registry.is_enabled(name)
     if name in _registry.integrations():
-        integ = _registry.integrations()[name]
-        landed = sorted(str(s) for s in integ.sites
-                        if any(str(s) in _registry.landed_sites(p)[0] for p in s.serves))
-        pending = sorted(str(s) for s in integ.sites
-                         if any(str(s) in _registry.landed_sites(p)[1] for p in s.serves))
-        on = _registry.is_enabled(name)
+        sites = _registry.integrations()[name].sites
+        landed, pending = (sorted(str(s) for s in sites if any(
+            str(s) in _registry.landed_sites(p)[i] for p in s.serves)) for i in (0, 1))
     else:
         landed, pending = _registry.landed_sites(name)
-        on = _registry.is_enabled(name)
     messages = [p.message for p in problems]
     spec = _registry.specs().get(name)
     runtime = spec.state() if on and spec is not None and spec.state is not None else None
@@ -235,31 +222,12 @@ def get_original(module: Any, attr: str) -> Any:
 def stats() -> dict[str, dict[str, float]]:
     """Counters of the runtime patches as plain numbers (reading them syncs once).
 
-    Each process counts for itself; in a job of several ranks (DDP, FSDP2) a counter is
-    one of two sorts, and ``training-patches report`` merges them so:
-
-    - *agreed*: the same value on every rank, because the decision behind it is agreed
-      across ranks. ``nan_guard``: ``steps`` (optimizer steps taken or skipped) and
-      ``skipped`` (steps skipped; the skip is decided once for all ranks),
-      ``consecutive_skips``. ``grad_scaler``: ``steps``, ``skipped``, ``scale`` (the
-      found-inf flag is reduced across ranks: DDP's averaged gradients, FSDP's
-      ``ShardedGradScaler``). ``grad_clip``: ``calls``, ``unscaled_first``,
-      ``scaled_clips``, ``nonfinite_norms`` (every rank clips the same total norm). A job's
-      figure is one rank's, never the sum.
-    - *this rank's*: what this process saw. ``nan_guard``: ``nonfinite_losses``,
-      ``nonfinite_grads``, ``spikes`` (bad values found in this rank's own loss or
-      gradients), ``skipped_micro_batches`` (this rank's micro-batches left out), and
-      ``peer_skips`` (steps this rank skipped only because another rank saw a bad value;
-      its event has ``"kind": "peer_nonfinite"``). ``oom_guard``: ``oom_skipped`` (this
-      rank's batches). A job's figure is the sum over ranks (``consecutive_ooms``, a
-      rank's current streak, is not summed: the report shows the longest).
-
-    So on every rank ``skipped`` = the steps where this rank saw a bad value +
-    ``peer_skips``; a step skipped because one rank saw a NaN is one skip of the job.
-    Events follow the same split (:mod:`patches._run`: one file per rank, each record with
-    its ``rank`` and ``world_size``). ``evidence`` counts this process's records:
-    ``written``, ``waiting`` (in memory: their file could not be written, retried),
-    ``lost`` and ``write_failures`` (:func:`patches._run.evidence_stats`).
+    Each process counts for itself. In a job of several ranks a counter is either *agreed*
+    (the same on every rank: the guard's and the scaler's ``steps``/``skipped``, the clip's
+    counters; a job's figure is one rank's) or *this rank's* (``nonfinite_losses``,
+    ``peer_skips``, ``oom_skipped``, ...: summed over ranks); TRAINING_PATCHES_README.md,
+    "Where evidence goes". ``evidence`` counts this process's records
+    (:func:`patches._run.evidence_stats`).
     """
     counts = {name: spec.stats() for name, spec in _registry.specs().items()
               if spec.stats is not None}
@@ -274,10 +242,8 @@ def runtime_state() -> dict[str, dict[str, int]]:
 
 
 def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
-    """Restore what :func:`runtime_state` returned (unknown parts are ignored).
-
-    The SafeGradScaler's own counters travel in its ``state_dict()``.
-    """
+    """Restore what :func:`runtime_state` returned (unknown parts are ignored); the
+    SafeGradScaler's own counters travel in its ``state_dict()``."""
     for name, spec in _registry.specs().items():
         if spec.load_stats is not None:
             spec.load_stats(state.get(name, {}))
@@ -285,21 +251,16 @@ def load_runtime_state(state: dict[str, dict[str, int]]) -> None:
 
 def reset_runtime_state() -> None:
     """End the current run and start a new one: every counter, event and per-run setting
-    the patches keep (the run object: output folder, batch, step, the guard's books, the
-    clip's and scaler's state, what waits to be written) starts afresh, and what the
-    integrations remember of their trainers is forgotten. The patches stay applied, with
-    their options. A script that runs two trainings in one process may call it between
-    them (``revert()`` of every patch ends the run as well).
+    the patches keep starts afresh, and what the integrations remember of their trainers is
+    forgotten; the patches stay applied, with their options. For a script that runs two
+    trainings in one process, between them.
     """
     options = _runstate.current().options if _registry.any_applied() else None
     _runstate.restart()
     _options.set_current(options)
-    for spec in _registry.specs().values():
-        if spec.reset is not None:
-            spec.reset()
-    for integ in _registry.integrations().values():
-        if integ.reset is not None:
-            integ.reset()
+    for unit in [*_registry.specs().values(), *_registry.integrations().values()]:
+        if unit.reset is not None:
+            unit.reset()
 
 
 def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
@@ -321,8 +282,7 @@ def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
     for name, why in left_off.items():
         lines.append(f"  [off] {name:<{width}}  {why}")
     for name, integ in _registry.integrations().items():
-        # the version of the code this process runs: the imported module's __version__
-        # (a trainer may vendor its own TTS/), package metadata only where it has none
+        # the version of the code this process runs (a trainer may vendor its own TTS/)
         found = _registry.checked_version(integ)
         if _registry.integration_off(name):
             lines.append(f"  [off] {name:<{width}}  left off by TRAINING_PATCHES_DISABLE")
@@ -341,8 +301,7 @@ def _banner(newly: list[str], left_off: dict[str, str], opts: _options.Options,
 
 def _asks_for_help() -> bool:
     """The trainer was started only to print its help (``-h``/``--help`` before any ``--``):
-    a 20-line banner first would push the help off the screen. The patches are applied all
-    the same, and a banner with a WARNING still shows."""
+    a banner first would push the help off the screen (one with a WARNING still shows)."""
     args = sys.argv[1:]
     args = args[:args.index("--")] if "--" in args else args
     return "-h" in args or "--help" in args
@@ -356,11 +315,8 @@ def _helper_process() -> bool:
 
 
 class _FallbackHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Shows our records on stderr only while nobody has configured logging.
-
-    Records still propagate: once the user configures the root logger (usually after the
-    first-line import), their handlers get our records and this one steps aside.
-    """
+    """Shows our records on stderr only while nobody has configured logging (records still
+    propagate: once the user configures the root logger, this one steps aside)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if logging.getLogger().handlers:
@@ -370,9 +326,7 @@ class _FallbackHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 def _ensure_visible() -> None:
     """Show our INFO lines when nobody configured logging (the banner must be seen)."""
-    if any(isinstance(h, _FallbackHandler) for h in logger.handlers):
-        return
-    if logger.handlers or logging.getLogger().handlers:
+    if logger.handlers or logging.getLogger().handlers:  # ours included
         return
     handler = _FallbackHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s training_patches: %(message)s",

@@ -56,12 +56,11 @@ class DeviceCounters:
     def reset(self) -> None:
         self.load({})
 
-    def record_step(self, skipped: torch.Tensor,
-                    names: tuple[str, str, str] = ("steps", "skipped", "consecutive_skips")) -> None:
+    def record_step(self, skipped: torch.Tensor) -> None:
         """One optimizer step: ``steps += 1``, ``skipped += flag``, streak reset or extended."""
         values = self._tensor(skipped.device)
-        i, j, k = (self._index[name] for name in names)
-        flag = skipped.to(device=values.device, dtype=torch.int64).reshape(())  # [1] from FSDP scalers
+        i, j, k = (self._index[name] for name in ("steps", "skipped", "consecutive_skips"))
+        flag = skipped.to(device=values.device, dtype=torch.int64).reshape(())  # [1] from FSDP
         values[i] += 1
         values[j] += flag
         values[k] = (values[k] + 1) * flag

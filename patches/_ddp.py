@@ -1,8 +1,8 @@
-"""DDP's own gradient reduction carrying the patches' skip flags (issue 41): one
-communication hook per ``DistributedDataParallel`` module, shared by nan_guard and
-grad_scaler, reduces every bucket as DDP's default does and appends :data:`CARRIED` numbers
-to one (the smallest of the last reduction), so a patched DDP step makes exactly the collectives of an unpatched one. It runs
-inside the backward's reduction, before the optimizer step: no stage of the step pipeline.
+"""DDP's own gradient reduction carrying the patches' skip flags (issue 41): one communication
+hook per ``DistributedDataParallel`` module, shared by nan_guard and grad_scaler, reduces every
+bucket as DDP's default does and appends :data:`CARRIED` numbers to one (the smallest of the
+last reduction), so a patched DDP step makes exactly the collectives of an unpatched one. It
+runs inside the backward's reduction, before the optimizer step: no stage of the step pipeline.
 Public to the patches: :class:`Carrier`, :func:`carrier_of`, :func:`known_carrier`,
 :func:`carry_loss_flags`, :func:`use_for_scaler`.
 
@@ -107,10 +107,6 @@ def _drain_at_exit() -> None:
         _live_lock.wait_for(lambda: _live == 0, timeout=EXIT_WAIT_S)
 
 
-def _first_value(fut: Any) -> Any:
-    return fut.value()[0]
-
-
 def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
     # (no annotations: DDP compares them with its own objects, and this module's are text)
     dist = torch.distributed
@@ -138,7 +134,7 @@ def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
             carrier.reduced = frozenset(carrier._bucketed)
     if not carried:
         return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(
-            _Then(_first_value))
+            _Then(lambda fut: fut.value()[0]))
     if _loss_flags is not None:
         bad, nonfinite, kept = _loss_flags(buffer.device)
     else:  # only a SafeGradScaler uses it: no loss flags, its last decision
@@ -164,15 +160,6 @@ def _carrying_hook(carrier, bucket):  # type: ignore[no-untyped-def]
 _drain_registered = False
 
 
-def _drain_once() -> None:
-    """Register :func:`_drain_at_exit` once, when the first hook is registered (an atexit
-    function registered later runs earlier: before the user's own and torch's)."""
-    global _drain_registered
-    if not _drain_registered:
-        _drain_registered = True
-        atexit.register(_drain_at_exit)
-
-
 # optimizer -> the carrier of the DDP module holding its parameters, or None (fall back)
 _carriers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Carrier | None] = (
     weakref.WeakKeyDictionary())
@@ -194,6 +181,7 @@ def known_carrier(optimizer: torch.optim.Optimizer) -> Carrier | None:
 def carrier_of(optimizer: torch.optim.Optimizer) -> Carrier | None:
     """The carrier of ``optimizer``'s DDP module: registered at the first step a patch asks
     (found once per optimizer); None where the patches keep their own all-reduce."""
+    global _drain_registered
     if optimizer in _carriers:
         return _carriers[optimizer]
     carrier = None
@@ -207,7 +195,9 @@ def carrier_of(optimizer: torch.optim.Optimizer) -> Carrier | None:
                 if getattr(ddp, "_comm_hooks", None):
                     raise RuntimeError("a communication hook is registered already")
                 ddp.register_comm_hook(carrier, _carrying_hook)
-                _drain_once()
+                if not _drain_registered:  # registered late: it runs before the user's and torch's
+                    _drain_registered = True
+                    atexit.register(_drain_at_exit)
                 ddp._training_patches_carrier = carrier
             except (RuntimeError, ValueError) as exc:  # the user's hook (DDP allows one)
                 carrier = None

@@ -1,13 +1,10 @@
-"""A signal is an interruption: SIGTERM (a cloud machine or a scheduler stopping the job) and
-SIGHUP (a closed ssh session) stop a training loop the way Ctrl-C does, the step first.
+"""A signal is an interruption: SIGTERM (a scheduler stopping the job) and SIGHUP (a closed
+ssh session) stop a training loop the way Ctrl-C does, the step first.
 
 :class:`Interruption` (used by :mod:`patches.integrations.coqui_interrupt`): while
-:meth:`~Interruption.installed`, each of :data:`SIGNALS` whose handler is still the default
-makes the main thread raise :class:`TrainingInterrupted`, a ``KeyboardInterrupt``; inside
-:meth:`~Interruption.step` the first waits for the step to end (a second raises at once,
-unless it repeats the first within :data:`REPEAT_WINDOW`); while
-:meth:`~Interruption.handling` none cuts it short. The process exits ``128 + signal``. A
-DataLoader worker's batch hand-off cut by the interruption stays quiet (:func:`_broken_handoff`).
+:meth:`~Interruption.installed`, each of :data:`SIGNALS` still at its default handler raises
+:class:`TrainingInterrupted` (a ``KeyboardInterrupt``) in the main thread, after the step in
+progress (:meth:`~Interruption.step`); the process exits ``128 + signal``.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ def _is_default(signum: int, handler: Any) -> bool:
     return handler == signal.SIG_DFL
 
 
-# The same signal again within this many seconds is the same request, delivered twice by
-# machinery, not a user insisting: the kernel's parent-death signal can come once per thread
-# of a dying parent, and a launcher may forward a signal that also reached the process group.
+# The same signal again within this many seconds is the same request delivered twice by
+# machinery (a parent-death signal per thread, a launcher forwarding a group's signal).
 REPEAT_WINDOW = 2.0
 
 
@@ -89,8 +85,7 @@ def _quiet_handoffs() -> Iterator[None]:
 
 
 class Interruption:
-    """One run's interruption: which signal came (``signum``, None while none did), and
-    whether a step is under way."""
+    """One run's interruption: which signal came (``signum``), and whether a step is on."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -103,9 +98,7 @@ class Interruption:
     def _on_signal(self, signum: int, _frame: object) -> None:
         now = time.monotonic()
         if self.in_handling or (signum == self.signum and now - self.since < REPEAT_WINDOW):
-            # the checkpoint and the record of an interruption already under way finish; the
-            # same request delivered twice is one request
-            self.absorbed += 1
+            self.absorbed += 1  # an interruption under way finishes; a repeat is one request
             return
         if self.signum is None:
             self.signum, self.since = signum, now
@@ -117,11 +110,9 @@ class Interruption:
 
     @contextlib.contextmanager
     def handling(self) -> Iterator[None]:
-        """While the interruption is handled (its checkpoint, the trainer's callbacks, its
-        record), a further signal is absorbed: the process exits when it is done anyway,
-        and a save or a record cut short would lose what the interruption is for."""
-        # Not let go afterwards: once handled, the run is ending, and until the handlers are
-        # put back a late signal would only cut its last steps short.
+        """While the interruption is handled (its checkpoint, callbacks, record), a further
+        signal is absorbed: a save cut short would lose what the interruption is for. Not let
+        go afterwards: the run is ending."""
         self.in_handling = True
         yield
 

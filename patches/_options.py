@@ -1,13 +1,9 @@
 """Options of the patches: keyword arguments, else environment variables, else defaults.
 
-Each option is an :class:`Option` declared by the unit it belongs to (a patch's
-``PatchSpec.options``, an integration's ``Integration.options``), with its parser, default,
-one-line help and the text shown when a value is bad; the library-wide ones are declared
-here. :class:`Options`, the owner of each option, the banner's options line, ``doctor``,
-the did-you-mean for a misspelled variable and the options table of
-TRAINING_PATCHES_README.md (``training-patches options --markdown``) all read
-:data:`OPTIONS`, filled by :func:`declare`. A bad value is a :class:`ConfigError` that
-names the variable, the value found and what is expected.
+Each option is an :class:`Option` declared by its unit (``PatchSpec.options``,
+``Integration.options``; the library-wide ones here). :class:`Options`, the banner, ``doctor``,
+the did-you-mean and the options table all read :data:`OPTIONS`, filled by :func:`declare`.
+A bad value is a :class:`ConfigError` naming the variable, the value and what is expected.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ class ConfigError(ValueError):
 
 
 # -- value types shared by the units' declarations -----------------------------
+# A number's bounds are its Option's ``low``/``high``, checked once (Option.out_of_range).
 
 
 def flag(text: Any) -> bool:
@@ -43,48 +40,28 @@ def flag(text: Any) -> bool:
     raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
 
-def positive_float(text: Any) -> float:
-    value = float(text)
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError("expected a finite number greater than 0")
-    return value
-
-
-def _whole(text: Any, least: int) -> int:
-    if isinstance(text, float) and not text.is_integer():
-        raise ValueError("expected a whole number")
-    value = int(text)
-    if value < least:
-        raise ValueError(f"expected a whole number of at least {least}")
-    return value
-
-
-def positive_int(text: Any) -> int:
-    return _whole(text, 1)
-
-
-def nonnegative_int(text: Any) -> int:
-    return _whole(text, 0)
-
-
 def share(text: Any) -> float:
-    """A finite number; a share's bounds (above 0, at most 1) are its Option's ``low``/``high``."""
+    """A finite number (a share, a scale, a factor)."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError("expected a finite number")
     return value
 
 
-def nonnegative_float(text: Any) -> float:
-    value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise ValueError("expected a finite number of at least 0")
-    return value
+def whole(text: Any) -> int:
+    """A whole number."""
+    if isinstance(text, float) and not text.is_integer():
+        raise ValueError("expected a whole number")
+    return int(text)
 
 
-# What the machine can honour: a loss scale lives in a float32 tensor (finite, and not
-# rounded to 0), the scaler's growth tracker and hysteresis counter in int32 tensors, every
-# other count in the int64 counters of patches._counters.
+# The names the units declare with: their sign is the Option's ``low``.
+positive_float = nonnegative_float = share
+positive_int = nonnegative_int = whole
+
+
+# What the machine can honour: a loss scale in a float32 tensor, the scaler's growth tracker
+# and hysteresis in int32 tensors, every other count in patches._counters' int64.
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 2.0 ** -126  # the smallest normal float32
 INT32_MAX = 2 ** 31 - 1
@@ -102,18 +79,12 @@ def names(text: Any) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Option:
-    """One setting: ``name`` (the keyword of :func:`patches.advanced.apply`), read from the
-    environment variable ``TRAINING_PATCHES_<NAME>``.
-
-    ``parse`` turns a keyword value or the variable's text into the value (raising
-    ValueError with what is wrong); ``expected`` is shown in the error; ``help`` is the
-    options table's one line; ``shown_default`` is the table's default where the value's
-    repr is not how a user writes it (``2^-14``, ``off``). ``low``/``high`` bound a
-    number to what the machine can honour (a window it can allocate, a scale finite in
-    float32, a count in int64), ``bound_why`` says why: validation, ``doctor`` and the
-    table's range column all read them. ``also`` names other patches that read the option: applying any of them
-    sets it. ``owners`` is filled by :func:`declare` (empty: the whole library).
-    """
+    """One setting: ``name`` (the keyword of :func:`patches.advanced.apply`), read from
+    ``TRAINING_PATCHES_<NAME>``. ``parse`` raises ValueError with what is wrong; ``expected``
+    is shown in the error, ``help`` in the options table (``shown_default`` where the repr is
+    not how a user writes it). ``low``/``high`` bound a number to what the machine can honour,
+    ``bound_why`` says why. ``also``: other patches that read it (applying any sets it);
+    ``owners`` is filled by :func:`declare` (empty: the whole library)."""
 
     name: str
     parse: Callable[[Any], Any]
@@ -147,8 +118,8 @@ class Option:
         """The accepted range as the table and the errors say it ("" when unbounded)."""
         if self.low is None and self.high is None:
             return ""
-        low = "" if self.low is None else (
-            f"above {number_text(self.low)}" if self.low_open else f"at least {number_text(self.low)}")
+        low = "" if self.low is None else \
+            f"{'above' if self.low_open else 'at least'} {number_text(self.low)}"
         high = "" if self.high is None else f"at most {number_text(self.high)}"
         if low and high and not self.low_open:
             return f"{number_text(self.low)} to {number_text(self.high)}"
@@ -165,12 +136,10 @@ def number_text(value: float) -> str:
     return f"{value:.2g}"
 
 
-# A check of values each valid alone but unusable together: (options, where) where
-# ``where(name)`` names the option's source in the error; raises ConfigError.
+# A check of values unusable together; ``where(name)`` names the option's source in its error.
 Check = Callable[["Options", Callable[[str], str]], None]
 
-# Every declared option, in declaration order (library-wide first, then each unit as
-# :mod:`patches` imports it): the order of the banner's options line and of the table.
+# Every declared option, in declaration order: the banner's and the table's order.
 OPTIONS: dict[str, Option] = {}
 _checks: dict[str, Check] = {}
 
@@ -178,8 +147,7 @@ _checks: dict[str, Check] = {}
 def declare(owner: str | None, options: tuple[Option, ...] = (),
             check: Check | None = None) -> tuple[Option, ...]:
     """Declare the options of the unit ``owner`` (None: library-wide) and its cross-option
-    ``check``; returns them with their owners filled. Called by
-    :func:`patches._registry.register`; a name declared twice is a programming error."""
+    ``check``; returns them with their owners filled. A name declared twice is an error."""
     declared = []
     for option in options:
         owners = () if owner is None else (owner, *option.also)
@@ -196,9 +164,8 @@ def declare(owner: str | None, options: tuple[Option, ...] = (),
 
 
 class Options:
-    """The resolved settings every patch reads: one attribute per declared option
-    (``opts.init_scale``), its default unless given. Immutable; :meth:`replace` makes a
-    changed copy. See TRAINING_PATCHES_README.md for every option."""
+    """The resolved settings: one attribute per declared option (``opts.init_scale``), its
+    default unless given. Immutable; :meth:`replace` makes a changed copy."""
 
     __slots__ = ("_values",)
 
@@ -281,20 +248,17 @@ def _parse(option: str, value: Any, source: str) -> Any:
     try:
         parsed = declared.parse(value)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ConfigError(
-            f"training-patches: {source} is {value!r}, which is not usable ({exc}). "
-            f"Expected {declared.expected}"
-            + (f" ({declared.range_text})" if declared.range_text else "")
-            + f". Fix the value or leave it out to use the default ({declared.default!r})."
-        ) from None
-    why = declared.out_of_range(parsed)
-    if why is not None:
-        raise ConfigError(
-            f"training-patches: {source} is {value!r}, which is out of range ({why}). "
-            f"Expected {declared.expected}: {declared.range_text}"
-            + (f" ({declared.bound_why})" if declared.bound_why else "")
-            + f". Fix the value or leave it out to use the default ({declared.default!r}).")
-    return parsed
+        why = f"not usable ({exc})"
+        expected = declared.expected + (f" ({declared.range_text})" if declared.range_text else "")
+    else:
+        if (out := declared.out_of_range(parsed)) is None:
+            return parsed
+        why = f"out of range ({out})"
+        expected = f"{declared.expected}: {declared.range_text}" + (
+            f" ({declared.bound_why})" if declared.bound_why else "")
+    raise ConfigError(f"training-patches: {source} is {value!r}, which is {why}. Expected "
+                      f"{expected}. Fix the value or leave it out to use the default "
+                      f"({declared.default!r}).")
 
 
 def fields_of(patch: str) -> list[str]:
@@ -322,17 +286,21 @@ def known_env() -> set[str]:
     return {option.env for option in OPTIONS.values()} | OTHER_ENV
 
 
+def _did_you_mean(unknown: list[str], known: list[str], cutoff: float = 0.6) -> str:
+    """``name (did you mean NAME?)`` for each unknown name with a close known one."""
+    return ", ".join(f"{name} (did you mean {close[0]}?)" if (
+        close := difflib.get_close_matches(name, known, n=1, cutoff=cutoff)) else name
+        for name in unknown)
+
+
 def _check_unknown_env(environ: Mapping[str, str]) -> None:
     known = known_env()
     unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
     if not unknown:
         return
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
-        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
     raise ConfigError(
-        f"training-patches: unknown environment variable(s) {', '.join(hints)}. "
+        f"training-patches: unknown environment variable(s) "
+        f"{_did_you_mean(unknown, sorted(known), 0.75)}. "
         f"training-patches reads only these: {', '.join(sorted(known))}. A misspelled "
         f"variable would silently leave its setting at the default, so this is an error: "
         f"fix the name or unset it.")
@@ -340,10 +308,8 @@ def _check_unknown_env(environ: Mapping[str, str]) -> None:
 
 def output_dir_problem(path: str | os.PathLike[str]) -> str | None:
     """Why files cannot be written into the folder ``path`` (created if missing), or None.
-
-    Nothing is created: the nearest existing folder on the way is checked instead, and
-    an existing folder is probed by creating and removing a temporary file (``os.access``
-    alone says yes to root on a read-only mount)."""
+    Nothing is created: the nearest existing folder is probed with a temporary file
+    (``os.access`` alone says yes to root on a read-only mount)."""
     path = os.fspath(path)
     probe = path
     while probe and not os.path.exists(probe):
@@ -366,19 +332,16 @@ def output_dir_problem(path: str | os.PathLike[str]) -> str | None:
 def resolve(overrides: Mapping[str, Any] | None = None,
             environ: Mapping[str, str] | None = None) -> Options:
     """Keyword overrides first, then ``TRAINING_PATCHES_*`` variables, then defaults.
-
-    Unknown options and unknown ``TRAINING_PATCHES_*`` variables are errors (with a
-    did-you-mean), and so are values that cannot be used together."""
+    Unknown options and variables are errors (with a did-you-mean), and so are values that
+    cannot be used together."""
     overrides = dict(overrides or {})
     environ = os.environ if environ is None else environ
     _check_unknown_env(environ)
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
-        hints = [f"{name} (did you mean {close[0]}?)"
-                 if (close := difflib.get_close_matches(name, list(OPTIONS), n=1)) else name
-                 for name in unknown]
         raise ConfigError(
-            f"training-patches: unknown option(s) {', '.join(hints)} passed to apply(). "
+            f"training-patches: unknown option(s) {_did_you_mean(unknown, list(OPTIONS))} "
+            f"passed to apply(). "
             f"Known options: {', '.join(OPTIONS)}. Check the spelling; every option is "
             f"described in TRAINING_PATCHES_README.md."
         )
@@ -400,19 +363,16 @@ def resolve(overrides: Mapping[str, Any] | None = None,
     return options
 
 
-# How a use before any apply() reads the settings: patches._api installs check_settings, so
-# that they are read and validated exactly as activation reads them (resolve() until then).
+# How a use before any apply() reads the settings (patches._api installs check_settings),
+# and (what the environment's settings were read from, the options read).
 _first_use: Callable[[], Options] = resolve
-# (what the environment's settings were read from, the options read)
 _from_environment: tuple[Any, Options] | None = None
 
 
 def current() -> Options:
-    """The options of the current run's ``apply()``; before any (a library used without the
-    activation line: ``load_checkpoint`` in a plain loop, a tool), the ``TRAINING_PATCHES_*``
-    variables read and validated as ``apply()`` reads them, again whenever they change.
-    Either way a setting means the same; a bad or unknown variable raises the
-    :class:`ConfigError` activation would stop with, at the first use."""
+    """The options of the current run's ``apply()``; before any, the ``TRAINING_PATCHES_*``
+    variables read and validated as ``apply()`` reads them (again whenever they change), so
+    a bad or unknown variable raises the :class:`ConfigError` activation would stop with."""
     options = _runstate.current().options
     if options is not None:
         return options
@@ -440,7 +400,6 @@ def read_first_use_with(reader: Callable[[], Options]) -> None:
 
 __all__ = ["ConfigError", "Option", "Options", "OPTIONS", "declare", "resolve", "merge",
            "fields_of", "owner_text", "known_env", "current", "set_current", "read_first_use_with",
-           "env_name", "output_dir_problem",
-           "flag", "positive_float", "positive_int", "nonnegative_int", "window", "share",
-           "nonnegative_float",
-           "names", "FLOAT32_MAX", "FLOAT32_TINY", "INT32_MAX", "INT64_MAX"]
+           "env_name", "output_dir_problem", "flag", "positive_float", "positive_int",
+           "nonnegative_int", "share", "whole", "nonnegative_float", "names", "FLOAT32_MAX",
+           "FLOAT32_TINY", "INT32_MAX", "INT64_MAX"]

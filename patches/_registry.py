@@ -1,21 +1,17 @@
 """The single record of what training-patches has applied and what it replaced.
 
-Every patch is a :class:`PatchSpec` (its sites, or an ``enable``/``disable`` pair), every
-upstream package an :class:`Integration`; ``apply``/``revert`` in :mod:`patches` are the only
-doors. A site lands from a post-import hook (:func:`patches._imports.when_imported`: now, or
-once its module's import ends), which holds its activation's token and does nothing once that
-activation is reverted (hooks cannot be unregistered). One upstream name is one
-:class:`Site`, and holds one replacement: a site several patches want is declared once,
-naming them all, and its one wrapper does the work of each, asking :func:`active` per call.
-It lands with the first of them and goes with the last; in between it is made again when
-one comes or goes. The original is kept first-wins and restored by identity.
+Every patch is a :class:`PatchSpec`, every upstream package an :class:`Integration`. A site
+lands from a post-import hook (:func:`patches._imports.when_imported`) holding its
+activation's token, so it does nothing once that activation is reverted. One upstream name is
+one :class:`Site` with one replacement, whose wrapper does the work of every patch it serves
+(asking :func:`active` per call); it is made again when one comes or goes. The original is
+kept first-wins and restored by identity.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -24,9 +20,8 @@ from typing import Any, Callable, Iterator
 
 from . import _options
 from ._imports import when_imported
+from ._log import logger
 from ._upstream import UpstreamVersion, distribution_version, upstream_version, version_in
-
-logger = logging.getLogger("training_patches")
 
 _MISSING = object()
 # Sweeping rebinds copies of an original that other modules took with
@@ -36,13 +31,11 @@ _SWEEP_SKIP_PREFIXES = ("torch", "patches", "wrapt")
 
 @dataclass(frozen=True)
 class Site:
-    """One place where a name is bound: ``module.attr`` (``"Class.method"``: the original
-    taken from the class's own ``__dict__``). ``make(original)`` builds its one replacement;
-    with ``sweep`` it also replaces every copy of the original in imported modules outside
-    torch. ``patch`` names the patch it serves (a patch's own site: that patch), or a tuple
-    of the patches it serves: its wrapper runs each one's part only while :func:`active`
-    says that patch is applied. ``lost`` says what goes unprotected when the site cannot
-    land: one text, or a dict of one per patch it serves."""
+    """One place where a name is bound: ``module.attr`` (``"Class.method"``: from the class's
+    own ``__dict__``). ``make(original)`` builds its one replacement; ``sweep`` also replaces
+    every copy of the original in imported modules outside torch. ``patch``: the patch it
+    serves, or a tuple of them (each one's part runs while :func:`active` says so). ``lost``:
+    what goes unprotected when it cannot land (one text, or one per patch)."""
 
     module: str
     attr: str
@@ -69,11 +62,10 @@ class Site:
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """Everything one generic patch is, declared in one place: its name, its banner line
-    (``describe(options)``), its sites or an ``enable``/``disable`` pair, its options and
-    their cross-option ``check``, its ``reset`` (runtime state between runs) and its
-    counters (``stats``, saved in checkpoints with ``load_stats``). ``requires()`` lists what
-    it needs and this process lacks: anything listed keeps the patch off, loudly."""
+    """Everything one generic patch is: its banner line (``describe(options)``), its sites or
+    an ``enable``/``disable`` pair, its options and their ``check``, its ``reset`` and its
+    counters (``stats``/``load_stats``). ``requires()`` lists what it needs and this process
+    lacks: anything listed keeps the patch off, loudly."""
 
     name: str
     describe: Callable[[Any], str]
@@ -94,9 +86,8 @@ class PatchSpec:
 
 @dataclass(frozen=True)
 class Integration:
-    """What one upstream package adds to the generic patches: its sites (each serving one
-    generic patch or several), its distribution and supported versions (PEP 440, checked at
-    apply)."""
+    """What one upstream package adds to the generic patches: its sites, its distribution
+    and supported versions (PEP 440, checked at apply)."""
 
     name: str
     distribution: str
@@ -128,8 +119,7 @@ class PatchSiteError(RuntimeError):
 
 @dataclass
 class _SiteState:
-    """A landed site: the original (first-wins), the replacement put there, and the applied
-    patches it serves now."""
+    """A landed site: the original (first-wins), the replacement, the patches it serves now."""
 
     original: Any
     replacement: Any
@@ -183,20 +173,17 @@ def register_integration(integration: Integration) -> Integration:
     return integration
 
 
-def _declared() -> Iterator[tuple[Site, str | None]]:
-    """Every declared site, with its integration (None: a generic patch's own)."""
+def _declared() -> Iterator[tuple[Site, str | None, str]]:
+    """Every declared site, with its integration (None: a generic patch's own) and owner."""
     for spec in _specs.values():
-        yield from ((site, None) for site in spec.sites)
+        yield from ((site, None, spec.name) for site in spec.sites)
     for integ in _integrations.values():
-        yield from ((site, integ.name) for site in integ.sites)
+        yield from ((site, integ.name, integ.name) for site in integ.sites)
 
 
 def _check_one_site_per_name(owner: str, sites: tuple[Site, ...]) -> None:
     """One Site per upstream name: a second would be a second wrapper over the first."""
-    declared = {**{name: spec.sites for name, spec in _specs.items()},
-                **{name: integ.sites for name, integ in _integrations.items()}}
-    seen = {site.key: other for other, others in declared.items() if other != owner
-            for site in others}
+    seen = {site.key: other for site, _, other in _declared() if other != owner}
     for site in sites:
         if site.key in seen:
             raise ValueError(
@@ -237,13 +224,7 @@ def sites_of(name: str) -> tuple[Site, ...]:
     integrations contribute (all of them, left off or not); for an integration, its sites."""
     if name in _integrations:
         return _integrations[name].sites
-    return tuple(site for site, _ in _declared() if name in site.serves)
-
-
-def _wanted_sites(spec: PatchSpec) -> list[tuple[Site, str | None]]:
-    """(site, integration name or None) this patch lands now."""
-    return [(site, integ) for site, integ in _declared()
-            if spec.name in site.serves and integ not in _integrations_off]
+    return tuple(site for site, _, _ in _declared() if name in site.serves)
 
 
 def version_problem(integ: Integration, found: UpstreamVersion) -> Problem | None:
@@ -272,18 +253,24 @@ def check_versions() -> list[Problem]:
         if integ.name in _integrations_off:
             _version_problems.pop(integ.name, None)
             continue
-        found = upstream_version(integ)
-        _checked_versions[integ.name] = found
+        found = _checked_versions[integ.name] = upstream_version(integ)
         if (found.version is not None or found.vendored) and integ.module and \
                 integ.module not in sys.modules:
             _watch_import(integ)
-        problem = version_problem(integ, found)
-        if problem is None:
-            _version_problems.pop(integ.name, None)
-            continue
-        _version_problems[integ.name] = problem
-        problems.append(problem)
+        problem = _record_version(integ, found)
+        if problem is not None:
+            problems.append(problem)
     return problems
+
+
+def _record_version(integ: Integration, found: UpstreamVersion) -> Problem | None:
+    """The integration's version problem, if any, recorded (or forgotten) and returned."""
+    problem = version_problem(integ, found)
+    if problem is None:
+        _version_problems.pop(integ.name, None)
+    else:
+        _version_problems[integ.name] = problem
+    return problem
 
 
 # What check_versions() read for each integration (the banner shows it).
@@ -303,19 +290,16 @@ def _watch_import(integ: Integration) -> None:
                 patch in _active for patch in integ.patches()):
             return
         before = _checked_versions.get(integ.name)
-        found = upstream_version(integ)
-        _checked_versions[integ.name] = found
+        found = _checked_versions[integ.name] = upstream_version(integ)
         if before is not None and before.version == found.version:
             return  # what the banner said holds
-        problem = version_problem(integ, found)
-        if problem is None:
-            _version_problems.pop(integ.name, None)
-            logger.info("training-patches: %s is %s (%s), not %s as read before the import",
-                        integ.distribution, found.version, found.detail,
-                        before.version if before is not None else "known")
+        problem = _record_version(integ, found)
+        if problem is not None:
+            _report(problem, None, ("", integ.name))
             return
-        _version_problems[integ.name] = problem
-        _report(problem, None, ("", integ.name))
+        logger.info("training-patches: %s is %s (%s), not %s as read before the import",
+                    integ.distribution, found.version, found.detail,
+                    before.version if before is not None else "known")
 
     when_imported(on_import, integ.module)
 
@@ -503,7 +487,8 @@ def enable(spec: PatchSpec, options: Any) -> bool:
         _requires_problems.pop(spec.name, None)
         token = object()
         activation = _active[spec.name] = _Activation(token=token)
-        wanted = _wanted_sites(spec)
+        wanted = [(site, integ) for site, integ, _ in _declared()  # what it lands now
+                  if spec.name in site.serves and integ not in _integrations_off]
         activation.pending.update(site.key for site, _ in wanted)
         if spec.enable is not None:
             spec.enable(options)

@@ -1,16 +1,10 @@
 """What the patches know about the run they are in: where it writes, which batch is in hand.
 
-Integrations fill this in (the coqui Trainer's ``output_path``, the batch's audio paths:
-:func:`set_batch`); a plain loop can call :func:`set_output_dir`, or set
-``TRAINING_PATCHES_OUTPUT_DIR``. Files the patches write go to :func:`output_dir`. The
-values live on the run object (:func:`current`, :mod:`patches._runstate`), so a new run
-starts with none of them. In a job of several ranks every process writes its own files
-(rank 1's events go to ``nonfinite_events.rank1.jsonl``: :func:`rank_file_name`), and
-every record says which ``rank`` of how many (``world_size``) wrote it, and which run
-(``run_id``: :func:`run_id`). Records are strict JSON (:func:`json_line`: a non-finite
-float is the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``). Writing is best effort
-(:func:`append_line`): a record that cannot be written waits in memory (:class:`Writer`, a
-part of the run) and never raises into training.
+Integrations fill this in (:func:`set_batch`, :func:`set_trainer_dir`); a plain loop can call
+:func:`set_output_dir` or set ``TRAINING_PATCHES_OUTPUT_DIR``. Each rank writes its own files
+(:func:`rank_file_name`), every record strict JSON (:func:`json_line`) with its ``rank``,
+``world_size`` and :func:`run_id`. Writing is best effort (:func:`append_line`): a record
+that cannot be written waits in memory (:class:`Writer`) and never raises into training.
 
 Design: docs/design/run.md
 """
@@ -38,8 +32,7 @@ _lock = threading.Lock()
 DEFAULT_DIR = "training_patches"
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".safetensors")
 
-# The files the patches write into a run's folder, named here only (the patches that write
-# them and `report`, which reads them, take these names).
+# The files the patches write into a run's folder, named here only.
 EVENTS_FILE = "nonfinite_events.jsonl"  # nan_guard: bad steps and micro-batches
 DROPPED_FILE = "dropped_samples.jsonl"  # dataset_guard: samples left out
 OOM_FILE = "oom_events.jsonl"  # oom_guard: out-of-memory batches
@@ -60,7 +53,7 @@ def own_files_in(folder: str) -> list[str]:
         names = sorted(os.listdir(folder))
     except OSError:
         return []
-    return [n for n in names if n in OWN_FILES or _base_name(n) in OWN_FILES]
+    return [n for n in names if _base_name(n) in OWN_FILES]
 
 
 def _base_name(name: str) -> str:
@@ -148,18 +141,13 @@ def report_dir() -> str:
 
 
 def rank_file_name(name: str) -> str:
-    """The name this process writes ``name`` under: unchanged in a single process,
-    ``<stem>.rank<R><ext>`` in a job of several ranks (``nonfinite_events.rank1.jsonl``),
-    so no two processes ever append to one file. A rank above 0 whose launcher gave no
-    world size (coqui's ``trainer.distribute`` sets ``RANK`` only) is a job of several."""
+    """The name this process writes ``name`` under: unchanged in a single process, else
+    ``<stem>.rank<R><ext>`` (a rank above 0 without a world size counts as several)."""
     rank, world = _dist.rank(), _dist.world_size()
     if world <= 1 and rank == 0:
         return name
     stem, ext = os.path.splitext(name)
     return f"{stem}.rank{rank}{ext}"
-
-
-NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 
 
 def strict_json(value: Any) -> Any:
@@ -168,7 +156,7 @@ def strict_json(value: Any) -> Any:
     if isinstance(value, float):
         if math.isfinite(value):
             return value
-        return "NaN" if math.isnan(value) else NONFINITE[value]
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):
         return {k: strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -186,29 +174,22 @@ _run_id: str | None = None
 
 
 def run_id() -> str:
-    """The run this process's records belong to, so that runs started from one folder can
-    be told apart in a shared file: ``TRAINING_PATCHES_RUN_ID`` when set; else torchrun's
-    rendezvous id (``TORCHELASTIC_RUN_ID``, the same on every rank of a job) unless it is
-    torchrun's default ``none``; else, in a rank (``RANK`` set: torchrun without a
-    rendezvous id, coqui's ``trainer.distribute``), the host and the launcher's pid, shared
-    by the ranks it started; else this process's start time and pid. Made once per process (a forked DataLoader worker keeps its
-    parent's); never exported, so separate runs that one driver starts stay separate."""
+    """The run this process's records belong to: ``TRAINING_PATCHES_RUN_ID`` when set; else
+    torchrun's ``TORCHELASTIC_RUN_ID`` (the same on every rank) unless it is ``none``; else,
+    in a rank (``RANK`` set), the host and the launcher's pid; else this process's start
+    time and pid. Made once per process (a forked worker keeps its parent's), never exported."""
     global _run_id
-    if _run_id is not None:
-        return _run_id
-    found = os.environ.get(RUN_ID_ENV)
-    if found:
-        _run_id = found
-        return found
-    elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if elastic and elastic != "none":
-        found = elastic
-    elif "RANK" in os.environ or "LOCAL_RANK" in os.environ:
-        found = f"{socket.gethostname()}-{os.getppid()}"
-    else:
-        found = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    _run_id = found
-    return found
+    if _run_id is None:
+        elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if os.environ.get(RUN_ID_ENV):
+            _run_id = os.environ[RUN_ID_ENV]
+        elif elastic and elastic != "none":
+            _run_id = elastic
+        elif "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+            _run_id = f"{socket.gethostname()}-{os.getppid()}"
+        else:
+            _run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    return _run_id
 
 
 def with_rank(record: dict[str, Any]) -> dict[str, Any]:
@@ -233,23 +214,15 @@ def record_in(folder: str | os.PathLike[str], name: str, event: str, **fields: A
 
 
 def append_jsonl(name: str, record: dict[str, Any]) -> str:
-    """Append one JSON line to this rank's ``name`` (:func:`rank_file_name`) in
-    :func:`report_dir`, with the rank and world size; return the file's path.
-
-    Best effort (:func:`append_line`): a record that cannot be written never raises into
-    training; it waits in memory and :func:`where_recorded` says so."""
+    """Append one JSON line, with the rank and run, to this rank's ``name`` in
+    :func:`report_dir`, best effort (:func:`append_line`); return the file's path."""
     path = os.path.join(report_dir(), rank_file_name(name))
     append_line(path, json_line(with_rank(record)))
     return path
 
 
 # -- evidence is best-effort: a write error never ends a run -------------------------
-#
-# A full disk, a read-only folder, a quota, a file-size limit or a folder that vanished
-# must not raise from inside optimizer.step() or scaler.update(), where torch alone would
-# have carried on. A line that cannot be written waits in memory (at most MAX_WAITING, the
-# oldest dropped first and counted as lost), is retried before the next line and at exit,
-# and one WARNING per file and failure says so; ``patches.stats()["evidence"]`` counts.
+# (a full disk must not raise from inside optimizer.step(), where torch alone carries on)
 
 MAX_WAITING = 10_000
 
@@ -269,11 +242,10 @@ def _writer() -> Writer:
 
 def _write_lines(path: str, lines: list[str], *, shared: bool = False,
                  skip_last: Callable[[], bool] | None = None) -> bool:
-    """Append ``lines`` to ``path`` whole or not at all: a failed write is cut back to the
-    file's old end, so no half line is left for the next record to follow. ``shared``:
-    other processes append too (the dataset guard's DataLoader workers), so hold an
-    exclusive lock on the file; ``skip_last()``, asked under that lock, leaves the last
-    line out (it is there already). Returns whether the last line was written."""
+    """Append ``lines`` to ``path`` whole or not at all (a failed write is cut back to the
+    file's old end). ``shared``: other processes append too, so hold an exclusive lock;
+    ``skip_last()``, asked under it, leaves the last line out. Returns whether it was
+    written."""
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
@@ -311,11 +283,10 @@ def _error_text(exc: OSError) -> str:
 
 def append_line(path: str, line: str, *, shared: bool = False,
                 skip: Callable[[], bool] | None = None) -> bool:
-    """Append ``line`` (no newline) to ``path``, after any lines still waiting for it.
-    Never raises an OSError: a line that cannot be written is kept in memory, logged once
-    per file and retried with the next line and at exit. ``shared`` and ``skip``: see
-    :func:`_write_lines` (``skip()`` True: the line is not written). Returns False when
-    ``skip()`` left the line out, else True (written, or waiting)."""
+    """Append ``line`` (no newline) to ``path``, after any lines still waiting for it. Never
+    raises an OSError: a line that cannot be written is kept in memory (at most MAX_WAITING),
+    logged once per file and retried later. ``shared``/``skip``: see :func:`_write_lines`.
+    Returns False when ``skip()`` left the line out, else True (written, or waiting)."""
     writer = _writer()
     with _lock:
         lines = [*writer.waiting.get(path, ()), line]
@@ -379,9 +350,8 @@ def where_recorded(path: str) -> str:
 
 
 def evidence_stats() -> dict[str, int]:
-    """``written``: records written; ``waiting``: records in memory that could not be
-    written yet (retried); ``lost``: records given up (too many waiting, or a reset or
-    exit with the file still unwritable); ``write_failures``: failed attempts."""
+    """Records ``written``, ``waiting`` in memory (retried), ``lost`` (too many waiting, or
+    the run's end or exit with the file still unwritable), and ``write_failures``."""
     writer = _writer()
     return {"written": writer.counts["written"],
             "waiting": sum(len(lines) for lines in writer.waiting.values()),
@@ -417,13 +387,8 @@ def set_batch(batch: Any, step: int | None) -> None:
 
 
 def live_modules() -> Iterator[Any]:
-    """Every live ``torch.nn.Module``, from one scan of the garbage collector's objects.
-
-    How the patches find the model of a plain loop, which never names it: only when it is
-    needed (a bad step's parameter names; an optimizer's first step under
-    ``TRAINING_PATCHES_BASE_VOCAB``), never per step, where a global module hook would cost
-    a call on every forward of every module.
-    """
+    """Every live ``torch.nn.Module``, from one scan of the garbage collector's objects: how
+    the patches find a plain loop's model, only when needed (never per step)."""
     for obj in gc.get_objects():
         # type(), not isinstance(): the latter asks __class__ of lazy deprecated proxies
         if issubclass(type(obj), torch.nn.Module):

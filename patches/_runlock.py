@@ -1,10 +1,9 @@
 """One run, one folder: a run folder is claimed by one process at a time.
 
 :func:`claim_new_folder` makes a folder no other run has (``<name>``, ``<name>-2``, ...);
-:func:`lock_folder` holds an ``fcntl.flock`` on ``.training-patches.lock`` until the process
-ends, however it ends (no stale lock), a second process getting :class:`RunFolderInUse`;
-:func:`side_folder` is the hidden ``.<name>.training-patches`` beside a folder another
-trainer owns, for the lock and the run records, so that its folder holds only what it wrote.
+:func:`lock_folder` holds an ``fcntl.flock`` until the process ends (no stale lock), a second
+process getting :class:`RunFolderInUse`; :func:`side_folder` beside a folder another trainer
+owns holds the lock and the run records, so that its folder holds only what it wrote.
 """
 
 from __future__ import annotations

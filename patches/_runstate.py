@@ -1,15 +1,9 @@
 """The run object: everything the patches keep about one training run in this process.
 
-One :class:`Run` is current at a time (:func:`current`). ``apply()`` (the import line, or an
-integration's activation) starts a new one when the last has ended, as does a run folder
-set after that; ``revert()`` of every patch ends it (:func:`end`), and its counters stay
-readable until the next one starts.
-What a run holds: the options, the output folders, the batch and trainer step in hand, and
-one *part* per module that keeps state between steps (:meth:`Run.part`: the guard's
-books, the clip's counts, the step context, the evidence writer, ...), each made at its
-first use. What stays in module globals is process wiring, not run state: registries of
-what is applied, caches, and tables keyed weakly by the user's own objects (a freeze lives
-with its model, a step object with its optimizer).
+One :class:`Run` is current at a time (:func:`current`): ``apply()`` starts a new one when
+the last has ended, ``revert()`` of every patch ends it (:func:`end`; its counters stay
+readable until the next). It holds the options, the output folders, the batch and step in
+hand, and one *part* per module that keeps state between steps (:meth:`Run.part`).
 
 Design: docs/design/run.md.
 """
@@ -77,8 +71,8 @@ def current() -> Run:
 
 
 def start() -> Run:
-    """Make a new run current if the current one has ended; return the current run. Cheap
-    when it has not (the coqui integration sets the trainer's folder at every step)."""
+    """Make a new run current if the current one has ended; return the current run (cheap
+    when it has not: the coqui integration calls it at every step)."""
     global _current
     if not _current.ended:
         return _current

@@ -1,21 +1,13 @@
 """The step pipeline: everything the library does within one optimizer step, in one place.
 
 The library's only global optimizer hooks are :func:`before_step` and :func:`after_step`
-here. They run the stages of a step in a fixed order written in code, whatever order the
-patches were applied or reverted in: the resume check, the freeze's discovery and its
-bookkeeping, the guard's decision (which takes the clip's flag and has the ranks agree),
-the freeze holding the optimizer off the frozen rows, torch's update (or the skip the
-decision made), the frozen rows kept, the record. Each optimizer gets one :class:`Step` at
-its first step: what the stages hand each other within that optimizer's step.
-
-The stages that act before the optimizer step exists run where the user's code calls
-them, and hand their results to the pipeline through :func:`context`: the loss observed and
-a bad micro-batch left out (nan_guard's ``Tensor.backward`` wrapper), the frozen rows'
-gradients zeroed (the freeze's gradient hooks: before the user's clip reads the norm), the
-clip's flag (``clip_grad_norm_``), the scaler's unscale and its own decision
-(SafeGradScaler), and the LR scheduler's hold (``LRScheduler.step``, called after the step).
-
-:data:`PHASES` are the marks of :meth:`StepContext.recording` (off by default).
+here: they run the stages of a step (:class:`Stages`) in a fixed order written in code,
+whatever order the patches were applied or reverted in. Each optimizer gets one
+:class:`Step` at its first step: what the stages hand each other within its step. What acts
+before the step exists (the backward wrapper, the freeze's gradient hooks, the clip, the
+scaler, the LR scheduler's hold) runs where the user's code calls it and hands its result
+to the pipeline through :func:`context`. :data:`PHASES` are the marks of
+:meth:`StepContext.recording` (off by default).
 
 Design: docs/design/step.md
 """
@@ -40,12 +32,8 @@ PHASES = ("backward", "unscale", "clip", "resume_check", "decide", "hold", "step
 
 class StepContext:
     """What the patches tell each other within one optimizer step (a part of the run:
-    :func:`context`).
-
-    Thread-safety is the modules' own of before: the scaler's ``stepping`` flag is per
-    thread (the optimizer step it covers runs in one); the rest is run-wide, as a
-    training step is driven from one thread.
-    """
+    :func:`context`). The scaler's ``stepping`` flag is per thread (the optimizer step it
+    covers runs in one); the rest is run-wide, as a training step is driven from one thread."""
 
     def __init__(self) -> None:
         # grad_scaler writes, grad_clip and nan_guard read: the SafeGradScaler whose scale()
@@ -161,25 +149,18 @@ class Step:
 
 @dataclasses.dataclass
 class Stages:
-    """The stages the applied patches fill in; None: that patch is off. Set with
-    :func:`set_stage`; run only by :func:`before_step` and :func:`after_step`."""
+    """The stages the applied patches fill in, in the order they run (what each does: the
+    table of docs/design/step.md); None: that patch is off. Set with :func:`set_stage`; run
+    only by :func:`before_step` and :func:`after_step`."""
 
-    # resume_check: (optimizer) -> None; at the first step after a resume
-    check_resume: Callable[[Any], None] | None = None
-    # vocab_freeze's TRAINING_PATCHES_BASE_VOCAB: (optimizer) -> None; freezes what it finds
-    find_frozen: Callable[[Any], None] | None = None
-    # vocab_freeze, while a freeze lives: (optimizer, step) -> None; views a raising step
-    # left in the groups put back, swapped tensors followed
-    prepare_frozen: Callable[[Any, Step], None] | None = None
-    # nan_guard: (optimizer, args, kwargs, step) -> new (args, kwargs) or None; runs a
-    # closure first, takes the clip's flag, the ranks agree, a skip sets every grad to None
+    check_resume: Callable[[Any], None] | None = None  # resume_check
+    find_frozen: Callable[[Any], None] | None = None  # vocab_freeze (BASE_VOCAB)
+    prepare_frozen: Callable[[Any, Step], None] | None = None  # vocab_freeze
+    # nan_guard; returns the (args, kwargs) to step with, or None: unchanged
     decide: Callable[[Any, tuple[Any, ...], dict[str, Any], Step], Any] | None = None
-    # vocab_freeze: (optimizer, args, kwargs, step) -> None; the optimizer kept off the rows
     hold_frozen: Callable[[Any, tuple[Any, ...], dict[str, Any], Step], None] | None = None
-    # vocab_freeze: (optimizer, step) -> None; views put back, rows restored, until_step
-    keep_frozen: Callable[[Any, Step], None] | None = None
-    # nan_guard: (optimizer, kwargs, step) -> None; the step on the books
-    record: Callable[[Any, dict[str, Any], Step], None] | None = None
+    keep_frozen: Callable[[Any, Step], None] | None = None  # vocab_freeze, as hold_frozen
+    record: Callable[[Any, dict[str, Any], Step], None] | None = None  # nan_guard
 
 
 STAGES = Stages()

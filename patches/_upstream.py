@@ -142,10 +142,9 @@ def upstream_version(integ: Any) -> UpstreamVersion:
         return UpstreamVersion(meta, "package metadata", "package metadata")
     module = sys.modules.get(name)
     if module is not None:
-        where = _package_dir(getattr(module, "__file__", None))
-        version = getattr(module, "__version__", None)
-        vendored = not _is_distributions_copy(integ.distribution, name,
-                                              getattr(module, "__file__", None))
+        origin = getattr(module, "__file__", None)
+        where, version = _package_dir(origin), getattr(module, "__version__", None)
+        vendored = not _is_distributions_copy(integ.distribution, name, origin)
         if isinstance(version, str) and version:
             return UpstreamVersion(version, f"{name}.__version__",
                                    f"{name}.__version__ of the imported {name} at {where}",

@@ -1,26 +1,11 @@
 """``patches.advanced``: everything beyond the core, for a user who runs the patches by hand.
 
-The core (``patches.__all__``) is what a user of an XTTS fine-tune needs: the import line,
-``TRAINING_PATCHES_BASE_VOCAB``, ``load_checkpoint``, ``CheckpointManager``,
-``stats()``/``status()``/``revert()`` and ``training-patches report``. This module holds the
-rest, each name the same object it always was:
-
-- choosing patches and options by hand: :func:`apply`, :func:`activate` (what the import
-  line does), :func:`applied`, :func:`is_applied`, :func:`get_original`,
-  :class:`ConfigError`, :class:`PatchSiteError`, :class:`LoadOptions` (the options of
-  ``load_checkpoint`` as one object);
-- a plain loop's own scaler, clip and freeze: :class:`SafeGradScaler`,
-  :class:`LossScaleFloorError`, :class:`RanksDivergedError` (ranks of a DDP job that decided
-  a scaled step differently), :func:`safe_clip_grad_norm_`, :func:`freeze_base_vocab`,
-  :func:`observe_loss`, :func:`find_nonfinite_source`, :class:`NonFiniteTrainingError`,
-  :func:`skip_on_oom`, :class:`OutOfMemoryTrainingError`, :func:`set_output_dir`;
-- the learning monitor: :class:`LearningMonitor`, :class:`ReadingProbe`;
-- languages: :func:`register_language`;
-- runtime inspection: :func:`enable_anomaly_detection`, :func:`reset_runtime_state`.
-
-Until the next release each of these names also answers at the top level
-(``patches.apply``, a deprecated alias): one ``DeprecationWarning`` per name per process
-(``patches.__getattr__``). Importing this module changes nothing, as ``import patches``.
+The core (``patches.__all__``) is what a user of an XTTS fine-tune needs; this module holds
+the rest, each name the same object it always was: choosing patches and options by hand
+(:func:`apply`, :func:`activate`, ...), a plain loop's own scaler, clip and freeze, the
+learning monitor, languages and runtime inspection. Until the next release each name also
+answers at the top level (``patches.apply``: a deprecated alias, one ``DeprecationWarning``
+per name per process). Importing this module changes nothing, as ``import patches``.
 """
 
 from __future__ import annotations
@@ -48,19 +33,15 @@ if TYPE_CHECKING:  # loaded on first use by __getattr__
 __all__ = [
     "apply", "activate", "applied", "is_applied", "get_original", "ConfigError",
     "PatchSiteError", "LoadOptions",
-    "SafeGradScaler", "LossScaleFloorError", "RanksDivergedError", "safe_clip_grad_norm_", "freeze_base_vocab",
-    "observe_loss", "find_nonfinite_source", "NonFiniteTrainingError", "skip_on_oom",
-    "OutOfMemoryTrainingError", "set_output_dir",
-    "LearningMonitor", "ReadingProbe",
-    "register_language",
-    "enable_anomaly_detection", "reset_runtime_state",
+    "SafeGradScaler", "LossScaleFloorError", "RanksDivergedError", "safe_clip_grad_norm_",
+    "freeze_base_vocab", "observe_loss", "find_nonfinite_source", "NonFiniteTrainingError",
+    "skip_on_oom", "OutOfMemoryTrainingError", "set_output_dir", "LearningMonitor",
+    "ReadingProbe", "register_language", "enable_anomaly_detection", "reset_runtime_state",
 ]
 
 
 def __getattr__(name: str) -> object:
-    """``LoadOptions`` is ``patches.checkpoint``'s, whose loader loads on first use, not at
-    ``import patches.auto`` (issue 41); kept once read (PEP 562: asked only for a name this
-    module does not hold)."""
+    """``LoadOptions`` is ``patches.checkpoint``'s, loaded on first use (issue 41), kept."""
     if name != "LoadOptions":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = globals()[name] = checkpoint.LoadOptions

@@ -45,25 +45,20 @@ def sample_key(split: str, sample: dict[str, Any]) -> str:
 
 
 def record_drop(path: Path, key: str, entry: dict[str, Any]) -> bool:
-    """Append one dropped sample to the report unless ``key`` is already there.
+    """Append one dropped sample to the report unless ``key`` is already there (DataLoader
+    workers share the file: the check and the write happen under one file lock).
 
     Best effort (:func:`patches._run.append_line`): a report that cannot be read or
     written never stops the dataset; the entry waits in memory and is counted as new."""
-    with _lock:
-        return _append_once(path, key, entry)
-
-
-def _append_once(path: Path, key: str, entry: dict[str, Any]) -> bool:
-    """Append ``entry`` unless ``key`` is already in the file (DataLoader workers share it,
-    so the check and the write happen under one file lock)."""
     def listed() -> bool:
         try:
             with open(path, encoding="utf-8") as handle:
                 return any(_key_of(line) == key for line in handle)
         except OSError:
             return False  # unreadable now: the write says why, once
-    line = _run.json_line(_run.with_rank({**entry, "key": key}))
-    return _run.append_line(str(path), line, shared=True, skip=listed)
+    with _lock:
+        line = _run.json_line(_run.with_rank({**entry, "key": key}))
+        return _run.append_line(str(path), line, shared=True, skip=listed)
 
 
 def _key_of(line: str) -> Any:
@@ -78,12 +73,8 @@ def read_report(path: str | os.PathLike[str] | None = None) -> list[dict[str, An
     path = Path(path) if path is not None else report_path()
     if not path.exists():
         return []
-    entries = []
     with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                entries.append(json.loads(line))
-    return entries
+        return [json.loads(line) for line in handle if line.strip()]
 
 
 def summary(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -110,10 +101,6 @@ def log_summary(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     logger.warning("training-patches: %d samples dropped (%s); each is listed with its "
                    "reason in %s", result["total"], "; ".join(parts), result["report"])
     return result
-
-
-# -- why a sample failed ------------------------------------------------------
-
 
 
 def _describe(options: Any) -> str:

@@ -1,31 +1,17 @@
 """``grad_scaler``: SafeGradScaler wherever a trainer builds a GradScaler.
 
-fp16 on a T4 overflows, and torch's GradScaler starts at 65536 and keeps no
-record of what it skipped. SafeGradScaler is a ``torch.amp.GradScaler`` (so
-``isinstance`` holds and its state loads into a plain one) that:
-
-- starts at ``init_scale`` 1024 and grows every ``growth_interval`` 100 steps;
-- counts steps, skipped steps and the current skip streak on the device
-  (read only when logging: no host-device sync beyond the one torch's
-  ``_maybe_opt_step`` already makes, whose answer it reuses on the host);
-- logs each scale change, a stats line every ``log_interval`` steps, a warning
-  when the scale falls below 1.0;
-- never goes below ``min_scale`` and raises :class:`LossScaleFloorError` after
-  ``max_floor_skips`` consecutive skipped steps at that floor, instead of skipping
-  forever;
-- optionally backs off only after ``hysteresis`` consecutive overflows (as
-  DeepSpeed and Megatron do). With ``hysteresis=1`` its scale follows torch's
-  exactly;
-- under a process group of more than one rank, makes every rank skip the same steps, so
-  the scales, step counts and replicas stay identical: under DDP with no collective of
-  its own where DDP reduced every gradient it checks (a non-finite gradient of any rank is
-  then in every rank's; its flag rides DDP's reduction: ranks that a later edit on one rank
-  made decide differently raise :class:`RanksDivergedError` at the next step), else one
-  all-reduce (MAX) of one scalar.
-
-FSDP's ``ShardedGradScaler`` becomes :func:`sharded_scaler_class` (its sharded unscale kept).
-The scaler decides before it calls ``optimizer.step()``, so its decision is its own, not a
-stage of the step pipeline (patches._step), which a taken step then runs.
+fp16 on a T4 overflows, and torch's GradScaler starts at 65536 and keeps no record of what it
+skipped. SafeGradScaler is a ``torch.amp.GradScaler`` (``isinstance`` holds, its state loads
+into a plain one) that starts at ``init_scale`` 1024 and grows every ``growth_interval`` 100
+steps; counts steps, skips and the skip streak on the device (no sync beyond the one torch's
+``_maybe_opt_step`` makes, whose answer it reuses); logs each scale change, a stats line every
+``log_interval`` steps and a warning below scale 1.0; never goes below ``min_scale`` and raises
+:class:`LossScaleFloorError` after ``max_floor_skips`` skipped steps in a row there; can back
+off only after ``hysteresis`` overflows in a row (as DeepSpeed and Megatron do; 1 follows
+torch exactly); makes every rank of a process group skip the same steps (under DDP with no
+collective of its own, ranks that an edit on one rank made decide differently raising
+:class:`RanksDivergedError`; docs/design/step.md). FSDP's ``ShardedGradScaler`` becomes
+:func:`sharded_scaler_class`. It decides before ``optimizer.step()``: no step pipeline stage.
 """
 
 from __future__ import annotations
@@ -36,7 +22,7 @@ import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Set
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
@@ -68,19 +54,11 @@ def _missing_private_names() -> list[str]:
     return [f"{owner}.{name}" for owner, name in _PRIVATE if not hasattr(owners[owner], name)]
 
 STATE_KEY = "training_patches"
-# One JSON line per overflow and per scale change, in the run's report folder: what
-# ``training-patches report`` plots. Written from the host copy of the scale (no sync),
-# so only as often as the scale changes or a step overflows.
+# One JSON line per overflow and per scale change (what ``training-patches report`` plots),
+# written from the host copy of the scale: no sync.
 SCALE_FILE = _run.SCALE_FILE
-
-# What the scaler tells grad_clip and nan_guard within a step (the pending scaler, whether
-# it is stepping the optimizer itself, the latest scaler) lives in the run's step context.
-
-
-def on_iteration_end(callback: Callable[[], None]) -> None:
-    """Call ``callback()`` after every SafeGradScaler ``update()`` (once per registration);
-    a skipped step runs no optimizer hook, so this is where every iteration ends."""
-    _step.on_iteration_end(callback)
+# What the scaler tells grad_clip and nan_guard within a step lives in the step context.
+on_iteration_end = _step.on_iteration_end
 
 
 class LossScaleFloorError(FloatingPointError):
@@ -95,20 +73,14 @@ class RanksDivergedError(FloatingPointError):
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _caller_frame() -> Any:
-    """The first frame outside this package: the line that built the scaler."""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-            _PACKAGE_DIR):
-        frame = frame.f_back
-    return frame
-
-
 def _warn_at_caller(caught: list[warnings.WarningMessage]) -> None:
     """Re-issue torch's warnings (``GradScaler is enabled, but CUDA is not available``) at
     the user's line: torch's ``stacklevel=2`` would name our ``__init__``, which only the
     patch put between the user and torch."""
-    frame = _caller_frame()
+    frame: Any = sys._getframe(1)  # up to the first frame outside this package
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            _PACKAGE_DIR):
+        frame = frame.f_back
     for w in caught:
         if frame is None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -120,9 +92,8 @@ def _warn_at_caller(caught: list[warnings.WarningMessage]) -> None:
             warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename,
                                    frame.f_lineno, module_globals=module_globals, **where)
         except ImportError:
-            # module_globals lets the warning show the line's source, asking the module's
-            # loader for it; a program given as text (``python -c``, stdin, the REPL) has
-            # BuiltinImporter as __loader__, which raises ImportError: warn without it
+            # module_globals shows the line's source through the module's loader: a program
+            # given as text (``python -c``, stdin, the REPL) has none that can: warn without
             warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename,
                                    frame.f_lineno, **where)
 
@@ -149,39 +120,27 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
     # Whether the torch class already all-reduces the overflow flag (FSDP's does).
     _tp_agrees_itself = False
 
-    def __init__(
-        self,
-        device: str = "cuda",
-        init_scale: float | None = None,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int | None = None,
-        enabled: bool = True,
-        *,
-        hysteresis: int | None = None,
-        min_scale: float | None = None,
-        max_floor_skips: int | None = None,
-        log_interval: int | None = None,
-    ) -> None:
+    def __init__(self, device: str = "cuda", init_scale: float | None = None,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int | None = None, enabled: bool = True, *,
+                 hysteresis: int | None = None, min_scale: float | None = None,
+                 max_floor_skips: int | None = None, log_interval: int | None = None) -> None:
         opts = _options.current()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             super().__init__(
-                device,
-                init_scale=opts.init_scale if init_scale is None else init_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
+                device, init_scale=opts.init_scale if init_scale is None else init_scale,
+                growth_factor=growth_factor, backoff_factor=backoff_factor,
                 growth_interval=(opts.growth_interval if growth_interval is None
-                                 else growth_interval),
-                enabled=enabled,
-            )
+                                 else growth_interval), enabled=enabled)
         _warn_at_caller(caught)
         self.hysteresis = opts.hysteresis if hysteresis is None else int(hysteresis)
         self.min_scale = opts.min_scale if min_scale is None else float(min_scale)
         self.max_floor_skips = opts.max_floor_skips if max_floor_skips is None else max_floor_skips
         self.log_interval = opts.log_interval if log_interval is None else log_interval
         if self.hysteresis < 1:
-            raise ValueError(f"SafeGradScaler: hysteresis must be at least 1, got {self.hysteresis}")
+            raise ValueError(
+                f"SafeGradScaler: hysteresis must be at least 1, got {self.hysteresis}")
         self._tp_counts = DeviceCounters("steps", "skipped", "consecutive_skips")
         self._tp_hysteresis_left: torch.Tensor | None = None
         self._tp_init_hysteresis_left = self.hysteresis
@@ -254,12 +213,9 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
 
     def _tp_agree(self, optimizer: torch.optim.Optimizer,
                   per_device: dict[torch.device, torch.Tensor], like: torch.Tensor) -> None:
-        """Every rank's overflow flags for ``optimizer`` set alike. Where DDP reduced every
-        gradient it holds since its last unscale, they are already (each rank checked the
-        same reduced gradients): no collective; this rank's flag rides the next reduction,
-        which tells whether the ranks decided alike. Else one all-reduce. Which way is host
-        state every rank meets alike (structure, the reductions DDP ran); see
-        docs/design/step.md, "Under DDP"."""
+        """Every rank's overflow flags for ``optimizer`` set alike: no collective where DDP
+        reduced every gradient it holds since its last unscale (this rank's flag rides the
+        next reduction), else one all-reduce (docs/design/step.md, "Under DDP")."""
         carrier = _ddp.use_for_scaler(optimizer)
         if carrier is None:
             _agree_found_inf(per_device, like)
@@ -344,19 +300,16 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
             _step.context().mark("record")
             return
         scale, tracker = self._check_scale_growth_tracker("update")
-        found_infs = [
-            found_inf.to(device=scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for found_inf in state["found_inf_per_device"].values()
-        ]
+        found_infs = [found_inf.to(device=scale.device, non_blocking=True)
+                      for state in self._per_optimizer_states.values()
+                      for found_inf in state["found_inf_per_device"].values()]
         if not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
         found = found_infs[0].clone()
         for extra in found_infs[1:]:
             found += extra
         stepped = len(self._per_optimizer_states)
-        host_found = (any(self._tp_found_host)
-                      if len(self._tp_found_host) == stepped else None)
+        host_found = any(self._tp_found_host) if len(self._tp_found_host) == stepped else None
         self._tp_found_host.clear()
         self._per_optimizer_states = defaultdict(_torch_grad_scaler._refresh_per_optimizer_state)
 
@@ -620,23 +573,8 @@ def sharded_scaler_class(original: type) -> type:
     return SafeShardedGradScaler
 
 
-def stepping() -> bool:
-    """True inside an optimizer step a SafeGradScaler has already checked."""
-    return _step.context().scaler_stepping
-
-
-def pending_scaler() -> SafeGradScaler | None:
-    """The SafeGradScaler that scaled a loss this iteration and has not updated yet (a
-    disabled one never becomes pending)."""
-    return _step.context().pending_scaler()
-
-
-def latest_scaler() -> SafeGradScaler | None:
-    return _step.context().latest_scaler()
-
-
 def stats() -> dict[str, float]:
-    scaler = latest_scaler()
+    scaler = _step.context().latest_scaler()
     return scaler.stats() if scaler is not None else {}
 
 

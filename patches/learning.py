@@ -65,10 +65,9 @@ class Reading:
         94% of 32 utterances, audio loss 3.120``."""
         where = f" at step {step:,}" if step is not None else ""
         unit = " nats/code" if self.measured_on == AUDIO_LOSS else f" ({self.measured_on})"
-        loss = "audio loss" if self.measured_on == AUDIO_LOSS else self.measured_on
         return (f"reading {self.language}{where}: gap {self.gap:.3g}{unit} "
                 f"({self.relative:.2%} of the loss), {self.share:.0%} of {self.utterances} "
-                f"utterances, {loss} {self.own:.3f}")
+                f"utterances, {self.measured_on} {self.own:.3f}")
 
     def record(self) -> dict[str, Any]:
         return {**asdict(self), "gap": self.gap, "relative": self.relative}
@@ -268,9 +267,8 @@ CONFIRM = 2  # a verdict needs this many evaluations in a row: one noisy probe i
 README = 'TRAINING_PATCHES_README.md, "Is it learning?"'
 
 
-def _counted(points: Sequence[Point], language: str, warmup: int) -> list[tuple[int, Point]]:
-    """(index, point) of the evaluations that measured ``language``, in order, with the
-    index among all evaluations; those within the warmup are marked by index < warmup."""
+def _counted(points: Sequence[Point], language: str) -> list[tuple[int, Point]]:
+    """(index among all evaluations, point) of those that measured ``language``, in order."""
     return [(i, p) for i, p in enumerate(points) if language in p.readings
             and math.isfinite(p.readings[language].gap)]
 
@@ -312,18 +310,15 @@ def judge(points: Sequence[Point], options: Any | None = None) -> list[Verdict]:
     """
     opts = options if options is not None else _options.current()
     warmup, min_gap = int(opts.reading_warmup), float(opts.reading_min_gap)
-    verdicts: list[Verdict] = []
     if not points:
-        return verdicts
+        return []
+    verdicts: list[Verdict] = []
     languages = list(dict.fromkeys(lang for p in points for lang in p.readings))
     latest = len(points) - 1
-    first_rel = {}
-    for language in languages:
-        series = _counted(points, language, warmup)
-        if series:
-            first_rel[language] = series[0][1].readings[language].relative
-    for language in languages:
-        series = _counted(points, language, warmup)
+    counted = {language: _counted(points, language) for language in languages}
+    first_rel = {language: series[0][1].readings[language].relative
+                 for language, series in counted.items() if series}
+    for language, series in counted.items():
         if not series or series[-1][0] != latest:
             continue
         first, last = series[0][1].readings[language], series[-1][1].readings[language]

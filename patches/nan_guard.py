@@ -21,7 +21,6 @@ import contextlib
 import functools
 import math
 import os
-import threading
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -79,7 +78,6 @@ class _State:
         # DDP, flags carried by the reduction: whether the ranks' last decisions differed
         self.diverged: torch.Tensor | None = None
         self.leaving_out = False  # the backward of a micro-batch left out is running
-        self.lock = threading.Lock()
 
 
 def _guard() -> _State:
@@ -101,28 +99,24 @@ def observe_loss(loss: torch.Tensor) -> None:
 def expect_accumulation(steps: int) -> None:
     """Tell the guard that optimizer steps accumulate ``steps`` micro-batches (an
     integration knows it from its config; plain loops are learned from their first step)."""
-    state = _guard()
-    state.accumulation_hint = steps > 1
+    _guard().accumulation_hint = steps > 1
 
 
 def watch(model: torch.nn.Module, prefix: str = "") -> None:
     """Learn parameter names, so events say which gradients were non-finite."""
-    state = _guard()
-    for name, param in model.named_parameters(prefix=prefix):
-        state.names[id(param)] = name
+    named = model.named_parameters(prefix=prefix)
+    _guard().names.update((id(param), name) for name, param in named)
 
 
 def set_replay(replay: Callable[[], dict[str, Any]] | None) -> None:
     """Register how to re-run the current batch (see :func:`find_nonfinite_source`)."""
-    state = _guard()
-    state.replay = replay
+    _guard().replay = replay
 
 
 def replaying() -> bool:
     """True while :func:`find_nonfinite_source` re-runs a batch on this rank alone (an
     integration must then start no collective the other ranks would not join)."""
-    state = _guard()
-    return state.replaying
+    return _guard().replaying
 
 
 # -- the decision ----------------------------------------------------------------
@@ -134,9 +128,8 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _protected(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> bool:
     """A GradScaler already decided this step (its own sync, or the fused protocol)."""
-    state = _guard()
     return (_step.context().scaler_stepping or "grad_scaler" in kwargs
-            or (hasattr(optimizer, "found_inf") and id(optimizer) not in state.set_found_inf))
+            or (hasattr(optimizer, "found_inf") and id(optimizer) not in _guard().set_found_inf))
 
 
 def _spike_flag(loss: torch.Tensor, opts: _options.Options) -> torch.Tensor | None:
@@ -166,24 +159,20 @@ def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
            optimizer: torch.optim.Optimizer | None = None, sharded: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every rank's decision: (any rank's flag, any rank's non-finite loss flag, whether
-    any rank kept a micro-batch of this step).
+    any rank kept a micro-batch of this step); ``(bad, None, None)`` without a process group.
 
-    Under DDP, from the flags the gradient reduction carried (no collective; see "DDP: the
-    decision rides the gradient reduction" above). Otherwise one all-reduce (MAX) of a
-    plain three-element tensor: DTensors are never reduced (a collective on one has no
-    sharding strategy). The second value tells a rank whose gradients are non-finite only
-    because a peer's NaN loss reached them through the gradient sync that the peer saw it.
-    The third tells a rank that left out every micro-batch of the step whether a peer kept
-    one (else the step has no gradient anywhere). Without a process group:
-    ``(bad, None, None)``.
+    Under DDP from the flags the gradient reduction carried (no collective; below), else one
+    all-reduce (MAX) of a plain tensor (a DTensor has no sharding strategy for it). The
+    second value tells a rank whose gradients are non-finite only through a peer's NaN loss
+    that the peer saw it; the third, whether any rank's step has a gradient at all.
     """
     state = _guard()
     if not _dist.collectives():
         return bad, None, None
     if optimizer is not None and not sharded:
-        received = _carried(optimizer, bad.device)
-        if received is not None:
-            return _agree_carried(optimizer, bad, received)
+        carried = _agree_carried(optimizer, bad)
+        if carried is not None:
+            return carried
     dist = torch.distributed
     shared = torch.stack([bad, bad_loss if bad_loss is not None else torch.zeros_like(bad),
                           torch.full_like(bad, not state.kept_none)]).to(torch.float32)
@@ -197,78 +186,45 @@ def _agree(bad: torch.Tensor, bad_loss: torch.Tensor | None,
 
 # -- DDP: the decision rides the gradient reduction -----------------------------------
 #
-# Under DistributedDataParallel the guard makes no collective of its own. A DDP
-# communication hook (patches/_ddp.py, shared with SafeGradScaler; registered at an
-# optimizer's first guarded step, on the DDP module that holds its parameters) reduces every bucket exactly as DDP's default does (divide by
-# the world size, all-reduce SUM) and appends numbers to its smallest bucket (the first
-# at the first reduction; DDP's first bucket is no small one where a big tensor such as a
-# 24,000-row text head fills it alone): whether this rank's loss is non-finite or a spike, whether it is
-# non-finite, whether this rank kept a micro-batch of the step. Summed over the ranks they
-# are the agreement. The gradients' own flag needs none: a non-finite gradient on any rank
-# before the reduction is non-finite in the reduced gradient of every rank.
-#
-# Falls back to the agreement all-reduce (and says so, once) where that is not enough: the
-# DDP module has a communication hook of the user's (DDP allows one), no DDP module holds
-# the optimizer's parameters (a process group used by hand, FSDP2), a step whose last
-# reduction carried no flags or another loss than the one decided on. Those conditions are
-# host state that every rank meets alike, so the ranks always agree on which way is taken.
-# What no reduction carries: a change that one rank alone makes to its gradients AFTER the
-# reduction (the ranks' gradients are equal once reduced, so only a rank-local edit there
-# can make one rank's decision differ). The next step's reduction carries each rank's last
-# decision, and ranks that decided differently raise NonFiniteTrainingError there, naming it.
-#
-# FSDP2 keeps the collective: each rank checks only its own shards of the reduce-scattered
-# gradients, whose flags exist only after the reduction, and a non-finite element reaches
-# only the rank holding its shard; so there is nothing to carry the flag in, and no rank
-# can know another's without a collective. (FSDP2 has no communication hook for its
-# reduce-scatter either.)
+# Under DDP the guard makes no collective of its own: the communication hook of
+# patches/_ddp.py (shared with SafeGradScaler) appends this rank's loss flags and last
+# decision to a bucket, and their sums over the ranks are the agreement (a non-finite
+# gradient is in every rank's reduced gradient anyway). Where that is not enough (the user's
+# own hook, no DDP module, a reduction that carried nothing; FSDP2) every rank falls back to
+# the all-reduce alike. Ranks that a rank-local edit after the reduction made decide
+# differently raise at the next step. Design: docs/design/nan_guard.md and step.md.
 
 def _loss_flags(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """This rank's flags for the reduction under way (no host read)."""
     state = _guard()
     loss = None if state.leaving_out else state.pending_loss
-    zero = torch.zeros((), dtype=torch.bool, device=device)
     if loss is None:
-        bad = nonfinite = zero
+        bad = nonfinite = torch.zeros((), dtype=torch.bool, device=device)
     else:
         value = loss.to(device)
         nonfinite = ~torch.isfinite(value)
         spike = _spike_flag(value, _options.current())
         bad = nonfinite if spike is None else nonfinite | spike
-    kept = not (0 < state.backwards <= state.left_out)
-    return bad, nonfinite, kept
+    return bad, nonfinite, not (0 < state.backwards <= state.left_out)  # kept a micro-batch
 
 
-def _carried(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
-    """The flags the step's last reduction carried (sums over the ranks), when a reduction
-    carried them since the last decision; else None (agree by all-reduce). Only what every
-    rank knows alike decides which (never a loss value: a rank that left out a non-finite
-    micro-batch knows something its peers do not)."""
+def _agree_carried(optimizer: torch.optim.Optimizer, bad: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The agreement from the sums the step's last reduction carried, with no collective:
+    any rank's loss flag or this rank's gradient flag (the same on every rank: the gradients
+    are reduced). None where no reduction carried them since the last decision (agree by
+    all-reduce): only what every rank knows alike decides which, never a loss value."""
     carrier = _ddp.carrier_of(optimizer)
     if carrier is None or not carrier.fresh or carrier.received is None:
         return None
     carrier.fresh = False
-    return carrier.received.to(device)
-
-
-def _agree_carried(optimizer: torch.optim.Optimizer, bad: torch.Tensor,
-                   received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The agreement from the carried sums, with no collective: any rank's loss flag or this
-    rank's gradient flag (the same on every rank: the gradients are reduced)."""
-    state = _guard()
-    carrier = _ddp.known_carrier(optimizer)
-    agreed = received > 0
+    agreed = carrier.received.to(bad.device) > 0
     # every rank's last decision was carried: anything but none or all of them skipped is
     # ranks that diverged (a rank-local change of its gradients after the reduction)
-    state.diverged = carrier.diverged()  # type: ignore[union-attr]
+    _guard().diverged = carrier.diverged()
     decided = bad | agreed[0]
-    carrier.last_skip = decided.to(torch.float32)  # type: ignore[union-attr]
+    carrier.last_skip = decided.to(torch.float32)
     return decided, agreed[1], agreed[2]
-
-
-def _local_flag(flag: torch.Tensor) -> torch.Tensor:
-    """A flag computed from DTensors as a plain tensor (its value on this rank)."""
-    return _dist.local(flag) if _dist.is_dtensor(flag) else flag
 
 
 def _step_boundary() -> None:
@@ -280,10 +236,9 @@ def _step_boundary() -> None:
 
 
 class _ClosureRun:
-    """A step's closure the guard has already run once, so that it judged the gradients
-    that closure made (Lightning's automatic optimization, any ``step(closure)`` caller).
-    The optimizer's first call gets that result back; later calls run the closure again
-    (LBFGS evaluates it several times per step)."""
+    """A ``step(closure)``'s closure the guard already ran, to judge the gradients it made
+    (Lightning's automatic optimization): the optimizer's first call gets that result back,
+    later calls run the closure again (LBFGS evaluates it several times per step)."""
 
     def __init__(self, closure: Any, result: Any) -> None:
         self.closure, self.result, self.first = closure, result, True
@@ -298,10 +253,9 @@ class _ClosureRun:
 def _decide_stage(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                   kwargs: dict[str, Any],
                   step: _step.Step) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Decide the step on the gradients it will apply. Given a closure, run it first (its
-    forward, backward and whatever it clips), decide, and hand the optimizer a closure
-    that returns that result: a decision taken before the closure would judge the previous
-    step's gradients and let this step's NaN through."""
+    """Decide the step on the gradients it will apply: a closure runs first (forward, backward,
+    clip) and the optimizer gets one returning that result (a decision before the closure
+    would judge the previous step's gradients and let this step's NaN through)."""
     # torch passes the step's own arguments with the optimizer first: (self, closure, ...)
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if not callable(closure) or isinstance(closure, _ClosureRun) or _protected(optimizer, kwargs):
@@ -335,15 +289,14 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any], step: _ste
         # FSDP2: check this rank's own shards (no collective; the clip's replicated norm
         # would not say which rank's shards are bad), the ranks agree below.
         grads = [_dist.local(g) for g in grads]
+        context.forget_clip()  # the clip's flag belongs to this step, judged by shards here
     device = grads[0].device if grads else loss.device  # type: ignore[union-attr]
     # The clip's flag for these very gradients, if it covered them: no second reduction.
     bad_grad = context.take_clip(grads) if grads and not sharded else None
-    if sharded:
-        context.forget_clip()  # the clip's flag belongs to this step, judged by shards here
     if bad_grad is None:
         bad_grad = (~torch.isfinite(get_total_norm(grads, 2.0, False, None)) if grads
                     else torch.zeros((), dtype=torch.bool, device=device))
-    bad_grad = _local_flag(bad_grad).to(device)
+    bad_grad = _dist.local(bad_grad).to(device)  # a flag of DTensors: this rank's value
     bad = bad_grad
     bad_loss = spike = None
     if loss is not None:
@@ -377,7 +330,7 @@ def _decide(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any], step: _ste
         if state.host_steps % opts.log_interval == 0:
             _log_stats()  # settles the flags
         elif len(state.deferred) >= min(opts.log_interval, opts.max_bad_steps):
-            _settle_deferred()  # often enough for the consecutive-skips stop
+            settle()  # often enough for the consecutive-skips stop
         return  # the kernel applies it or skips it on the device
 
     if state.diverged is not None:  # DDP, the flags carried: read with the decision
@@ -416,8 +369,10 @@ def _record_stage(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any],
         del optimizer.found_inf  # type: ignore[attr-defined]
 
 
-def _settle_deferred() -> None:
-    """Read the flags of fused steps (one copy) and handle their events."""
+def settle() -> None:
+    """Read the fused steps' waiting skip flags now (one copy) and record their skips: a
+    trainer calls it where its records must be complete (a save, the end of training), not
+    only at exit. May raise :class:`NonFiniteTrainingError`, as the step that read them would."""
     state = _guard()
     entries, state.deferred = state.deferred, []
     if not entries:
@@ -440,13 +395,9 @@ def _value(tensor: torch.Tensor | None) -> float | None:
 
 
 def _learn_names(params: list[torch.Tensor]) -> None:
-    """Name parameters by their full module path, from the model that holds them.
-
-    The guard is not told about the model in a plain loop: when a bad step needs names,
-    the outermost live module holding the most of these parameters names them (the root
-    model: ``block.1.weight``, never ``1.weight`` from the ``block`` inside it;
-    :func:`patches._run.live_modules`), below the wrappers DDP and ``torch.compile`` add.
-    """
+    """Name parameters by their full module path (a plain loop never names its model): the
+    outermost live module holding the most of them names them (:func:`patches._run.live_modules`;
+    ``block.1.weight``, never ``1.weight``), below the wrappers DDP and ``torch.compile`` add."""
     state = _guard()
     wanted = {id(p) for p in params if id(p) not in state.names}
     if not wanted:
@@ -478,7 +429,6 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
-    state = _guard()
     if optimizer is None:
         return []
     # A bad step only: one read per parameter is acceptable here. DTensor gradients are
@@ -487,8 +437,8 @@ def _bad_grad_names(optimizer: torch.optim.Optimizer | None) -> list[str]:
            for i, p in enumerate(group["params"])
            if p.grad is not None and not bool(torch.isfinite(_dist.local(p.grad)).all())]
     _learn_names([p for _, _, p in bad])
-    return [state.names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}")
-            for g, i, p in bad]
+    names = _guard().names
+    return [names.get(id(p), f"param_groups[{g}][{i}] {tuple(p.shape)}") for g, i, p in bad]
 
 
 def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: torch.Tensor,
@@ -535,34 +485,43 @@ def _on_bad_step(optimizer: torch.optim.Optimizer | None, step: int, bad_grad: t
         event["read_at_step"] = state.host_steps  # the flag waited on the device till then
     if state.first_bad is None or state.streak == 1:
         state.first_bad = event
-    opts = _options.current()
-    if (opts.replay and not state.replayed and state.replay is not None and not is_spike
-            and not peer and known is None):
-        state.replayed = True
-        event["source"] = state.replay()
-    path = _run.append_jsonl(EVENTS_FILE, event)
-    state.events_path = path
+    path = _record(event, replay=not is_spike and not peer and known is None)
     where = (f"trainer step {trainer_step} (optimizer step {step})"
              if trainer_step is not None else f"optimizer step {step}")
     if peer:
         logger.warning("nan_guard: %s skipped on rank %d of %d because another rank saw a "
                        "non-finite loss or gradient or a loss spike (this rank's own loss: %s; "
                        "its gradients were finite apart from what the gradient sync brought "
-                       "from that rank); every rank skips the same steps; "
-                       "%s", where, _dist.rank(), _dist.world_size(), loss_value,
-                       _run.where_recorded(path))
+                       "from that rank); every rank skips the same steps; %s", where,
+                       _dist.rank(), _dist.world_size(), loss_value, _run.where_recorded(path))
     else:
         grads = event["nonfinite_grads"]
-        what = (f"non-finite gradients in {', '.join(grads[:3])}"
-                + (f" (+{len(grads) - 3} more)" if len(grads) > 3 else "")) if grads else kind
-        logger.warning("nan_guard: %s skipped: the whole optimizer step (%s; loss=%s)%s%s; "
-                       "%s", where, what, loss_value,
-                       f"; samples: {', '.join(event['samples'][:4])}" if event["samples"]
-                       else "",
-                       f"; source: {event['source']}" if event.get("source") else "",
-                       _run.where_recorded(path))
-    if state.streak >= opts.max_bad_steps:
+        what = f"non-finite gradients in {_listed(grads)}" if grads else kind
+        logger.warning("nan_guard: %s skipped: the whole optimizer step (%s; loss=%s)%s; %s",
+                       where, what, loss_value, _details(event), _run.where_recorded(path))
+    if state.streak >= _options.current().max_bad_steps:
         _raise(step)
+
+
+def _record(event: dict[str, Any], replay: bool = False) -> str:
+    """Append ``event`` to the events file, first replaying the run's first bad batch
+    where ``replay`` allows it; returns where it was recorded."""
+    state = _guard()
+    if replay and _options.current().replay and not state.replayed and state.replay is not None:
+        state.replayed = True
+        event["source"] = state.replay()
+    state.events_path = _run.append_jsonl(EVENTS_FILE, event)
+    return state.events_path
+
+
+def _details(event: dict[str, Any]) -> str:
+    """The samples and the replay's source of an event, as its warning ends."""
+    return ((f"; samples: {', '.join(event['samples'][:4])}" if event["samples"] else "")
+            + (f"; source: {event['source']}" if event.get("source") else ""))
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
 
 def _raise_diverged() -> None:
@@ -581,7 +540,6 @@ def _raise_diverged() -> None:
 def _raise(step: int) -> None:
     state = _guard()
     first = state.first_bad or {}
-    last_loss = _value(state.last_good_loss)
     samples = first.get("samples") or []
     raise NonFiniteTrainingError(
         f"nan_guard: {state.streak} consecutive optimizer steps had non-finite loss or "
@@ -595,13 +553,12 @@ def _raise(step: int) -> None:
         f"{first.get('kind')}, loss={first.get('loss')}, non-finite gradients: "
         f"{', '.join(first.get('nonfinite_grads') or []) or 'none found'}, loss scale: "
         f"{first.get('scale')}; samples in that batch: {', '.join(samples) or 'unknown'}. "
-        f"The last finite loss was {last_loss}."
+        f"The last finite loss was {_value(state.last_good_loss)}."
         + (f" Where it started: {first['source']}." if first.get("source") else "")
-        + f" Every skipped step is in {state.events_path}. Try: a lower "
-        "learning rate; "
+        + f" Every skipped step is in {state.events_path}. Try: a lower learning rate; "
         "checking those samples (`training-patches report RUN_DIR` lists them); fp32 "
-        "instead of fp16/bf16 (on a T4, disable fp16); TRAINING_PATCHES_ANOMALY=1 for one run to name the operation. "
-        "TRAINING_PATCHES_MAX_BAD_STEPS raises the limit.")
+        "instead of fp16/bf16 (on a T4, disable fp16); TRAINING_PATCHES_ANOMALY=1 for one run "
+        "to name the operation. TRAINING_PATCHES_MAX_BAD_STEPS raises the limit.")
 
 
 def _log_stats() -> None:
@@ -617,23 +574,13 @@ def record_trainer_skip(trainer: str, step: int | None, why: str) -> str:
     """Record a step that a trainer skipped by itself (DeepSpeed's fp16 loss scaler on an
     overflow): the guard never saw it, so without this it would be in no record. Returns
     where it was recorded."""
-    state = _guard()
-    counts = state.counts
-    counts["skipped"] += 1
+    _guard().counts["skipped"] += 1
     event = {"step": step, "trainer_step": _run.current().trainer_step, "kind": "trainer_skip",
              "trainer": trainer, "action": why, "samples": list(_run.current().batch_ids)}
-    path = _run.append_jsonl(EVENTS_FILE, event)
-    state.events_path = path
+    path = _record(event)
     logger.warning("nan_guard: %s skipped optimizer step %s by itself (%s); %s", trainer, step,
                    why, _run.where_recorded(path))
     return path
-
-
-def settle() -> None:
-    """Read the fused steps' waiting skip flags now and record their skips: a trainer calls
-    it where its records must be complete (a save, the end of training), not only at exit.
-    May raise :class:`NonFiniteTrainingError`, as the step that read them would."""
-    _settle_deferred()
 
 
 def _settle_at_exit() -> None:
@@ -641,7 +588,7 @@ def _settle_at_exit() -> None:
     interval): read and recorded at exit, so no skip goes unrecorded. Never raises."""
     state = _guard()
     try:
-        _settle_deferred()
+        settle()
     except Exception as exc:  # noqa: BLE001 - at exit: say it, never fail the process
         logger.warning("training-patches nan_guard: could not read the last fused steps' "
                        "flags at exit (%s); up to %d skip(s) may be unrecorded",
@@ -654,15 +601,11 @@ atexit.register(_settle_at_exit)
 
 
 def stats() -> dict[str, int]:
-    """Counters as plain ints (settles deferred fused-step flags first).
-
-    ``steps`` and ``skipped`` are the decisions (the same on every rank of a process
-    group); ``nonfinite_losses``, ``nonfinite_grads`` and ``spikes`` count what this rank
-    saw; ``peer_skips`` counts steps skipped only because another rank saw a bad value;
-    ``skipped_micro_batches`` counts micro-batches left out of an accumulated gradient.
-    """
+    """Counters as plain ints (settles deferred fused-step flags first): ``steps`` and
+    ``skipped`` are the decisions, alike on every rank; the others count what this rank saw
+    (``peer_skips``: skipped only for another rank; docs/design/nan_guard.md)."""
     state = _guard()
-    _settle_deferred()
+    settle()
     return {**state.counts, "consecutive_skips": state.streak}
 
 
@@ -688,9 +631,8 @@ def reset(keep_replay: bool = True) -> None:
 
 def _on_bad_micro_batch(loss: torch.Tensor) -> None:
     state = _guard()
-    counts = state.counts
-    counts["nonfinite_losses"] += 1
-    counts["skipped_micro_batches"] += 1
+    state.counts["nonfinite_losses"] += 1
+    state.counts["skipped_micro_batches"] += 1
     value = float(loss.detach().float().reshape(-1)[0])
     if state.pending_loss is not None and not bool(torch.isfinite(state.pending_loss)):
         state.pending_loss = None  # this loss was the one observed: it is dealt with here
@@ -703,21 +645,13 @@ def _on_bad_micro_batch(loss: torch.Tensor) -> None:
         "loss": value,
         "samples": list(_run.current().batch_ids),
     }
-    opts = _options.current()
-    if opts.replay and not state.replayed and state.replay is not None:
-        state.replayed = True
-        event["source"] = state.replay()
-    path = _run.append_jsonl(EVENTS_FILE, event)
-    state.events_path = path
+    path = _record(event, replay=True)
     trainer_step = _run.current().trainer_step
     where = (f"trainer step {trainer_step}" if trainer_step is not None
              else f"a micro-batch of optimizer step {event['step']}")
     logger.warning("nan_guard: %s: non-finite loss (%s); this micro-batch is left out of the "
-                   "accumulated gradient and the optimizer step uses the others%s%s; "
-                   "%s", where, value,
-                   f"; samples: {', '.join(event['samples'][:4])}" if event["samples"] else "",
-                   f"; source: {event['source']}" if event.get("source") else "",
-                   _run.where_recorded(path))
+                   "accumulated gradient and the optimizer step uses the others%s; %s",
+                   where, value, _details(event), _run.where_recorded(path))
 
 
 @contextlib.contextmanager
@@ -750,42 +684,35 @@ def _make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None,
                  create_graph: bool = False, inputs: Any = None) -> Any:
         state = _guard()
-        if gradient is None and self.numel() == 1 and self.requires_grad and \
-                not state.replaying:
-            state.backwards += 1
-            if state.pending_loss is None or state.loss_from_backward:
-                # no observe_loss() call: the loss being backpropagated is the one to record
-                observe_loss(self)
-                state.loss_from_backward = True
-            if ((state.accumulating or state.accumulation_hint)
-                    and not bool(torch.isfinite(self.detach()).all())):
-                state.left_out += 1
-                if not _dist.collectives():
-                    _on_bad_micro_batch(self)
-                    _step.context().mark("backward")  # left out: this micro-batch is done
-                    return None
-                # Several ranks: the peers' backward of this micro-batch may all-reduce
-                # (DDP's synced micro-batch, every micro-batch without no_sync) or
-                # all-gather and reduce-scatter (FSDP2): leaving it out here would leave
-                # them waiting (a hang, or gloo aborting on mismatched collectives). So it
-                # runs, with exactly the same communication, and every parameter takes a
-                # zero gradient from it: the same micro-batch is left out on every rank.
+        if gradient is not None or self.numel() != 1 or not self.requires_grad or \
+                state.replaying:
+            return original(self, gradient, retain_graph, create_graph, inputs)
+        state.backwards += 1
+        if state.pending_loss is None or state.loss_from_backward:
+            # no observe_loss() call: the loss being backpropagated is the one to record
+            observe_loss(self)
+            state.loss_from_backward = True
+        result = None
+        if ((state.accumulating or state.accumulation_hint)
+                and not bool(torch.isfinite(self.detach()).all())):
+            state.left_out += 1
+            if _dist.collectives():
+                # Several ranks: the peers' backward of this micro-batch may communicate
+                # (DDP, FSDP2), so it runs with zero leaf gradients: left out on every rank
+                # without a hang (docs/design/nan_guard.md, "Gradient accumulation").
                 state.leaving_out = True  # its loss is no flag of the step's (DDP's carrier)
                 try:
                     with _zero_leaf_gradients(self):
                         result = original(self, gradient, retain_graph, create_graph, inputs)
                 finally:
                     state.leaving_out = False
-                # Recorded (and replayed) only now: a replay's backward on this rank alone
-                # while DDP still expects this micro-batch's gradients would start a
-                # reduction of its own.
-                _on_bad_micro_batch(self)
-                _step.context().mark("backward")
-                return result
+            # Recorded (and replayed) only after that backward: a replay's backward on this
+            # rank alone while DDP expects this micro-batch's gradients would reduce alone.
+            _on_bad_micro_batch(self)
+        else:
             result = original(self, gradient, retain_graph, create_graph, inputs)
-            _step.context().mark("backward")
-            return result
-        return original(self, gradient, retain_graph, create_graph, inputs)
+        _step.context().mark("backward")
+        return result
     backward.__wrapped__ = original  # type: ignore[attr-defined]
     backward.__doc__ = original.__doc__
     return backward
@@ -867,11 +794,9 @@ def find_nonfinite_source(model: torch.nn.Module,
         def check(module: torch.nn.Module, inputs: Any, output: Any) -> None:
             if "module" in found:
                 return
-            if _nonfinite(inputs):
-                found.update(module=name or type(model).__name__, where="input",
-                             type=type(module).__name__)
-            elif _nonfinite(output):
-                found.update(module=name or type(model).__name__, where="output",
+            where = "input" if _nonfinite(inputs) else "output" if _nonfinite(output) else None
+            if where is not None:
+                found.update(module=name or type(model).__name__, where=where,
                              type=type(module).__name__)
         return check
 
@@ -924,10 +849,9 @@ def _nothing_found_reason(model: torch.nn.Module) -> str:
            if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     if bad:
         return (f"the re-run's loss and every module's inputs and outputs were finite, but "
-                f"the gradients of {', '.join(bad[:3])}"
-                + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
-                + " were not: infinite values from an overflow in backward, which anomaly "
-                  "mode (it checks for NaN only) does not trace to an operation")
+                f"the gradients of {_listed(bad)} were not: infinite values from an overflow in "
+                "backward, which anomaly mode (it checks for NaN only) does not trace to an "
+                "operation")
     return ("the batch was re-run with forward hooks and anomaly mode and its loss, every "
             "module's inputs and outputs and its gradients were finite: the non-finite value "
             "did not recur (it came from state the re-run does not reproduce, e.g. the loss "
@@ -948,10 +872,6 @@ def _disable() -> None:
     _ddp.carry_loss_flags(None)
     _step.set_stage("decide", None)
     _step.set_stage("record", None)
-
-
-SPIKE_K_MAX = 1e6
-SPIKE_WINDOW_MAX = 100_000  # 400 KB of float32 on the device
 
 
 SPEC = register(PatchSpec(
@@ -982,11 +902,11 @@ SPEC = register(PatchSpec(
         Option("spike_k", nonnegative_float, 0.0,
                "a number of standard deviations, e.g. 6 (0 = off)",
                "skip a step whose loss is this many standard deviations above the window",
-               shown_default="0 (off)", low=0, high=SPIKE_K_MAX,
+               shown_default="0 (off)", low=0, high=1e6,
                bound_why="a loss a million standard deviations above the window is no test "
                          "any more, and k times the deviation must stay finite in float32"),
         Option("spike_window", positive_int, 100, "a whole number of steps of at least 2, e.g. 100",
-               "losses in the spike guard's window", low=2, high=SPIKE_WINDOW_MAX,
+               "losses in the spike guard's window", low=2, high=100_000,  # 400 KB of float32
                bound_why="the window is a tensor on the training device whose mean and "
                          "deviation are taken at every step"),
         Option("lr_step_on_skip", flag, True, "1 or 0",

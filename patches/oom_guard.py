@@ -1,20 +1,15 @@
 """``oom_guard``: a CUDA out-of-memory error in one batch skips that batch; repeated ones
 stop the run with sizes that fit.
 
-A long clip in an unattended run can exhaust GPU memory once: without the guard the
-whole run dies on it. With it, the batch's gradients are dropped, its tensors are
-released, the allocator's cache is emptied, and the batch is counted and logged with
-its shapes and sample ids; the run goes on. After ``max_oom_skips`` out-of-memory
-batches in a row the run stops with :class:`OutOfMemoryTrainingError`, which suggests a
-batch size and a maximum audio length that fit, from the shapes of the batches that
-failed.
-
-The guard needs a place that runs one batch: the coqui Trainer's ``train_step`` (the
-``coqui_trainer`` integration); a plain loop wraps its step in :func:`skip_on_oom`.
-Under gradient accumulation the gradients already accumulated for the current optimizer
-step are dropped too (a backward that ran out of memory half-way leaves them partial).
-It wraps the batch, not the optimizer step, so it is no stage of the step pipeline
-(patches._step): a batch that ran out of memory never reaches an optimizer step.
+A long clip in an unattended run can exhaust GPU memory once: without the guard the whole run
+dies on it. With it, the batch's gradients are dropped (under gradient accumulation those
+already accumulated too: a backward that ran out of memory half-way leaves them partial), its
+tensors released, the allocator's cache emptied, and the batch counted and logged with its
+shapes and sample ids; the run goes on. After ``max_oom_skips`` such batches in a row the run
+stops with :class:`OutOfMemoryTrainingError`, which suggests a batch size and a maximum audio
+length that fit, from the shapes of the batches that failed. It wraps one batch, not the
+optimizer step, so it is no stage of the step pipeline (patches._step): the coqui Trainer's
+``train_step`` (the ``coqui_trainer`` integration); a plain loop uses :func:`skip_on_oom`.
 """
 
 from __future__ import annotations

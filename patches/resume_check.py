@@ -1,27 +1,16 @@
 """``resume_check``: at the first optimizer step after a resume, do the LR, the scheduler and
 the optimizer's state still fit together?
 
-Two of the seeds' lost runs were resumes that trained on: losses stuck from step 4k to
-11k (an optimizer state that did not match the grown vocabulary), and an LR that *decayed*
-(4.78e-5 -> 4.54e-5) where a warmup was due (a fresh optimizer with the old scheduler).
-Nothing in torch or the trainers compares them. At the first step of each optimizer after
-a resume this patch reads, once:
+Two of the seeds' lost runs were resumes that trained on: losses stuck from step 4k to 11k (an
+optimizer state that did not match the grown vocabulary), and an LR that *decayed* (4.78e-5 ->
+4.54e-5) where a warmup was due (a fresh optimizer with the old scheduler). At the first step of
+each optimizer after a resume (seen by itself, announced by :func:`expect_resume`, or re-armed by
+a later ``optimizer.load_state_dict``) it compares the optimizer's step count and moments'
+shapes, its LR and its scheduler's, and their step counts with the trainer's: one WARNING and a
+``resume`` record in ``learning_health.jsonl`` per problem, one INFO line when they fit. It
+reads and never changes anything.
 
-- the optimizer's step count (its state's ``step``) and its moments' shapes against the
-  parameters';
-- its LR against the LR its scheduler set last (``get_last_lr()``): loading one without
-  the other leaves them apart;
-- the scheduler's step count against the optimizer's, and, where the trainer's step is
-  known (coqui, HF, Lightning, F5, the library's loader), against that step, with the LR the
-  scheduler's own plan gives there.
-
-A resume is seen without being told: an optimizer whose first step in this process finds
-state already in it, or a scheduler that has already stepped twice, was loaded. The coqui
-integration and :func:`patches.load_checkpoint` also say so (:func:`expect_resume`), and a
-later ``optimizer.load_state_dict`` re-arms the check for that optimizer. Each problem is one
-WARNING naming the figures, and a ``resume`` record in ``learning_health.jsonl``; a resume
-whose parts fit is one INFO line. The check reads and never changes anything; outside the
-first step after a resume it costs one set lookup per step.
+Design: docs/design/learning.md ("The resume check")
 """
 
 from __future__ import annotations
@@ -118,8 +107,8 @@ def planned_lr(scheduler: Any, step: int) -> list[float] | None:
         scheduler.last_epoch = saved
 
 
-def _apart(a: float, b: float, tolerance: float = LR_TOLERANCE) -> bool:
-    return not math.isclose(a, b, rel_tol=tolerance, abs_tol=1e-12)
+def _apart(a: float, b: float) -> bool:
+    return not math.isclose(a, b, rel_tol=LR_TOLERANCE, abs_tol=1e-12)
 
 
 def _lrs(values: list[float]) -> str:
@@ -233,7 +222,7 @@ def _check_stage(optimizer: torch.optim.Optimizer) -> None:
     _step.context().mark("resume_check")
     if optimizer not in _load_hooks:  # a later load_state_dict re-arms the check
         _load_hooks.add(optimizer)
-        optimizer.register_load_state_dict_post_hook(_on_load)
+        optimizer.register_load_state_dict_post_hook(lambda opt: _resumes().checked.discard(opt))
     armed = dict(resumes.armed)
     resumes.armed.clear()  # one resume, one check
     step = armed.get("step")
@@ -244,10 +233,6 @@ def _check_stage(optimizer: torch.optim.Optimizer) -> None:
     except Exception as exc:  # noqa: BLE001 - a check must never end the run
         logger.warning("resume_check: the check itself failed (%s: %s); training goes on "
                        "unchecked", type(exc).__name__, exc)
-
-
-def _on_load(optimizer: torch.optim.Optimizer) -> None:
-    _resumes().checked.discard(optimizer)
 
 
 def _enable(options: Any) -> None:

@@ -119,13 +119,12 @@ class RowSources:
         text = f"{len(self.sources)} from their spelling"
         tags = self.tags if tags_from_start else {}
         fallback = self.fallback_tokens(tags_from_start)
-        for count, how, tokens in ((len(fallback), f"by {FALLBACK}", fallback),
-                                   (len(tags), "language tag(s) as the start token",
-                                    list(tags.values()))):
-            if count:
+        for how, tokens in ((f"by {FALLBACK}", fallback),
+                            ("language tag(s) as the start token", list(tags.values()))):
+            if tokens:
                 shown = ", ".join(repr(t) for t in tokens[:limit])
-                more = ", ..." if count > limit else ""
-                text += f", {count} {how} ({shown}{more})"
+                more = ", ..." if len(tokens) > limit else ""
+                text += f", {len(tokens)} {how} ({shown}{more})"
         return text
 
 
@@ -145,12 +144,6 @@ def check_rule(rule: Any, what: str = "row_init") -> str:
     return rule
 
 
-def _stats(base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    mean = base.mean(dim=0)
-    std = base.std(dim=0, unbiased=False) if base.shape[0] > 1 else torch.zeros_like(mean)
-    return mean, std
-
-
 def new_row_values(base: torch.Tensor, rows: Sequence[int], rule: str,
                    generator: torch.Generator, sources: RowSources | None = None
                    ) -> torch.Tensor:
@@ -164,7 +157,8 @@ def new_row_values(base: torch.Tensor, rows: Sequence[int], rule: str,
         return noise
     if rule == "std0.02":
         return 0.02 * noise
-    mean, std = _stats(base)
+    mean = base.mean(dim=0)
+    std = base.std(dim=0, unbiased=False) if base.shape[0] > 1 else torch.zeros_like(mean)
     if rule == "mean":
         centered = base - mean
         covariance = centered.T @ centered / base.shape[0]
@@ -268,29 +262,20 @@ class Tokens:
                 f"expected a path to a vocab.json (Hugging Face tokenizers) or a SentencePiece "
                 f"model, or such a tokenizer object (tokenizers, sentencepiece, transformers, "
                 f"or one holding it as .tokenizer)")
-        self._tok, self.kind = tokenizer, kind
-        self.size = self._size()
-        unk = self._unk()
+        self._tok = tok = tokenizer
+        self.kind = kind
+        self.size: int | None
+        if kind == "sentencepiece":
+            self.size, unk = int(tok.get_piece_size()), tok.unk_id()
+        elif kind == "transformers":
+            self.size, unk = len(tok), tok.unk_token_id
+        else:
+            vocab = tok.get_vocab(with_added_tokens=True) if hasattr(tok, "get_vocab") else None
+            self.size = max(vocab.values()) + 1 if vocab else None
+            named = getattr(getattr(tok, "model", None), "unk_token", None)
+            unk = next((i for i in (self.id_of(t) for t in (named, "[UNK]", "<unk>") if t)
+                        if i is not None), None)
         self.unk = unk if isinstance(unk, int) else -1
-
-    def _size(self) -> int | None:
-        tok = self._tok
-        if self.kind == "sentencepiece":
-            return int(tok.get_piece_size())
-        if self.kind == "transformers":
-            return len(tok)
-        vocab = tok.get_vocab(with_added_tokens=True) if hasattr(tok, "get_vocab") else None
-        return max(vocab.values()) + 1 if vocab else None
-
-    def _unk(self) -> int | None:
-        tok = self._tok
-        if self.kind == "sentencepiece":
-            return tok.unk_id()
-        if self.kind == "transformers":
-            return tok.unk_token_id
-        named = getattr(getattr(tok, "model", None), "unk_token", None)
-        return next((i for i in (self.id_of(t) for t in (named, "[UNK]", "<unk>") if t)
-                     if i is not None), None)
 
     def token(self, index: int) -> str | None:
         """The token of id ``index``; None beyond the tokenizer."""
@@ -447,12 +432,9 @@ def romanized_sources(tokenizer: Any, rows: Iterable[int],
         text = (token or "").replace("\u2581", " ").strip()
         found, who = None, ""
         if text and not _is_special(text):
-            if speller is not None:
-                hit = speller(text)
-                found, who = (hit[0], hit[1].label) if hit else (None, "")
-            else:
-                given = romanize(text)
-                found, who = (given[0], repr(given[1])) if given else (None, "")
+            hit = speller(text) if speller is not None else romanize(text)
+            if hit:
+                found, who = hit[0], hit[1].label if speller is not None else repr(hit[1])
         pieces: tuple[int, ...] = ()
         if found is not None:
             pieces = tuple(i for i in tokens.encode(found) if i != tokens.unk and trained(i))

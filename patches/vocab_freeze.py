@@ -89,19 +89,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _find_owner(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(path, module) of the module that owns ``text_embedding`` and ``text_head``."""
-    for path in owner_paths():
-        try:
-            owner = model.get_submodule(path) if path else model
-        except AttributeError:
-            continue
-        if isinstance(getattr(owner, "text_embedding", None), nn.Module) and isinstance(
-                getattr(owner, "text_head", None), nn.Module):
-            return path, owner
-    return None
-
-
 def _join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
@@ -109,11 +96,15 @@ def _join(*parts: str) -> str:
 def _vocab_targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], nn.Module] | None:
     """(the vocabulary modules with their paths, their owner): ``text_embedding``/``text_head``
     at the registered owner paths, else the registered finders' (Hugging Face, F5-TTS)."""
-    hit = _find_owner(model)
-    if hit is not None:
-        path, owner = hit
-        return [(_join(path, "text_embedding"), owner.text_embedding),
-                (_join(path, "text_head"), owner.text_head)], owner
+    for path in owner_paths():
+        try:
+            owner = model.get_submodule(path) if path else model
+        except AttributeError:
+            continue
+        if isinstance(getattr(owner, "text_embedding", None), nn.Module) and isinstance(
+                getattr(owner, "text_head", None), nn.Module):
+            return [(_join(path, "text_embedding"), owner.text_embedding),
+                    (_join(path, "text_head"), owner.text_head)], owner
     return find_vocab_modules(model)
 
 
@@ -141,10 +132,10 @@ def _resolve_modules(model: nn.Module, modules: Iterable[nn.Module | str]
 
 
 def _parent(model: nn.Module, path: str) -> nn.Module | None:
-    if "." not in path:
-        return model
+    """The module holding the tensor or module at dotted ``path`` (None: no such module)."""
+    head = path.rpartition(".")[0]
     try:
-        return model.get_submodule(path.rsplit(".", 1)[0])
+        return model.get_submodule(head) if head else model
     except AttributeError:
         return None
 
@@ -252,7 +243,9 @@ def _keep_stage(optimizer: torch.optim.Optimizer, step: _step.Step) -> None:
     if holders:
         _step.context().mark("keep")
     for handle in holders:
-        handle._after_step(optimizer, held=id(handle) in held, skipped=step.decision)
+        if id(handle) not in held:
+            handle._restore()
+        handle._count(step.decision)
 
 
 def _set_stages() -> None:
@@ -368,10 +361,10 @@ class VocabFreeze:
     """
 
     def __init__(self, entries: list[_Entry], vocab_size: int, base_vocab_size: int,
-                 start_row_last: bool, until_step: int | None,
-                 root: nn.Module | None = None, layout: RowLayout = PLAIN) -> None:
+                 start_row_last: bool, until_step: int | None, root: nn.Module,
+                 layout: RowLayout) -> None:
         self.layout = layout
-        self._root = weakref.ref(root) if root is not None else None
+        self._root = weakref.ref(root)
         self.vocab_size = vocab_size
         self.base_vocab_size = base_vocab_size
         self.start_row_last = start_row_last
@@ -440,12 +433,12 @@ class VocabFreeze:
         """A copy of the entry's frozen rows of this rank's tensor (its shard)."""
         tensor = _dist.local(entry.param.detach())
         parts = [tensor[r.start:r.stop] for r in entry.local_rows]
-        if len(parts) == 1:
-            return parts[0].clone()
         return torch.cat(parts) if parts else tensor[:0].clone()
 
-    def _map_rows(self, entry: _Entry) -> None:
+    def _store(self, entry: _Entry) -> None:
+        """Map the frozen rows to this rank's tensor and keep a copy of them."""
         entry.local_rows = _local_rows(entry.path, entry.param, self.rows)
+        entry.stored = self._base(entry)
 
     def refresh(self) -> None:
         """Store the current base rows (after a load, or to accept a deliberate edit)."""
@@ -454,13 +447,12 @@ class VocabFreeze:
                 current = entry.module._parameters.get(entry.name)
                 if current is not entry.param and isinstance(current, nn.Parameter):
                     self._rehook(entry, current)
-                self._map_rows(entry)
-                entry.stored = self._base(entry)
+                self._store(entry)
         self._copy_dropped = False
 
     # -- hooks ---------------------------------------------------------------
 
-    def _grad_hook(self) -> Any:
+    def _hook(self, entry: _Entry) -> None:
         # torch keeps tensor hooks alive from C++, out of the garbage collector's sight: held
         # weakly (the modules' load-state-dict hooks keep the freeze as long as the model).
         ref = weakref.ref(self)
@@ -469,13 +461,7 @@ class VocabFreeze:
             handle = ref()
             if handle is not None:
                 handle._zero_grad_rows(param)
-        return zero_base_rows
-
-    def _entry_of(self, param: torch.Tensor) -> _Entry | None:
-        return next((entry for entry in self._entries if entry.param is param), None)
-
-    def _hook(self, entry: _Entry) -> None:
-        entry.grad_hook = entry.param.register_post_accumulate_grad_hook(self._grad_hook())
+        entry.grad_hook = entry.param.register_post_accumulate_grad_hook(zero_base_rows)
         _by_param[id(entry.param)] = self
 
     def _unhook(self, entry: _Entry) -> None:
@@ -510,7 +496,7 @@ class VocabFreeze:
         grad = param.grad
         if grad is None or grad.is_sparse:
             return  # sparse gradients: the restore after the step still keeps the rows exact
-        entry = self._entry_of(param)
+        entry = next((entry for entry in self._entries if entry.param is param), None)
         rows = entry.local_rows if entry is not None else self.rows
         grad = _dist.local(grad)  # a DTensor slice is a copy: zero the shard's own rows
         for r in rows:
@@ -524,17 +510,13 @@ class VocabFreeze:
     def _follow_swaps(self) -> None:
         """A trainer may swap in new embedding/head modules after the freeze (an extended
         vocabulary loaded by hand): follow the module at its path, before the step."""
-        root = self._root() if self._root is not None else None
+        root = self._root()
         if root is None or self.released:
             return
         for entry in self._entries:
-            module_path = entry.path.rsplit(".", 1)[0] if "." in entry.path else ""
-            try:
-                current = root.get_submodule(module_path) if module_path else root
-            except AttributeError:
-                continue
-            param = current._parameters.get(entry.name)
-            if current is entry.module or not isinstance(param, nn.Parameter):
+            current = _parent(root, entry.path)
+            param = None if current is None else current._parameters.get(entry.name)
+            if current is None or current is entry.module or not isinstance(param, nn.Parameter):
                 continue
             entry.module = current
             self._rehook(entry, param)
@@ -545,11 +527,10 @@ class VocabFreeze:
                 self.rows = frozen_rows(rows, self.base_vocab_size,
                                         start_row_last=self.start_row_last)
             logger.info("%s %s was replaced by a new module after the freeze; the freeze "
-                        "follows it (%d rows, base rows %s frozen)", TAG, module_path, rows,
-                        describe_rows(self.rows))
+                        "follows it (%d rows, base rows %s frozen)", TAG,
+                        entry.path.rpartition(".")[0], rows, describe_rows(self.rows))
             with torch.no_grad():
-                self._map_rows(entry)
-                entry.stored = self._base(entry)
+                self._store(entry)
                 self._zero_grad_rows(param)  # this step's backward ran before the hook
 
     def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -616,14 +597,6 @@ class VocabFreeze:
                     if entry.stored is None:
                         entry.stored = self._base(entry)
             self._copy_dropped = False
-
-    def _after_step(self, optimizer: torch.optim.Optimizer, *,
-                    held: bool = False, skipped: Any = None) -> None:
-        if self.released or not self._holds(optimizer):
-            return
-        if not held:
-            self._restore()
-        self._count(skipped)
 
     def _restore(self) -> None:
         """Copy the stored base rows back (an optimizer that was not kept off them)."""
@@ -729,13 +702,11 @@ def freeze_base_vocab(model: nn.Module, base_vocab_size: int, *,
         layout = RowLayout("explicit", last_row_kept=bool(start_row_last))
     if leading_rows:
         layout = dataclasses.replace(layout, name="explicit", leading_rows=leading_rows)
-    start_last = layout.last_row_kept
     base_vocab_size = layout.base_rows(base_vocab_size)
     with _lock:
         previous = _freezes_of([entry.param for entry in entries])
-        handle = VocabFreeze(entries, vocab_size, base_vocab_size, start_last,
-                             None if until_step is None else int(until_step), root=model,
-                             layout=layout)
+        handle = VocabFreeze(entries, vocab_size, base_vocab_size, layout.last_row_kept,
+                             None if until_step is None else int(until_step), model, layout)
         # the same tensors and rows frozen again (XTTS's loader, then its GPTTrainer hook)
         same = len(previous) == 1 and previous[0].covers_same(handle)
         for earlier in previous:
@@ -857,34 +828,6 @@ def _embeddings_of(params: set[int]) -> list[str]:
     return found
 
 
-def _warn_not_applied(optimizer: torch.optim.Optimizer, base: int) -> None:
-    """No model with a known layout at an optimizer's first step, and no freeze anywhere:
-    a WARNING (an error under STRICT), never silence."""
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    found = _embeddings_of(params)
-    names = [item.split(" (")[0] for item in found][:2]
-    not_applied(
-        f"TRAINING_PATCHES_BASE_VOCAB={base} is set, but the model that "
-        f"{type(optimizer).__name__} trains has no vocabulary layout the freeze knows "
-        f"(text_embedding and text_head, as XTTS's GPT and IndexTTS's UnifiedVoice have, a "
-        f"Hugging Face model's get_input_embeddings(), F5-TTS's text_embed): "
-        f"NOTHING IS FROZEN, every base row trains. Its embeddings: "
-        f"{', '.join(found) or 'none found'}. Name them after building the model: "
-        f"patches.advanced.freeze_base_vocab(model, {base}, modules={names or ['...']!r})")
-
-
-def _roots_of(params: set[int]) -> list[nn.Module]:
-    """The outermost live modules holding any of ``params`` whose vocabulary a known layout
-    finds (asked at an optimizer's first step: a plain loop never names its model)."""
-    found: list[nn.Module] = []
-    for module in _run.live_modules():
-        hit = _vocab_targets(module)
-        if hit is not None and any(id(p) in params for p in hit[0][0][1].parameters()):
-            found.append(module)
-    # keep the outermost: a module whose own owner is inside another found one is inner
-    return _run.outermost(found)
-
-
 _seen_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
@@ -892,13 +835,19 @@ def _discover(optimizer: torch.optim.Optimizer) -> None:
     """``TRAINING_PATCHES_BASE_VOCAB`` on any model: at each optimizer's first step, freeze
     the base rows of every model it trains that has a text embedding and head (XTTS,
     IndexTTS ``UnifiedVoice``, ...), unless they are frozen already. Every start and every
-    resume builds a new optimizer, so the freeze comes back by itself."""
+    resume builds a new optimizer, so the freeze comes back by itself. No such model and no
+    freeze anywhere: a WARNING (an error under STRICT), never silence."""
     base = _options.current().base_vocab
     if not base or optimizer in _seen_optimizers:
         return
     _seen_optimizers.add(optimizer)
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for model in _roots_of(params):
+    # the live modules holding any of params whose vocabulary a known layout finds (a plain
+    # loop never names its model), the outermost of them
+    found = [module for module in _run.live_modules()
+             if (hit := _vocab_targets(module)) is not None
+             and any(id(p) in params for p in hit[0][0][1].parameters())]
+    for model in _run.outermost(found):
         hit = _vocab_targets(model)
         if hit is None or freeze_of(hit[0][0][1].weight) is not None:
             continue
@@ -908,7 +857,16 @@ def _discover(optimizer: torch.optim.Optimizer) -> None:
                 handle._zero_grad_rows(entry.param)
     _hook_optimizer(optimizer)  # this very step is held already
     if not live_freezes() and _not_applied is None:
-        _warn_not_applied(optimizer, base)
+        embeddings = _embeddings_of(params)
+        names = [item.split(" (")[0] for item in embeddings][:2]
+        not_applied(
+            f"TRAINING_PATCHES_BASE_VOCAB={base} is set, but the model that "
+            f"{type(optimizer).__name__} trains has no vocabulary layout the freeze knows "
+            f"(text_embedding and text_head, as XTTS's GPT and IndexTTS's UnifiedVoice have, a "
+            f"Hugging Face model's get_input_embeddings(), F5-TTS's text_embed): "
+            f"NOTHING IS FROZEN, every base row trains. Its embeddings: "
+            f"{', '.join(embeddings) or 'none found'}. Name them after building the model: "
+            f"patches.advanced.freeze_base_vocab(model, {base}, modules={names or ['...']!r})")
 
 
 def discover_in(model: nn.Module) -> VocabFreeze | None:

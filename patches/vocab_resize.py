@@ -1,26 +1,24 @@
 """Growing a text vocabulary inside a checkpoint: the rows, the head bias, the Adam moments.
 
-When a tokenizer grows (74 -> 82 tokens, 12k -> 24k), the trained rows of the text
-embedding and of the text head must survive, and the new rows must start somewhere
-the model can use:
+When a tokenizer grows (74 -> 82 tokens, 12k -> 24k), the trained rows survive and the new
+rows start somewhere the model can use:
 
 - base rows are copied unchanged, in place;
 - XTTS keeps its start-text token in the *last* row of ``text_embedding``/``text_head``
   when ``[START]`` is the last id of the vocabulary; then that row moves to the new
   end (as coqui's GPTTrainer does), and the rows between are the new ones;
-- new rows (and new head-bias entries) start by one of the rules of :mod:`patches.row_init`
-  (:data:`patches.row_init.ROW_INITS`), the embedding and the head
-  each by its own;
-- Adam moments of a resized parameter keep their base rows; the new rows get a first
-  moment of 0 and a second moment equal to the old rows' mean second moment, so that a
-  new row's first update is about as large as an old row's and not ``lr / eps``-sized.
+- new rows (and new head-bias entries) start by a rule of :mod:`patches.row_init`
+  (:data:`patches.row_init.ROW_INITS`), the embedding and the head each by its own;
+- Adam moments keep their base rows; new rows get a first moment of 0 and the old rows'
+  mean second moment (see :func:`grow_moment`).
 
-Everything here is a pure function of tensors; :mod:`patches.checkpoint` decides when.
+Pure functions of tensors; :mod:`patches.checkpoint` decides when.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -52,13 +50,6 @@ class RowPlan:
         """Indices of the rows that did not exist before, in the grown tensor."""
         return range(self.base_rows, self.base_rows + self.added)
 
-    def kept_row_map(self) -> list[tuple[int, int]]:
-        """(old index, new index) of every old row that survives."""
-        pairs = [(i, i) for i in range(self.base_rows)]
-        if self.start_row_last:
-            pairs.append((self.old_rows - 1, self.new_rows - 1))
-        return pairs
-
 
 def truncate_rows(old: torch.Tensor, plan: RowPlan) -> torch.Tensor:
     """``old`` with its last ids removed (``plan.added < 0``): the rows ``0 .. new-1`` (the
@@ -85,18 +76,22 @@ def _old_base_rows(old: torch.Tensor, plan: RowPlan) -> torch.Tensor:
     return base if base.shape[0] > 0 else old
 
 
-def grow_rows(old: torch.Tensor, plan: RowPlan, generator: torch.Generator,
-              rule: str = "mean", sources: RowSources | None = None) -> torch.Tensor:
-    """A 2-D weight (embedding or head) grown: new rows by ``rule`` (:mod:`patches.row_init`)."""
-    if old.dim() != 2:
-        raise ValueError(f"grow_rows expects a 2-D weight, got shape {tuple(old.shape)}")
+def _grow(old: torch.Tensor, plan: RowPlan, generator: torch.Generator, rule: str,
+          sources: RowSources | None, values: Callable[..., torch.Tensor]) -> torch.Tensor:
     if plan.added < 0:
         return truncate_rows(old, plan)
     if plan.added == 0:
         return old.clone()
     base = _old_base_rows(old, plan).detach().to(torch.float64)
-    new_part = new_row_values(base, plan.new_row_indices(), rule, generator, sources)
-    return _assemble(old, new_part, plan)
+    return _assemble(old, values(base, plan.new_row_indices(), rule, generator, sources), plan)
+
+
+def grow_rows(old: torch.Tensor, plan: RowPlan, generator: torch.Generator,
+              rule: str = "mean", sources: RowSources | None = None) -> torch.Tensor:
+    """A 2-D weight (embedding or head) grown: new rows by ``rule`` (:mod:`patches.row_init`)."""
+    if old.dim() != 2:
+        raise ValueError(f"grow_rows expects a 2-D weight, got shape {tuple(old.shape)}")
+    return _grow(old, plan, generator, rule, sources, new_row_values)
 
 
 def grow_bias(old: torch.Tensor, plan: RowPlan, generator: torch.Generator,
@@ -104,13 +99,7 @@ def grow_bias(old: torch.Tensor, plan: RowPlan, generator: torch.Generator,
     """A 1-D head bias grown by its head's ``rule`` (:mod:`patches.row_init`)."""
     if old.dim() != 1:
         raise ValueError(f"grow_bias expects a 1-D bias, got shape {tuple(old.shape)}")
-    if plan.added < 0:
-        return truncate_rows(old, plan)
-    if plan.added == 0:
-        return old.clone()
-    base = _old_base_rows(old, plan).detach().to(torch.float64)
-    new_part = new_bias_values(base, plan.new_row_indices(), rule, generator, sources)
-    return _assemble(old, new_part, plan)
+    return _grow(old, plan, generator, rule, sources, new_bias_values)
 
 
 def grow_moment(old: torch.Tensor, plan: RowPlan, *, second_moment: bool) -> torch.Tensor:

@@ -109,9 +109,9 @@ def row_layout(owner: nn.Module | None, rows: int) -> RowLayout:
     return PLAIN
 
 
-def hf_vocab_modules(model: Any) -> list[tuple[str, Any]] | None:
-    """A Hugging Face ``PreTrainedModel``'s vocabulary modules with their paths:
-    ``get_input_embeddings()`` and, when it is a Linear with one output per token,
+def _hf_finder(model: Any) -> tuple[list[tuple[str, Any]], Any] | None:
+    """A Hugging Face ``PreTrainedModel``'s vocabulary modules with their paths, and the
+    model: ``get_input_embeddings()`` and, when it is a Linear with one output per token,
     ``get_output_embeddings()``; rows are tokens (PLAIN). None for any other model."""
     if not any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__):
         return None
@@ -127,7 +127,7 @@ def hf_vocab_modules(model: Any) -> list[tuple[str, Any]] | None:
     found = [(names.get(id(embedding), "input_embeddings"), embedding)]
     if type(head).__name__ == "Linear" and getattr(head, "out_features", None) == rows:
         found.append((names.get(id(head), "output_embeddings"), head))
-    return found
+    return found, model
 
 
 # find(model) -> (the vocabulary modules with their paths, the module owning them) or None:
@@ -156,11 +156,6 @@ def find_vocab_modules(model: Any) -> tuple[list[tuple[str, Any]], Any] | None:
     return None
 
 
-def _hf_finder(model: Any) -> tuple[list[tuple[str, Any]], Any] | None:
-    found = hf_vocab_modules(model)
-    return (found, model) if found else None
-
-
 register_vocab_finder(_hf_finder)
 
 
@@ -186,6 +181,6 @@ def owner_models() -> tuple[str, ...]:
 
 
 __all__ = ["PLAIN", "RowLayout", "VocabFreezeError", "describe_rows", "find_vocab_modules",
-           "frozen_rows", "new_rows", "hf_vocab_modules", "register_vocab_finder",
+           "frozen_rows", "new_rows", "register_vocab_finder",
            "owner_models", "owner_paths", "register_layout", "register_owner_paths",
            "row_layout"]

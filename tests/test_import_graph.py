@@ -373,6 +373,43 @@ def test_import_patches_auto_leaves_the_checkpoint_loader_for_its_first_use() ->
     assert _lines_printed_by(code) == [str(CHECKPOINT_AT_IMPORT), "True"]
 
 
+# What ``import patches.auto`` loads of patches/integrations: the coqui Trainer's and XTTS's
+# integrations whole, the other trainers' and DeepSpeed's declarations alone (their
+# Integration and sites); each one's implementation, its ``sites`` module (and the
+# ``trainers`` helpers they share), loads when one of its sites lands, once its upstream is
+# imported (issue 40, item 5).
+INTEGRATIONS_AT_IMPORT = ["patches.integrations"] + [f"patches.integrations.{name}" for name in (
+    "accelerate", "coqui_checkpoint", "coqui_interrupt", "coqui_learning", "coqui_trainer",
+    "deepspeed", "f5_tts", "layouts", "lightning", "transformers_trainer", "xtts_dataset",
+    "xtts_gpt", "xtts_language")]
+
+
+def test_import_patches_auto_loads_no_integrations_implementation() -> None:
+    """The module-level imports ``import patches.auto`` runs reach no integration's
+    implementation: only :data:`INTEGRATIONS_AT_IMPORT` of patches/integrations."""
+    seen = reached(import_graph(local=False))
+    assert sorted(n for n in seen if n.startswith("patches.integrations")) == \
+        INTEGRATIONS_AT_IMPORT
+
+
+@pytest.mark.slow
+def test_an_integrations_implementation_loads_with_its_upstream() -> None:
+    """In a fresh interpreter: ``import patches.auto`` loads only
+    :data:`INTEGRATIONS_AT_IMPORT` of patches/integrations; importing Lightning lands its
+    sites, which loads the lightning integration's implementation and nothing of the
+    others'."""
+    pytest.importorskip("lightning")
+    code = ("import sys, torch\n"
+            "import patches.auto\n"
+            "def loaded():\n"
+            "    return sorted(m for m in sys.modules if m.startswith('patches.integrations'))\n"
+            "print(loaded())\n"
+            "import lightning.pytorch\n"
+            "print(sorted(set(loaded()) - set(" + repr(INTEGRATIONS_AT_IMPORT) + ")))\n")
+    assert _lines_printed_by(code) == [str(INTEGRATIONS_AT_IMPORT), str(
+        ["patches.integrations.lightning.sites", "patches.integrations.trainers"])]
+
+
 def test_the_checkpoint_packages_lazy_names_are_its_submodules_own() -> None:
     """``patches.checkpoint`` (and ``patches``, ``patches.advanced``) name their lazy names'
     modules right: each answers with its submodule's object, every submodule answers as an

@@ -150,9 +150,10 @@ ALLOWED: dict[str, str] = {
         "_interruptions", "_started_at", "_saved_at", "_after_step", "_between_steps")},
     "patches.integrations.coqui_learning._monitors": _WEAK,
     "patches.integrations.coqui_trainer._ddp_of": _WEAK,
-    "patches.integrations.deepspeed._checked": _WEAK,
-    "patches.integrations.deepspeed._loading": _WEAK,
-    "patches.integrations.f5_tts._watched": _WEAK, "patches.integrations.lightning._runs": _WEAK,
+    "patches.integrations.deepspeed.sites._checked": _WEAK,
+    "patches.integrations.deepspeed.sites._loading": _WEAK,
+    "patches.integrations.f5_tts.sites._watched": _WEAK,
+    "patches.integrations.lightning.sites._runs": _WEAK,
     "patches.integrations.xtts_gpt._base_loads": _WEAK,
 }
 _MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "deque"}

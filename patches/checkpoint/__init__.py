@@ -1,16 +1,8 @@
 """Vocabulary-aware checkpoints: :func:`load_checkpoint` (verified, all or nothing: decide,
 then apply with undo) and :class:`CheckpointManager` (atomic saves, manifests, resume).
 
-By concern: :mod:`.reading` (file checks, manifests, ``read_checkpoint``), :mod:`.plan`
-and :mod:`.optimizer` (what goes where), :mod:`.parts` (the checkpoint's state as units, one
-plan/apply/report for a file and a folder), :mod:`.decide` and :mod:`.file_model` (a file's
-source and its model part), :mod:`.load` (the door and the report), :mod:`.report`, :mod:`.rng`,
-:mod:`.atomic`, :mod:`.digest` (the manifest's chunked digest, beside the reads and writes),
-:mod:`.manager`, :mod:`.sharded`, :mod:`.data_position` (where each rank's
-DataLoader stood), :mod:`.grown` (a trainer's own resume into a grown vocabulary),
-:mod:`.errors`. It imports torch, the
-standard library and generic sibling modules only, never an integration. The design:
-docs/design/checkpoint.md.
+It imports torch, the standard library and generic sibling modules only, never an
+integration. The design: docs/design/checkpoint.md.
 """
 
 from __future__ import annotations

@@ -106,11 +106,8 @@ def all_gather(obj: Any) -> list[Any]:
 
 def gather_checked(fn: Callable[[], Any]) -> list[Any]:
     """Every rank's ``fn()`` (rank order), or the first failing rank's error on every rank.
-
-    The value is serialized on its own rank first (``torch.save``, so it loads back with
-    ``weights_only=True``): only bytes or an error description cross the collective, and a
-    failure on one rank (even while pickling) cannot leave the others waiting.
-    """
+    The value is ``torch.save``d on its own rank first, so a failure while pickling cannot
+    leave the others waiting."""
     failure: BaseException | None = None
     try:
         buffer = io.BytesIO()

@@ -1,23 +1,12 @@
 """Files that are either complete or absent, and a full disk said in one paragraph.
 
 A temporary file in the same folder is written, flushed and fsynced, renamed over the
-target with ``os.replace`` and the folder is fsynced (Lightning's ``_atomic_save`` idea).
-Free space is checked before a large write (the estimated size and a margin
-proportional to it: :func:`space_needed`), and a write that runs out of space
-(``ENOSPC``/``EDQUOT``, which torch reports as ``[enforce fail at inline_container.cc]``)
-becomes a :class:`~patches.checkpoint.errors.DiskFullError` naming the folder, the bytes
-needed and the bytes free. Any other write the system refuses (a read-only folder, no
-permission, over the process's file-size limit) is a
-:class:`~patches.checkpoint.errors.CheckpointWriteError` saying which, the partial file
-removed.
-
-An atomic write needs the new file beside the one it replaces, where upstream's
-``torch.save`` writes over it in place. A save that fits only in the place of the file it
-replaces is therefore never the end of a run: :func:`atomic_torch_save` leaves the old file
-whole, says in one WARNING what was not written and how much room it needs, and returns
-None; training goes on and the next save tries again (:func:`no_room`). A save that would
-not fit even there is the :class:`~patches.checkpoint.errors.DiskFullError` it always was
-(upstream's save fails on that disk too).
+target with ``os.replace`` and the folder is fsynced. Free space is checked before a large
+write (:func:`space_needed`); a write that runs out of space is a
+:class:`~patches.checkpoint.errors.DiskFullError`, any other the system refuses a
+:class:`~patches.checkpoint.errors.CheckpointWriteError`, the partial file removed. A save
+that fits only in the place of the file it replaces (where upstream's ``torch.save`` writes)
+is one WARNING and not written; training goes on (:func:`no_room`).
 """
 
 from __future__ import annotations
@@ -98,9 +87,8 @@ class Written:
 
 
 class _Sink:
-    """The file handed to the writer: counts and (optionally) hashes what is written (a
-    large block in a thread while it is written: :func:`.digest.update_while`) and keeps
-    the ``OSError`` a failed write raised (torch turns it into a RuntimeError)."""
+    """The file handed to the writer: counts and (optionally) hashes what is written, and
+    keeps the ``OSError`` a failed write raised (torch turns it into a RuntimeError)."""
 
     def __init__(self, handle: Any, digest: Any) -> None:
         self._handle = handle
@@ -234,12 +222,6 @@ def _sizes(obj: Any) -> tuple[int, int]:
     return data, total + data
 
 
-def estimate_bytes(obj: Any) -> int:
-    """About how many bytes ``torch.save(obj)`` writes (an upper estimate: every storage
-    once, the pickle and the zip records per tensor, the file's own records)."""
-    return _sizes(obj)[1]
-
-
 def space_needed(obj: Any) -> tuple[int, int]:
     """(the free space a save of ``obj`` asks for: the estimate and 1/:data:`MARGIN` of it
     more; the least its file can be: the tensors' own bytes)."""
@@ -259,14 +241,9 @@ def file_bytes(paths: Iterable[str | os.PathLike[str]]) -> int:
 
 
 def no_room(error: DiskFullError, path: Path, least: int, replaced: list[Path]) -> bool:
-    """Whether a save that found no room for ``path`` is skipped (True: one WARNING said
-    so; the caller returns and training goes on) or raised (False: re-raise ``error``).
-
-    Skipped when the new file would fit in the place of the files it replaces
-    (``replaced``: the file at ``path``, or the checkpoints a manager's save prunes): the
-    room upstream's in-place ``torch.save`` would have written into. Raised when it would
-    not fit even there (its tensors' own bytes, ``least``, exceed the free space and those
-    files), or when it replaces nothing: upstream's save fails on that disk too."""
+    """Whether a save that found no room for ``path`` is skipped (True: one WARNING said so)
+    or raised (False: re-raise ``error``): skipped when its tensors' bytes (``least``) would
+    fit in the place of the files it replaces (``replaced``), as upstream's in-place save."""
     folder = path.parent
     free = disk_free(folder)
     old = file_bytes(replaced)
@@ -300,17 +277,11 @@ def _write_error(path: Path, error: OSError, needed: int | None, *,
 def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], *,
                      digest: bool = False, needed: int | None = None) -> Written:
     """:func:`atomic_write` that also returns the size and (``digest``) the digest record of
-    the bytes written (:class:`.digest.ChunkedDigest`).
-
-    The hash is taken from the bytes as they are written, so the file is not read back.
-    ``needed`` (the estimated size) goes into the paragraph of a full disk.
-    """
+    the bytes as they are written; ``needed`` goes into the paragraph of a full disk."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # The pid and host in the name tell a stale temporary file (its writer was killed)
-        # from one being written right now by another process or machine: see
-        # CheckpointManager._sweep_temp.
+        # The pid and host in the name tell a killed writer's file (CheckpointManager._sweep_temp)
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
     except OSError as exc:  # a read-only or full folder refuses even the temporary file
         raise _write_error(path, exc, needed, written=0) from exc
@@ -339,13 +310,9 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], Any], 
 
 
 def atomic_write(path: str | os.PathLike[str], write: Any) -> Path:
-    """Write ``path`` through ``write(file)`` so that it is either complete or absent.
-
-    A temporary file in the same folder is written, flushed and fsynced, renamed over
-    ``path`` with ``os.replace`` and the folder is fsynced; on any error the temporary
-    file is removed and ``path`` keeps its previous content. A full disk raises
-    :class:`~patches.checkpoint.errors.DiskFullError`.
-    """
+    """Write ``path`` through ``write(file)`` so that it is either complete or absent (on
+    any error ``path`` keeps its previous content; a full disk raises
+    :class:`~patches.checkpoint.errors.DiskFullError`)."""
     return write_atomically(path, write).path
 
 
@@ -353,12 +320,9 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str], *, check_space: bo
                       **kwargs: Any) -> Path | None:
     """``torch.save`` that never leaves a torn file at ``path`` (see :func:`atomic_write`).
 
-    With ``check_space`` the folder's free space is compared with what the save needs
-    first (:func:`space_needed`; :class:`~patches.checkpoint.errors.DiskFullError` before a
-    byte is written). ``kwargs`` go to ``torch.save``. Returns ``path``, or None when the
-    disk had no room for the new file beside the one it replaces but would have had in its
-    place (:func:`no_room`: one WARNING, the old file kept whole, nothing raised: a save
-    never ends a run that upstream's in-place write would have let go on).
+    With ``check_space`` the free space is checked first (:func:`space_needed`). ``kwargs``
+    go to ``torch.save``. Returns ``path``, or None when the new file fits only in the place
+    of the one it replaces (:func:`no_room`: one WARNING, the old file kept whole).
     """
     path = Path(path)
     needed, least = space_needed(obj)
@@ -380,6 +344,6 @@ def atomic_text(path: Path, text: str) -> None:
 
 
 __all__ = ["atomic_write", "atomic_torch_save", "atomic_text", "write_atomically",
-           "estimate_bytes", "space_needed", "no_room", "file_bytes", "ensure_free_space",
+           "space_needed", "no_room", "file_bytes", "ensure_free_space",
            "disk_free", "Written", "TMP_MARK", "TMP_OWNER", "host_name", "temp_prefix", "MARGIN",
            "pid_alive"]

@@ -1,16 +1,12 @@
 """The data position, a part of a checkpoint: where each rank's DataLoader stood, so that a
 resumed run sees the same next batches as the stopped one, mid-epoch included.
 
-While the ``checkpoint`` patch is applied, every ``iter()`` of a ``DataLoader`` is watched
-(the site ``DataLoader.__iter__``): the RNG states the epoch starts from, its iterator's count
-of batches handed out, and a fingerprint of the index batches its sampler draws
-(:class:`_Order`). :func:`position_of` is what a save stores, with :func:`identity`;
-:func:`plan` refuses a loader over other data, and :func:`arm` makes the next ``iter()``
-replay the epoch's start, skip the batches seen (checked against the fingerprint, else the
-epoch starts again, said) and put the RNG back. A loader with its own ``state_dict``
-(torchdata's) goes through it; accelerate's prepared loader through the one it wraps. What
-cannot be resumed exactly (an ``IterableDataset``, a loader never iterated under the patch)
-is said, never skipped silently.
+While the ``checkpoint`` patch is applied, every ``iter()`` of a ``DataLoader`` is watched:
+the RNG states the epoch starts from, its count of batches handed out, and a fingerprint of
+the index batches its sampler draws (:class:`_Order`). :func:`position_of` is what a save
+stores; :func:`plan` refuses a loader over other data, and :func:`arm` makes the next
+``iter()`` replay the epoch's start and skip the batches seen. What cannot be resumed
+exactly is said, never skipped silently.
 
 Design: docs/design/checkpoint.md
 """
@@ -254,10 +250,8 @@ def _tell(armed: Mapping[str, Any], why: str) -> None:
 
 
 def _skip(iterator: Any, batches: int) -> int:
-    """Advance a fresh DataLoader iterator by ``batches``; returns its count of batches
-    handed out afterwards. In one process they are skipped at the sampler, none loaded (what
-    loading drew is in the restored RNG); with workers each is loaded and dropped, as only
-    that puts a worker's RNG where the stopped run had it (XTTS's dataset draws ``random``)."""
+    """Advance a fresh DataLoader iterator by ``batches`` (skipped at the sampler in one
+    process; loaded and dropped with workers, whose RNG must move); returns its count."""
     source = iterator if getattr(iterator, "_num_workers", 0) > 0 else iterator._sampler_iter
     for _ in range(batches):
         next(source)
@@ -404,8 +398,7 @@ _TOLD: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
 
 def position_or_warn(loader: Any, where: str) -> dict[str, Any] | None:
     """:func:`position_of`, or None after one WARNING (once per loader and reason) saying
-    that ``where`` is saved without it: a loader the library cannot read is never the end
-    of a save."""
+    that ``where`` is saved without it."""
     try:
         return position_of(loader)
     except Exception as exc:  # noqa: BLE001 - any loader the user hands: said, left out

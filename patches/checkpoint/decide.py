@@ -1,10 +1,6 @@
 """The decide phase of a single-file load: :func:`decide` reads the file into a
 :class:`~.parts.Source` (its model part a :class:`.file_model.FileModel`) and plans every
-part: the model's tensors first (keys matched, rows grown, every tensor checked), then the
-optimizer (its moments grown as the rows), scheduler, scaler, step, RNG, runtime
-counters, data position and EMA weights, into one :class:`LoadPlan`. It raises before
-anything is changed and changes none of the objects it is given;
-:func:`.parts.carry_out` carries the plan out, as it does a sharded folder's.
+part into one :class:`LoadPlan`, changing nothing; :func:`.parts.carry_out` carries it out.
 """
 
 from __future__ import annotations
@@ -36,11 +32,8 @@ __all__ = ["LoadOptions", "LoadPlan", "decide", "STEP_KEYS", "RNG_KEYS"]
 @dataclass(frozen=True)
 class LoadOptions:
     """How :func:`~patches.checkpoint.load_checkpoint` loads (its docstring says what each
-    field does). Pass one as ``options=``, or any field as a keyword (a keyword wins over
-    ``options``); ``dataclasses.replace(options, seed=1)`` makes a changed copy.
-    ``row_init``/``head_row_init`` None: the settings' (``TRAINING_PATCHES_ROW_INIT`` /
-    ``TRAINING_PATCHES_HEAD_ROW_INIT``, as ``apply()`` read them, or without the activation
-    line as they are at the time of the load: :func:`patches._options.current`)."""
+    field does). Pass one as ``options=``, or any field as a keyword (a keyword wins).
+    ``row_init``/``head_row_init`` None: the settings' (:func:`patches._options.current`)."""
 
     policy: str = "remap"
     freeze: bool = True
@@ -94,11 +87,6 @@ class LoadPlan:
         return self.state.model_plan
 
     @property
-    def ema(self) -> ModelPlan | None:
-        """The EMA weights to load (the EMA part's plan; None: none passed or none saved)."""
-        return self.state.ema_plan
-
-    @property
     def policy(self) -> str:
         return self.state.policy
 
@@ -106,10 +94,6 @@ class LoadPlan:
     def effective(self) -> str:
         """The policy carried out (``remap`` falls back to ``reset`` without optimizer state)."""
         return self.state.effective
-
-    @property
-    def fell_back(self) -> bool:
-        return self.state.fell_back
 
     @property
     def saved_step(self) -> int | None:
@@ -123,26 +107,15 @@ class LoadPlan:
 def decide(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, scaler: Any,
            options: LoadOptions) -> LoadPlan:
     """The :class:`LoadPlan` of loading the file ``path`` into these objects: read, validate,
-    plan the rows, plan the optimizer state and the other parts (in that order: the first
-    problem found is the one raised). Raises :class:`CheckpointError` or
-    :class:`CheckpointMismatchError`; nothing passed in is changed.
-
-    The manifest's digest is read in threads meanwhile (issue 41: beside ``torch.load``
-    and the tensor checks, which read every byte too, not in a pass of its own before them)
-    and waited for before the plan is returned. A file that fails to plan is refused as
-    changed or damaged when its hash does not match (that refusal comes first)."""
+    plan the rows, the optimizer state and the other parts (the first problem found is
+    raised; nothing passed in is changed). The digest is read in threads meanwhile (issue
+    41) and waited for before the plan is returned, or before a failure is raised."""
     options = options.resolved()
     ckpt, verification = open_checkpoint(path, mmap=options.mmap,
                                          verify_hash=options.verify_hash,
                                          trusted=options.trusted)
-    try:
-        plan = _decide(path, ckpt, model, optimizer, scheduler, scaler, options)
-    except Exception:
-        verification.wait()  # a changed file is refused as changed, not as what it became
-        raise
-    except BaseException:
-        verification.cancel()
-        raise
+    plan = verification.around(
+        lambda: _decide(path, ckpt, model, optimizer, scheduler, scaler, options))
     verification.wait()
     return plan
 

@@ -1,25 +1,13 @@
 """The checkpoint's digest, taken where the bytes pass anyway (issue 41).
 
-A manifest vouches for its file with a ``digest`` record (:data:`DIGEST_VERSION` 1): the
-file cut into chunks of ``chunk_bytes`` (:data:`CHUNK_BYTES`, the last one to the end of the
-file), each hashed on its own with ``algorithm``: ``"blake3"`` (the ``blake3`` package:
-about 5 GB/s on one core, four times SHA-256's 1.2-1.5 GB/s, so that the check keeps up with
-``torch.load`` instead of being the load's critical path) or ``"sha256"`` where that package
-is missing. Both are cryptographic: a file that changed is refused, whether by accident or
-on purpose. Chunks let several threads hash one file (hashers and reads release the GIL:
-:func:`file_chunks`) and name the bytes that changed. Manifests written before the record
-hold ``sha256``, the SHA-256 of the whole file: the reader takes it for what it is, the record
-of one SHA-256 chunk as long as the file.
-
-A load does not wait for the hash: the reader runs it in a thread while ``torch.load`` and
-the loader's checks run (:class:`patches.checkpoint.reading.Verification`) and waits only
-before it changes anything. A save hashes the bytes as ``torch.save`` writes them, a large
-block in a thread while it is written (:func:`update_while` with a :class:`ChunkedDigest`),
-and scans for NaN/Inf beside the write (:func:`beside`). A hash is remembered while the
-file's inode, size and times are those it had when the hash began and were older than it by
-more than any timestamp granularity (:data:`SETTLED_S`): ``resume('auto')`` then
-``load_checkpoint`` read the file for its hash once. A write after the hash began changes
-the file's change time (ctime), which no process can set back.
+A manifest's ``digest`` record: the file cut into chunks of ``chunk_bytes``, each hashed on
+its own with ``"blake3"`` (about 5 GB/s on one core: the check keeps up with ``torch.load``)
+or ``"sha256"`` where that package is missing; chunks let several threads hash one file and
+name the bytes that changed. A load hashes beside ``torch.load``
+(:class:`patches.checkpoint.reading.Verification`), a save as ``torch.save`` writes
+(:func:`update_while`). A hash is remembered while the file's inode, size and times are
+those it had, older than the hash by :data:`SETTLED_S` (a later write changes the ctime).
+The fields: docs/reference/manifest.md.
 """
 
 from __future__ import annotations
@@ -33,9 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-# The blake3 module (a declared dependency), imported at the first digest, not with the
-# package (4 ms of `import patches.auto`); None where it is missing: a copy of patches/
-# without it writes SHA-256 chunks instead (tests set None to stand for that).
+# The blake3 module, imported at the first digest (4 ms of `import patches.auto`); None
+# where it is missing (tests set None to stand for that).
 _NOT_LOADED: Any = object()
 _blake3: Any = _NOT_LOADED
 
@@ -88,17 +75,6 @@ def _identity(path: Path) -> tuple[tuple[Any, ...], float]:
     st = os.stat(path)
     return ((os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
              st.st_ctime_ns), max(st.st_mtime_ns, st.st_ctime_ns) / 1e9)
-
-
-def _remember(key: tuple[Any, ...], changed: float, started: float, result: Any) -> None:
-    if started - changed > SETTLED_S:
-        with _verified_lock:
-            _verified[key] = result
-
-
-def _remembered(key: tuple[Any, ...]) -> Any:
-    with _verified_lock:
-        return _verified.get(key)
 
 
 def default_algorithm() -> str:
@@ -188,10 +164,8 @@ def _read_chunk(handle: Any, view: memoryview, hasher: Any, start: int, length: 
 
 def _mapped_chunk(mapping: mmap.mmap, mapped: memoryview, hasher: Any, start: int,
                   length: int | None, stop: threading.Event | None) -> bool:
-    """:func:`_read_chunk` from the file's mapping: no copy into a buffer (0.31 against
-    0.42 s of CPU for 1.8 GB with BLAKE3 here). Each block's pages are dropped from the
-    mapping once hashed: they stay in the page cache, and the process's resident size does
-    not count the file twice (torch's own mapping of it is counted already)."""
+    """:func:`_read_chunk` from the file's mapping (no copy); each block's pages are dropped
+    from the mapping once hashed, so the resident size does not count the file twice."""
     end = len(mapped) if length is None else min(start + length, len(mapped))
     for low in range(start, end, MAPPED_BLOCK):
         if stop is not None and stop.is_set():
@@ -209,12 +183,10 @@ def _mapped_chunk(mapping: mmap.mmap, mapped: memoryview, hasher: Any, start: in
 def _hash_chunks(path: Path, algorithm: str, chunk_bytes: int, count: int,
                  stop: threading.Event | None, expected: list[str] | None,
                  mapped: bool = False, beside_load: bool = False) -> list[str | None] | None:
-    """Each chunk's digest, hashed by :func:`_workers` threads (the calling thread one of
-    them); the last chunk reads to the end of the file, so bytes appended show. None:
-    ``stop`` was set. With ``expected``, a chunk that differs ends the others (the chunks
-    not hashed then are None). ``mapped``: read through a memory map of the file (only where
-    the load maps it too: a file cut short while mapped faults the process). ``beside_load``:
-    leave one core to the load."""
+    """Each chunk's digest, hashed by :func:`_workers` threads (the last chunk reads to the
+    end, so bytes appended show); None: ``stop`` was set. With ``expected``, a chunk that
+    differs ends the others (those not hashed then are None). ``mapped``: read through a
+    memory map (only where the load maps it too); ``beside_load``: leave one core free."""
     found: list[str | None] = [None] * count
     order = itertools.count()  # next() of it is atomic: each chunk is taken once
     differs = threading.Event()
@@ -277,14 +249,16 @@ def file_chunks(path: str | os.PathLike[str], algorithm: str, chunk_bytes: int,
     path = Path(path)
     key, changed = _identity(path)
     key += (algorithm, chunk_bytes)
-    known = _remembered(key)
+    with _verified_lock:
+        known = _verified.get(key)
     if known is not None:
         return list(known)
     started = time.time()
     found = _hash_chunks(path, algorithm, chunk_bytes, chunk_count(key[3], chunk_bytes), stop,
                          expected, mapped, beside_load)
-    if found is not None and None not in found:
-        _remember(key, changed, started, tuple(found))
+    if found is not None and None not in found and started - changed > SETTLED_S:
+        with _verified_lock:
+            _verified[key] = tuple(found)
     return found
 
 
@@ -332,7 +306,7 @@ def mismatch(path: str | os.PathLike[str], record: dict[str, Any],
 
 def beside(work: Callable[[], Any]) -> Callable[[], Any]:
     """Start ``work`` in a thread now; the callable returned waits for its result (and
-    re-raises what it raised). The save's finite scan runs beside its write so."""
+    re-raises what it raised)."""
     done: list[Any] = []
 
     def run() -> None:
@@ -355,8 +329,7 @@ def beside(work: Callable[[], Any]) -> Callable[[], Any]:
 
 def update_while(digest: Any, data: Any, write: Callable[[Any], int]) -> int:
     """``write(data)`` with ``digest.update(data)`` beside it: a large block is hashed in a
-    thread while it is written (both release the GIL), a small one in turn. The data stays
-    valid for the call, as ``torch.save`` promises a writer."""
+    thread while it is written (both release the GIL), a small one in turn."""
     if memoryview(data).nbytes < PARALLEL_BYTES:
         digest.update(data)
         return write(data)

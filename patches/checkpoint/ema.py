@@ -1,23 +1,13 @@
-"""The EMA weights, a part of a checkpoint: the exponential moving average of the model that
-F5-style trainers keep beside it (``ema_pytorch.EMA``, torch's ``AveragedModel``, or any
-module holding the averaged copy), vocabulary-aware.
+"""The EMA weights, a part of a checkpoint: the moving average of the model that F5-style
+trainers keep beside it (``ema_pytorch.EMA``, torch's ``AveragedModel``, or the averaged
+copy itself), vocabulary-aware.
 
 ``CheckpointManager.save(..., ema=)`` stores ``ema.state_dict()`` under ``"ema"`` (F5-TTS's
-own checkpoints, under ``"ema_model_state_dict"``, are read too); an EMA whose state cannot
-be read is one WARNING and the part left out (:func:`saved_or_warn`).
-``load_checkpoint(..., ema=)`` takes each of the three forms, saved in one and loaded in
-another: the file's averaged weights and counters are told apart (:func:`split`: ema_pytorch's
-``ema_model.*`` with ``initted``/``step``, ``AveragedModel``'s ``module.*`` with
-``n_averaged``, or the copy's own keys; ema_pytorch's ``online_model.*`` is the model, which
-the model part loads), the averaged copy inside the EMA passed is found (:func:`averaged_of`)
-and planned like the model (keys matched, every tensor checked, the vocabulary rows grown:
-the EMA's own trained rows kept), its new rows given the values the model's new rows start
-with, so the average of a new token starts where the token does. An averaged copy of other
-shapes than the model's (an EMA built before the model was resized) is refused, as is one
-that none of the file's tensors match: a part is ``restored`` only when it is the same
-thing. When the vocabulary grew and the base rows are frozen, the EMA's base rows are kept
-too: bit-identical after every ``update()`` (ema_pytorch) or ``update_parameters()``
-(``AveragedModel``), as the model's are after every optimizer step.
+``"ema_model_state_dict"`` is read too). ``load_checkpoint(..., ema=)`` takes each form,
+saved in one and loaded in another (:func:`split`, :func:`averaged_of`), plans the averaged
+copy like the model (its new rows as the model's) and refuses one that is not the same
+thing; after a growth the EMA's base rows are kept through its updates (:class:`KeptRows`).
+Design: docs/design/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -57,7 +47,7 @@ _TOLD: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 def saved_or_warn(ema: Any, where: str) -> dict[str, torch.Tensor] | None:
     """:func:`saved`, or None after one WARNING (once per EMA) saying that ``where`` is saved
-    without the EMA weights: an EMA the library cannot read is never the end of a save."""
+    without the EMA weights."""
     try:
         return saved(ema)
     except Exception as exc:  # noqa: BLE001 - any object the user hands: said, left out
@@ -284,14 +274,9 @@ def saved_counters(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def counters_plan(ema: Any, saved: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """(the counters to set in ``ema``'s own buffers, what that is in words).
-
-    The file's counters where ``ema`` keeps the same. Where it keeps one the file lacks (the
-    weights were saved from another form), the nearest the file holds (ema_pytorch's
-    ``step`` and ``AveragedModel``'s ``n_averaged`` both count the updates), else the value
-    that makes its next update average into the loaded weights rather than copy the model
-    over them: ``initted`` True, an ``n_averaged`` of 0 made 1, ema_pytorch's ``step`` past
-    its ``update_after_step``."""
+    """(the counters to set in ``ema``'s own buffers, what that is in words): the file's, or
+    the nearest it holds (``step`` and ``n_averaged`` both count updates), else the value that
+    makes the next update average into the loaded weights rather than copy the model."""
     if averaged_of(ema) is ema or not isinstance(ema, torch.nn.Module):
         return {}, []  # the averaged copy itself keeps no counters
     buffers = dict(ema.named_buffers(recurse=False))

@@ -1,23 +1,12 @@
 """A trainer's own resume into a model whose vocabulary grew after the checkpoint.
 
-Trainers that read their checkpoints themselves (the Hugging Face Trainer's
-``resume_from_checkpoint``, Lightning's ``fit(ckpt_path=...)``) stop at a size mismatch
-when the tokenizer grew and the model was resized since the save. Their integrations use
-these three steps: :func:`vocabulary_growth` finds the vocabulary tensors whose rows changed
-(and nothing when any other shape differs: that is the trainer's own business),
-:func:`load_grown` loads the weights through :func:`load_checkpoint` (trained rows kept,
-new rows by the row rules, the base rows frozen, anything else refused in one paragraph),
-and, after the trainer loaded its optimizer state at the old shapes (torch's
-``load_state_dict`` checks no shape), :func:`grow_loaded_moments` grows the moments of the
-grown rows as the library grows them (first moments 0, second moments the old rows' mean).
-
-The load line says what the resume as a whole does (:class:`TrainerResume`): the weights
-file the library loads holds no optimizer state or step of its own (an HF checkpoint's
-``model.safetensors``), or holds them under the trainer's keys (Lightning's
-``optimizer_states``, F5's ``optimizer_state_dict``), so the parts the trainer restores
-itself right after are named with the file it takes them from, never ``absent`` or
-``resuming at 0``; and the tokenizer the integration found to spell the new tokens with
-(or where it looked and found none).
+Trainers that read their checkpoints themselves (the Hugging Face Trainer, Lightning) stop
+at a size mismatch when the tokenizer grew. Their integrations use three steps:
+:func:`vocabulary_growth` finds the vocabulary tensors whose rows changed (nothing when any
+other shape differs), :func:`load_grown` loads the weights through :func:`load_checkpoint`,
+and, after the trainer loaded its optimizer state at the old shapes,
+:func:`grow_loaded_moments` grows the moments of the grown rows. The load line names the
+parts the trainer restores itself, and from where (:class:`TrainerResume`).
 """
 
 from __future__ import annotations
@@ -45,9 +34,7 @@ Grown = dict[int, tuple[str, RowPlan]]
 
 def saved_shapes(path: Path, key: str | None = None) -> dict[str, tuple[int, ...]] | None:
     """Each tensor's shape in a weights file (``.safetensors``, or a ``torch.save`` file, of
-    its entry ``key`` when given), read without loading the tensors; None when the file
-    cannot be read that way (an old-format or torn file): the trainer's own load then runs,
-    as without the patches, and says what it finds."""
+    its entry ``key`` when given), read without loading the tensors; None when it cannot be."""
     try:
         if path.suffix == ".safetensors":
             from safetensors import safe_open  # lazy: only a safetensors file needs it
@@ -80,10 +67,8 @@ def shape_changes(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Module
 
 def vocabulary_growth(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Module
                       ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """:func:`shape_changes` when each of them is a vocabulary tensor's rows (a tensor the
-    layouts name, other dimensions equal), else nothing: a shape the library does not adapt
-    (a buffer that grows while training, read back by the model's own ``load_state_dict``)
-    stays the trainer's business, and its own load runs as without the patches."""
+    """:func:`shape_changes` when each of them is a vocabulary tensor's rows (other
+    dimensions equal), else nothing: any other shape stays the trainer's business."""
     changes = shape_changes(saved, model)
     names = vocab_modules_of(model)
     rows_only = all(_is_vocab_key(key, names) and len(old) == len(new) and old[1:] == new[1:]
@@ -95,13 +80,10 @@ def vocabulary_growth(saved: Mapping[str, tuple[int, ...]], model: torch.nn.Modu
 class TrainerResume:
     """What a trainer restores itself around the weights the library loads, for the load line.
 
-    ``trainer``: who (``"the Hugging Face Trainer"``); ``restores``: each part of
-    :data:`patches.checkpoint.PARTS` it restores (``optimizer``, ``scheduler``, ``scaler``,
-    ``step``, ``rng``) -> the file or key it reads it from (only what is there to read);
-    ``step``: the step it resumes at; ``tokenizer``: the grown tokenizer to spell the new
-    tokens with (what ``load_checkpoint``'s ``tokenizer=`` takes), or None;
-    ``tokenizer_source``: where it was found, or where the integration looked and found
-    none (said in the line either way)."""
+    ``trainer``: who; ``restores``: each part of :data:`patches.checkpoint.PARTS` it restores
+    -> the file or key it reads it from; ``step``: the step it resumes at; ``tokenizer``: the
+    grown tokenizer to spell the new tokens with, or None; ``tokenizer_source``: where it
+    was found, or where the integration looked."""
 
     trainer: str
     restores: Mapping[str, str] = field(default_factory=dict)
@@ -131,12 +113,9 @@ class TrainerResume:
 
 def load_grown(path: Path, model: torch.nn.Module, saved_keys: set[str], *,
                resume: TrainerResume, strict: bool = True, ema: Any = None) -> Grown:
-    """Load ``path``'s weights into the grown ``model`` as :func:`load_checkpoint` does (on
-    every rank together when a process group is up), and its EMA weights into ``ema``,
-    grown alike, the new rows spelled with ``resume.tokenizer``; the load line says what
-    ``resume`` restores. Returns the parameters whose rows the load grew, read from its
-    report (``resized``). A key the file lacks because it is a tied alias of a key it has
-    (a head tied to its embedding, saved once) does not count as missing."""
+    """Load ``path``'s weights (and EMA weights into ``ema``) into the grown ``model`` as
+    :func:`load_checkpoint` does, the load line saying what ``resume`` restores; returns the
+    parameters whose rows grew. A tied alias of a saved key does not count as missing."""
     own = model.state_dict()
     by_storage: dict[int, set[str]] = {}
     for key, value in own.items():

@@ -82,35 +82,23 @@ def load_checkpoint(
             report says the saved step was dropped; :func:`warn_weights_only` then names
             what the file held that the start lost.
         row_init, head_row_init: how the new rows of the text embedding and of the text
-            head start when the vocabulary grew (:mod:`patches.row_init`:
-            ``spelling``, ``romanized``, ``spread``, ``mean``, ``std0.02``,
-            ``randn``; ``romanized_offset`` deprecated); default ``TRAINING_PATCHES_ROW_INIT`` /
-            ``TRAINING_PATCHES_HEAD_ROW_INIT``.
+            head start when the vocabulary grew (:mod:`patches.row_init`); default
+            ``TRAINING_PATCHES_ROW_INIT`` / ``TRAINING_PATCHES_HEAD_ROW_INIT``.
         tokenizer: the grown tokenizer the model was built with (a ``vocab.json``, a
-            SentencePiece ``.model``, read by their content; or such an object, a Hugging Face
-            tokenizer among them), which the spelled rules need to spell the new tokens;
-            without it their rows start by ``spread`` (the report says so). It is checked
-            against the model's rows first: another size, or a structural token of its own
-            (``[START]``, its unknown token) at a new id, is a CheckpointMismatchError.
+            SentencePiece ``.model``, or such an object), which the spelled rules need;
+            without it their rows start by ``spread``. One that does not fit the model's rows
+            is a CheckpointMismatchError.
         ema: the EMA of the model (ema_pytorch's ``EMA``, torch's ``AveragedModel``, or the
-            averaged copy): the file's EMA weights (``CheckpointManager.save(..., ema=)``) are
-            loaded into it, vocabulary-aware: its trained rows kept, its new rows started as
-            the model's, and with the freeze its base rows kept bit-identical through its
-            updates (:mod:`patches.checkpoint.ema`). The report's ``ema`` part says what
-            was done.
+            averaged copy): the file's EMA weights are loaded into it, vocabulary-aware
+            (:mod:`patches.checkpoint.ema`; the report's ``ema`` part).
         loader: the DataLoader the training loop iterates (or a loader with its own
-            ``state_dict``, such as torchdata's ``StatefulDataLoader``): its next ``iter()``
-            continues the saved epoch at the saved batch, with the same order, so the
-            resumed run sees the batches the stopped one would have seen next
-            (:mod:`patches.checkpoint.data_position`; saved by ``CheckpointManager.save(...,
-            loader=)``). The report's ``data`` part says what was done.
+            ``state_dict``): its next ``iter()`` continues the saved epoch at the saved batch
+            (:mod:`patches.checkpoint.data_position`; the report's ``data`` part).
 
     Every option above is a field of :class:`LoadOptions`: pass ``options=LoadOptions(...)``,
-    keywords, or both (a keyword wins). An unknown keyword is a TypeError naming the
-    closest option. A sharded checkpoint folder honours only ``policy``, ``restore_rng``,
-    ``verify_hash``, ``allow_nonfinite`` and ``loader``, and loads on every rank together (so
-    ``collective=False`` cannot apply): any other option set for one is refused (ValueError,
-    nothing loaded), never dropped.
+    keywords, or both (a keyword wins; an unknown one is a TypeError). A sharded checkpoint
+    folder honours only :data:`LoadOptions.FOLDER_FIELDS` and loads on every rank together:
+    any other option set for one is refused (ValueError, nothing loaded).
 
     Returns:
         A :class:`LoadReport`: ``parts`` says what happened to each part (model, optimizer,

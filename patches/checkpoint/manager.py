@@ -1,11 +1,9 @@
 """``CheckpointManager``: atomic, self-describing checkpoints in one folder, pruning of
 its own files only, and the newest valid one back for a resume.
 
-Newest means the last written: every save gets the next *generation* (stored in its
-manifest), and pruning and ``resume("auto")`` go by it, never by the step number. A
-save below the newest step (after resuming from an older checkpoint) starts a new
-branch, which is then the newest. Only files whose valid manifest names them are
-candidates, and only those are ever pruned.
+Newest means the last written: every save gets the next *generation* (in its manifest),
+and pruning and ``resume("auto")`` go by it, never by the step number. Only files whose
+valid manifest names them are candidates, and only those are ever pruned.
 """
 
 from __future__ import annotations
@@ -20,14 +18,14 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import _dist, _run
+from .. import _run
 from .._runlock import RunFolderInUse, lock_folder
 from .._log import info
 from . import _collective
 from .digest import beside, file_record
 from .reading import (FORMAT, MANIFEST_SUFFIX, Manifest, _what_to_do, check_file,
-                      iter_tensors, manager_checkpoints, manifest_path, manifest_text,
-                      nonfinite_flags, read_manifest)
+                      manager_checkpoints, manifest_path, manifest_text, read_manifest,
+                      saved_nonfinite)
 from .atomic import TMP_OWNER, host_name, pid_alive
 from .atomic import atomic_text as _atomic_text
 from .atomic import (disk_free, disk_full_error, ensure_free_space, no_room, space_needed,
@@ -38,8 +36,8 @@ from .data_position import position_or_warn
 from .ema import saved_or_warn as ema_weights
 from .parts import saved_state
 from .rng import capture_rng_state
-from .sharded import (DCP_SUFFIX, check_folder, complete_folders, folder_problem,
-                      is_sharded_model, remove_folder, save_sharded, sweep_incomplete)
+from .sharded import (DCP_SUFFIX, check_folder, complete_folders, is_sharded_model,
+                      read_folder_manifest, remove_folder, save_sharded, sweep_incomplete)
 
 logger = logging.getLogger("training_patches")
 
@@ -80,21 +78,15 @@ class CheckpointManager:
     """Atomic, self-describing checkpoints in ``output_dir``, and the newest valid one back.
 
     Files: ``ckpt_<step>.pt``, its manifest ``ckpt_<step>.pt.manifest.json`` (written
-    last: a checkpoint without one is incomplete, and is never chosen or deleted) and
-    ``latest`` (the name of the last save). The ``keep`` most recently written complete
-    checkpoints are kept (by generation, not by step); only files this class wrote (with
-    its valid manifest, named by its pattern) are ever pruned; ``keep=None`` prunes
-    nothing. The file a save returns always exists afterwards.
+    last: a checkpoint without one is incomplete, never chosen or deleted) and ``latest``.
+    The ``keep`` most recently written complete checkpoints are kept (by generation, not
+    by step; ``keep=None`` prunes nothing); only files this class wrote are ever pruned.
 
     Many processes: with a process group of more than one rank, call :meth:`save` and
-    :meth:`resume` from EVERY rank (``collective=None``, the default, detects the group).
-    Global rank 0 is the only writer, the other ranks wait, and every rank returns the
-    same path or raises the same error. Every rank's RNG state is saved (``rng_ranks``)
-    and :func:`load_checkpoint` gives each rank its own back. A model whose parameters
-    are DTensors (FSDP2 ``fully_shard``) is saved sharded through
-    ``torch.distributed.checkpoint`` into a folder ``ckpt_<step>.dcp`` (see
-    :mod:`patches.checkpoint.sharded`). ``collective=False`` makes every call local to its
-    process (then call it on rank 0 only).
+    :meth:`resume` from EVERY rank (``collective=None`` detects the group): rank 0 writes,
+    every rank returns the same path or raises the same error, and every rank's RNG state
+    is saved. An FSDP2 (DTensor) model is saved sharded into a folder ``ckpt_<step>.dcp``
+    (:mod:`patches.checkpoint.sharded`). ``collective=False`` makes every call local.
     """
 
     PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
@@ -111,9 +103,7 @@ class CheckpointManager:
         self.folder_pattern = re.compile(rf"^{re.escape(prefix)}_(\d+){re.escape(DCP_SUFFIX)}$")
         self._shared_checked = False  # whether every rank was shown to see this folder
         self._claimed = False  # whether this process (the writer) holds the folder's lock
-        # A plain loop names no run folder: its reports (nonfinite_events.jsonl, ...) go
-        # beside its checkpoints unless set_output_dir / TRAINING_PATCHES_OUTPUT_DIR says
-        # otherwise (a torch.save path does the same, see patches._run.saw_checkpoint).
+        # A plain loop's reports go beside its checkpoints, unless set_output_dir says otherwise
         _run.saw_checkpoint_folder(self.output_dir)
 
     def path_for(self, step: int) -> Path:
@@ -125,9 +115,7 @@ class CheckpointManager:
         return self.output_dir / f"{self.prefix}_{step:09d}{DCP_SUFFIX}"
 
     def _collective(self) -> bool:
-        if self.collective is False:
-            return False
-        return _collective.active()
+        return self.collective is not False and _collective.active()
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None,
              scheduler: Any = None, scaler: Any = None, *, loader: Any = None,
@@ -135,27 +123,17 @@ class CheckpointManager:
         """Write the checkpoint of ``step``; returns its path once it is complete, or None
         when the disk had no room for it (below: nothing written, training goes on).
 
-        ``loader``: the DataLoader the loop iterates (each rank its own; accelerate's
-        prepared loader too): its position (epoch, batches handed out, the RNG its epoch
-        began with) and what identifies its data are saved, and
-        ``load_checkpoint(..., loader=)`` continues there (:mod:`.data_position`).
-        ``ema``: the model's EMA (ema_pytorch's ``EMA``, torch's ``AveragedModel``, or the
-        averaged copy): its weights are saved, and ``load_checkpoint(..., ema=)`` loads them
-        (:mod:`.ema`). A loader or EMA whose state cannot be read is one WARNING and that
-        part left out of the checkpoint; the rest is saved. ``extra`` (e.g. ``epoch=``) must
-        be tensors or plain values; it comes back as ``LoadReport.extra``.
+        ``loader``: the DataLoader the loop iterates: its position is saved, and
+        ``load_checkpoint(..., loader=)`` continues there (:mod:`.data_position`). ``ema``:
+        the model's EMA: its weights are saved (:mod:`.ema`). A loader or EMA whose state
+        cannot be read is one WARNING and that part left out. ``extra`` (e.g. ``epoch=``)
+        must be tensors or plain values; it comes back as ``LoadReport.extra``.
 
-        The folder's free space is checked first, for the estimated size and a margin of
-        1/32 of it. When it is short and ``keep`` prunes, the checkpoints this save would
-        prune anyway are removed first (never the newest). When the new checkpoint still
-        has no room beside the checkpoints it replaces but would fit in their place (the
-        room a save over the old file would have used), nothing is written, one WARNING says
-        what was not written and how much room it needs, the older checkpoints stay as they
-        were and None is returned: training goes on, and the next save tries again. When it
-        would not fit even there, :class:`DiskFullError` (nothing written), and the same
-        error, with the partial files removed, when the disk fills during the write (an
-        FSDP2 model's sharded folder: DiskFullError whenever it does not fit). A save that
-        fails leaves none of its files behind and the other checkpoints as they were.
+        The free space is checked first (the estimate and 1/32 of it); when short, the
+        checkpoints this save would prune go first. A checkpoint that fits only in the place
+        of those it replaces is not written: one WARNING, None returned, training goes on.
+        One that would not fit even there (or a disk that fills during the write) is a
+        :class:`DiskFullError`. A failed save leaves none of its files behind.
 
         Under a process group call it from every rank: rank 0 writes, every rank
         returns the same path (or None) or raises the same error. FSDP2 models are saved
@@ -178,17 +156,17 @@ class CheckpointManager:
                     "(torch.distributed.checkpoint), or leave ema= out.", step)
             return save_sharded(self, step, model, optimizer, scheduler, scaler, extra,
                                 loader=loader)
-        where = f"the checkpoint of step {step}"
+
+        def position() -> Any:
+            return (position_or_warn(loader, f"the checkpoint of step {step}")
+                    if loader is not None else None)
+
         if not self._collective():
-            data = None
-            if loader is not None:
-                position = position_or_warn(loader, where)
-                data = [position] if position is not None else None
-            return self._write(step, model, optimizer, scheduler, scaler, extra, None, data, ema)
+            data = position()
+            return self._write(step, model, optimizer, scheduler, scaler, extra, None,
+                               [data] if data is not None else None, ema)
         # one gather for both: each rank's RNG and its loader's position
-        ranks = _collective.gather_checked(
-            lambda: (capture_rng_state(),
-                     position_or_warn(loader, where) if loader is not None else None))
+        ranks = _collective.gather_checked(lambda: (capture_rng_state(), position()))
         rng_ranks = [rng for rng, _ in ranks]
         data_ranks = [data for _, data in ranks]
         data = data_ranks if any(d is not None for d in data_ranks) else None
@@ -240,7 +218,8 @@ class CheckpointManager:
                      needed: int) -> Path:
         """The checkpoint file, its manifest, ``latest``; then the pruning. The finite scan
         runs in a thread beside the write (both read every tensor; issue 41)."""
-        scan = beside(lambda: self._nonfinite(model, model_state, optimizer_states))
+        scan = beside(lambda: self._nonfinite(model, model_state, {
+            f"optimizer.{index}": state for index, state in enumerate(optimizer_states)}))
         generation = self._next_generation()
         # A write that fails leaves the scan to end by itself (it only reads; its result unused).
         written = write_atomically(path, lambda handle: torch.save(payload, handle),
@@ -303,18 +282,7 @@ class CheckpointManager:
                      "it once the new one is written)", old.name, path.name, free, needed,
                      self.keep)
 
-    @staticmethod
-    def _nonfinite(model: torch.nn.Module, model_state: Mapping[str, torch.Tensor],
-                   optimizer_states: list[Mapping[str, Any]]) -> list[str]:
-        """Names of NaN/Inf tensors, by the loader's rule (parameters and optimizer
-        moments finite, buffers free of NaN); recorded so that resume can pass over them."""
-        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        named = [(f"model.{k}", _dist.local(v), k not in params) for k, v in model_state.items()
-                 if isinstance(v, torch.Tensor)]
-        for index, state in enumerate(optimizer_states):
-            named += [(f"optimizer.{index}.state.{name}", _dist.local(value), False)
-                      for name, value in iter_tensors(state.get("state", {}))]
-        return nonfinite_flags(named)
+    _nonfinite = staticmethod(saved_nonfinite)  # here: tests time it against the write
 
     def _next_generation(self) -> int:
         return max((m.generation for _, m in self._all() if m.generation is not None),
@@ -334,17 +302,9 @@ class CheckpointManager:
                            "resume('auto') does not need it", path, latest, exc)
 
     def _sweep_temp(self) -> None:
-        """Remove temporary files and incomplete sharded folders of this manager's saves
-        whose writer is dead (killed).
-
-        Only names this class makes (``.<prefix>_<step>.pt<mark><pid>@<host>~...``, the
-        ``latest`` pointer's ``.latest<mark><pid>@<host>~...``, and
-        ``<prefix>_<step>.dcp`` folders without a commit marker) are touched, and only
-        those written on THIS host whose pid no longer runs: on a shared filesystem
-        another machine's save in progress is never touched (a pid says nothing across
-        hosts), nor are temporary names without a host (older versions). Runs on the
-        writer only, at the start of a save.
-        """
+        """Remove the temporary files and incomplete sharded folders of this manager's saves
+        (its names only) written on THIS host by a pid that no longer runs: another host's
+        save in progress is never touched. Runs on the writer, at the start of a save."""
         if not self.output_dir.is_dir():
             return
         sweep_incomplete(self.output_dir, self.folder_pattern, pid_alive)
@@ -391,18 +351,13 @@ class CheckpointManager:
 
     def resume(self, which: str | int | os.PathLike[str] = "auto", *,
                verify_hash: bool = True, allow_nonfinite: bool = False) -> Path | None:
-        """The checkpoint to resume from, or None when there is none yet.
+        """The checkpoint to resume from, or None when there is none yet (under a process
+        group call it from every rank: every rank gets rank 0's answer).
 
-        Under a process group call it from every rank: rank 0 looks, every rank gets the
-        same answer (or the same error). Sharded checkpoints (folders) count only with
-        their commit marker, and their manifest and shard hashes must validate.
-
-        ``"auto"``: the most recently written checkpoint in ``output_dir`` (highest
-        generation) whose manifest and file validate and that held no NaN/Inf when it was
-        saved (unless ``allow_nonfinite``); torn, damaged or non-finite ones are passed
-        over with a warning and left on disk. Files without a valid manifest (other
-        models, interrupted saves) are never chosen. A step number or a path: that
-        checkpoint, which must validate.
+        ``"auto"``: the most recently written checkpoint in ``output_dir`` whose manifest and
+        files validate and that held no NaN/Inf when it was saved (unless
+        ``allow_nonfinite``); others are passed over with a warning and left on disk. A
+        step number or a path: that checkpoint, which must validate.
         """
         if self._collective():
             self._check_shared()
@@ -413,10 +368,8 @@ class CheckpointManager:
 
     def _claim(self) -> None:
         """The writer's lock on the folder, taken at its first save and held until the
-        process ends (:func:`patches._runlock.lock_folder`): two runs saving into one folder
-        would prune, replace and resume each other's checkpoints. A second process saving
-        there gets :class:`CheckpointError`, one paragraph, before it writes anything.
-        Reading (``resume``, an evaluation script watching the folder) takes no lock."""
+        process ends (:func:`patches._runlock.lock_folder`): a second process saving there
+        gets :class:`CheckpointError` before it writes anything. Reading takes no lock."""
         if self._claimed:
             return
         try:
@@ -431,13 +384,9 @@ class CheckpointManager:
 
     def _check_shared(self) -> None:
         """Under a process group, once per manager: ``output_dir`` must be one folder that
-        every rank sees. Rank 0 writes a file of a fresh random name (a name no cache can
-        know yet) and every rank looks for it; where rank 0 cannot write (a read-only
-        folder, resume only), every rank's list of complete checkpoints must agree.
-        Raises :class:`CheckpointError` on every rank otherwise: a folder local to each
-        node makes rank 0 resume from its own (maybe empty) disk while the checkpoints
-        are on another node's, and sharded saves commit folders missing other nodes'
-        shards."""
+        every rank sees. Rank 0 writes a file of a fresh random name and every rank looks for
+        it (a read-only folder: every rank's list of checkpoints must agree); else
+        :class:`CheckpointError` on every rank."""
         if self._shared_checked:
             return
         planted: list[Path] = []  # rank 0's probe, removed whatever happens below
@@ -533,7 +482,7 @@ class CheckpointManager:
         notes = []
         for entry in sorted(self.output_dir.iterdir()):
             if self.folder_pattern.match(entry.name) and entry.is_dir():
-                problem = folder_problem(entry)
+                problem = read_folder_manifest(entry)[1]
                 if problem is not None:
                     notes.append(f"{entry.name} {problem}")
                 continue

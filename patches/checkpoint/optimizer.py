@@ -47,18 +47,23 @@ def _check_group(path: Path, index: int, saved: Mapping[Any, Any], group: Mappin
         if key in ("params", "param_names", "initial_lr") or key not in saved:
             continue
         value = saved[key]
-        if isinstance(current, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(current, (int, float, torch.Tensor)):
-            ok = _is_number(value)
-        elif isinstance(current, (tuple, list)):
-            ok = (isinstance(value, (tuple, list)) and len(value) == len(current)
-                  and all(_is_number(v) for v in value))
-        else:
-            continue
-        if not ok:
+        if _fits(current, value, (int, float, torch.Tensor), (tuple, list)) is False:
             raise _not_a_state(path, f"group {index} has {key}={str(value)[:40]!r} where this "
                                      f"optimizer has {current!r}")
+
+
+def _fits(current: Any, value: Any, numbers: tuple[type, ...],
+          sequences: tuple[type, ...]) -> bool | None:
+    """Whether the saved ``value`` has the type of ``current`` (finite numbers where it has
+    numbers, as many of them in a sequence); None: a type not compared."""
+    if isinstance(current, bool):
+        return isinstance(value, bool)
+    if isinstance(current, numbers):
+        return _is_number(value)
+    if isinstance(current, sequences):
+        return (isinstance(value, sequences) and len(value) == len(current)
+                and all(_is_number(v) for v in value))
+    return None
 
 
 # What a parameter group holds besides its hyperparameters.
@@ -106,13 +111,9 @@ def _keys_found(saved: set[str], own: set[str], where: str, obj: Any) -> str:
 
 def check_kinds(path: Path, meta: Mapping[str, Any], optimizers: list[Any], saved_opts: list[Any],
                 schedulers: list[Any], saved_scheds: list[Any]) -> None:
-    """Each saved optimizer and scheduler state comes from the class that is to take it:
-    the class recorded with the state (CheckpointManager's files), else the names of its
-    settings (a parameter group's hyperparameters, a scheduler's public attributes).
-
-    Raises :class:`CheckpointMismatchError` (under ``remap``: never ``restored``): an SGD
-    state loaded into AdamW, or a StepLR state into a LambdaLR, is accepted by torch and
-    steps with the wrong settings, or fails at ``step()``."""
+    """:class:`CheckpointMismatchError` unless each saved optimizer and scheduler state
+    comes from the class that is to take it (the class recorded with it, else the names of
+    its settings): torch would load an SGD state into AdamW and step with it."""
     for index, opt in enumerate(optimizers):
         # the recorded class is checked even where the states travel apart (a DCP folder's
         # moments are in its shards, its classes in meta.pt)
@@ -152,12 +153,8 @@ def check_kinds(path: Path, meta: Mapping[str, Any], optimizers: list[Any], save
 def _remap_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimizer,
                            names: dict[int, str], plan: ModelPlan, *, allow_nonfinite: bool = False,
                            ) -> tuple[dict[str, Any], list[str]]:
-    """The saved optimizer state with resized moments, validated against ``optimizer``.
-
-    Validated before anything changes: the structure torch writes, the hyperparameters'
-    types, every moment's shape (grown ones included), data (not meta) and, unless
-    ``allow_nonfinite``, finite values.
-    """
+    """The saved optimizer state with resized moments, validated against ``optimizer``
+    (structure, hyperparameters' types, every moment's shape and data, finite values)."""
     if not isinstance(saved, Mapping):
         raise _not_a_state(path, f"found a {type(saved).__name__}")
     groups = saved.get("param_groups")
@@ -261,14 +258,9 @@ def _check_plain_state(path: Path, what: str, saved: Any, obj: Any) -> None:
         own = {**own, **dict(obj.state_dict())}
     for key, value in saved.items():
         current = own.get(key)
-        if isinstance(current, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(current, (int, float)):
-            ok = _is_number(value)
-        elif isinstance(current, list) and key in ("base_lrs", "_last_lr"):
-            ok = isinstance(value, list) and len(value) == len(current) and all(
-                _is_number(v) for v in value)
-        else:
+        ok = _fits(current, value, (int, float), (list,) if key in ("base_lrs", "_last_lr")
+                   else ())
+        if ok is None:
             continue
         if not ok or (key == "scale" and float(value) <= 0):
             raise CheckpointMismatchError(
@@ -352,15 +344,9 @@ def _copied_out(value: torch.Tensor) -> torch.Tensor:
 
 def _detach_from_file(state: Mapping[Any, Any], path: Path | None = None) -> None:
     """Give the CPU tensors of a loaded optimizer state memory of their own, not the
-    checkpoint's memory-mapped file: a later in-place rewrite of that file cannot change or
-    fault them.
-
-    On Linux each tensor inside the file's mapping is copied and its mapped pages dropped
-    as they are copied, so that the memory is counted once (peak about 1.0x the file). Writing each page in place
-    instead (a copy-on-write fault per 4 KiB page) cost 3x the copy here (issue 41: 0.70
-    against 0.26 s of CPU for 1.2 GB of AdamW moments). Elsewhere, or when the mapping is not
-    found, each tensor is rewritten in place, bit for bit.
-    """
+    checkpoint's memory-mapped file (a later rewrite of that file cannot change them). On
+    Linux each is copied and its mapped pages dropped as they are (peak about 1.0x the file;
+    3x faster than a copy-on-write per page, issue 41); elsewhere rewritten in place."""
     ranges = (_file_mappings(path) if path is not None and sys.platform.startswith("linux")
               and hasattr(mmap, "MADV_DONTNEED") else [])
     for entry in state.values():

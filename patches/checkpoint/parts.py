@@ -1,18 +1,9 @@
-"""A checkpoint's state as parts: the model, optimizer, scheduler, scaler, step (with epoch
-and ``extra``), RNG, the patches' runtime counters, the data position
-(:mod:`.data_position`) and the EMA weights (:mod:`.ema`). Each is one unit (a
-:class:`Part`: ``plan``, ``apply``, ``report``), listed once in :data:`UNITS`.
-
-A single checkpoint file and a sharded (DCP) folder are two *sources* of the same parts.
-Each source reads what it holds into a :class:`Source`; then one code path serves both:
-:func:`saved_state` (what both writers store), :func:`plan_state` (the policy, then each
-unit's plan; nothing changes), :func:`carry_out` (the ranks' gate, :func:`apply_state`:
-each unit's changes with their undo, the model last; :func:`report_parts`: each unit's
-report; :func:`say_fallback`: the one warning of a ``remap`` that fell back to ``reset``).
-
-The model is the one part whose work differs by source (a :class:`ModelSource`): a file's
-whole tensors are planned row by row and grown (:mod:`.file_model`), a folder's shards are
-checked against its manifest and loaded by DCP, with the optimizer moments (:mod:`.sharded`).
+"""A checkpoint's state as parts (model, optimizer, scheduler, scaler, step, RNG, runtime
+counters, data position, EMA weights), each one unit (a :class:`Part`: ``plan``, ``apply``,
+``report``) listed once in :data:`UNITS`. A single file and a sharded folder are two
+:class:`Source` s of the same parts, served by one path: :func:`saved_state`,
+:func:`plan_state`, :func:`carry_out`; only the model's work differs by source (a
+:class:`ModelSource`). Design: docs/design/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -35,7 +26,7 @@ from .optimizer import (_as_list, _check_plain_state, _detach_from_file, _restar
                         _restart_scheduler, check_kinds, class_names, restore_optimizer,
                         scaler_enabled, snapshot_optimizer)
 from .reading import _what_to_do
-from .report import LoadReport, _runtime_state, restarted, set_rng_part
+from .report import LoadReport, _runtime_state
 from .rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger("training_patches")
@@ -50,10 +41,7 @@ RNG_KEYS = ("rng", "rng_state")
 def saved_state(step: int, optimizers: list[Any], schedulers: list[Any], scaler: Any,
                 extra: dict[str, Any], data_ranks: list[Any] | None = None) -> dict[str, Any]:
     """What a checkpoint stores beside the model's tensors, the same keys in a file and in
-    a folder's ``meta.pt``: step, scheduler and scaler states, the patches' runtime
-    counters with the optimizer's and scheduler's classes (compared at load), ``extra`` and
-    its ``epoch``, and each rank's data position (``data_ranks``, when a loader was given;
-    a folder keeps them in per-rank files instead)."""
+    a folder's ``meta.pt`` (a folder keeps ``data_ranks`` in per-rank files instead)."""
     from .. import _api  # lazy: import order of the patches (see RuntimePart.apply)
 
     state: dict[str, Any] = {
@@ -75,15 +63,10 @@ def saved_state(step: int, optimizers: list[Any], schedulers: list[Any], scaler:
 
 @dataclass(frozen=True)
 class Source:
-    """What one checkpoint holds, read before anything changes (the model's tensors through
-    ``model``, the source's :class:`ModelSource`).
-
-    ``kind`` is "file" or "folder" (the word of the messages). ``meta``: the file's dict
-    (empty for a bare state dict) or the folder's ``meta.pt``. ``saved_optimizers``: the
-    optimizer states a file holds (a folder's come with its shards: empty, with
-    ``has_optimizer``). ``read_rng()``: this rank's saved RNG state, None when none was
-    saved for it (read only when the load restores it); ``rng_in_file``: whether the
-    source holds RNG states at all."""
+    """What one checkpoint holds, read before anything changes. ``kind`` is "file" or
+    "folder" (the word of the messages); ``meta``: the file's dict (empty for a bare state
+    dict) or the folder's ``meta.pt``; ``saved_optimizers``: a file's optimizer states (a
+    folder's come with its shards); ``read_rng()``: this rank's saved RNG state or None."""
 
     path: Path
     kind: str
@@ -105,14 +88,9 @@ class Source:
 
 @dataclass
 class StatePlan:
-    """What a load will do to every part, decided before any change (``model_plan``: what
-    the model part will load).
-
-    ``effective`` is the policy carried out: ``remap`` falls back to ``reset`` when the
-    source has no optimizer state (the optimizer, scheduler and scaler then start fresh
-    together). ``optimizer_states``: each optimizer's state to load under ``remap`` (None:
-    the source loads the moments itself, as DCP does with the shards). ``rng``: the state
-    this rank restores (None: keep the current one); ``runtime``: the counters to restore."""
+    """What a load will do to every part, decided before any change. ``effective`` is the
+    policy carried out (``remap`` falls back to ``reset`` when the source has no optimizer
+    state); ``optimizer_states`` None: the source loads the moments itself (DCP)."""
 
     source: Source
     policy: str
@@ -153,14 +131,9 @@ OptimizerRemap = Callable[[StatePlan], "tuple[list[dict[str, Any]], list[str]]"]
 
 
 class Part:
-    """One piece of a checkpoint's state, as one unit: :meth:`plan` decides it (checks and
-    fills its fields of the :class:`StatePlan`; it may refuse, it changes nothing),
-    :meth:`apply` carries it out (each change with its undo), :meth:`report` says what was
-    done, read from the plan and the objects, not from what was asked. The parts are
-    planned and reported in the order of :data:`UNITS` and applied in it too, except that a
-    part with ``apply_last`` comes after the others; a load's policy (``plan.effective``) is
-    decided once, before them, because the optimizer, scheduler and scaler are kept or
-    started fresh together."""
+    """One piece of a checkpoint's state: :meth:`plan` decides it (it may refuse, it changes
+    nothing), :meth:`apply` carries it out (each change with its undo), :meth:`report` says
+    what was done. A part with ``apply_last`` is applied after the others."""
 
     name = ""
     apply_last = False
@@ -196,9 +169,8 @@ def _fresh_or_dropped(report: LoadReport, plan: StatePlan, name: str, given: boo
 
 
 class ModelSource:
-    """How one source plans, loads and reports the model's tensors: the single file's
-    (:class:`.file_model.FileModel`) and the sharded folder's (:class:`.sharded.ShardedModel`).
-    :meth:`plan` returns what :meth:`apply` loads (it may refuse; it changes nothing)."""
+    """How one source plans, loads and reports the model's tensors (a file's
+    :class:`.file_model.FileModel`, a folder's :class:`.sharded.ShardedModel`)."""
 
     def plan(self, plan: StatePlan) -> Any:
         raise NotImplementedError
@@ -211,10 +183,8 @@ class ModelSource:
 
 
 class ModelPart(Part):
-    """The model's tensors, through the source's :class:`ModelSource`. Planned first (the
-    optimizer's moments and the EMA weights grow as its rows do) and applied last: every
-    other part can be put back, and only the model's own refusal (or DCP's load, which
-    cannot be undone) can leave it partly changed."""
+    """The model's tensors, through the source's :class:`ModelSource`: planned first (the
+    moments and the EMA grow as its rows do), applied last (it cannot always be put back)."""
 
     name = "model"
     apply_last = True
@@ -249,16 +219,14 @@ class OptimizerPart(Part):
     def apply(self, plan: StatePlan, report: LoadReport, undo: list[Callable[[], None]]) -> None:
         if plan.effective == "remap":
             for state, opt in zip(plan.optimizer_states or (), plan.optimizers):
-                snap = snapshot_optimizer(opt)
-                undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
+                undo.append(lambda o=opt, s=snapshot_optimizer(opt): restore_optimizer(o, s))
                 opt.load_state_dict(state)
                 _detach_from_file(opt.state, plan.source.path)
             if plan.optimizers:
                 report.restored.append("optimizer")
             return
         for opt in plan.optimizers:
-            snap = snapshot_optimizer(opt)
-            undo.append(lambda o=opt, s=snap: restore_optimizer(o, s))
+            undo.append(lambda o=opt, s=snapshot_optimizer(opt): restore_optimizer(o, s))
             opt.state = defaultdict(dict)
             for group in opt.param_groups:
                 if "initial_lr" in group:
@@ -395,9 +363,16 @@ class RngPart(Part):
 
     def report(self, plan: StatePlan, report: LoadReport, resume_step: bool) -> None:
         asked = plan.asked_rng
-        set_rng_part(report, in_file=plan.source.rng_in_file, asked=asked, why=_why(plan),
-                     rank=_dist.rank(),
-                     restore=asked is True or (asked is None and plan.effective == "remap"))
+        if report.rng_restored:
+            report.set_part("rng", "restored", in_file=True)
+        elif not plan.source.rng_in_file:
+            report.set_part("rng", "absent")
+        elif not (asked is True or (asked is None and plan.effective == "remap")):
+            report.set_part("rng", "dropped", "restore_rng=False" if asked is False
+                            else _why(plan), in_file=True)
+        else:  # saved by fewer ranks than this job has: this rank keeps its current RNG
+            report.set_part("rng", "absent", f"none saved for rank {_dist.rank()}; its "
+                            f"current RNG is kept")
 
 
 class RuntimePart(Part):
@@ -452,11 +427,8 @@ class DataPart(Part):
 
 
 class EmaPart(Part):
-    """The EMA weights (:mod:`.ema`): the averaged copy inside the EMA passed, in any of its
-    forms, planned like the model's (keys matched, every tensor checked, the vocabulary
-    grown, the EMA's new rows started as the model's) and refused when it is not the same
-    thing (other shapes than the model's, no tensor matched); loaded with the EMA's counters,
-    before the model. A file's EMA that no ``ema=`` receives is a WARNING."""
+    """The EMA weights (:mod:`.ema`), planned like the model's and refused when they are not
+    the same thing; a file's EMA that no ``ema=`` receives is a WARNING."""
 
     name = "ema"
 
@@ -538,10 +510,8 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
                schedulers: list[Any], scaler: Any,
                remap_optimizers: OptimizerRemap | None, loader: Any = None,
                resume_step: bool = True, ema: Any = None) -> StatePlan:
-    """Decide every part, the model first (raises :class:`CheckpointError` or
-    :class:`CheckpointMismatchError`; nothing is changed). ``remap_optimizers`` gives the
-    file's optimizer states with their moments grown; None for a source that loads the
-    moments itself."""
+    """Decide every part, the model first (it may refuse; nothing is changed).
+    ``remap_optimizers``: None for a source that loads the moments itself."""
     path, meta = source.path, source.meta
     saved_scheds = _as_list(meta.get("scheduler"))
     extra = _extra_of(path, meta)
@@ -564,10 +534,8 @@ def plan_state(source: Source, *, policy: str, restore_rng: bool | None, optimiz
 
 
 def _resume_epoch(epoch: int | None, ranks: list[Any] | None) -> int:
-    """The epoch a training loop continues at: the saved ``epoch`` (else the saved data
-    position's own count, else 0), or the one after it when this rank's saved position had
-    handed out every batch of that epoch (a save at an epoch's last batch: its loader starts
-    the next epoch, and so must the loop)."""
+    """The epoch a training loop continues at: the saved ``epoch`` (else the data position's,
+    else 0), or the next one when this rank's saved position had ended that epoch."""
     ranks = ranks or []
     position = ranks[min(_dist.rank(), len(ranks) - 1)] if ranks else None
     plain = isinstance(position, Mapping) and position.get("kind") == data_position.KIND_PLAIN
@@ -640,22 +608,15 @@ def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
     return step
 
 
-def new_report(plan: StatePlan, **fields: Any) -> LoadReport:
-    """The :class:`LoadReport` of a load, its step fields read from ``plan``."""
-    return LoadReport(path=str(plan.source.path), policy=plan.effective,
-                      step=plan.saved_step or 0, saved_step=plan.saved_step, epoch=plan.epoch,
-                      resume_epoch=plan.resume_epoch, extra=plan.extra,
-                      optimizer_moments_resized=list(plan.moments_resized), **fields)
-
-
 def carry_out(plan: StatePlan, gate: Callable[[], None], say: Callable[[LoadReport], None],
               **fields: Any) -> LoadReport:
-    """The second half of every load, a file's or a folder's: ``gate()`` (every rank
-    decided: a refusal on any stops all of them before a change), :func:`apply_state`,
-    :func:`report_parts`, ``say(report)`` (the source's log lines, read from the report),
-    :func:`say_fallback`. Returns the :class:`LoadReport`."""
+    """The second half of every load: ``gate()`` (every rank decided), :func:`apply_state`,
+    :func:`report_parts`, ``say(report)`` (the source's log lines), :func:`say_fallback`."""
     gate()
-    report = new_report(plan, **fields)
+    report = LoadReport(path=str(plan.source.path), policy=plan.effective,
+                        step=plan.saved_step or 0, saved_step=plan.saved_step, epoch=plan.epoch,
+                        resume_epoch=plan.resume_epoch, extra=plan.extra,
+                        optimizer_moments_resized=list(plan.moments_resized), **fields)
     apply_state(plan, report)
     report_parts(report, plan, resume_step=plan.resume_step)
     say(report)
@@ -664,13 +625,8 @@ def carry_out(plan: StatePlan, gate: Callable[[], None], say: Callable[[LoadRepo
 
 
 def apply_state(plan: StatePlan, report: LoadReport) -> None:
-    """Carry out every part of ``plan`` (:data:`UNITS`, the ``apply_last`` model after the
-    others), all or nothing; ``report`` gets what was restored or started fresh.
-
-    When a part still fails after every check passed (torch refuses a tensor, DCP cannot
-    read a shard), every change already made is put back before one
-    :class:`CheckpointError` is raised; only the model, changed last, may stay partly
-    changed (the message says so)."""
+    """Carry out every part of ``plan``, the model last, all or nothing: a part that still
+    fails puts every change back before one :class:`CheckpointError` is raised."""
     undo: list[Callable[[], None]] = []
     model_touched = False
     try:
@@ -693,7 +649,9 @@ def apply_state(plan: StatePlan, report: LoadReport) -> None:
             f"it passed every check ({type(exc).__name__}: {str(exc)[:300]}). {what} "
             f"{_what_to_do(plan.source.path)}") from exc
     if plan.effective != "remap":  # the policy's, not one unit's: the three started together
-        report.reset += restarted(plan.optimizers, plan.schedulers, plan.scaler)
+        report.reset += [name for name, started in (
+            ("optimizer", plan.optimizers), ("scheduler", plan.schedulers),
+            ("scaler", plan.scaler is not None)) if started]
         report.step = 0
     if not plan.resume_step:
         report.step = 0
@@ -734,4 +692,4 @@ def and_list(items: Sequence[str]) -> str:
 
 __all__ = ["STEP_KEYS", "RNG_KEYS", "Source", "StatePlan", "Part", "ModelSource", "ModelPart",
            "EmaPart", "UNITS", "saved_state", "plan_state", "carry_out", "apply_state",
-           "report_parts", "say_fallback", "new_report", "and_list"]
+           "report_parts", "say_fallback", "and_list"]

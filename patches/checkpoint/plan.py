@@ -162,13 +162,9 @@ def _vocab_owner(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
 
 def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
                     ckpt: Mapping[str, Any], setting: str | bool) -> bool:
-    """Whether the vocabulary's last row must stay last when it grows: a start token kept
-    at the last id, or an extra slot row (the registered layouts, :mod:`patches.vocab_rows`).
-
-    ``"auto"``: yes when the layout of the module owning the text embedding keeps its last
-    row (``last_row_kept``) for the new vocabulary; for a start token the checkpoint then
-    confirms it for the old vocabulary when it records it (``checkpoint_last_row_kept``).
-    """
+    """Whether the vocabulary's last row must stay last when it grows (a start token kept at
+    the last id, or a slot row): ``"auto"`` asks the owner's layout (:mod:`patches.vocab_rows`),
+    and the checkpoint confirms it where it records it."""
     if isinstance(setting, bool):
         return setting
     for key in keys:
@@ -204,9 +200,7 @@ class ModelPlan:
 @dataclass(frozen=True)
 class NewRows:
     """How the new rows of a grown vocabulary started: the rule of the embedding and of the
-    head (:mod:`patches.row_init`), the part each grown key belongs to, and for
-    ``romanized`` the rows placed by their spelling (``sources``; None when no tokenizer
-    was given, so every row fell back)."""
+    head, the part of each grown key, the spelled rows (``sources``; None: no tokenizer)."""
 
     embedding: str
     head: str
@@ -366,9 +360,8 @@ def _one_value_for_tied(state: dict[str, torch.Tensor], target: Mapping[str, tor
 
 def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: RowPlan,
               row_init: str, head_row_init: str, tokenizer: Any) -> NewRows:
-    """The rule of each grown tensor, and the spelled rows when a rule is a spelled one: the
-    tokenizer read, checked against the model's rows (:meth:`.row_init.Tokens.mismatch`),
-    then its new tokens spelled."""
+    """The rule of each grown tensor, and for a spelled rule the rows spelled with the
+    tokenizer (checked against the model's rows first)."""
     parts = {key: "head" if _is_head(model, key) else "embedding" for key in keys}
     used = {head_row_init if part == "head" else row_init for part in parts.values()}
     sources = None

@@ -1,11 +1,7 @@
 """Reading a checkpoint: :func:`read_checkpoint` (weights-only ``torch.load``) and the
-checks before it, none of which runs the file's code: file checks (size, zip directory,
-CRC-32s, torch's legacy magic number, safetensors headers), the one manifest format of a
-file and a sharded folder (its schema, reader, writer and each file's check), pickle
-inspection with :mod:`pickletools`, the checkpoints a
-:class:`~patches.checkpoint.manager.CheckpointManager` wrote (newest = highest
-generation), the one-paragraph diagnosis of a failed read that names the newest valid
-checkpoint beside the file, and the NaN/Inf scan of tensors."""
+checks before it, none of which runs the file's code (file checks, the one manifest format
+of a file and a sharded folder, pickle inspection), the checkpoints a manager wrote, the
+one-paragraph diagnosis of a failed read, and the NaN/Inf scan of tensors."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -54,14 +50,11 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class Manifest:
-    """A manifest that passed the schema (:func:`parse_manifest`), in today's format whatever
-    version wrote it.
+    """A manifest that passed the schema (:func:`parse_manifest`), in today's format.
 
-    ``files``: each file's name -> ``{"bytes", "digest"}`` (the digest record of
-    :mod:`.digest`). ``generation`` orders saves by when they were written (None: written
-    before generations existed; older than any with one). ``nonfinite`` names the tensors
-    that held NaN/Inf when saved (None: not recorded). ``manifest[key]``: any field of the
-    JSON object (``data``, its files converted).
+    ``files``: each file's name -> ``{"bytes", "digest"}``; ``generation`` orders saves by
+    when they were written (None: before generations); ``nonfinite`` names the tensors that
+    held NaN/Inf (None: not recorded); ``manifest[key]``: any field of the JSON object.
     """
 
     step: int
@@ -95,9 +88,7 @@ def _shown(value: Any) -> str:
 
 def _check_digest(record: Any, size: int, name: str) -> None:
     """``ValueError`` when the ``digest`` record of the file ``name`` is not one this version
-    reads: ``version`` 1, ``algorithm`` ``"blake3"`` or ``"sha256"``, ``chunk_bytes`` (whole
-    number >= 1), ``chunks`` (64 hex digits each, one per ``chunk_bytes`` of the file's
-    ``bytes``, the last one shorter; one for an empty file)."""
+    reads (docs/reference/manifest.md)."""
     if not isinstance(record, dict):
         raise ValueError(f"'digest' of {name} is {_shown(record)}, expected an object")
     version = record.get("version")
@@ -124,9 +115,8 @@ def _check_digest(record: Any, size: int, name: str) -> None:
 
 
 def _file_entry(name: Any, entry: Any) -> dict[str, Any]:
-    """One file's entry of ``files`` as today's format has it: ``bytes`` and ``digest``. An
-    earlier version's ``sha256`` (of the whole file) becomes what it is: the digest record
-    of one SHA-256 chunk."""
+    """One file's entry of ``files`` as today's format has it: ``bytes`` and ``digest`` (an
+    earlier ``sha256`` of the whole file: the record of one SHA-256 chunk)."""
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name:
         raise ValueError(f"'files' names {_shown(name)}, expected a file name")
     if not isinstance(entry, dict):
@@ -148,14 +138,8 @@ def _file_entry(name: Any, entry: Any) -> dict[str, Any]:
 
 def parse_manifest(data: Any) -> Manifest:
     """A :class:`Manifest` from parsed JSON; ``ValueError`` (short reason) when the shape is
-    wrong. Required: ``format`` (:data:`MANIFEST_FORMAT`), ``step``, ``generation`` and
-    ``world_size`` (whole numbers >= 0) and ``files`` (file name -> ``bytes`` and ``digest``,
-    see :func:`_check_digest`). Optional, checked when present: ``nonfinite`` (list of
-    names), ``vocab_size`` (whole number or null), ``param_shapes`` (name -> list of sizes),
-    ``amp`` and ``has_optimizer`` (true/false), ``written_by`` and ``time`` (text). The
-    formats of earlier versions are converted: a file's (:data:`FORMAT`: ``file``, ``bytes``
-    and ``digest`` or ``sha256`` at the top; ``generation`` optional) and a sharded folder's
-    (:data:`DCP_FORMAT`: each file's ``sha256``)."""
+    wrong (the fields: docs/reference/manifest.md). The formats of earlier versions
+    (:data:`FORMAT`, :data:`DCP_FORMAT`) are converted."""
     if not isinstance(data, dict):
         raise ValueError(f"it is a JSON {type(data).__name__}, expected an object")
     form = data.get("format")
@@ -261,21 +245,13 @@ def read_manifest(checkpoint: str | os.PathLike[str]) -> tuple[Manifest | None, 
 # --------------------------------------------------------------------------- files
 
 
-def _step_from_name(path: Path) -> int | None:
-    found = re.findall(r"(\d+)", path.stem)
-    return int(found[-1]) if found else None
-
-
 # What the first pickle of torch's legacy (pre-1.6) format may contain: its magic number.
 _MAGIC_OPS = {"PROTO", "FRAME", "LONG1", "LONG4", "LONG", "INT", "BININT", "MEMOIZE", "STOP"}
 
 
 def _legacy_problem(path: Path) -> str | None:
-    """Why a file starting with a pickle opcode is not torch's legacy format (None if it is).
-
-    torch's legacy ``torch.save`` starts with a small pickle of its magic number; read
-    with :mod:`pickletools` (nothing runs). Random bytes starting with 0x80 fail here.
-    """
+    """Why a file starting with a pickle opcode is not torch's legacy format, whose first
+    pickle holds its magic number (None if it is); read with :mod:`pickletools`."""
     try:
         with open(path, "rb") as handle, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # pickletools warns on odd escapes in junk
@@ -358,11 +334,8 @@ def _safetensors_installed() -> bool:
 def file_problem(path: Path, entry: dict[str, Any], *, verify_hash: bool = True,
                  stop: threading.Event | None = None, beside_load: bool = False,
                  mapped: bool = False) -> tuple[str, str] | None:
-    """(kind, reason) when ``path`` is not the file its manifest's ``entry`` vouches for, else
-    None (or ``stop`` was set): its size ("size"), then with ``verify_hash`` its digest
-    ("hash"; "unverifiable" without the algorithm's package): its chunks in threads on every
-    core, but the load's one ``beside_load``, read through a memory map where the load maps
-    the file too (``mapped``); "missing" when it cannot be read."""
+    """(kind, reason) when ``path`` is not the file its manifest's ``entry`` vouches for
+    (its size, then with ``verify_hash`` its digest: :func:`.digest.mismatch`), else None."""
     record = entry["digest"]
     try:
         size = path.stat().st_size
@@ -382,34 +355,30 @@ def file_problem(path: Path, entry: dict[str, Any], *, verify_hash: bool = True,
 
 def _check(path: Path, verify_hash: bool, *, hash_now: bool = True) -> tuple[str, str] | None:
     """(kind, reason) of the first problem of ``path``, or None (see :func:`check_file`).
-    ``hash_now=False``: the manifest's digest (or the zip's CRC-32s) is left to the caller
-    (a :class:`Verification` beside the load), everything else is checked."""
-    try:
+    ``hash_now=False``: the digest (or the zip's CRC-32s) is left to a :class:`Verification`."""
+    try:  # the checks below catch their own OSErrors: this one is of the file itself
         if not path.is_file():
             return "missing", "does not exist"
         size = path.stat().st_size
-    except OSError as exc:
-        return "missing", f"cannot be read ({exc})"
-    if size == 0:
-        return "empty", "is empty (0 bytes)"
-    manifest, invalid = read_manifest(path)
-    if invalid is not None:
-        return "manifest", (f"has a manifest {manifest_path(path).name} that is not valid: "
-                            f"{invalid}")
-    if manifest is not None:
-        problem = file_problem(path, manifest.files[manifest.file],
-                               verify_hash=verify_hash and hash_now)
-        if problem is not None:
-            return problem
-    is_st, problem = _safetensors_check(path, size)
-    if is_st:
-        if problem is not None:
-            return "safetensors", problem
-        if not _safetensors_installed():
-            return "safetensors-missing", ("is a safetensors file, and the safetensors package "
-                                           "is not installed in this environment")
-        return None
-    try:
+        if size == 0:
+            return "empty", "is empty (0 bytes)"
+        manifest, invalid = read_manifest(path)
+        if invalid is not None:
+            return "manifest", (f"has a manifest {manifest_path(path).name} that is not valid: "
+                                f"{invalid}")
+        if manifest is not None:
+            problem = file_problem(path, manifest.files[manifest.file],
+                                   verify_hash=verify_hash and hash_now)
+            if problem is not None:
+                return problem
+        is_st, problem = _safetensors_check(path, size)
+        if is_st:
+            if problem is not None:
+                return "safetensors", problem
+            if not _safetensors_installed():
+                return "safetensors-missing", ("is a safetensors file, and the safetensors "
+                                               "package is not installed in this environment")
+            return None
         with open(path, "rb") as handle:
             head = handle.read(4)
         if head.startswith(b"PK"):
@@ -436,15 +405,10 @@ def _check(path: Path, verify_hash: bool, *, hash_now: bool = True) -> tuple[str
 def check_file(path: str | os.PathLike[str], *, verify_hash: bool = True) -> str | None:
     """Why ``path`` is not a loadable checkpoint, or None when it looks complete.
 
-    With a manifest beside it (written last by :class:`CheckpointManager`) the manifest
-    must pass its schema, the size must match and, with ``verify_hash``, its digest (each
-    chunk's BLAKE3 or SHA-256; an older manifest's SHA-256 of the whole file).
-    Without one, the file must be a zip archive whose directory (written at the very
-    end) is intact and, with ``verify_hash``, whose records match the CRC-32s torch
-    stored; or torch's legacy format (its magic number first); or a safetensors file
-    whose header is complete and whose data is as long as the header says (with the
-    ``safetensors`` package installed to read it). Nothing is unpickled
-    here; this never raises.
+    With a manifest beside it, the manifest must be valid, the size match and, with
+    ``verify_hash``, the digest. Without one, the file must be a complete zip archive (with
+    ``verify_hash``, its records matching their CRC-32s), torch's legacy format, or a
+    complete safetensors file. Nothing is unpickled; this never raises.
     """
     found = _check(Path(path), verify_hash)
     return None if found is None else found[1]
@@ -453,20 +417,11 @@ def check_file(path: str | os.PathLike[str], *, verify_hash: bool = True) -> str
 def manager_checkpoints(folder: str | os.PathLike[str],
                         exclude: str | os.PathLike[str] | None = None,
                         ) -> list[tuple[Path, Manifest]]:
-    """Checkpoints in ``folder`` that a :class:`CheckpointManager` wrote, newest first.
-
-    Only a file with a valid manifest naming it counts (the file itself is not checked
-    here); newest means the highest generation (the last written). Symlinks, temporary
-    files and everything else in the folder are ignored.
-    """
-    folder = Path(folder)
+    """Files in ``folder`` with a valid manifest naming them (a :class:`CheckpointManager`
+    wrote them; not checked here), newest (highest generation) first; symlinks ignored."""
     skip = Path(exclude).absolute() if exclude is not None else None
     found: list[tuple[tuple[int, int], float, Path, Manifest]] = []
-    try:
-        entries = list(folder.iterdir()) if folder.is_dir() else []
-    except OSError:
-        return []
-    for entry in entries:
+    for entry in entries_of(folder):
         if (_TMP_MARK in entry.name or not entry.name.endswith(CHECKPOINT_SUFFIXES)
                 or (skip is not None and entry.absolute() == skip)):
             continue
@@ -482,6 +437,14 @@ def manager_checkpoints(folder: str | os.PathLike[str],
             continue
     found.sort(key=lambda item: (item[0], item[1]), reverse=True)
     return [(entry, manifest) for _, _, entry, manifest in found]
+
+
+def entries_of(folder: str | os.PathLike[str]) -> list[Path]:
+    """The entries of ``folder`` ([] when it is no folder or cannot be read)."""
+    try:
+        return list(Path(folder).iterdir()) if Path(folder).is_dir() else []
+    except OSError:
+        return []
 
 
 def newest_valid_beside(path: str | os.PathLike[str]) -> Path | None:
@@ -571,65 +534,54 @@ def _diagnose(path: Path, exc: BaseException) -> CheckpointError:
         f"{_what_to_do(path)}")
 
 
+# After "the file <reason>." of a file that failed :func:`check_file`, by kind: whether it
+# was "refused" (else "cannot load"), then what to do ({todo}: :func:`_what_to_do`).
+_REFUSALS = {
+    "hash": (True, "Expected exactly the bytes its manifest {man} vouches for; a file changed "
+                   "after it was saved, damaged on disk or in a copy does not match. Nothing was "
+                   "loaded. {todo} If you changed it on purpose and trust it, load it with "
+                   "verify_hash=False (the size is still checked) or move the manifest away."),
+    "unverifiable": (True, "Nothing was loaded; {path} was left as it is. Install it (pip "
+                           "install blake3, a dependency of training-patches) and load again, "
+                           "or load it with verify_hash=False (the size is still checked)."),
+    "crc": (True, "Expected every record to match the CRC-32 torch.save stored for it; a file "
+                  "damaged on disk or in a copy does not. Nothing was loaded. {todo} If you "
+                  "trust it, load it with verify_hash=False."),
+    "safetensors-missing": (
+        False, "The loader reads files written by torch.save itself and safetensors files "
+               "through that package (its header was read and is complete). Nothing was "
+               "loaded; {path} was left as it is. Install it (pip install safetensors) and load "
+               "again, or convert the file once with safetensors.torch.load_file and torch.save "
+               "where it is installed."),
+    "safetensors": (False, "Expected a complete safetensors file (an 8-byte header length, a "
+                           "JSON header, then every tensor's bytes); a copy or download "
+                           "interrupted half-way leaves such a file. Nothing was loaded. {todo}"),
+    "manifest": (True, f"Expected the JSON manifest CheckpointManager writes (format "
+                       f"{MANIFEST_FORMAT!r}: 'step', 'generation', 'world_size', 'files' with "
+                       f"the file's 'bytes' and 'digest'; or an earlier version's); without a "
+                       f"valid one the file cannot be verified. Nothing was loaded. {{todo}} If "
+                       f"you trust the file, move {{man}} away and load it again."),
+}
+_NOT_SAVED = (False, "Expected a complete file written by torch.save; a save interrupted "
+                     "half-way leaves such a file. {todo}")
+
+
 def _problem_error(path: Path, kind: str, reason: str) -> CheckpointError:
     """The paragraph for a file that failed :func:`check_file` before torch.load."""
-    man = manifest_path(path)
     if kind == "missing":
         return CheckpointError(f"training-patches: the checkpoint {path} {reason}. "
                                f"{_what_to_do(path)}")
-    if kind == "hash":
-        return CheckpointError(
-            f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
-            f"Expected exactly the bytes its manifest {man.name} vouches for; a file changed "
-            f"after it was saved, damaged on disk or in a copy does not match. Nothing was "
-            f"loaded. {_what_to_do(path)} If you changed it on purpose and trust it, load it "
-            f"with verify_hash=False (the size is still checked) or move the manifest away.")
-    if kind == "unverifiable":
-        return CheckpointError(
-            f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
-            f"Nothing was loaded; {path} was left as it is. Install it (pip install blake3, a "
-            f"dependency of training-patches) and load again, or load it with "
-            f"verify_hash=False (the size is still checked).")
-    if kind == "crc":
-        return CheckpointError(
-            f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
-            f"Expected every record to match the CRC-32 torch.save stored for it; a file "
-            f"damaged on disk or in a copy does not. Nothing was loaded. {_what_to_do(path)} "
-            f"If you trust it, load it with verify_hash=False.")
-    if kind == "safetensors-missing":
-        return CheckpointError(
-            f"training-patches: cannot load the checkpoint {path}: the file {reason}. The loader "
-            f"reads files written by torch.save itself and safetensors files through that "
-            f"package (its header was read and is complete). Nothing was loaded; {path} was left "
-            f"as it is. Install it (pip install safetensors) and load again, or convert the file "
-            f"once with safetensors.torch.load_file and torch.save where it is installed.")
-    if kind == "safetensors":
-        return CheckpointError(
-            f"training-patches: cannot load the checkpoint {path}: the file {reason}. Expected a "
-            f"complete safetensors file (an 8-byte header length, a JSON header, then every "
-            f"tensor's bytes); a copy or download interrupted half-way leaves such a file. "
-            f"Nothing was loaded. {_what_to_do(path)}")
-    if kind == "manifest":
-        return CheckpointError(
-            f"training-patches: refused to load the checkpoint {path}: the file {reason}. "
-            f"Expected the JSON manifest CheckpointManager writes (format {MANIFEST_FORMAT!r}: "
-            f"'step', 'generation', 'world_size', 'files' with the file's 'bytes' and 'digest'; "
-            f"or an earlier version's); without a valid one the file cannot be verified. "
-            f"Nothing was loaded. {_what_to_do(path)} If you trust the file, move {man.name} "
-            f"away and load it again.")
+    refused, tail = _REFUSALS.get(kind, _NOT_SAVED)
+    todo = _what_to_do(path) if "{todo}" in tail else ""
+    said = "refused to load" if refused else "cannot load"
     return CheckpointError(
-        f"training-patches: cannot load the checkpoint {path}: the file {reason}. Expected a "
-        f"complete file written by torch.save; a save interrupted half-way leaves such a "
-        f"file. {_what_to_do(path)}")
+        f"training-patches: {said} the checkpoint {path}: the file {reason}. "
+        + tail.format(path=path, man=manifest_path(path).name, todo=todo))
 
 
 def _numpy_data_globals() -> list[Any]:
-    """numpy's data-only constructors, allowed under torch's weights-only unpickler.
-
-    Trainers save numpy arrays and scalars in their own checkpoints (``np.random.get_state()``
-    in ``latest.pth``). These rebuild arrays, scalars and dtypes from bytes and run no code
-    of the file's choosing; anything else still needs code and is refused.
-    """
+    """numpy's data-only constructors (arrays, scalars, dtypes from bytes: trainers save
+    ``np.random.get_state()``), allowed under torch's weights-only unpickler."""
     try:
         import numpy as np  # lazy: numpy is optional (ImportError handled)
     except ImportError:
@@ -643,11 +595,9 @@ def _numpy_data_globals() -> list[Any]:
 
 
 class Verification:
-    """The integrity check of a file being loaded (its manifest's digest, or without a
-    manifest the CRC-32s of its zip records), run in a thread beside the load from the
-    start (the digest's chunks in several threads where there are cores to spare). :meth:`wait`
-    before changing anything: it raises the refusal a changed or damaged file always got.
-    :meth:`cancel` stops a hash at its next block."""
+    """The integrity check of a file being loaded (its manifest's digest, else its zip's
+    CRC-32s), run in threads beside the load. :meth:`wait` before changing anything: it
+    raises the refusal a changed or damaged file always got."""
 
     def __init__(self, path: Path, expected: Manifest | None, crc: bool,
                  mapped: bool = False) -> None:
@@ -662,16 +612,15 @@ class Verification:
                                             name=f"training-patches verify {path.name}")
             self._thread.start()
 
-    def _problem(self) -> tuple[str, str] | None:
-        if self._expected is None:
-            crc = _zip_crc_problem(self.path)
-            return None if crc is None else ("crc", crc)
-        return file_problem(self.path, self._expected.files[self._expected.file],
-                            stop=self._stop, beside_load=True, mapped=self._mapped)
-
     def _run(self) -> None:
         try:
-            self._found.append(self._problem())
+            if self._expected is None:
+                crc = _zip_crc_problem(self.path)
+                self._found.append(None if crc is None else ("crc", crc))
+            else:
+                self._found.append(file_problem(
+                    self.path, self._expected.files[self._expected.file], stop=self._stop,
+                    beside_load=True, mapped=self._mapped))
         except Exception as exc:  # noqa: BLE001 - a check that could not run is a refusal
             self._found.append(("missing", f"cannot be read to verify it ({exc})"))
 
@@ -683,8 +632,17 @@ class Verification:
         if found is not None:
             raise _problem_error(self.path, *found)
 
-    def cancel(self) -> None:
-        self._stop.set()
+    def around(self, work: Callable[[], Any]) -> Any:
+        """``work()``; when it fails, the hash is waited for first (a changed file is refused
+        as changed, whatever failed with it); an interrupt stops the hash."""
+        try:
+            return work()
+        except Exception:
+            self.wait()
+            raise
+        except BaseException:
+            self._stop.set()
+            raise
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
@@ -694,12 +652,11 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
     With a manifest beside the file, its schema and the file's size are checked, and
     with ``verify_hash`` (the default) its digest (each 64 MiB chunk's BLAKE3, or SHA-256;
     an older manifest's SHA-256 of the whole file): a file that changed after it was
-    saved is refused. Without a manifest, ``verify_hash`` checks the CRC-32 of every
-    record of the zip archive instead. Either is read in a thread while ``torch.load`` runs
-    (beside the load, not in a pass before it: :func:`open_checkpoint`).
-    ``verify_hash=False`` skips both (for speed) and logs that it did. Raises :class:`UnsafeCheckpointError` for a file that needs code to unpickle and
-    :class:`CheckpointError` for a missing, empty, truncated, changed or foreign file;
-    both name the newest valid checkpoint beside it.
+    saved is refused. Without a manifest, ``verify_hash`` checks the CRC-32 of every record
+    of the zip archive instead, in a thread while ``torch.load`` runs. ``verify_hash=False``
+    skips both and logs that it did. Raises :class:`UnsafeCheckpointError` for a file that
+    needs code to unpickle and :class:`CheckpointError` for a missing, empty, truncated,
+    changed or foreign file; both name the newest valid checkpoint beside it.
 
     ``trusted=True`` is for a user's own legacy files whose pickle holds objects (a
     config class, an argparse Namespace): it unpickles with ``weights_only=False``, which
@@ -719,11 +676,8 @@ def read_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
 def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
                     verify_hash: bool = True, trusted: bool = False,
                     ) -> tuple[dict[str, Any], Verification]:
-    """:func:`read_checkpoint` that does not wait for the manifest's digest: (the loaded
-    dict, its :class:`Verification`, still running). The caller calls ``wait()`` before it
-    changes anything with what was loaded (the loader: before applying the first part).
-    Every other check has passed when this returns; a failure of the load itself waits
-    for the hash first, so that a changed file is refused as changed."""
+    """:func:`read_checkpoint` that does not wait for the digest: (the loaded dict, its
+    :class:`Verification`, still running: ``wait()`` before changing anything)."""
     path = Path(path)
     found = _check(path, verify_hash, hash_now=False)
     if found is not None and trusted and found[0] == "format" and _foreign_globals(path):
@@ -740,15 +694,9 @@ def open_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True,
     verification = Verification(
         path, manifest if manifest is not None and verify_hash else None,
         crc=verify_hash and manifest is None and is_zip, mapped=mmap and is_zip)
-    try:
-        return _load(path, mmap=mmap, verify_hash=verify_hash, trusted=trusted,
-                     has_manifest=manifest is not None), verification
-    except Exception:
-        verification.wait()  # a changed file is refused as changed, whatever failed with it
-        raise
-    except BaseException:
-        verification.cancel()
-        raise
+    return verification.around(lambda: _load(path, mmap=mmap, verify_hash=verify_hash,
+                                             trusted=trusted, has_manifest=manifest is not None)
+                               ), verification
 
 
 def _load(path: Path, *, mmap: bool, verify_hash: bool, trusted: bool,
@@ -846,15 +794,11 @@ def _has_bad(tensor: torch.Tensor, nan_only: bool) -> torch.Tensor:
 
 def nonfinite_flags(named: list[tuple[str, torch.Tensor, bool]]) -> list[str]:
     """Names of the tensors that are not finite: ``(name, tensor, nan_only)`` each, where
-    ``nan_only`` lets +-Inf pass (buffers such as attention masks hold -inf on purpose).
-
-    One host read per device, not one per tensor.
-    """
+    ``nan_only`` lets +-Inf pass (attention masks hold -inf); one host read per device."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor, nan_only in named:
-        if tensor.is_meta or not (tensor.is_floating_point() or tensor.is_complex()):
-            continue
-        if tensor.numel() == 0:
+        if (tensor.is_meta or not (tensor.is_floating_point() or tensor.is_complex())
+                or tensor.numel() == 0):
             continue
         by_device.setdefault(tensor.device, []).append((name, _has_bad(tensor, nan_only)))
     names: list[str] = []
@@ -862,6 +806,20 @@ def nonfinite_flags(named: list[tuple[str, torch.Tensor, bool]]) -> list[str]:
         values = torch.stack([bad for _, bad in flags]).tolist()
         names += [name for (name, _), value in zip(flags, values) if value]
     return sorted(names)
+
+
+def saved_nonfinite(model: torch.nn.Module, model_state: Mapping[str, Any],
+                    optimizer_states: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Names of the NaN/Inf tensors of a state being saved, by the loader's rule (parameters
+    and optimizer moments finite, buffers free of NaN); ``optimizer_states``: name prefix ->
+    an optimizer's state dict. The manifest records them, so that resume passes over them."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    named = [(f"model.{k}", _dist.local(v), k not in params) for k, v in model_state.items()
+             if isinstance(v, torch.Tensor)]
+    for prefix, state in optimizer_states.items():
+        named += [(f"{prefix}.state.{name}", _dist.local(value), False)
+                  for name, value in iter_tensors(state.get("state", {}))]
+    return nonfinite_flags(named)
 
 
 __all__ = ["check_file", "read_checkpoint", "open_checkpoint", "Verification", "read_manifest",

@@ -39,25 +39,19 @@ class Part:
 class LoadReport:
     """What :func:`load_checkpoint` did.
 
-    ``step`` is the step to resume at: the checkpoint's step under ``remap``, 0 under
-    ``reset``. ``epoch`` is the epoch the file holds (``save(..., epoch=)``);
-    ``resume_epoch`` the one a training loop continues at: that epoch, or the next one when
-    the saved data position had handed out every batch of it (a save at an epoch's last
-    batch), 0 for a weights-only start (``for epoch in range(report.resume_epoch, epochs)``). ``resized`` maps each grown tensor to (old shape, new shape);
-    ``kept_rows`` counts the trained rows copied unchanged into each of them.
+    ``step`` is the step to resume at (the checkpoint's under ``remap``, 0 under ``reset``);
+    ``saved_step`` the step the file holds (None: none). ``epoch`` is the epoch the file
+    holds; ``resume_epoch`` the one a loop continues at (the next one when the saved
+    position had ended its epoch; 0 for a weights-only start). ``resized`` maps each grown
+    tensor to (old shape, new shape); ``kept_rows`` counts its trained rows kept.
 
-    ``parts`` says, for each of :data:`PARTS` (model, optimizer, scheduler, scaler, step,
-    rng), what happened to it as a :class:`Part` (``report.parts["optimizer"].status`` is
-    one of restored / remapped / reset / dropped / absent); the log line is built from
-    it. ``saved_step`` is the step the file holds (None: it has none).
+    ``parts`` says, for each of :data:`PARTS`, what happened to it as a :class:`Part`
+    (``report.parts["optimizer"].status``); the log line is built from it.
     ``prefix_stripped``/``prefix_added`` and ``renamed_keys``: the key prefix removed from
-    (or added to) that many of the file's keys to match the model (``module.``,
-    ``_orig_mod.``, ``xtts.``). ``dtype_casts`` maps each model key whose saved dtype
-    differs from the model's to (saved dtype, model dtype): the values were cast.
-    ``new_rows`` (a ``checkpoint.plan.NewRows``, None when no row was added) says how the
-    new rows started: the rule of the embedding and of the head, and for ``romanized`` how
-    many rows were placed by their spelling and which tokens fell back (``row_init`` gives
-    it as a dict).
+    (or added to) that many of the file's keys to match the model. ``dtype_casts`` maps each
+    model key whose saved dtype was cast to (saved dtype, model dtype). ``new_rows`` (a
+    ``checkpoint.plan.NewRows``, None when no row was added) says how the new rows started
+    (``row_init`` gives it as a dict).
     """
 
     path: str
@@ -182,22 +176,6 @@ class LoadReport:
         return "; ".join(parts)
 
 
-def set_rng_part(report: LoadReport, *, in_file: bool, asked: bool | None, restore: bool,
-                 why: str, rank: int) -> None:
-    """``report.parts["rng"]``: ``restore`` is whether the load meant to restore it
-    (``restore_rng`` as given, or resolved from the policy when None); ``why`` is the
-    reason the policy gives when it did not."""
-    if report.rng_restored:
-        report.set_part("rng", "restored", in_file=True)
-    elif not in_file:
-        report.set_part("rng", "absent")
-    elif not restore:
-        report.set_part("rng", "dropped", "restore_rng=False" if asked is False else why,
-                        in_file=True)
-    else:  # saved by fewer ranks than this job has: this rank keeps its current RNG
-        report.set_part("rng", "absent", f"none saved for rank {rank}; its current RNG is kept")
-
-
 def _runtime_state(ours: Any) -> dict[str, dict[str, float]] | None:
     """The saved runtime counters when they have the shape ``runtime_state()`` writes."""
     runtime = ours.get("runtime") if isinstance(ours, Mapping) else None
@@ -210,8 +188,3 @@ def _runtime_state(ours: Any) -> dict[str, dict[str, float]] | None:
             return None
     return {str(k): dict(v) for k, v in runtime.items()}
 
-
-def restarted(optimizers: list[Any], schedulers: list[Any], scaler: Any) -> list[str]:
-    """The names of the parts a ``reset`` load started fresh (for ``LoadReport.reset``)."""
-    return [name for name, objs in (("optimizer", optimizers), ("scheduler", schedulers),
-                                    ("scaler", [scaler] if scaler is not None else [])) if objs]

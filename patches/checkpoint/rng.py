@@ -60,11 +60,8 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 def state_for_rank(states: Sequence[Any], rank: int, world_size: int,
                    where: str) -> Mapping[str, Any] | None:
-    """This rank's own saved RNG state out of every rank's (``states[r]`` is rank r's).
-
-    With the same number of ranks each rank gets its own. With another number the ranks
-    that existed get their own, new ranks keep their current RNG and states of ranks that
-    no longer exist are not used; rank 0 logs what was done.
+    """This rank's own saved RNG state out of every rank's (``states[r]`` is rank r's; None
+    for a rank that had none saved); with another number of ranks rank 0 logs what was done.
     """
     saved = len(states)
     state = states[rank] if rank < saved and isinstance(states[rank], Mapping) else None

@@ -1,25 +1,14 @@
 """Sharded checkpoints of FSDP2 models through ``torch.distributed.checkpoint`` (DCP).
 
-A checkpoint is a folder ``<prefix>_<step>.dcp`` written by every rank together:
-
-- DCP's files (``__<rank>_<n>.distcp``, ``.metadata``): the model and optimizer state
-  dicts of ``torch.distributed.checkpoint.state_dict.get_state_dict``, each rank its shards;
-- ``rng.rank<R>.pt``: each rank's own RNG states; ``meta.pt`` (rank 0): step, scheduler,
-  scaler, runtime counters, ``extra``;
-- ``manifest.json`` (rank 0, after every rank reported its files): the manifest a
-  checkpoint file has too (:func:`.reading.parse_manifest`, one format), with the size and
-  digest of every file above;
-- ``COMMITTED`` (rank 0, LAST): the SHA-256 of the manifest. A folder without it, or whose
-  manifest does not match it, is incomplete: never resumed, never pruned;
-- ``writer.json`` (rank 0, FIRST, when it makes the folder): the host and pid of the
-  process that writes the commit marker. A folder without a commit marker whose writer
-  ran on this host and no longer runs (a killed save) is removed by the next save's
-  writer (:func:`sweep_incomplete`); another host's, a live writer's and one without
-  ``writer.json`` are left alone.
-
-Loading goes through DCP too, so a checkpoint saved by N ranks loads into M ranks (DCP
-reshards). Every step runs on every rank and its outcome (or the first error) reaches
-all of them (:mod:`._collective`).
+A checkpoint is a folder ``<prefix>_<step>.dcp`` written by every rank together: DCP's files
+(each rank its shards of the model and optimizer), ``rng.rank<R>.pt`` and ``data.rank<R>.pt``
+(each rank's RNG and data position), ``meta.pt`` (rank 0: :func:`.parts.saved_state`),
+``manifest.json`` (rank 0, once every rank reported its files: the one manifest format,
+:func:`.reading.parse_manifest`), then LAST ``COMMITTED`` (the manifest's SHA-256: without
+it a folder is incomplete, never resumed or pruned). ``writer.json`` (rank 0, FIRST) names
+the host and pid of the writer, so that the next save removes the folder of a killed one
+(:func:`sweep_incomplete`). Loading goes through DCP too, so a checkpoint saved by N ranks
+loads into M ranks. Every step's outcome reaches every rank (:mod:`._collective`).
 """
 
 from __future__ import annotations
@@ -38,8 +27,8 @@ import torch
 from .. import _dist
 from .._log import info
 from . import _collective, data_position
-from .reading import (Manifest, file_problem, iter_tensors, manifest_from, manifest_text,
-                      nonfinite_flags)
+from .reading import (Manifest, entries_of, file_problem, manifest_from, manifest_text,
+                      saved_nonfinite)
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
 from .digest import file_record
 from .errors import CheckpointError, CheckpointMismatchError
@@ -57,12 +46,9 @@ META_NAME = "meta.pt"
 WRITER_NAME = "writer.json"
 
 
-def _rng_name(rank: int) -> str:
-    return f"rng.rank{rank}.pt"
-
-
-def _data_name(rank: int) -> str:
-    return f"data.rank{rank}.pt"
+# Each rank's own files: its RNG states and its loader's position (``.format(rank)``).
+_RNG_NAME = "rng.rank{}.pt"
+_DATA_NAME = "data.rank{}.pt"
 
 
 def is_sharded_model(model: torch.nn.Module) -> bool:
@@ -107,11 +93,6 @@ def read_folder_manifest(folder: Path) -> tuple[Manifest | None, str | None]:
     return manifest, None
 
 
-def folder_problem(folder: Path) -> str | None:
-    """Why ``folder`` is not a complete sharded checkpoint (files not hashed), or None."""
-    return read_folder_manifest(folder)[1]
-
-
 def check_folder(folder: str | os.PathLike[str], *, verify_hash: bool = True) -> str | None:
     """Why ``folder`` cannot be loaded (marker, manifest, every file's size and, with
     ``verify_hash``, digest), or None. Never raises."""
@@ -128,13 +109,8 @@ def check_folder(folder: str | os.PathLike[str], *, verify_hash: bool = True) ->
 
 def complete_folders(output_dir: str | os.PathLike[str]) -> list[tuple[Path, Manifest]]:
     """Folders in ``output_dir`` with a commit marker and a valid manifest, newest first."""
-    output_dir = Path(output_dir)
     found = []
-    try:
-        entries = list(output_dir.iterdir()) if output_dir.is_dir() else []
-    except OSError:
-        return []
-    for entry in entries:
+    for entry in entries_of(output_dir):
         if not entry.name.endswith(DCP_SUFFIX) or entry.is_symlink() or not entry.is_dir():
             continue
         manifest, _ = read_folder_manifest(entry)
@@ -155,16 +131,10 @@ def remove_folder(folder: Path) -> None:
 def sweep_incomplete(output_dir: Path, pattern: "re.Pattern[str]",
                      pid_alive: Callable[[int], bool]) -> None:
     """Remove the folders named by ``pattern`` in ``output_dir`` that have no commit marker
-    and whose ``writer.json`` names THIS host and a pid that no longer runs (a save killed
-    before its commit) or this process (a save of it that failed). Another host's folder
-    (a pid says nothing across hosts), a live writer's and one without a readable
-    ``writer.json`` are left as they are; a folder with a commit marker is never touched."""
+    and whose ``writer.json`` names THIS host and a pid that no longer runs (a killed save)
+    or this process (a failed save). Any other folder is left as it is."""
     here = host_name()
-    try:
-        entries = list(output_dir.iterdir()) if output_dir.is_dir() else []
-    except OSError:
-        return
-    for entry in entries:
+    for entry in entries_of(output_dir):
         if not pattern.match(entry.name) or entry.is_symlink() or not entry.is_dir():
             continue
         if (entry / COMMIT_NAME).exists():
@@ -219,9 +189,9 @@ def _dcp_call(what: str, folder: Path, call: Callable[[], Any]) -> Any:
 
 def _own_files(folder: Path, rank: int) -> list[str]:
     names = [p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_")]
-    names.append(_rng_name(rank))
-    if (folder / _data_name(rank)).exists():
-        names.append(_data_name(rank))
+    names.append(_RNG_NAME.format(rank))
+    if (folder / _DATA_NAME.format(rank)).exists():
+        names.append(_DATA_NAME.format(rank))
     if rank == 0:
         names += [".metadata", META_NAME]
     return sorted(names)
@@ -260,20 +230,14 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
     def write_rank(gate: Callable[..., None]) -> dict[str, Any]:
         rank = _dist.rank()
         msd, osd = _state_dicts(model, optimizers)
-        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        named = [(f"model.{k}", _dist.local(v), k not in params) for k, v in msd.items()
-                 if isinstance(v, torch.Tensor)]
-        if osd is not None:
-            named += [(f"optimizer.state.{k}", _dist.local(v), False)
-                      for k, v in iter_tensors(osd.get("state", {}))]
-        nonfinite = nonfinite_flags(named)
+        nonfinite = saved_nonfinite(model, msd, {} if osd is None else {"optimizer": osd})
         state = {"model": msd} if osd is None else {"model": msd, "optimizer": osd}
         _dcp_call("save", folder, lambda: dcp.save(state, checkpoint_id=str(folder)))
-        atomic_torch_save(capture_rng_state(), folder / _rng_name(rank), check_space=False)
+        atomic_torch_save(capture_rng_state(), folder / _RNG_NAME.format(rank), check_space=False)
         position = data_position.position_or_warn(loader, f"the save into {folder}") \
             if loader is not None else None
         if position is not None:  # a loader it cannot read: one WARNING, that part left out
-            atomic_torch_save(position, folder / _data_name(rank), check_space=False)
+            atomic_torch_save(position, folder / _DATA_NAME.format(rank), check_space=False)
         if rank == 0:
             meta = saved_state(step, optimizers, [s for s in _as_list(scheduler)
                                                   if s is not None], scaler, extra)
@@ -407,7 +371,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
     def read_rng() -> Any:
         states: list[Any] = [None] * manifest["world_size"]
         if rank < manifest["world_size"]:
-            states[rank] = torch.load(path / _rng_name(rank), weights_only=True)
+            states[rank] = torch.load(path / _RNG_NAME.format(rank), weights_only=True)
         return state_for_rank(states, rank, world, str(path))
 
     def say(report: LoadReport) -> None:
@@ -421,8 +385,9 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
                         has_optimizer=bool(manifest.data.get("has_optimizer")), read_rng=read_rng,
                         rng_in_file=True, model=ShardedModel(path, model, manifest, optimizers),
                         data_in_file=isinstance(saved_world, int),
-                        read_data=lambda: [torch.load(path / _data_name(r), weights_only=True)
-                                           if r == rank else None for r in range(saved_world)])
+                        read_data=lambda: [
+                            torch.load(path / _DATA_NAME.format(r), weights_only=True)
+                            if r == rank else None for r in range(saved_world)])
         plan = plan_state(source, policy=policy, restore_rng=restore_rng, optimizers=optimizers,
                           schedulers=schedulers, scaler=scaler, remap_optimizers=None,
                           loader=loader)
@@ -433,5 +398,5 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: 
 
 __all__ = ["DCP_SUFFIX", "is_sharded_model", "save_sharded", "load_sharded",
            "ShardedModel",
-           "check_folder", "complete_folders", "folder_problem", "remove_folder",
+           "check_folder", "complete_folders", "remove_folder",
            "read_folder_manifest"]

@@ -30,7 +30,6 @@ from ..checkpoint import CheckpointError, data_position
 from ..checkpoint.rng import capture_rng_state
 
 IO = "trainer.io"
-PATCH = "checkpoint"
 
 
 def is_local(path: Any) -> bool:
@@ -73,13 +72,12 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
             return original(self)
         verb = "Continuing" if self.continue_run else "Restoring"
         info("training-patches: %s from %s with the vocabulary-aware loader", verb, path)
+        tokenizer = model_tokenizer(getattr(self, "config", None), self.model)
         if self.continue_run:
             scaler = self.scaler if self.use_amp_scaler else None
             report = load_checkpoint(local_path(path), self.model, self.optimizer, self.scheduler,
                                      scaler, policy=_options.current().resume_policy,
-                                     loader=_train_loader(self),
-                                     tokenizer=model_tokenizer(getattr(self, "config", None),
-                                                               self.model))
+                                     loader=_train_loader(self), tokenizer=tokenizer)
             if "data_ranks" in report.checkpoint and getattr(self, "use_accelerate", False):
                 logger.warning(
                     "training-patches: %s holds the train loader's data position, and under "
@@ -103,9 +101,7 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
         else:
             # restore_path alone: weights only, fresh optimizer/scheduler/scaler (upstream).
             report = load_checkpoint(local_path(path), self.model, restore_rng=False,
-                                     resume_step=False,
-                                     tokenizer=model_tokenizer(getattr(self, "config", None),
-                                                               self.model))
+                                     resume_step=False, tokenizer=tokenizer)
             warn_weights_only(
                 report, "restore_path loads the model weights only, as upstream coqui does",
                 "To resume that run with them, pass continue_path=<its run folder> instead; to "
@@ -117,7 +113,6 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    restore_model._training_patch = PATCH  # type: ignore[attr-defined]
     return restore_model
 
 
@@ -206,7 +201,6 @@ def make_save_fsspec(original: Callable[..., None]) -> Callable[..., None]:
 
         atomic_torch_save(_with_data_position(state), local_path(path), **kwargs)
 
-    save_fsspec._training_patch = PATCH  # type: ignore[attr-defined]
     return save_fsspec
 
 
@@ -228,7 +222,6 @@ def make_experiment_folder(original: Callable[[Any, str], Path]) -> Callable[[An
             return path
         return _runlock.claim_new_folder(local_path(path))
 
-    get_experiment_folder_path._training_patch = PATCH  # type: ignore[attr-defined]
     return get_experiment_folder_path
 
 
@@ -242,7 +235,6 @@ def make_copy_model_files(original: Callable[..., None]) -> Callable[..., None]:
             _runlock.lock_folder(local_path(out_path))
         return original(config, out_path, *args, **kwargs)
 
-    copy_model_files._training_patch = PATCH  # type: ignore[attr-defined]
     return copy_model_files
 
 
@@ -279,5 +271,4 @@ def make_get_last_checkpoint(original: Callable[[Any], tuple[str, str]]
             f"Nothing was deleted; restore a copy of a checkpoint into that folder or start a "
             f"new run with restore_path pointing at a good model.")
 
-    get_last_checkpoint._training_patch = PATCH  # type: ignore[attr-defined]
     return get_last_checkpoint

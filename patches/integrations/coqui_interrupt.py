@@ -27,7 +27,6 @@ from . import coqui_checkpoint, xtts_gpt
 from .._interrupt import Interruption, TrainingInterrupted
 from .._log import logger
 
-PATCH = "checkpoint"
 
 # Per Trainer: its interruption, the step its fit() started at, the step of its last save.
 _interruptions: "weakref.WeakKeyDictionary[Any, Interruption]" = weakref.WeakKeyDictionary()
@@ -83,7 +82,6 @@ def make_uninterrupted(original: Callable[..., Any]) -> Callable[..., Any]:
         with uninterrupted(self):
             return original(self, *args, **kwargs)
 
-    uninterrupted_method._training_patch = PATCH  # type: ignore[attr-defined]
     return uninterrupted_method
 
 
@@ -100,7 +98,6 @@ def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         _saved_at[self] = _steps(self)
         return result
 
-    save_checkpoint._training_patch = PATCH  # type: ignore[attr-defined]
     return save_checkpoint
 
 
@@ -119,7 +116,6 @@ def make_inner_fit(original: Callable[[Any], None]) -> Callable[[Any], None]:
             with interruption.handling():
                 on_interrupt(self, stop)
 
-    _fit._training_patch = PATCH  # type: ignore[attr-defined]
     return _fit
 
 

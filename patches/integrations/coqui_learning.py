@@ -1,6 +1,5 @@
-"""The reading gap in the coqui Trainer, for XTTS's GPTTrainer (patch ``learning``).
-
-Sites of :mod:`.coqui_trainer` (``trainer.trainer``):
+"""The reading gap in the coqui Trainer, for XTTS's GPTTrainer (patch ``learning``), at
+sites of :mod:`.coqui_trainer` (``trainer.trainer``):
 
 - ``Trainer.eval_step``: during the first evaluation, up to ``reading_probe`` utterances per
   language are kept from the Trainer's own evaluation batches (already formatted: XTTS's
@@ -12,11 +11,8 @@ Sites of :mod:`.coqui_trainer` (``trainer.trainer``):
 - ``Trainer.fit`` (:func:`say_if_unmeasured`): a run with ``run_eval`` off, or a model the
   library cannot read, is said once: nothing is measured.
 
-The loss is XTTS's own audio-code loss (``loss_mel``), per utterance: the GPT is run on
-the probe's utterances as one batch, and each utterance's cross entropy is read from its
-logits with the targets the GPT builds for itself. Their mean over every code must equal
-the ``loss_mel`` the GPT returned; if it ever does not (another coqui-tts version), the
-utterances are measured one at a time, where ``loss_mel`` is the utterance's own.
+The loss is XTTS's own audio-code loss (``loss_mel``), per utterance (:func:`audio_losses`).
+Design: docs/design/learning.md
 """
 
 from __future__ import annotations

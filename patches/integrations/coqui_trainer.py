@@ -58,6 +58,8 @@ def scaler_factory(original: Any) -> Any:
 # The DistributedDataParallel coqui built for each model; it must outlive Trainer.__init__
 # (its reducer holds the gradient hooks).
 _ddp_of: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+_DDP_LOST = ("under coqui's DDP gradients are never all-reduced: each rank trains its own copy "
+             "and the ranks drift apart")
 
 
 def make_ddp(original: Any) -> Any:
@@ -247,12 +249,9 @@ INTEGRATION = register_integration(Integration(
                                  "half-updated), and the checkpoint written on a signal "
                                  "continues one step off, with other draws",
                    "oom_guard": "one batch that runs out of GPU memory ends the run"}),
-        Site(MODULE, "DDP_th", make_ddp, patch="nan_guard",
-             lost="under coqui's DDP gradients are never all-reduced: each rank trains its "
-                  "own copy and the ranks drift apart"),
+        Site(MODULE, "DDP_th", make_ddp, patch="nan_guard", lost=_DDP_LOST),
         Site(MODULE, "Trainer._model_train_step", make_model_train_step, patch="nan_guard",
-             lost="under coqui's DDP gradients are never all-reduced: each rank trains its "
-                  "own copy and the ranks drift apart"),
+             lost=_DDP_LOST),
         Site(MODULE, "remove_experiment_folder", make_remove_experiment_folder,
              patch="nan_guard",
              lost="coqui deletes a failed run's folder, with the reports that explain it"),

@@ -16,10 +16,11 @@ import functools
 import os
 import socket
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 from .. import _run, _runlock
 from .._interrupt import TrainingInterrupted
+from .._registry import active
 
 
 def claim(folder: Any, *, trainer: str, overwritten: str) -> None:
@@ -115,6 +116,23 @@ class RunRecord:
         self.folder = None
 
 
+def run_parts(original: Any, recorded_run: Callable[[Any], ContextManager[Any]],
+              counted: Callable[[Any], ContextManager[Any]]) -> Any:
+    """A trainer's ``train``/``fit`` for two patches, each part run while its patch is
+    applied. ``checkpoint``: ``recorded_run(trainer)``, its folder claimed for this run and
+    the start and end recorded (:class:`RunRecord`). ``nan_guard``: ``counted(trainer)``, the
+    patches told where the trainer writes and how it counts its steps."""
+    @functools.wraps(original)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as parts:
+            if active("checkpoint"):
+                parts.enter_context(recorded_run(self))
+            if active("nan_guard"):
+                parts.enter_context(counted(self))
+            return original(self, *args, **kwargs)
+    return run
+
+
 def growing_moments(original: Any, optimizers: Callable[[Any], Iterable[Any]]) -> Any:
     """``original(self, checkpoint)`` (a trainer's load of its optimizers' states) that then
     grows the loaded moments of the rows its grown load grew (``_training_patches_grown``):
@@ -167,4 +185,5 @@ def spelling_tokenizer(held: Any) -> tuple[Any, str]:
                   f"spell with")
 
 
-__all__ = ["RunRecord", "claim", "growing_moments", "signal_of", "spelling_tokenizer"]
+__all__ = ["RunRecord", "claim", "growing_moments", "run_parts", "signal_of",
+           "spelling_tokenizer"]

@@ -1,14 +1,10 @@
 """Languages the XTTS tokenizer does not know, registered with their text cleaner.
 
 With the ``xtts_language`` patch applied, a registered language is encoded with its own
-cleaner and character limit (coqui-tts 0.28 raises ``NotImplementedError`` for it)::
-
-    patches.advanced.register_language("ti", cleaner=my_tigrinya_cleaner, char_limit=150,
-                                       romanize=my_tigrinya_romanizer)
-
-A language's ``romanize`` spells new vocabulary rows' tokens (:mod:`patches.row_init`), the
-users' romanisers asked before the library's tables. Amharic (``am``) is registered from the
-start (:mod:`patches.languages.amharic`). Registering only fills these tables.
+cleaner and character limit (coqui-tts 0.28 raises ``NotImplementedError`` for it); its
+``romanize`` spells new vocabulary rows' tokens (:mod:`patches.row_init`). Amharic (``am``)
+is registered from the start (:mod:`patches.languages.amharic`). Registering only fills
+these tables.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ DEFAULT_CHAR_LIMIT = 250
 @dataclass(frozen=True)
 class Language:
     """A registered language: its code (``am``), text cleaner, character limit and
-    (optionally) romaniser. ``cleaner`` and ``char_limit`` are None only in the record
-    :func:`register_language` returns for a romaniser added to a language coqui-tts knows:
-    coqui's own cleaner and limit stay, and that language is not in this table."""
+    (optionally) romaniser. ``cleaner`` and ``char_limit`` are None only for a romaniser
+    added to a language coqui-tts knows (which is not in this table)."""
 
     code: str
     cleaner: Callable[[str], str] | None
@@ -81,8 +76,7 @@ class Romanizer:
 
 _lock = threading.Lock()
 _languages: dict[str, Language] = {}
-# code -> its romaniser, in registration order: registered languages' and those added to a
-# language coqui-tts knows (which has no entry in _languages)
+# code -> its romaniser, in registration order (also for languages coqui-tts knows)
 _romanizers: dict[str, Romanizer] = {}
 
 
@@ -128,16 +122,15 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
                 f"Expected a 2- or 3-letter ISO 639 code such as 'am' or 'tir' (a region such "
                 f"as 'am-ET' is allowed and ignored). Pass the code your manifests use in "
                 f"their language column.")
-    if cleaner is not None and not callable(cleaner):
-        raise _options.ConfigError(
-            f"training-patches: register_language({key!r}) got cleaner={cleaner!r}, which is not "
-            f"callable. Expected a function taking the text and returning the cleaned text, "
-            f"or None for NFC + lowercase + single spaces.")
-    if romanize is not None and not callable(romanize):
-        raise _options.ConfigError(
-            f"training-patches: register_language({key!r}) got romanize={romanize!r}, which is "
-            f"not callable. Expected a function taking text and returning it in Latin letters "
-            f"(or None when it cannot), or None for no romaniser.")
+    for arg, value, expected in (
+            ("cleaner", cleaner, "a function taking the text and returning the cleaned text, "
+                                 "or None for NFC + lowercase + single spaces"),
+            ("romanize", romanize, "a function taking text and returning it in Latin letters "
+                                   "(or None when it cannot), or None for no romaniser")):
+        if value is not None and not callable(value):
+            raise _options.ConfigError(
+                f"training-patches: register_language({key!r}) got {arg}={value!r}, which is "
+                f"not callable. Expected {expected}.")
     if char_limit is not None and (isinstance(char_limit, bool) or
                                    not isinstance(char_limit, int) or char_limit < 1):
         raise _options.ConfigError(
@@ -199,10 +192,8 @@ def unregister_language(code: str) -> bool:
 def get_language(code: str) -> Language | None:
     """The registered language for ``code`` or one of its aliases (region ignored), or None."""
     key = base_code(code)
-    found = _languages.get(key)
-    if found is None:
-        found = next((lang for lang in _languages.values() if key in lang.aliases), None)
-    return found
+    return _languages.get(key) or next(
+        (lang for lang in _languages.values() if key in lang.aliases), None)
 
 
 def registered_languages() -> dict[str, Language]:

@@ -1,15 +1,9 @@
 """Amharic (``am``) text normaliser for the XTTS tokenizer, and the library's romaniser.
 
-XTTS learns prosody from the punctuation it saw in training; Amharic text arrives with
-Ethiopic punctuation, digits and numerals, abbreviations and homophone letters.
-:func:`normalize` turns a sentence into what should be *spoken*, in the marks the tokenizer
-knows: NFC, zero-width characters removed; numeric dates read as month, day, ``ቀን``, year
-(Gregorian months after ``እ.ኤ.አ.``); abbreviations expanded; Ethiopic numerals and digits as
-Amharic number words; Ethiopic punctuation as ASCII (``።`` -> ``.``, the word separator ``፡``
--> a space); with ``homophones=True`` letters that sound alike written one way (only for a
-vocabulary built from text normalised the same way); quotes dropped, Latin lowercased, spaces
-collapsed. :func:`romanize` spells it in Latin letters. The user's view:
-TRAINING_PATCHES_README.md, "Amharic normaliser".
+:func:`normalize` turns a sentence into what should be *spoken*, in the marks the XTTS
+tokenizer knows: dates, abbreviations, Ethiopic numerals and digits as Amharic words, Ethiopic
+punctuation as ASCII, optionally homophone letters written one way. :func:`romanize` spells it
+in Latin letters. The user's view: TRAINING_PATCHES_README.md, "Amharic normaliser".
 """
 
 from __future__ import annotations
@@ -22,8 +16,7 @@ from types import SimpleNamespace
 __all__ = ["normalize", "number_to_words", "ordinal_to_words", "ethiopic_to_int",
            "normalize_homophones", "romanize", "CHAR_LIMIT"]
 
-# Amharic is written in syllables (one character = consonant + vowel), so a
-# character carries about what two Latin letters do; coqui uses 150 for Hindi,
+# A syllable per character carries about two Latin letters: coqui uses 150 for Hindi,
 # another abugida, and 250 for English.
 CHAR_LIMIT = 150
 
@@ -89,9 +82,8 @@ _ETHIOPIC_MYRIAD = "\u137c"
 
 @functools.lru_cache(maxsize=None)
 def _patterns() -> SimpleNamespace:
-    """The normaliser's regular expressions, compiled at its first use: this module loads with
-    ``import patches.auto`` (Amharic ships registered), and compiling them there cost about
-    1 ms of it (issue 41)."""
+    """The normaliser's regular expressions, compiled at its first use, not at
+    ``import patches.auto`` (about 1 ms, issue 41)."""
     return SimpleNamespace(
         abbreviation=re.compile(
             f"(?<![{_ETHIOPIC_LETTER}])("
@@ -256,14 +248,9 @@ def normalize(text: str, *, homophones: bool = False) -> str:
 
 
 # -- romanisation -------------------------------------------------------------------------
-#
-# The library's own table, for the pronunciation-informed init of new vocabulary rows
-# (patches.row_init): each syllable spelled the way an English reader would say it, so
-# that the base model's rows for those letters are a fair first guess. Derived from the
-# Unicode layout of the Ethiopic block (a consonant series every 8 code points, the vowel
-# orders in a fixed sequence), with the SERA transliteration's vowels (ä -> e, ē -> e, the
-# sixth order bare) and its consonants respelled for English (ቀ q -> k, ሸ x -> sh,
-# ቸ c -> ch, ጠ/ጨ/ጰ/ጸ ejectives -> t/ch/p/ts).
+# The library's own table for patches.row_init: each syllable spelled as an English reader
+# would say it, from the Ethiopic block's layout (a consonant series every 8 code points) and
+# SERA's vowels, its consonants respelled for English (ቀ q -> k, ሸ x -> sh, ጠ ejective -> t).
 
 # First code point of a series -> its consonant.
 _ONSETS = {

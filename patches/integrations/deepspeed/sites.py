@@ -1,32 +1,5 @@
-"""Integration ``deepspeed``: DeepSpeed's engine (``deepspeed.initialize``), 0.16-0.19.
-
-What it adds to the generic patches:
-
-- **The freeze through the engine.** Under ZeRO-1/2, and under bf16/fp16 at any stage, the
-  optimizer steps fp32 master copies of the weights (flattened partitions), not the
-  module's parameters, and DeepSpeed copies them back into the module after each step: the
-  freeze's restore of the module's rows never reaches the masters, so the base rows drift
-  (measured on the CPU, ZeRO-1 bf16: 0.09). After every optimizer step of the engine the
-  frozen rows are put back in the fp32 masters (``deepspeed.utils.safe_set_full_fp32_param``)
-  and in the module. ``TRAINING_PATCHES_BASE_VOCAB`` is applied to the engine's module when
-  the engine is built (the discovery at the optimizer's first step cannot see the model
-  behind the partitions). ZeRO-3 partitions the module's parameters themselves: the freeze
-  is refused there, loudly (``status`` says ``not applied``; an error under STRICT).
-- **The engine's own skips.** DeepSpeed's fp16 loss scaler skips a step on overflow by
-  itself (``engine.skipped_steps``); each such skip is recorded as an event
-  (``kind: trainer_skip``), as the guard's own skips are. (In bf16 and fp32 DeepSpeed does
-  not check: the guard sees the inner optimizer's step and skips a NaN step itself.)
-- **The engine's step count** (``global_steps``) is each record's ``trainer_step``.
-- **A resume into a grown vocabulary is refused in one paragraph.** ``load_checkpoint``
-  cannot grow the flattened optimizer partitions; upstream stops at torch's size mismatch
-  in the middle of its load. Here the module's state is checked first, and the refusal names
-  the path that works, with the checkpoint's folder and tag: the consolidated fp32 weights
-  (``deepspeed.utils.zero_to_fp32``) saved as one file and loaded with
-  ``patches.load_checkpoint`` before ``deepspeed.initialize`` (trained rows kept, new rows by
-  the row rules, the base rows frozen; the optimizer starts fresh). The ``zero_to_fp32.py``
-  script writes a folder: the file to load is the ``pytorch_model.bin`` in it (the refusal
-  says so: the folder itself is not a checkpoint the loader reads).
-"""
+"""What the ``deepspeed`` integration's sites do (declared in
+:mod:`patches.integrations.deepspeed`, which imports this module when one lands)."""
 
 from __future__ import annotations
 
@@ -36,15 +9,9 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _options, _run, nan_guard, vocab_freeze
-from .._log import info, logger
-from .._registry import Integration, Site, register_integration
-from ..checkpoint.errors import CheckpointMismatchError
-
-NAME = "deepspeed"
-DISTRIBUTION = "deepspeed"
-SUPPORTED = ">=0.16,<0.20"
-MODULE = "deepspeed.runtime.engine"
+from ... import _options, _run, nan_guard, vocab_freeze
+from ..._log import info, logger
+from ...checkpoint.errors import CheckpointMismatchError
 
 _checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -136,7 +103,6 @@ def make_step(original: Callable[..., Any]) -> Callable[..., Any]:
                 f"{getattr(self.optimizer, 'cur_scale', 'unknown')}")
         return result
 
-    step._training_patch = "vocab_freeze"  # type: ignore[attr-defined]
     return step
 
 
@@ -179,7 +145,7 @@ def make_load_module_state_dict(original: Callable[..., Any]) -> Callable[..., A
 
     @functools.wraps(original)
     def load_module_state_dict(self: Any, checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
-        from ..checkpoint import grown  # lazy: heavy (issue 41)
+        from ...checkpoint import grown  # lazy: heavy (issue 41)
 
         state = checkpoint.get("module") if isinstance(checkpoint, dict) else None
         changes = grown.vocabulary_growth(grown.tensor_shapes(state), self.module) \
@@ -200,28 +166,3 @@ def make_load_module_state_dict(original: Callable[..., Any]) -> Callable[..., A
         return original(self, checkpoint, *args, **kwargs)
 
     return load_module_state_dict
-
-
-INTEGRATION = register_integration(Integration(
-    name=NAME,
-    distribution=DISTRIBUTION,
-    supported=SUPPORTED,
-    module="deepspeed",
-    describe="the base-vocabulary freeze through DeepSpeed's fp32 master weights (ZeRO-1/2, "
-             "bf16/fp16); the engine's own overflow skips recorded; a resume into a grown "
-             "vocabulary refused in one paragraph that says what to do",
-    sites=(
-        Site(MODULE, "DeepSpeedEngine.step", make_step, patch="vocab_freeze",
-             lost="under DeepSpeed ZeRO-1/2 or bf16/fp16 the frozen base rows train (the "
-                  "optimizer steps the fp32 masters), and the engine's own overflow skips go "
-                  "unrecorded"),
-        Site(MODULE, "DeepSpeedEngine.load_checkpoint", make_load_checkpoint,
-             patch="checkpoint",
-             lost="the refusal of a DeepSpeed resume into a grown vocabulary cannot name the "
-                  "checkpoint's folder and tag"),
-        Site(MODULE, "DeepSpeedEngine.load_module_state_dict", make_load_module_state_dict,
-             patch="checkpoint",
-             lost="a DeepSpeed resume into a grown vocabulary stops at torch's size mismatch "
-                  "in the middle of its load, with no word of what to do"),
-    ),
-))

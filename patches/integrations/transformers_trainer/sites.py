@@ -1,14 +1,6 @@
-"""Integration ``transformers_trainer``: the Hugging Face ``transformers.Trainer`` (4.57 to 5.x).
-
-Sites on the Trainer: records in ``args.output_dir`` with ``state.global_step``; the fused
-optimizer's skip flags read at each save and at the end; ``checkpoint-N/`` marked complete
-(``training_patches_complete.json``) and a torn one never resumed; ``resume_from_checkpoint``
-into a grown vocabulary (:mod:`patches.checkpoint.grown`, spelled with ``processing_class``);
-one run per ``output_dir`` with its ``trainer_runs.jsonl`` (:mod:`.trainers`).
-:func:`reading_callback`: the reading gap at each evaluation (:mod:`patches.learning`).
-
-Design: docs/design/trainers.md
-"""
+"""What the ``transformers_trainer`` integration's sites do (declared in
+:mod:`patches.integrations.transformers_trainer`, which imports this module when one lands),
+and :func:`reading_callback`."""
 
 from __future__ import annotations
 
@@ -18,26 +10,23 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
-from .. import _run, learning, nan_guard
-from .._log import logger
-from .._registry import Integration, Site, active, register_integration
-from . import trainers
+from ... import _run, learning, nan_guard
+from ..._log import logger
+from .. import trainers
+from . import NAME
 
 if TYPE_CHECKING:  # imported where used: heavy (issue 41)
-    from ..checkpoint import grown
+    from ...checkpoint import grown
 
-NAME = "transformers_trainer"
-DISTRIBUTION = "transformers"
-SUPPORTED = ">=4.57,<6"
-MODULE = "transformers.trainer"
+NAME_SAID = "the Hugging Face Trainer"
 
 
 @functools.cache
-def _callback_class() -> type:
-    """The TrainerCallback class, made once (so "already added" is an isinstance test), and
-    this module's ``TrainingPatchesCallback`` (``__getattr__``) so that it pickles."""
+def _classes() -> dict[str, type]:
+    """The integration's TrainerCallbacks, made once on first use (so "already added" is an
+    isinstance test) and named as its own (``__getattr__``) so that they pickle."""
     from transformers import TrainerCallback  # lazy: transformers is imported by now
 
     class TrainingPatchesCallback(TrainerCallback):
@@ -51,17 +40,6 @@ def _callback_class() -> type:
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             nan_guard.settle()
-
-    TrainingPatchesCallback.__module__ = __name__
-    TrainingPatchesCallback.__qualname__ = "TrainingPatchesCallback"
-    return TrainingPatchesCallback
-
-
-@functools.cache
-def _reading_class() -> type:
-    """The TrainerCallback of :func:`reading_callback`, made once, reachable as this
-    module's ``ReadingCallback`` (``__getattr__`` below) so that it pickles."""
-    from transformers import TrainerCallback  # lazy: the integration never imports it
 
     class ReadingCallback(TrainerCallback):
         """Measures the reading gap at each evaluation, on the main process."""
@@ -82,8 +60,10 @@ def _reading_class() -> type:
                                    eval_loss=float(loss) if isinstance(loss, (int, float))
                                    else None)
 
-    ReadingCallback.__module__, ReadingCallback.__qualname__ = __name__, "ReadingCallback"
-    return ReadingCallback
+    made = {"TrainingPatchesCallback": TrainingPatchesCallback, "ReadingCallback": ReadingCallback}
+    for name, cls in made.items():
+        cls.__module__, cls.__qualname__ = __package__, name
+    return made
 
 
 def reading_callback(monitor: learning.LearningMonitor) -> Any:
@@ -97,34 +77,29 @@ def reading_callback(monitor: learning.LearningMonitor) -> Any:
     On the main process alone (so not with FSDP or ZeRO-3's sharded parameters), into
     ``learning_health.jsonl`` in ``output_dir``. A monitor without ``loss_fn`` is a TypeError."""
     checked = learning.checked_monitor(monitor, "transformers_trainer.reading_callback")
-    return _reading_class()(checked)
+    return _classes()["ReadingCallback"](checked)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TrainingPatchesCallback":  # pickle's way back to the class, in any process
-        return _callback_class()
-    if name == "ReadingCallback":
-        return _reading_class()
+    """The callback classes, made on first use (pickle's way back to them, in any process)."""
+    if name in ("TrainingPatchesCallback", "ReadingCallback"):
+        return _classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_train(original: Any) -> Any:
-    """``Trainer.train`` for two patches, each part run while its patch is applied.
-    ``checkpoint``: ``output_dir`` is claimed for this run, its start and end recorded there
-    (:class:`.trainers.RunRecord`). ``nan_guard``: the patches are told where the Trainer
-    writes and how it counts its steps (its callback)."""
-    @functools.wraps(original)
-    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with contextlib.ExitStack() as parts:
-            if active("checkpoint"):
-                parts.enter_context(_recorded_run(self))
-            if active("nan_guard"):
-                _run.set_trainer_dir(getattr(self.args, "output_dir", None))
-                callback = _callback_class()
-                if not any(isinstance(c, callback) for c in self.callback_handler.callbacks):
-                    self.add_callback(callback())
-            return original(self, *args, **kwargs)
-    return train
+    """``Trainer.train`` (:func:`.trainers.run_parts`): ``output_dir`` claimed for this run;
+    the records told where it writes and its steps (its callback)."""
+    return trainers.run_parts(original, _recorded_run, _steps_counted)
+
+
+@contextlib.contextmanager
+def _steps_counted(trainer: Any) -> Iterator[None]:
+    _run.set_trainer_dir(getattr(trainer.args, "output_dir", None))
+    callback = _classes()["TrainingPatchesCallback"]
+    if not any(isinstance(c, callback) for c in trainer.callback_handler.callbacks):
+        trainer.add_callback(callback())
+    yield
 
 
 NAME_SAID = "the Hugging Face Trainer"
@@ -162,7 +137,7 @@ def make_save_checkpoint(original: Any) -> Any:
         try:
             folder = Path(self._get_output_dir(trial=kwargs.get("trial"))) / f"checkpoint-{step}"
             if folder.is_dir() and self.args.should_save:
-                from ..checkpoint.atomic import atomic_text  # lazy: heavy (issue 41)
+                from ...checkpoint.atomic import atomic_text  # lazy: heavy (issue 41)
 
                 atomic_text(folder / COMPLETE, json.dumps(
                     {"step": int(step), "files": _files_of(folder)}, indent=1))
@@ -249,7 +224,7 @@ def _resume_of(trainer: Any, folder: Path) -> grown.TrainerResume:
             encoding="utf-8"))["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         step = None
-    from ..checkpoint import grown  # lazy: heavy (issue 41)
+    from ...checkpoint import grown  # lazy: heavy (issue 41)
 
     tokenizer, source = _tokenizer_of(trainer)
     return grown.TrainerResume(NAME_SAID, restores, step, tokenizer, source)
@@ -261,7 +236,7 @@ def _grown_load(trainer: Any, folder: Path, model: Any) -> grown.Grown | None:
     path = next((folder / name for name in WEIGHTS if (folder / name).is_file()), None)
     if path is None:
         return None
-    from ..checkpoint import grown  # lazy: heavy (issue 41)
+    from ...checkpoint import grown  # lazy: heavy (issue 41)
 
     shapes = grown.saved_shapes(path)
     changes = grown.vocabulary_growth(shapes, model) if shapes else {}
@@ -293,39 +268,3 @@ def make_load_optimizer_and_scheduler(original: Any) -> Any:
     """``Trainer._load_optimizer_and_scheduler`` that grows the loaded moments of the
     parameters whose rows grew (:func:`.trainers.growing_moments`)."""
     return trainers.growing_moments(original, lambda trainer: [trainer.optimizer])
-
-
-INTEGRATION = register_integration(Integration(
-    name=NAME,
-    distribution=DISTRIBUTION,
-    supported=SUPPORTED,
-    module="transformers",
-    describe="records in the Trainer's output_dir with its global_step, the fused "
-             "optimizer's skips recorded by each save and the end of train(), one run per "
-             "output_dir with its start and end recorded, checkpoint folders marked complete "
-             "and torn ones never resumed, a resume into a grown vocabulary",
-    sites=(
-        Site(MODULE, "Trainer.train", make_train, patch=("nan_guard", "checkpoint"),
-             lost={"nan_guard": "a Hugging Face Trainer's records go to ./training_patches, "
-                                "not its output_dir, carry no trainer step, and a fused "
-                                "step's skip near a save or the end is written only at exit",
-                   "checkpoint": "two Hugging Face runs into one output_dir overwrite each "
-                                 "other's checkpoints, and a run killed outright is not found "
-                                 "by report"}),
-        Site(MODULE, "Trainer._save_checkpoint", make_save_checkpoint, patch="checkpoint",
-             lost="a Hugging Face checkpoint folder cut short by a kill looks complete"),
-        Site(MODULE, "get_last_checkpoint", make_get_last_checkpoint, patch="checkpoint",
-             lost="resume_from_checkpoint=True resumes from a torn checkpoint folder"),
-        Site(MODULE, "Trainer._load_from_checkpoint", make_load_from_checkpoint,
-             patch="checkpoint",
-             lost="resume_from_checkpoint into a model whose vocabulary grew stops at a "
-                  "size mismatch"),
-        Site(MODULE, "Trainer._load_optimizer_and_scheduler", make_load_optimizer_and_scheduler,
-             patch="checkpoint",
-             lost="the optimizer moments of grown rows keep the old shape and the first "
-                  "step fails"),
-        Site("transformers.trainer_utils", "get_last_checkpoint", make_get_last_checkpoint,
-             patch="checkpoint",
-             lost="a script's get_last_checkpoint(output_dir) picks a torn checkpoint folder"),
-    ),
-))

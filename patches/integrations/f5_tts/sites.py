@@ -1,15 +1,6 @@
-"""Integration ``f5_tts``: F5-TTS's own ``Trainer`` (``f5_tts.model.trainer``, 1.1.x), on
-accelerate, with an ``ema_pytorch`` EMA model and fused AdamW.
-
-Sites on the Trainer: records in ``checkpoint_path`` with F5's update count; fused skips read
-at each save and at the end; the EMA's base rows kept with the model's; one run per
-``checkpoint_path`` (:mod:`.trainers`); ``model_last.pt``/``model_N.pt`` written atomically;
-``load_checkpoint`` into a grown vocabulary (spelled with ``vocab_char_map``). F5 has no
-evaluation loop: :func:`watch_reading` measures the reading gap at each save, on
-:func:`flow_matching_losses`.
-
-Design: docs/design/trainers.md
-"""
+"""What the ``f5_tts`` integration's sites do (declared in :mod:`patches.integrations.f5_tts`,
+which imports this module when one lands), and the reading gap at each save
+(:func:`watch_reading`, :func:`flow_matching_losses`)."""
 
 from __future__ import annotations
 
@@ -23,24 +14,16 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from .. import _run, learning, nan_guard, vocab_freeze
-from .._log import logger
-from .._registry import Integration, Site, active, landed_sites, register_integration
-from . import trainers
-from .layouts import f5_vocab_modules
+from ... import _run, learning, nan_guard, vocab_freeze
+from ..._log import logger
+from ..._registry import active, landed_sites
+from .. import trainers
+from ..layouts import f5_vocab_modules
+from . import MODULE, NAME
 
 if TYPE_CHECKING:  # imported where used: heavy (issue 41)
-    from ..checkpoint import grown
-    from ..checkpoint.ema import KeptRows
-
-NAME = "f5_tts"
-DISTRIBUTION = "f5-tts"
-SUPPORTED = ">=1.1,<1.2"
-MODULE = "f5_tts.model.trainer"
-
-
-def _inner(optimizer: Any) -> Any:
-    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    from ...checkpoint import grown
+    from ...checkpoint.ema import KeptRows
 
 
 def _model(trainer: Any) -> torch.nn.Module:
@@ -82,7 +65,7 @@ class _EmaRows:
         handle = vocab_freeze.freeze_of(mine[0][0][1].weight) if mine else None
         if handle is None or theirs is None:
             return
-        from ..checkpoint.ema import KeptRows  # lazy: heavy (issue 41)
+        from ...checkpoint.ema import KeptRows  # lazy: heavy (issue 41)
 
         key = f"ema_model.{theirs[0][0][0]}.weight"
         del self.ema.__dict__["update"]  # KeptRows wraps the EMA's own update
@@ -97,20 +80,10 @@ class _EmaRows:
 
 
 def make_train(original: Any) -> Any:
-    """``Trainer.train`` for two patches, each part run while its patch is applied.
-    ``checkpoint``: ``checkpoint_path`` is claimed for this run on the main process, its start
-    and end recorded there (:class:`.trainers.RunRecord`). ``nan_guard``: the patches are
-    told where the Trainer writes and count its updates, the EMA's base rows are kept, and
-    the fused steps' skip flags are read at the end."""
-    @functools.wraps(original)
-    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with contextlib.ExitStack() as parts:
-            if active("checkpoint"):
-                parts.enter_context(_recorded_run(self))
-            if active("nan_guard"):
-                parts.enter_context(_updates_counted(self))
-            return original(self, *args, **kwargs)
-    return train
+    """``Trainer.train`` (:func:`.trainers.run_parts`): ``checkpoint_path`` claimed for this
+    run on the main process; the records told where it writes, its updates counted, the
+    EMA's base rows kept, and the fused steps' skip flags read at the end."""
+    return trainers.run_parts(original, _recorded_run, _updates_counted)
 
 
 def _recorded_run(trainer: Any) -> contextlib.AbstractContextManager[None]:
@@ -134,7 +107,8 @@ def _updates_counted(trainer: Any) -> Iterator[None]:
     def count(*_: Any) -> None:  # F5 counts every update, a skipped one too
         _run.current().trainer_step = (_run.current().trainer_step or 0) + 1
 
-    hook = _inner(trainer.optimizer).register_step_post_hook(count)
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
+    hook = inner.register_step_post_hook(count)
     ema = _EmaRows(trainer) if hasattr(trainer, "ema_model") else None
     try:
         yield
@@ -171,7 +145,7 @@ def _atomic_saves(accelerator: Any) -> Iterator[None]:
     def save(obj: Any, f: Any, *a: Any, **k: Any) -> Any:
         if not accelerator.is_main_process or not isinstance(f, (str, os.PathLike)):
             return type(accelerator).save(accelerator, obj, f, *a, **k)
-        from ..checkpoint.atomic import atomic_torch_save  # lazy: heavy (issue 41)
+        from ...checkpoint.atomic import atomic_torch_save  # lazy: heavy (issue 41)
 
         return atomic_torch_save(obj, f)
 
@@ -194,12 +168,11 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
         return None
     if "model_last.pt" in names:
         return Path(folder, "model_last.pt")
-    found = [n for n in names if (n.startswith("model_") or n.startswith("pretrained_"))
+    found = [n for n in names if n.startswith(("model_", "pretrained_"))
              and n.endswith((".pt", ".safetensors"))]
     training = [n for n in found if n.startswith("model_")]
     if training:
-        return Path(folder, max(training, key=lambda n: int("".join(filter(str.isdigit, n))
-                                                            or 0)))
+        return Path(folder, max(training, key=lambda n: int("".join(filter(str.isdigit, n)) or 0)))
     pretrained = [n for n in found if n.startswith("pretrained_")]
     return Path(folder, pretrained[0]) if pretrained else None
 
@@ -251,7 +224,7 @@ def _resume_of(trainer: Any, ckpt: dict[str, Any], update: int) -> grown.Trainer
         keys["scheduler"] = "scheduler_state_dict"
     restores = {part: f"the checkpoint's {key!r}" for part, key in keys.items() if key in ckpt}
     tokenizer, source = _tokenizer_of(trainer)
-    from ..checkpoint import grown  # lazy: heavy (issue 41)
+    from ...checkpoint import grown  # lazy: heavy (issue 41)
 
     return grown.TrainerResume(NAME_SAID, restores, update, tokenizer, source)
 
@@ -261,7 +234,7 @@ def make_load_checkpoint(original: Any) -> Any:
     the save (upstream: a size mismatch); its update becomes the records' ``trainer_step``."""
     @functools.wraps(original)
     def load_checkpoint(self: Any) -> Any:
-        from ..checkpoint import grown  # lazy: heavy (issue 41)
+        from ...checkpoint import grown  # lazy: heavy (issue 41)
 
         path = latest_checkpoint(self.checkpoint_path) if self.checkpoint_path else None
         ema = getattr(self, "ema_model", None)  # rank 0's alone
@@ -380,35 +353,3 @@ def _measure_reading(trainer: Any, update: Any) -> None:
         if _run.output_dir() is None:  # beside the checkpoints, as train()'s site puts them
             _run.set_trainer_dir(trainer.checkpoint_path)
         learning.evaluate_once(monitor, _model(trainer), int(update))
-
-
-INTEGRATION = register_integration(Integration(
-    name=NAME,
-    distribution=DISTRIBUTION,
-    supported=SUPPORTED,
-    module="f5_tts",
-    describe="records in the Trainer's checkpoint_path with its update count, the fused "
-             "optimizer's skips recorded by each save and the end of train(), the EMA's "
-             "base rows kept with the model's, one run per checkpoint_path with its start "
-             "and end recorded, checkpoints written atomically, a resume "
-             "into a grown vocabulary, the reading gap at each save (watch_reading)",
-    sites=(
-        Site(MODULE, "Trainer.train", make_train, patch=("nan_guard", "checkpoint"),
-             lost={"nan_guard": "an F5-TTS run's records go to ./training_patches, not its "
-                                "checkpoint folder, carry no trainer step, a fused step's "
-                                "skip near the end is written only at exit, and the EMA's "
-                                "base rows drift while the model's are frozen",
-                   "checkpoint": "two F5-TTS runs into one checkpoint_path overwrite each "
-                                 "other's model_last.pt, and a stopped run is not found by "
-                                 "report"}),
-        Site(MODULE, "Trainer.save_checkpoint", make_save_checkpoint,
-             patch=("checkpoint", "learning"),
-             lost={"checkpoint": "a kill or a full disk during an F5-TTS save leaves a torn "
-                                 "model_last.pt that the next start cannot read",
-                   "learning": "a monitor given to f5_tts.watch_reading measures nothing: "
-                               "the reading gap of an F5-TTS run goes unmeasured"}),
-        Site(MODULE, "Trainer.load_checkpoint", make_load_checkpoint, patch="checkpoint",
-             lost="an F5-TTS resume into a model whose vocabulary grew stops at a size "
-                  "mismatch"),
-    ),
-))
