@@ -57,8 +57,7 @@ def version_in(version: str, supported: str) -> bool:
         for match in clauses:
             bound = [int(part) for part in match.group(2).split(".")]
             width = max(len(have), len(bound))
-            a = tuple(have + [0] * (width - len(have)))
-            b = tuple(bound + [0] * (width - len(bound)))
+            a, b = (tuple(parts + [0] * (width - len(parts))) for parts in (have, bound))
             if not {">=": a >= b, "<=": a <= b, "==": a == b, "<": a < b,
                     ">": a > b}[match.group(1)]:
                 return False

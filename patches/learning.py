@@ -1,15 +1,11 @@
 """``learning``: is the run learning its text? The reading gap, per language, at every evaluation.
 
-On a fixed held-out probe (:class:`ReadingProbe`, up to ``reading_probe`` utterances per
-language), the audio loss with each utterance's own text against the same audio with another
-utterance's text of about its length: the **gap** (nats per code; ``relative``: its share of
-the loss) and the **share** of utterances whose own text gives the lower loss.
-:func:`reading_gap` measures it without gradients and leaves the model's modes and every RNG
-as they were; :class:`LearningMonitor` does it at each evaluation, logs one line per language,
-writes ``learning_health.jsonl`` and warns (:func:`judge`) when a language is not read. The
-coqui Trainer with XTTS's GPTTrainer needs nothing (:mod:`.integrations.coqui_learning`);
-elsewhere a monitor is called with the model's own loss (TRAINING_PATCHES_README.md,
-"Is it learning?").
+On a fixed held-out probe (:class:`ReadingProbe`), the audio loss with each utterance's own
+text against the same audio with another utterance's text of about its length: the **gap**
+and the **share** of utterances whose own text gives the lower loss. :func:`reading_gap`
+measures it; :class:`LearningMonitor` does it at each evaluation, logs it, writes
+``learning_health.jsonl`` and warns (:func:`judge`) when a language is not read
+(TRAINING_PATCHES_README.md, "Is it learning?").
 
 Design: docs/design/learning.md
 """
@@ -74,14 +70,9 @@ class Reading:
 
 
 class ReadingProbe:
-    """Held-out (text, audio) pairs per language, chosen once and kept.
-
-    ``pairs`` maps a language to its pairs; ``add`` takes more until a language has
-    ``per_language`` of them (default: the ``reading_probe`` option, 32). A text and an
-    audio are whatever the loss function takes (token ids, codes with their speaker
-    conditioning): the probe only moves texts between pairs of one language. Once
-    measured, the probe is fixed (:meth:`freeze`): later ``add`` calls are refused.
-    """
+    """Held-out (text, audio) pairs per language, up to ``per_language`` each (default: the
+    ``reading_probe`` option), in whatever form the loss function takes. Once measured, the
+    probe is fixed (:meth:`freeze`): later ``add`` calls are refused."""
 
     def __init__(self, pairs: Mapping[str, Iterable[tuple[Any, Any]]] | None = None, *,
                  per_language: int | None = None) -> None:
@@ -164,11 +155,9 @@ def _per_pair(model: torch.nn.Module, loss_fn: LossFn, texts: list[Any], audios:
 
 
 def partners(texts: Sequence[Any]) -> list[int]:
-    """For each pair, the pair whose text it is given: the texts sorted by length (tokens)
-    and taken two by two (three at the end of an odd count), so that each utterance gets a
-    text of about its own length. A text's length alone tells the model how long the audio
-    is: with the lengths matched, the gap measures whether the *content* is read (a
-    tokenizer that makes every character ``[UNK]`` keeps the length and loses the rest)."""
+    """For each pair, the pair whose text it is given: the texts sorted by length and taken
+    two by two (three at the end of an odd count). With the lengths matched, the gap measures
+    whether the *content* is read, not the length (docs/design/learning.md)."""
     def length(text: Any) -> int:
         try:
             return len(text)
@@ -177,8 +166,7 @@ def partners(texts: Sequence[Any]) -> list[int]:
     order = sorted(range(len(texts)), key=lambda i: (length(texts[i]), i))
     partner = list(range(len(texts)))
     n = len(order)
-    pairs_end = n - 3 if n % 2 else n
-    for k in range(0, pairs_end, 2):
+    for k in range(0, n - 3 if n % 2 else n, 2):
         a, b = order[k], order[k + 1]
         partner[a], partner[b] = b, a
     if n % 2 and n >= 3:
@@ -189,14 +177,10 @@ def partners(texts: Sequence[Any]) -> list[int]:
 
 def reading_gap(model: torch.nn.Module, probe: ReadingProbe, loss_fn: LossFn, *,
                 batch_size: int = 16, measured_on: str = AUDIO_LOSS) -> dict[str, Reading]:
-    """Each language's :class:`Reading` on ``probe``: ``loss_fn`` with each pair's own
-    text, and with the text of the pair nearest it in length (:func:`partners`; the audio
-    and its conditioning kept).
-
-    Runs without gradients, the model in eval mode; every module's training mode and every
-    RNG state (torch, CUDA, numpy, Python) are as before when it returns, raise or not. The
-    probe is fixed from here on. ``measured_on`` names the loss when it is not an audio
-    loss (a model with one loss only)."""
+    """Each language's :class:`Reading` on ``probe``: ``loss_fn`` with each pair's own text,
+    and with its :func:`partners`' text. No gradients, eval mode; every module's mode and
+    every RNG state are as before when it returns, raise or not. Freezes the probe.
+    ``measured_on`` names the loss when it is not an audio loss."""
     probe.freeze()
     modes = [(module, module.training) for module in model.modules()]
     py_state = random.getstate()
@@ -208,8 +192,7 @@ def reading_gap(model: torch.nn.Module, probe: ReadingProbe, loss_fn: LossFn, *,
             model.eval()
             for language in probe.languages:
                 pairs = probe.pairs(language)
-                texts = [t for t, _ in pairs]
-                audios = [a for _, a in pairs]
+                texts, audios = (list(side) for side in zip(*pairs))
                 given = [texts[j] for j in partners(texts)]
                 own: list[float] = []
                 other: list[float] = []
@@ -267,12 +250,6 @@ CONFIRM = 2  # a verdict needs this many evaluations in a row: one noisy probe i
 README = 'TRAINING_PATCHES_README.md, "Is it learning?"'
 
 
-def _counted(points: Sequence[Point], language: str) -> list[tuple[int, Point]]:
-    """(index among all evaluations, point) of those that measured ``language``, in order."""
-    return [(i, p) for i, p in enumerate(points) if language in p.readings
-            and math.isfinite(p.readings[language].gap)]
-
-
 def _trailing(series: list[tuple[int, Point]], low: Callable[[Point], bool], warmup: int
               ) -> int | None:
     """The step from which the last evaluations of ``series`` have all been low, when the
@@ -299,14 +276,8 @@ def _watched_loss(points: Sequence[Point]) -> list[float] | None:
 
 
 def judge(points: Sequence[Point], options: Any | None = None) -> list[Verdict]:
-    """The verdicts that hold at the last of ``points`` (evaluations in order).
-
-    - :data:`NOT_READING`: a language's gap stayed under ``reading_min_gap`` of its audio
-      loss at the last :data:`CONFIRM` evaluations, past the first ``reading_warmup`` ones;
-    - :data:`BELOW_BASE`: a language reads, but under ``reading_base_share`` of what another
-      language of the probe read at its first evaluation (the base model's reading);
-    - :data:`NO_IMPROVEMENT`: the evaluation loss has not reached a new low in
-      ``reading_patience`` evaluations.
+    """The verdicts (:data:`NOT_READING`, :data:`BELOW_BASE`, :data:`NO_IMPROVEMENT`) that
+    hold at the last of ``points`` (evaluations in order); their rules: docs/design/learning.md.
     """
     opts = options if options is not None else _options.current()
     warmup, min_gap = int(opts.reading_warmup), float(opts.reading_min_gap)
@@ -315,7 +286,9 @@ def judge(points: Sequence[Point], options: Any | None = None) -> list[Verdict]:
     verdicts: list[Verdict] = []
     languages = list(dict.fromkeys(lang for p in points for lang in p.readings))
     latest = len(points) - 1
-    counted = {language: _counted(points, language) for language in languages}
+    # per language: (index among all evaluations, point) of those that measured it
+    counted = {language: [(i, p) for i, p in enumerate(points) if language in p.readings
+                          and math.isfinite(p.readings[language].gap)] for language in languages}
     first_rel = {language: series[0][1].readings[language].relative
                  for language, series in counted.items() if series}
     for language, series in counted.items():
@@ -330,11 +303,11 @@ def judge(points: Sequence[Point], options: Any | None = None) -> list[Verdict]:
                      f"its audio loss did not fall either ({first.own:.3f} to {last.own:.3f})")
             verdicts.append(Verdict(NOT_READING, since, (
                 f"{trend}, while its own text lowers it by only {last.gap:.3g} "
-                f"({last.relative:.2%}, under the {min_gap:.2%} of reading_min_gap; {last.share:.0%} "
-                f"of {last.utterances} utterances). Check that the transcripts match their "
-                f"audio, that the tokenizer does not turn the script into [UNK], that the texts "
-                f"are not cut short (max text length), and that the LR is not far too small "
-                f"({README})"), language))
+                f"({last.relative:.2%}, under the {min_gap:.2%} of reading_min_gap; "
+                f"{last.share:.0%} of {last.utterances} utterances). Check that the "
+                f"transcripts match their audio, that the tokenizer does not turn the script "
+                f"into [UNK], that the texts are not cut short (max text length), and that "
+                f"the LR is not far too small ({README})"), language))
             continue
         others = {lang: rel for lang, rel in first_rel.items()
                   if lang != language and rel >= 2 * min_gap}
@@ -371,11 +344,8 @@ def judge(points: Sequence[Point], options: Any | None = None) -> list[Verdict]:
 class LearningMonitor:
     """Measures the reading gap at each evaluation, logs it, records it and warns.
 
-    ``probe`` and ``loss_fn`` are the defaults of :meth:`evaluate`. A plain loop or an
-    IndexTTS-style loop calls ``monitor.evaluate(model, step=step)`` where it evaluates;
-    the HF Trainer and Lightning take ``reading_callback(monitor)`` of their integrations,
-    F5-TTS's Trainer ``f5_tts.watch_reading(trainer, monitor)`` (at each save); the coqui
-    Trainer with XTTS's GPTTrainer needs nothing (it builds its own monitor).
+    ``probe`` and ``loss_fn`` are the defaults of :meth:`evaluate`, which a plain loop calls
+    where it evaluates; the trainers' integrations call it for you (TRAINING_PATCHES_README.md).
     """
 
     def __init__(self, probe: ReadingProbe | None = None, loss_fn: LossFn | None = None, *,
@@ -485,10 +455,8 @@ class LearningMonitor:
 
 
 def checked_monitor(monitor: Any, where: str) -> LearningMonitor:
-    """``monitor`` when it can measure by itself at a trainer's evaluation (a
-    :class:`LearningMonitor` holding its ``loss_fn``); else a TypeError saying what
-    ``where`` (the helper being built) needs. Checked when the helper is made, so a
-    mistake stops the script before training instead of at the first evaluation."""
+    """``monitor`` when it is a :class:`LearningMonitor` holding its ``loss_fn``; else a
+    TypeError saying what ``where`` needs (before training, not at the first evaluation)."""
     if not isinstance(monitor, LearningMonitor) or monitor.loss_fn is None:
         given = ("a LearningMonitor without loss_fn" if isinstance(monitor, LearningMonitor)
                  else f"{type(monitor).__name__}")
@@ -505,8 +473,7 @@ def checked_monitor(monitor: Any, where: str) -> LearningMonitor:
 def evaluate_once(monitor: LearningMonitor, model: torch.nn.Module, step: int | None, *,
                   eval_loss: float | None = None) -> dict[str, Reading]:
     """``monitor.evaluate`` at a trainer's ``step``, unless that step is measured already
-    (a trainer that evaluates several datasets at one step, or saves twice at one update):
-    one reading per language per step."""
+    (several datasets evaluated, or two saves, at one step)."""
     if step is not None and monitor.points and monitor.points[-1].step == step:
         return dict(monitor.points[-1].readings)
     return monitor.evaluate(model, step=step, eval_loss=eval_loss)
@@ -567,5 +534,4 @@ SPEC = register(PatchSpec(
 
 __all__ = ["Reading", "ReadingProbe", "LearningMonitor", "Verdict", "Point", "reading_gap",
            "judge", "record", "say_not_measured", "checked_monitor", "evaluate_once",
-           "NOT_READING", "BELOW_BASE",
-           "NO_IMPROVEMENT", "AUDIO_LOSS"]
+           "NOT_READING", "BELOW_BASE", "NO_IMPROVEMENT", "AUDIO_LOSS"]

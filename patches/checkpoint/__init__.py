@@ -112,10 +112,9 @@ SPEC = register(PatchSpec(
                     "vocabulary grows", shown_default=f"`{DEFAULT_HEAD_ROW_INIT}`")),
 ))
 
-__all__ = [
-    "load_checkpoint", "LoadOptions", "LoadReport", "CheckpointManager", "CheckpointError",
-    "UnsafeCheckpointError", "CheckpointMismatchError", "read_checkpoint", "check_file",
-    "newest_valid_beside", "atomic_write", "atomic_torch_save", "capture_rng_state",
-    "restore_rng_state", "DiskFullError", "CheckpointWriteError", "manifest_path", "read_manifest", "Manifest",
-    "check_folder", "DCP_SUFFIX", "warn_weights_only", "Part", "PARTS", "STATUSES",
-]
+__all__ = ["load_checkpoint", "LoadOptions", "LoadReport", "CheckpointManager", "CheckpointError",
+           "UnsafeCheckpointError", "CheckpointMismatchError", "read_checkpoint", "check_file",
+           "newest_valid_beside", "atomic_write", "atomic_torch_save", "capture_rng_state",
+           "restore_rng_state", "DiskFullError", "CheckpointWriteError", "manifest_path",
+           "read_manifest", "Manifest", "check_folder", "DCP_SUFFIX", "warn_weights_only", "Part",
+           "PARTS", "STATUSES"]

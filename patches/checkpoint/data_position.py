@@ -1,12 +1,9 @@
 """The data position, a part of a checkpoint: where each rank's DataLoader stood, so that a
 resumed run sees the same next batches as the stopped one, mid-epoch included.
 
-While the ``checkpoint`` patch is applied, every ``iter()`` of a ``DataLoader`` is watched:
-the RNG states the epoch starts from, its count of batches handed out, and a fingerprint of
-the index batches its sampler draws (:class:`_Order`). :func:`position_of` is what a save
-stores; :func:`plan` refuses a loader over other data, and :func:`arm` makes the next
-``iter()`` replay the epoch's start and skip the batches seen. What cannot be resumed
-exactly is said, never skipped silently.
+While the ``checkpoint`` patch is applied, every ``iter()`` of a ``DataLoader`` is watched.
+:func:`position_of` is what a save stores; :func:`plan` refuses a loader over other data, and
+:func:`arm` makes the next ``iter()`` replay the epoch's start and skip the batches seen.
 
 Design: docs/design/checkpoint.md
 """
@@ -18,6 +15,7 @@ import hashlib
 import logging
 import weakref
 from array import array
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -113,21 +111,19 @@ def _recording(loader: Any) -> Iterator[None]:
         object.__setattr__(loader, name, inner)
 
 
+@dataclass(slots=True)
 class _Watch:
     """What is known of one loader: the epochs begun, the RNG of the current one's start,
     its iterator (weakly), the batches skipped into it by a resume, the index batches its
     sampler drew (:class:`_Order`) and its number of workers."""
 
-    __slots__ = ("epochs", "start_rng", "iterator", "skipped", "base", "order", "workers")
-
-    def __init__(self) -> None:
-        self.epochs = 0
-        self.start_rng: dict[str, Any] | None = None
-        self.iterator: Callable[[], Any] = lambda: None
-        self.skipped = 0
-        self.base = 0  # the iterator's own count when the resume's skipping ended
-        self.order: _Order | None = None
-        self.workers = 0
+    epochs: int = 0
+    start_rng: dict[str, Any] | None = None
+    iterator: Callable[[], Any] = lambda: None
+    skipped: int = 0
+    base: int = 0  # the iterator's own count when the resume's skipping ended
+    order: _Order | None = None
+    workers: int = 0
 
 
 _WATCHED: "weakref.WeakKeyDictionary[Any, _Watch]" = weakref.WeakKeyDictionary()
@@ -151,12 +147,12 @@ def make_iter(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """The replacement of ``DataLoader.__iter__``: watch the epoch's start, and replay it
     for a loader armed by a resume."""
 
-    def start(self: Any, watch: _Watch) -> Any:
-        """A plain start of an epoch, watched."""
+    def start(self: Any, watch: _Watch, epochs: int | None = None) -> Any:
+        """A plain start of an epoch, watched (``epochs`` begun, counting it: one more)."""
         begin = _rng_of(self)
         with _recording(self):
             iterator = original(self)
-        watch.epochs += 1
+        watch.epochs = watch.epochs + 1 if epochs is None else epochs
         watch.start_rng, watch.skipped, watch.base = begin, 0, 0
         _follow(watch, self, iterator)
         return iterator
@@ -172,9 +168,7 @@ def make_iter(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if armed is None:
             return start(self, watch)
         if armed.get("complete"):  # the saved epoch had ended: the next one, counted on
-            iterator = start(self, watch)
-            watch.epochs = int(armed["epoch"]) + 2
-            return iterator
+            return start(self, watch, int(armed["epoch"]) + 2)
         now = _rng_of(self)
         failed: Exception | None = None
         try:
@@ -306,13 +300,9 @@ def identity(loader: Any) -> dict[str, Any]:
             and not isinstance(sampler, (torch.utils.data.RandomSampler,
                                          torch.utils.data.SequentialSampler)):
         sampler = sampler.sampler  # down to the sampler that orders the samples
-    if isinstance(sampler, torch.utils.data.RandomSampler):
-        shuffle: bool | None = True
-    elif isinstance(sampler, torch.utils.data.SequentialSampler):
-        shuffle = False
-    else:
-        shuffle = getattr(sampler, "shuffle", None)
-        shuffle = shuffle if isinstance(shuffle, bool) else None
+    shuffle = (True if isinstance(sampler, torch.utils.data.RandomSampler) else False
+               if isinstance(sampler, torch.utils.data.SequentialSampler)
+               else getattr(sampler, "shuffle", None))
     batch_size = getattr(inner, "batch_size", None)
     drop_last = getattr(inner, "drop_last", None)
     if batch_size is None and batches is not None:  # a batch sampler of the user's own
@@ -323,7 +313,7 @@ def identity(loader: Any) -> dict[str, Any]:
             "batch_size": batch_size if isinstance(batch_size, int) else None,
             "drop_last": drop_last if isinstance(drop_last, bool) else None,
             "sampler": _sampler_chain(index),
-            "shuffle": shuffle,
+            "shuffle": shuffle if isinstance(shuffle, bool) else None,
             "dataset": fingerprint if isinstance(fingerprint, str) else None}
 
 

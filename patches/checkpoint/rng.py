@@ -28,15 +28,11 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def _to_plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_to_plain(v) for v in value]
-    return value
+    return [_to_plain(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _to_tuple(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_to_tuple(v) for v in value)
-    return value
+    return tuple(_to_tuple(v) for v in value) if isinstance(value, list) else value
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:

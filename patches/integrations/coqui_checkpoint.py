@@ -1,16 +1,10 @@
 """The coqui Trainer's checkpoint sites (the ``checkpoint`` patch, declared by
-:mod:`.coqui_trainer`, whose ``lost=`` texts say what each prevents):
-
-- ``Trainer.restore_model``: ``restore_path``/``continue_path`` through
-  :func:`patches.checkpoint.load_checkpoint` (a grown vocabulary resized, new rows spelled
-  with the config's ``tokenizer_file``; ``continue_path`` restores optimizer, scheduler and
-  scaler as one set, by ``TRAINING_PATCHES_RESUME_POLICY``; ``restore_path`` alone loads
-  the weights only, as upstream); the train loader continues its epoch.
-- ``trainer.io.save_fsspec``: local checkpoints written atomically, with the train loader's
-  data position (:mod:`patches.checkpoint.data_position`); ``get_last_checkpoint`` passes
-  over a torn newest file; ``get_experiment_folder_path``/``copy_model_files``: one run per
-  run folder. XTTS's own sites are in :mod:`.xtts_gpt`. The user's view:
-  TRAINING_PATCHES_README.md, "With the coqui Trainer / XTTS".
+:mod:`.coqui_trainer`, whose ``lost=`` texts say what each prevents): ``restore_model``
+through :func:`patches.checkpoint.load_checkpoint` (``continue_path`` restores optimizer,
+scheduler and scaler as one set, by ``TRAINING_PATCHES_RESUME_POLICY``, and the train
+loader's data position), atomic local saves, a torn newest file passed over, one run per run
+folder. XTTS's own sites are in :mod:`.xtts_gpt`. The user's view:
+TRAINING_PATCHES_README.md, "With the coqui Trainer / XTTS".
 """
 
 from __future__ import annotations
@@ -44,17 +38,15 @@ def local_path(path: Any) -> Path:
 
 def model_tokenizer(config: Any, model: Any = None) -> Any:
     """The tokenizer the model was built with, for the loader's spelled new rows: the model's
-    own (GPTTrainer's ``xtts.tokenizer``; under ``continue_path`` the config is the run
-    folder's, naming the vocabulary before a growth), else the local file the config's
-    ``model_args.tokenizer_file`` names; None when there is none here."""
+    own (under ``continue_path`` the config is the run folder's, naming the vocabulary before
+    a growth), else the local ``model_args.tokenizer_file``, else None."""
     model = getattr(model, "module", model)  # under DDP
     own = getattr(getattr(model, "xtts", None), "tokenizer", None)
     if getattr(own, "tokenizer", None) is not None:
         return own
     args = getattr(config, "model_args", None)
-    path = getattr(args, "tokenizer_file", "") if args is not None else ""
-    if isinstance(args, dict):
-        path = args.get("tokenizer_file", "")
+    path = (args.get("tokenizer_file", "") if isinstance(args, dict)
+            else getattr(args, "tokenizer_file", ""))
     if not path or not is_local(path) or not local_path(path).is_file():
         return None
     return str(local_path(path))
@@ -74,9 +66,9 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
         info("training-patches: %s from %s with the vocabulary-aware loader", verb, path)
         tokenizer = model_tokenizer(getattr(self, "config", None), self.model)
         if self.continue_run:
-            scaler = self.scaler if self.use_amp_scaler else None
             report = load_checkpoint(local_path(path), self.model, self.optimizer, self.scheduler,
-                                     scaler, policy=_options.current().resume_policy,
+                                     self.scaler if self.use_amp_scaler else None,
+                                     policy=_options.current().resume_policy,
                                      loader=_train_loader(self), tokenizer=tokenizer)
             if "data_ranks" in report.checkpoint and getattr(self, "use_accelerate", False):
                 logger.warning(
@@ -92,8 +84,7 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
                      "run continues at trainer step %d", path, report.step,
                      self.total_steps_done)
             else:
-                self.total_steps_done = 0
-                self.epochs_done = 0
+                self.total_steps_done = self.epochs_done = 0
             # The scheduler's step count is not compared: coqui counts batches under
             # accumulation, holds the scheduler on skipped steps, and (0.4) never steps a
             # per-epoch scheduler of a single optimizer.
@@ -106,8 +97,7 @@ def make_restore_model(original: Callable[[Any], None]) -> Callable[[Any], None]
                 report, "restore_path loads the model weights only, as upstream coqui does",
                 "To resume that run with them, pass continue_path=<its run folder> instead; to "
                 "fine-tune from its weights on purpose, nothing needs to change.")
-            self.total_steps_done = 0
-            self.epochs_done = 0
+            self.total_steps_done = self.epochs_done = 0
             self.reset_lr()
             resume_check.expect_resume(0, scheduler_step=0, source="coqui restore_path")
         if torch.cuda.is_available():
@@ -152,10 +142,9 @@ _saving: list[tuple[Any, AfterStep | None]] = []  # the Trainer whose save_check
 
 @contextlib.contextmanager
 def saving_from(trainer: Any, between_steps: AfterStep | None = None):
-    """While ``trainer`` saves a checkpoint, :func:`make_save_fsspec` adds its train loader's
-    data position. ``between_steps``: a save after the last step ended, not coqui's own
-    (inside a step): the file holds that moment, its ``step`` one less than the steps done,
-    as coqui's own saves count it (``continue_path`` resumes at ``step + 1``)."""
+    """While ``trainer`` saves, :func:`make_save_fsspec` adds its loader's data position.
+    ``between_steps``: a save after the last step ended (coqui's own are inside a step): its
+    ``step`` is one less than the steps done, as coqui counts (``continue_path`` adds 1)."""
     _saving.append((trainer, between_steps))
     try:
         yield
@@ -174,8 +163,7 @@ def _with_data_position(state: Any) -> Any:
     if between is not None:
         extra["step"] = max(int(state["step"]) - 1, 0)
     try:
-        position = data_position.position_of(
-            loader, yielded=between.yielded if between is not None else None)
+        position = data_position.position_of(loader, yielded=getattr(between, "yielded", None))
     except ValueError as exc:
         info("training-patches: the coqui checkpoint is saved without the data position: %s",
              str(exc)[:300])
@@ -204,12 +192,6 @@ def make_save_fsspec(original: Callable[..., None]) -> Callable[..., None]:
     return save_fsspec
 
 
-def _one_process() -> bool:
-    """Not one rank of several: under ``trainer.distribute`` (which sets ``RANK``) or
-    torchrun every rank must name the same run folder."""
-    return "RANK" not in os.environ and _dist.world_size() <= 1
-
-
 def make_experiment_folder(original: Callable[[Any, str], Path]) -> Callable[[Any, str], Path]:
     """``get_experiment_folder_path`` that never names a folder another run has (upstream's
     name is by the minute): the first free of ``<name>``, ``<name>-2``, ..., claimed as it is
@@ -218,7 +200,8 @@ def make_experiment_folder(original: Callable[[Any, str], Path]) -> Callable[[An
     @functools.wraps(original)
     def get_experiment_folder_path(root_path: Any, model_name: str) -> Path:
         path = original(root_path, model_name)
-        if not is_local(path) or not _one_process():
+        # under trainer.distribute (which sets RANK) or torchrun every rank names one folder
+        if not is_local(path) or "RANK" in os.environ or _dist.world_size() > 1:
             return path
         return _runlock.claim_new_folder(local_path(path))
 

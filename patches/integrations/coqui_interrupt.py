@@ -1,15 +1,9 @@
 """The coqui Trainer stopped by a signal (the ``checkpoint`` patch, declared by
 :mod:`.coqui_trainer`): SIGTERM and SIGHUP interrupt a run as Ctrl-C does
 (:mod:`patches._interrupt`), where upstream (coqui-tts-trainer 0.4) dies unsaved on them and
-ends Ctrl-C with ``os._exit(130)``.
-
-``Trainer.fit`` installs the interruption and exits ``128 + signal`` normally
-(:func:`interruptible_run`, inside :mod:`.coqui_trainer`'s one ``fit`` wrapper);
-``Trainer.train_step``/``save_best_model`` finish before a signal is raised
-(:func:`uninterrupted`); ``Trainer._fit`` handles it (a checkpoint when a step finished since
-the last one, the ``on_keyboard_interrupt`` callbacks, one WARNING, an ``interrupted`` record
-in ``trainer_runs.jsonl``); ``Trainer.save_checkpoint`` records the fused steps' waiting skips
-first. The user's view: TRAINING_PATCHES_README.md, "With the coqui Trainer / XTTS".
+ends Ctrl-C with ``os._exit(130)``: a step ends before the signal is raised, ``Trainer._fit``
+handles it (:func:`on_interrupt`) and the run exits ``128 + signal``. The user's view:
+TRAINING_PATCHES_README.md, "With the coqui Trainer / XTTS".
 """
 
 from __future__ import annotations
@@ -43,11 +37,9 @@ def _steps(trainer: Any) -> int:
 
 @contextlib.contextmanager
 def interruptible_run(trainer: Any) -> Iterator[None]:
-    """``Trainer.fit``'s run with SIGINT, SIGTERM and SIGHUP interrupting it: once
-    ``Trainer._fit`` has handled one, the run exits ``128 + signal``; else it is recorded
-    as finished."""
-    interruption = Interruption()
-    _interruptions[trainer] = interruption
+    """``Trainer.fit``'s run, interrupted by SIGINT, SIGTERM and SIGHUP: it exits ``128 +
+    signal`` once ``Trainer._fit`` has handled one, else it is recorded as finished."""
+    interruption = _interruptions[trainer] = Interruption()
     _started_at[trainer] = _steps(trainer)
     base = xtts_gpt.base_load(getattr(trainer, "model", None))
     _record(trainer, "start", **({"base_weights": base.as_record()} if base is not None else {}))
@@ -92,8 +84,7 @@ def make_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         nan_guard.settle()
-        between = _between_steps.get(self)
-        with coqui_checkpoint.saving_from(self, between):  # the file gets the data position
+        with coqui_checkpoint.saving_from(self, _between_steps.get(self)):
             result = original(self, *args, **kwargs)
         _saved_at[self] = _steps(self)
         return result

@@ -1,18 +1,12 @@
 """The reading gap in the coqui Trainer, for XTTS's GPTTrainer (patch ``learning``), at
 sites of :mod:`.coqui_trainer` (``trainer.trainer``):
 
-- ``Trainer.eval_step``: during the first evaluation, up to ``reading_probe`` utterances per
-  language are kept from the Trainer's own evaluation batches (already formatted: XTTS's
-  text ids, its DVAE audio codes, the conditioning mels). The language is the text's first
-  token (``[am]``), as XTTS's tokenizer writes it.
-- ``Trainer.eval_epoch``: after each evaluation, the reading gap on those utterances
-  (:mod:`patches.learning`), at the Trainer's ``total_steps_done``, with its evaluation loss
-  (``avg_loss``) for the no-improvement verdict. Rank 0 only; no collective.
-- ``Trainer.fit`` (:func:`say_if_unmeasured`): a run with ``run_eval`` off, or a model the
-  library cannot read, is said once: nothing is measured.
-
-The loss is XTTS's own audio-code loss (``loss_mel``), per utterance (:func:`audio_losses`).
-Design: docs/design/learning.md
+``Trainer.eval_step`` keeps up to ``reading_probe`` utterances per language (the language is
+the text's first token, ``[am]``) from the first evaluation's formatted batches;
+``Trainer.eval_epoch`` measures the reading gap on them after each evaluation, with the
+evaluation loss (``avg_loss``) for the no-improvement verdict, rank 0 only, no collective;
+``Trainer.fit`` says once when nothing is measured (:func:`say_if_unmeasured`). The loss is
+XTTS's own ``loss_mel``, per utterance (:func:`audio_losses`). Design: docs/design/learning.md
 """
 
 from __future__ import annotations
@@ -65,8 +59,6 @@ def monitor_of(trainer: Any) -> learning.LearningMonitor:
 
 
 # -- XTTS's GPT: the probe's utterances and their own audio loss --------------------------------
-
-
 def keep_utterances(model: Any, batch: dict[str, Any], probe: learning.ReadingProbe) -> None:
     """Keep the utterances of a formatted GPTTrainer batch that ``probe`` still wants (CPU
     copies: the text ids, the codes, the wav length and the conditioning mels)."""
@@ -142,8 +134,6 @@ def audio_losses(model: Any, texts: list[torch.Tensor], audios: list[dict[str, A
 
 
 # -- the Trainer's sites ----------------------------------------------------------------------
-
-
 def make_eval_step(original: Any) -> Any:
     @functools.wraps(original)
     def eval_step(self: Any, batch: Any, step: int) -> Any:
@@ -168,12 +158,11 @@ def make_eval_epoch(original: Any) -> Any:
                 f"the coqui model {type(model).__name__} has no (text, audio) loss the library "
                 f"can measure (only XTTS's GPTTrainer)")
             return
-        monitor = monitor_of(self)
         averages = getattr(getattr(self, "keep_avg_eval", None), "avg_values", None) or {}
         loss = averages.get("avg_loss")
-        monitor.evaluate(model, step=int(getattr(self, "total_steps_done", 0) or 0),
-                         eval_loss=float(loss) if isinstance(loss, (int, float)) else None,
-                         loss_fn=audio_losses)
+        monitor_of(self).evaluate(
+            model, step=int(getattr(self, "total_steps_done", 0) or 0),
+            eval_loss=float(loss) if isinstance(loss, (int, float)) else None, loss_fn=audio_losses)
     return eval_epoch
 
 

@@ -1,14 +1,10 @@
 """Integration ``coqui_trainer``: coqui-tts-trainer (package ``trainer``, 0.4).
 
-What it adds to the generic patches (each site's ``lost=`` says what it prevents):
-``grad_scaler``: the ``GradScaler`` partial the module binds at import becomes a
-SafeGradScaler one; ``nan_guard``: the loss seen before backward, NaN losses kept out of the
-running averages, the counters on TensorBoard, a failed run's folder kept with its reports,
-and under coqui's DDP (which keeps only ``ddp_model.module``: gradients were never
-all-reduced, the ranks drifted apart) the training forward through the kept wrapper;
-``oom_guard``; ``checkpoint`` (:mod:`.coqui_checkpoint`, :mod:`.coqui_interrupt`);
-``learning`` (:mod:`.coqui_learning`). The run folder is known from the Trainer's log file
-(:func:`output_dir_from_logging`).
+Sites of ``grad_scaler``, ``nan_guard`` (under coqui's DDP, which keeps only
+``ddp_model.module``, the training forward goes through the kept wrapper), ``oom_guard``,
+``checkpoint`` (:mod:`.coqui_checkpoint`, :mod:`.coqui_interrupt`) and ``learning``
+(:mod:`.coqui_learning`); each site's ``lost=`` says what it prevents. The run folder is known
+from the Trainer's log file (:func:`output_dir_from_logging`).
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ NAME = "coqui_trainer"
 DISTRIBUTION = "coqui-tts-trainer"
 SUPPORTED = ">=0.3,<0.5"
 MODULE = "trainer.trainer"
-SCALER_ATTR = "GradScaler"
 
 
 def output_dir_from_logging() -> str | None:
@@ -60,6 +55,7 @@ def scaler_factory(original: Any) -> Any:
 _ddp_of: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 _DDP_LOST = ("under coqui's DDP gradients are never all-reduced: each rank trains its own copy "
              "and the ranks drift apart")
+_SIGNAL_LOST = "SIGTERM (a cloud machine stopping) or SIGHUP kills a coqui run with no checkpoint"
 
 
 def make_ddp(original: Any) -> Any:
@@ -115,8 +111,7 @@ def make_compute_loss(original: Any) -> Any:
             nan_guard.watch(self.model)
 
         def rerun() -> Any:
-            outputs, losses = original(self, batch, criterion, optimizer_idx)
-            return losses["loss"]
+            return original(self, batch, criterion, optimizer_idx)[1]["loss"]
         nan_guard.set_replay(lambda: nan_guard.find_nonfinite_source(self.model, rerun))
         outputs, loss_dict = original(self, batch, criterion, optimizer_idx)
         loss = loss_dict.get("loss") if isinstance(loss_dict, dict) else None
@@ -148,11 +143,8 @@ def make_detach_loss_dict(original: Any) -> Any:
 # -- the one wrapper of each Trainer method that several patches want ---------------------
 
 def make_train_step(original: Any) -> Any:
-    """``Trainer.train_step`` for three patches, each part run while its patch is applied.
-    ``oom_guard``: a batch that runs out of GPU memory is skipped (coqui's epoch loop skips a
-    step whose ``train_step`` returns no outputs). ``checkpoint``: a signal interrupts only a
-    step that has ended (:func:`.coqui_interrupt.uninterrupted`). ``nan_guard``: the
-    patches' counters go to TensorBoard every ``plot_step``."""
+    """``Trainer.train_step`` for ``oom_guard``, ``checkpoint`` and ``nan_guard``, each part
+    run while its patch is applied (coqui's epoch loop skips a step returning no outputs)."""
     @functools.wraps(original)
     def train_step(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         skip_oom = active("oom_guard")
@@ -166,7 +158,11 @@ def make_train_step(original: Any) -> Any:
         except oom_guard.OOM_ERRORS as exc:
             if not skip_oom:
                 raise
-            _skip_oom(self, batch, exc)
+            optimizers = self.optimizer if isinstance(self.optimizer, list) else [self.optimizer]
+            audio = getattr(getattr(self, "config", None), "audio", None)
+            oom_guard.on_oom(exc, batch, [o for o in optimizers if o is not None],
+                             step=getattr(self, "total_steps_done", None),
+                             sample_rate=getattr(audio, "sample_rate", None))
             return None, None
         if skip_oom:
             oom_guard.on_success()
@@ -184,19 +180,9 @@ def _plot_counters(trainer: Any) -> None:
         trainer.dashboard_logger.add_scalars("TrainingPatches", scalars, step)
 
 
-def _skip_oom(trainer: Any, batch: Any, exc: BaseException) -> None:
-    optimizers = trainer.optimizer if isinstance(trainer.optimizer, list) else [trainer.optimizer]
-    audio = getattr(getattr(trainer, "config", None), "audio", None)
-    oom_guard.on_oom(exc, batch, [o for o in optimizers if o is not None],
-                     step=getattr(trainer, "total_steps_done", None),
-                     sample_rate=getattr(audio, "sample_rate", None))
-
-
 def make_fit(original: Any) -> Any:
-    """``Trainer.fit`` for two patches, each part run while its patch is applied.
-    ``learning``: a run without evaluations is told that its reading gap goes unmeasured.
-    ``checkpoint``: SIGINT, SIGTERM and SIGHUP interrupt the run, which then exits
-    ``128 + signal`` (:func:`.coqui_interrupt.interruptible_run`)."""
+    """``Trainer.fit`` for ``learning`` and ``checkpoint``, each part run while its patch is
+    applied."""
     @functools.wraps(original)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         if active("learning"):
@@ -234,7 +220,7 @@ INTEGRATION = register_integration(Integration(
     describe="SafeGradScaler in the Trainer, NaN losses seen before backward, DDP "
              "gradients all-reduced, atomic saves and vocabulary-aware restore",
     sites=(
-        Site(MODULE, SCALER_ATTR, scaler_factory, patch="grad_scaler",
+        Site(MODULE, "GradScaler", scaler_factory, patch="grad_scaler",
              lost="the coqui Trainer builds torch's GradScaler (initial scale 65536, no skip "
                   "counters, no loss-scale floor)"),
         Site(MODULE, "Trainer._compute_loss", make_compute_loss, patch="nan_guard",
@@ -252,41 +238,35 @@ INTEGRATION = register_integration(Integration(
         Site(MODULE, "DDP_th", make_ddp, patch="nan_guard", lost=_DDP_LOST),
         Site(MODULE, "Trainer._model_train_step", make_model_train_step, patch="nan_guard",
              lost=_DDP_LOST),
-        Site(MODULE, "remove_experiment_folder", make_remove_experiment_folder,
-             patch="nan_guard",
+        Site(MODULE, "remove_experiment_folder", make_remove_experiment_folder, patch="nan_guard",
              lost="coqui deletes a failed run's folder, with the reports that explain it"),
         Site(MODULE, "Trainer.restore_model", coqui_checkpoint.make_restore_model,
-             patch="checkpoint",
-             lost="restore_path/continue_path drop every trained row when the vocabulary "
-                  "grew, and restore a scheduler that no longer matches the optimizer"),
+             patch="checkpoint", lost="restore_path/continue_path drop every trained row when "
+             "the vocabulary grew, and restore a scheduler that no longer matches the optimizer"),
         Site(MODULE, "get_last_checkpoint", coqui_checkpoint.make_get_last_checkpoint,
-             patch="checkpoint",
-             lost="continue_path resumes from the newest file name even when it is torn"),
+             patch="checkpoint", lost="continue_path resumes from the newest file name even "
+             "when it is torn"),
         Site(MODULE, "Trainer.fit", make_fit, patch=("checkpoint", "learning"),
-             lost={"checkpoint": "SIGTERM (a cloud machine stopping) or SIGHUP kills a coqui "
-                                 "run with no checkpoint, and Ctrl-C ends it with "
-                                 "os._exit(130), workers left behind",
+             lost={"checkpoint": _SIGNAL_LOST + ", and Ctrl-C ends it with os._exit(130), "
+                                 "workers left behind",
                    "learning": "a coqui run without evaluations is not told that its "
                                "reading gap goes unmeasured"}),
         Site(MODULE, "Trainer._fit", coqui_interrupt.make_inner_fit, patch="checkpoint",
-             lost="SIGTERM (a cloud machine stopping) or SIGHUP kills a coqui run with no "
-                  "checkpoint"),
+             lost=_SIGNAL_LOST),
         Site(MODULE, "Trainer.save_best_model", coqui_interrupt.make_uninterrupted,
              patch="checkpoint", lost="a signal stops the epoch's best-model save half-way"),
         Site(MODULE, "Trainer.save_checkpoint", coqui_interrupt.make_save_checkpoint,
-             patch="checkpoint",
-             lost="an interrupted coqui run saves again a step it has already saved"),
+             patch="checkpoint", lost="an interrupted coqui run saves again a step it has "
+             "already saved"),
         Site(MODULE, "get_experiment_folder_path", coqui_checkpoint.make_experiment_folder,
-             patch="checkpoint",
-             lost="two coqui runs started in the same minute into one output folder share a "
-                  "run folder and overwrite each other's checkpoints"),
+             patch="checkpoint", lost="two coqui runs started in the same minute into one output "
+             "folder share a run folder and overwrite each other's checkpoints"),
         Site(MODULE, "copy_model_files", coqui_checkpoint.make_copy_model_files,
-             patch="checkpoint",
-             lost="a second run continuing a run folder in use overwrites its checkpoints"),
+             patch="checkpoint", lost="a second run continuing a run folder in use overwrites "
+             "its checkpoints"),
         Site(coqui_checkpoint.IO, "save_fsspec", coqui_checkpoint.make_save_fsspec,
-             patch="checkpoint",
-             lost="coqui checkpoints are written in place, not atomically: a kill during a "
-                  "save leaves a torn file"),
+             patch="checkpoint", lost="coqui checkpoints are written in place, not atomically: "
+             "a kill during a save leaves a torn file"),
         Site(MODULE, "Trainer.eval_step", coqui_learning.make_eval_step, patch="learning",
              lost="the reading gap has no probe: nothing tells whether XTTS reads its text"),
         Site(MODULE, "Trainer.eval_epoch", coqui_learning.make_eval_epoch, patch="learning",

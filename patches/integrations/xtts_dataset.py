@@ -16,8 +16,7 @@ import random
 import sys
 import time
 from collections import Counter
-from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -81,11 +80,8 @@ def _unknown_characters(tokenizer: Any, text: str, lang: str) -> list[str]:
     backend = getattr(tokenizer, "tokenizer", None)
     if backend is None:
         return []
-    unknown = []
-    for char in dict.fromkeys(cleaned):
-        if char != " " and _UNK_ID in backend.encode(char).ids:
-            unknown.append(char)
-    return unknown[:20]
+    return [char for char in dict.fromkeys(cleaned)
+            if char != " " and _UNK_ID in backend.encode(char).ids][:20]
 
 
 def _diagnose(dataset: Any, sample: dict[str, Any], exc: BaseException) -> tuple[str, str]:
@@ -144,12 +140,8 @@ def _dataset_class(original: type) -> type:
                    f"samples (training-patches {NAME}).")
 
         # -- bookkeeping ----------------------------------------------------
-
         def _tp_state(self) -> dict[str, Any]:
-            state = self.__dict__.get("_tp")
-            if state is None:
-                state = self.__dict__["_tp"] = {"dropped": {}, "path": None}
-            return state
+            return self.__dict__.setdefault("_tp", {"dropped": {}, "path": None})
 
         def _tp_total(self) -> int:
             return max(len(self), 1)
@@ -166,9 +158,7 @@ def _dataset_class(original: type) -> type:
             if key in state["dropped"]:
                 return
             state["dropped"][key] = reason
-            if state["path"] is None:
-                state["path"] = report_path()
-            path: Path = state["path"]
+            path = state["path"] = state["path"] or report_path()
             entry = {"split": self._tp_split(), "audio_file": str(sample.get("audio_file")),
                      "text": str(sample.get("text")), "language": sample.get("language"),
                      "reason": reason, "detail": detail, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -181,18 +171,13 @@ def _dataset_class(original: type) -> type:
                     "dropped so far (%.0f%%), %s", self._tp_split(),
                     entry["audio_file"], reason, detail, dropped, total, self._tp_split(),
                     100.0 * dropped / max(total, 1), _run.where_recorded(str(path)))
-            self._tp_check_share(total)
-
-        def _tp_check_share(self, total: int) -> None:
-            state = self._tp_state()
             share = _options.current().max_drop_share
-            dropped = len(state["dropped"])
             if dropped > share * total:
                 self._tp_raise(f"{dropped} of {total} {self._tp_split()} samples "
                                f"({100.0 * dropped / max(total, 1):.0f}%) could not be loaded, "
                                f"more than the limit of {100 * share:.0f}%")
 
-        def _tp_raise(self, what: str) -> None:
+        def _tp_raise(self, what: str) -> NoReturn:
             state = self._tp_state()
             reasons = Counter(state["dropped"].values())
             listed = ", ".join(f"{REASONS.get(r, r)} ({r}): {n}" for r, n in reasons.most_common())
@@ -205,7 +190,6 @@ def _dataset_class(original: type) -> type:
                 f"TRAINING_PATCHES_MAX_DROP_SHARE (now {_options.current().max_drop_share:g}).")
 
         # -- coqui's entry points ---------------------------------------------
-
         def check_eval_samples(self) -> None:
             if not is_enabled(NAME):
                 return super().check_eval_samples()
@@ -259,7 +243,6 @@ def _dataset_class(original: type) -> type:
             self._tp_raise(f"no loadable sample found in {MAX_PICKS} picks "
                            f"({len(self._tp_state()['dropped'])} of {self._tp_total()} "
                            f"{self._tp_split()} samples dropped so far)")
-            raise AssertionError("unreachable")
 
         @staticmethod
         def _tp_item(loaded: tuple[Any, ...]) -> dict[str, Any]:

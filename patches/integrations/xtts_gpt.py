@@ -1,11 +1,8 @@
 """Integration ``xtts_gpt``: XTTS's ``GPTTrainer`` (coqui-tts 0.28) loads and freezes
-through training-patches.
-
-Sites on ``GPTTrainer``: ``__init__``, one wrapper for two patches: ``checkpoint`` loads
-``gpt_checkpoint`` with the vocabulary-aware loader, not coqui's ``torch.randn`` padding, and
-then ``vocab_freeze`` freezes the base rows with ``TRAINING_PATCHES_BASE_VOCAB`` set, on every
-start and resume; ``load_checkpoint`` (patch ``checkpoint``) loads ``xtts_checkpoint`` with
-the same loader.
+through training-patches: ``__init__`` loads ``gpt_checkpoint`` with the vocabulary-aware
+loader, not coqui's ``torch.randn`` padding (patch ``checkpoint``), then freezes the base rows
+with ``TRAINING_PATCHES_BASE_VOCAB`` set (``vocab_freeze``), on every start and resume;
+``load_checkpoint`` (``checkpoint``) loads ``xtts_checkpoint`` with the same loader.
 """
 
 from __future__ import annotations
@@ -30,11 +27,6 @@ SUPPORTED = ">=0.24,<0.29"
 GPT_TRAINER = "TTS.tts.layers.xtts.trainer.gpt_trainer"
 # Keys of a GPTTrainer state dict that XTTS itself drops when loading xtts_checkpoint.
 _XTTS_IGNORED = ("torch_mel_spectrogram_style_encoder", "torch_mel_spectrogram_dvae", "dvae")
-
-
-def _xtts_state_filter(key: str) -> bool:
-    return key.split(".")[0] not in _XTTS_IGNORED
-
 
 # Per GPTTrainer: the load of its base weights (xtts_checkpoint or gpt_checkpoint), which the
 # coqui Trainer's run records where it starts (report checks the frozen rows against it).
@@ -63,14 +55,15 @@ def make_gpt_trainer_load_checkpoint(original: Callable[..., Any]) -> Callable[.
         # XTTS drops the DVAE and mel-spectrogram keys and loads into self.xtts (the loader
         # aligns the "xtts." prefix); weights only, before any optimizer exists.
         report = load_checkpoint(local_path(checkpoint_path), self.xtts, strict=strict,
-                                 restore_rng=False, key_filter=_xtts_state_filter,
+                                 restore_rng=False,
+                                 key_filter=lambda key: key.split(".")[0] not in _XTTS_IGNORED,
                                  resume_step=False, tokenizer=model_tokenizer(config))
         _base_loads[self] = report
-        if not eval:
-            _weights_only(report, "xtts_checkpoint loads the model")
         if eval:
             self.xtts.gpt.init_gpt_for_inference(kv_cache=self.args.kv_cache, use_deepspeed=False)
             self.eval()
+        else:
+            _weights_only(report, "xtts_checkpoint loads the model")
         return None
 
     return gpt_trainer_load_checkpoint
@@ -92,14 +85,13 @@ def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
     """What ``GPTTrainer.__init__`` does with ``gpt_checkpoint`` (a bare GPT state dict or a
     coqui Trainer checkpoint), through the loader: a grown vocabulary's new rows by its rules,
     spelled with GPTTrainer's own ``tokenizer_file``. Returns the LoadReport."""
-    def gpt_keys(key: str) -> bool:
-        # a coqui Trainer checkpoint holds the whole GPTTrainer: keep xtts.gpt.* only
-        return key.startswith("xtts.gpt.") or not key.startswith(("xtts.", *_XTTS_IGNORED))
-
     from ..checkpoint.load import load_checkpoint  # lazy: heavy (issue 41)
 
+    # a coqui Trainer checkpoint holds the whole GPTTrainer: keep xtts.gpt.* only
     report = load_checkpoint(path, gpt_trainer.xtts.gpt, restore_rng=False, freeze=freeze,
-                             strict=True, key_filter=gpt_keys, resume_step=False,
+                             strict=True, resume_step=False,
+                             key_filter=lambda key: key.startswith("xtts.gpt.")
+                             or not key.startswith(("xtts.", *_XTTS_IGNORED)),
                              tokenizer=model_tokenizer(getattr(gpt_trainer, "config", None)))
     _base_loads[gpt_trainer] = report
     _weights_only(report, "gpt_checkpoint loads the GPT")
@@ -107,11 +99,9 @@ def load_gpt_checkpoint(gpt_trainer: Any, path: str | os.PathLike[str], *,
 
 
 def make_gpt_trainer_init(original: Callable[..., None]) -> Callable[..., None]:
-    """``GPTTrainer.__init__`` for two patches, each part run while its patch is applied.
-    ``checkpoint``: ``gpt_checkpoint`` is loaded with :func:`load_gpt_checkpoint` after
-    upstream's ``__init__``. ``vocab_freeze``: then, with ``base_vocab`` set, the base rows
-    are frozen, once the tokenizer's special tokens and the frozen range are checked against
-    the model (:func:`check_vocab_layout`)."""
+    """``GPTTrainer.__init__`` for ``checkpoint`` (:func:`load_gpt_checkpoint` after upstream's
+    ``__init__``), then ``vocab_freeze`` (:func:`check_vocab_layout`, then the freeze), each
+    part run while its patch is applied."""
 
     @functools.wraps(original)
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -146,9 +136,8 @@ def _gpt_checkpoint_loaded(trainer: Any, config: Any) -> Iterator[None]:
 def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
                           base_tokens: int, data_languages: Sequence[str] = ()) -> list[str]:
     """What is wrong between the tokenizer, the XTTS ``GPT`` and a freeze of the first
-    ``base_tokens`` tokens: the special tokens ``verify-tokenizer`` fails on (with each of
-    ``data_languages``' ``[lang]``), the start/stop ids, the rows against the ids, and a frozen
-    row that would keep a base row for another token. Empty when all agree."""
+    ``base_tokens`` tokens (special tokens, each of ``data_languages``' ``[lang]``, start/stop
+    ids, rows against ids, a frozen row kept for another token); empty when all agree."""
     from .xtts_vocab import FAIL, XttsVocab, parse_vocab_json  # lazy: only for a freeze check
 
     try:
@@ -182,17 +171,15 @@ def vocab_layout_problems(tokenizer_file: str | os.PathLike[str], gpt: Any,
     layout = row_layout(gpt, rows)
     frozen = frozen_rows(rows, layout.base_rows(base_tokens), start_row_last=layout.last_row_kept)
     start, last_base = tok.vocab.get("[START]"), base_tokens - 1
-    kept = f"rows {describe_rows(frozen)} are frozen at the base model's rows"
+    kept = (f"rows {describe_rows(frozen)} are frozen at the base model's rows, so row "
+            f"{last_base} ({names.get(last_base, 'no token')}) keeps the base model's row "
+            f"{last_base}, its last base row, where XTTS keeps [START]")
     if start is None:
-        problems.append(
-            f"{kept}, so row {last_base} ({names.get(last_base, 'no token')}) keeps the base "
-            f"model's row {last_base}, its last base row, where XTTS keeps [START]: with [START] "
-            f"missing, the token that took its id would keep [START]'s weights and never train")
+        problems.append(f"{kept}: with [START] missing, the token that took its id would keep "
+                        f"[START]'s weights and never train")
     elif start >= base_tokens and start != rows - 1:
-        problems.append(
-            f"[START] is id {start}, a new row that trains, and not the last row (XTTS's "
-            f"layout); {kept}, so row {last_base} ({names.get(last_base, 'no token')}) keeps "
-            f"the base model's row {last_base}, its last base row, where XTTS keeps [START]")
+        problems.append(f"[START] is id {start}, a new row that trains, and not the last row "
+                        f"(XTTS's layout); {kept}")
     return problems
 
 
@@ -211,11 +198,10 @@ def check_vocab_layout(gpt_trainer: Any, base_tokens: int) -> list[str]:
     text = (f"the vocabulary {path} and the model do not fit a freeze of the first "
             f"{base_tokens} tokens (TRAINING_PATCHES_BASE_VOCAB): " + "; ".join(problems)
             + f". Expected [STOP] 0, [UNK] 1, [SPACE], [START] and each dataset language's "
-            f"[lang] as special tokens, the "
-            f"model's start/stop ids equal to them, and [START] either kept at its base id or "
-            f"moved to the last id. `training-patches verify-tokenizer {path} --base-size "
-            f"{base_tokens}` shows the layout; fix the vocabulary (extend-tokenizer keeps it) "
-            f"or the base size")
+            f"[lang] as special tokens, the model's start/stop ids equal to them, and [START] "
+            f"either kept at its base id or moved to the last id. `training-patches "
+            f"verify-tokenizer {path} --base-size {base_tokens}` shows the layout; fix the "
+            f"vocabulary (extend-tokenizer keeps it) or the base size")
     if _options.current().strict:
         raise VocabFreezeError(f"training-patches (TRAINING_PATCHES_STRICT=1): {text}.")
     logger.warning("%s WARNING: %s; training goes on (TRAINING_PATCHES_STRICT=1 stops here).",

@@ -31,9 +31,7 @@ class LanguageTokenMissingError(ValueError):
 
 def _active_language(lang: str) -> languages.Language | None:
     """The registered language for ``lang`` while the patch is applied, else None."""
-    if not is_enabled(NAME):
-        return None
-    return languages.get_language(lang)
+    return languages.get_language(lang) if is_enabled(NAME) else None
 
 
 class _CharLimits(dict):
@@ -48,9 +46,7 @@ class _CharLimits(dict):
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
         language = _active_language(key)
-        if language is not None:
-            return language.char_limit
-        return super().get(key, default)
+        return super().get(key, default) if language is None else language.char_limit
 
 
 def _is_special(backend: Any, token: str) -> bool:
@@ -79,11 +75,9 @@ def check_language_token(tokenizer: Any, code: str, vocab_file: Any) -> None:
     """Raise :class:`LanguageTokenMissingError` unless ``[code]`` encodes as one special token."""
     token = f"[{code}]"
     backend = tokenizer.tokenizer
-    if backend is None:
-        return  # coqui's own error (no vocabulary loaded) is clearer than ours here
+    if backend is None or _is_special(backend, token):
+        return  # no vocabulary loaded: coqui's own error is clearer than ours there
     token_id = backend.token_to_id(token)
-    if _is_special(backend, token):
-        return
     vocab = backend.get_vocab()
     found = sorted(t for t in vocab if len(t) <= 8 and t.startswith("[") and t.endswith("]")
                    and t[1:-1].replace("-", "").isalpha() and t[1:-1].islower())
@@ -155,10 +149,9 @@ def _model_class(original: type) -> type:
         def synthesize(self, *args: Any, **kwargs: Any) -> Any:
             # ``language`` may come by position or keyword: bind as coqui's signature does.
             try:
-                bound = signature.bind(self, *args, **kwargs)
+                language = signature.bind(self, *args, **kwargs).arguments.get("language")
             except TypeError:
-                bound = None  # coqui raises its own, clearer, error below
-            language = bound.arguments.get("language") if bound is not None else None
+                language = None  # coqui raises its own, clearer, error below
             if language is not None:
                 accept_language(self.config, language)
             return super().synthesize(*args, **kwargs)

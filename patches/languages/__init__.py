@@ -141,7 +141,18 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
         known = _languages.get(key)
         if (romanize is not None and cleaner is None and char_limit is None and not alias_keys
                 and (known is not None or key in COQUI_LANGUAGES)):
-            language = _add_romanizer(key, known, romanize, name, replace)
+            had = _romanizers.get(key)
+            if had is not None and not replace:
+                raise _options.ConfigError(
+                    f"training-patches: the language {key!r} already has a romaniser "
+                    f"({had.label}). Pass replace=True to register_language to use yours "
+                    f"instead.")
+            _romanizers.pop(key, None)
+            _romanizers[key] = Romanizer(key, romanize, name=name or (known.name if known else ""))
+            language = (Language(key, None, None, name, (), romanize) if known is None else
+                        dataclasses.replace(known, romanize=romanize))
+            if known is not None:
+                _languages[key] = language
             info("training-patches: romaniser of language %r registered (%s cleaner and char "
                  "limit kept)", key, "its" if known is not None else "coqui-tts's")
             return language
@@ -159,23 +170,6 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
         if romanize is not None:
             _romanizers[key] = Romanizer(key, romanize, name=name)
     info("training-patches: language %r registered (char limit %d)", key, language.char_limit)
-    return language
-
-
-def _add_romanizer(key: str, known: Language | None, romanize: Callable[[str], str | None],
-                   name: str, replace: bool) -> Language:
-    """``romanize`` added to the known language ``key`` (registered: ``known``; else
-    coqui-tts's), its cleaner and limit kept. Called with the lock held."""
-    had = _romanizers.get(key)
-    if had is not None and not replace:
-        raise _options.ConfigError(
-            f"training-patches: the language {key!r} already has a romaniser ({had.label}). "
-            f"Pass replace=True to register_language to use yours instead.")
-    _romanizers.pop(key, None)
-    _romanizers[key] = Romanizer(key, romanize, name=name or (known.name if known else ""))
-    if known is None:
-        return Language(key, None, None, name, (), romanize)
-    language = _languages[key] = dataclasses.replace(known, romanize=romanize)
     return language
 
 
@@ -254,13 +248,10 @@ _languages["am"] = Language("am", _amharic_cleaner, amharic.CHAR_LIMIT, "Amharic
 _romanizers["am"] = Romanizer("am", amharic.romanize, builtin=True, name="Amharic")
 
 
-def _describe(options: object) -> str:
-    codes = ", ".join(sorted(_languages)) or "none"
-    return f"registered languages ({codes}) are accepted by the tokenizers of the integrations"
-
-
 SPEC = register(PatchSpec(
-    name="languages", describe=_describe,
+    name="languages",
+    describe=lambda o: (f"registered languages ({', '.join(sorted(_languages)) or 'none'}) are "
+                        f"accepted by the tokenizers of the integrations"),
     options=(Option("amharic_homophones", flag, False, "1 or 0",
                     "1: fold Amharic homophone letters (ሐ ኀ -> ሀ, ...)"),),
 ))

@@ -74,8 +74,8 @@ _PUNCTUATION = {
 
 # Ethiopic numerals: ፩..፱ (U+1369..1371) are 1..9, ፲..፺ (U+1372..137A) 10..90,
 # ፻ (U+137B) is 100, ፼ (U+137C) is 10 000.
-_ETHIOPIC_DIGITS = {chr(0x1369 + i): i + 1 for i in range(9)}
-_ETHIOPIC_DIGITS.update({chr(0x1372 + i): 10 * (i + 1) for i in range(9)})
+_ETHIOPIC_DIGITS = {**{chr(0x1369 + i): i + 1 for i in range(9)},
+                    **{chr(0x1372 + i): 10 * (i + 1) for i in range(9)}}
 _ETHIOPIC_HUNDRED = "\u137b"
 _ETHIOPIC_MYRIAD = "\u137c"
 
@@ -115,13 +115,8 @@ def _below_thousand(n: int) -> list[str]:
         words += ([_ONES[hundreds]] if hundreds > 1 else []) + [_HUNDRED]
     tens, ones = divmod(rest, 10)
     if tens == 1 and ones:
-        words += [_TEEN_PREFIX, _ONES[ones]]
-    else:
-        if tens:
-            words.append(_TENS[tens])
-        if ones:
-            words.append(_ONES[ones])
-    return words
+        return words + [_TEEN_PREFIX, _ONES[ones]]
+    return words + [word for word in (_TENS[tens], _ONES[ones]) if word]  # 0 is ""
 
 
 def number_to_words(n: int) -> str:
@@ -182,27 +177,20 @@ def ethiopic_to_int(numeral: str) -> int:
     return total + group + current
 
 
+# Each Ethiopic consonant has its seven vowel orders (and often a labialised eighth) at
+# consecutive code points, so a whole series maps by offset.
+_HOMOPHONES = {start + i: target + i for start, target, count in (
+    (0x1210, 0x1200, 7),  # ሐ..ሖ -> ሀ..ሆ
+    (0x1280, 0x1200, 8),  # ኀ..ኇ -> ሀ..ሇ
+    (0x1220, 0x1230, 8),  # ሠ..ሧ -> ሰ..ሷ
+    (0x12D0, 0x12A0, 7),  # ዐ..ዖ -> አ..ኦ
+    (0x1340, 0x1338, 8),  # ፀ..ፇ -> ጸ..ጿ
+) for i in range(count)} | {0x1217: 0x128B}  # ሗ (hʷa) -> ኋ, the usual spelling of that sound
+
+
 def normalize_homophones(text: str) -> str:
     """Write letters that sound alike one way: ሐ ኀ -> ሀ, ሠ -> ሰ, ዐ -> አ, ፀ -> ጸ (all orders)."""
     return text.translate(_HOMOPHONES)
-
-
-def _homophone_table() -> dict[int, int]:
-    table: dict[int, int] = {}
-    # Each Ethiopic consonant has its seven vowel orders (and often a labialised
-    # eighth) at consecutive code points, so a whole series maps by offset.
-    for start, target, count in ((0x1210, 0x1200, 7),   # ሐ..ሖ -> ሀ..ሆ
-                                 (0x1280, 0x1200, 8),   # ኀ..ኇ -> ሀ..ሇ
-                                 (0x1220, 0x1230, 8),   # ሠ..ሧ -> ሰ..ሷ
-                                 (0x12D0, 0x12A0, 7),   # ዐ..ዖ -> አ..ኦ
-                                 (0x1340, 0x1338, 8)):  # ፀ..ፇ -> ጸ..ጿ
-        for i in range(count):
-            table[start + i] = target + i
-    table[0x1217] = 0x128B  # ሗ (hʷa) -> ኋ, the usual spelling of that sound
-    return table
-
-
-_HOMOPHONES = _homophone_table()
 
 
 def _expand_date(match: re.Match[str]) -> str:
@@ -241,8 +229,7 @@ def normalize(text: str, *, homophones: bool = False) -> str:
     text = "".join(_PUNCTUATION.get(char, char) for char in text)
     if homophones:
         text = normalize_homophones(text)
-    text = text.lower()
-    text = found.spaces.sub(" ", text).strip()
+    text = found.spaces.sub(" ", text.lower()).strip()
     # A mark left after a space ("ሰላም ." after a removed quote) belongs to the word.
     return re.sub(r" ([.,;:?!])", r"\1", text)
 
