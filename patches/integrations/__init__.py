@@ -10,16 +10,20 @@ imported only when one of their sites lands (:func:`implementation`).
 
 from __future__ import annotations
 
-from types import ModuleType
+import importlib
 from typing import Any, Callable
 
 
-def implementation(load: Callable[[], ModuleType]
+def implementation(package: str
                    ) -> tuple[Callable[[str], Callable[[Any], Any]], Callable[[str], Any]]:
-    """For a package whose ``load()`` imports its ``sites`` module, the implementation:
-    ``made(name)``, a Site's ``make`` that runs the implementation's ``name`` as the site
-    lands, and the package's ``__getattr__`` (the implementation's public names, on first
-    use; not ``sites``, which the import system asks for before it imports it)."""
+    """For the integration ``package`` whose ``sites`` module is its implementation:
+    ``made(name)``, a Site's ``make`` that imports ``sites`` as the site lands (its upstream is
+    imported by then) and runs its ``name``, and the package's ``__getattr__`` (the
+    implementation's public names, on first use; not ``sites``, which the import system asks
+    for before it imports it)."""
+    def load() -> Any:
+        return importlib.import_module(f"{package}.sites")
+
     def made(name: str) -> Callable[[Any], Any]:
         return lambda original: getattr(load(), name)(original)
 
@@ -28,7 +32,6 @@ def implementation(load: Callable[[], ModuleType]
             raise AttributeError(name)
         return getattr(load(), name)
     return made, __getattr__
-
 
 from . import (accelerate, coqui_trainer, deepspeed, f5_tts, layouts, lightning,  # noqa: E402,F401
                transformers_trainer, xtts_dataset, xtts_gpt, xtts_language)

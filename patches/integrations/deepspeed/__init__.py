@@ -17,8 +17,6 @@ docs/quickstart/deepspeed.md.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from ..._registry import Integration, Site, register_integration
 from .. import implementation
 
@@ -27,13 +25,7 @@ DISTRIBUTION = "deepspeed"
 SUPPORTED = ">=0.16,<0.20"
 MODULE = "deepspeed.runtime.engine"
 
-
-def _sites() -> ModuleType:
-    from . import sites  # lazy: the upstream is imported by now (or a name of it is used)
-    return sites
-
-
-_made, __getattr__ = implementation(_sites)
+_made, __getattr__ = implementation(__name__)
 
 INTEGRATION = register_integration(Integration(
     name=NAME,

@@ -14,8 +14,6 @@ Design: docs/design/trainers.md
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from ..._registry import Integration, Site, register_integration
 from .. import implementation
 
@@ -24,13 +22,7 @@ DISTRIBUTION = "transformers"
 SUPPORTED = ">=4.57,<6"
 MODULE = "transformers.trainer"
 
-
-def _sites() -> ModuleType:
-    from . import sites  # lazy: the upstream is imported by now (or a name of it is used)
-    return sites
-
-
-_made, __getattr__ = implementation(_sites)
+_made, __getattr__ = implementation(__name__)
 
 INTEGRATION = register_integration(Integration(
     name=NAME,
