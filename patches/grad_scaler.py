@@ -451,7 +451,8 @@ class SafeGradScaler(_TorchGradScaler, metaclass=_ScalerType):
                 "skipped": state["skipped"], "consecutive_skips": state["streak"]}
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's keys, plus ours under ``"training_patches"`` (a plain GradScaler ignores them)."""
+        """torch's keys, plus ours under ``"training_patches"`` (a plain GradScaler ignores
+        them)."""
         state = super().state_dict()
         if state:
             device = self._read_device_state()

@@ -207,7 +207,8 @@ def check(optimizer: torch.optim.Optimizer, *, step: int | None = None,
         info("resume_check: resume at %s: LR %s %s, the optimizer has taken %s step(s), its "
              "moments fit the parameters", where, _lrs(lr),
              "is its scheduler's" if sched is not None else
-             "(no LR scheduler found)" if not scheds else f"({len(scheds)} schedulers: not compared)",
+             "(no LR scheduler found)" if not scheds
+             else f"({len(scheds)} schedulers: not compared)",
              f"{steps:,}" if steps is not None else "an unknown number of")
     return problems
 

@@ -70,9 +70,10 @@ def _local_rows(path: str, param: torch.Tensor, rows: Sequence[range]) -> tuple[
     if unknown or tuple(shape) != tuple(local.shape):
         raise VocabFreezeError(
             f"training-patches vocab_freeze: {path} is a DTensor with placements "
-            f"{placements} on {param.device_mesh} (local shard {tuple(local.shape)} of "  # type: ignore[attr-defined]
-            f"{tuple(param.shape)}), a layout whose rows this rank cannot map to global row "
-            f"indices, so its base rows cannot be kept exact. Expected Shard(dim) or "
+            f"{placements} on {param.device_mesh} "  # type: ignore[attr-defined]
+            f"(local shard {tuple(local.shape)} of {tuple(param.shape)}), a layout whose rows "
+            f"this rank cannot map to global row indices, so its base rows cannot be kept "
+            f"exact. Expected Shard(dim) or "
             f"Replicate() placements (FSDP2 fully_shard shards dim 0: Shard(0)). Freeze "
             f"before applying this layout, shard the vocabulary tensors with fully_shard "
             f"(Shard(0)) or leave them replicated, or unset TRAINING_PATCHES_BASE_VOCAB.")

@@ -50,6 +50,12 @@ def test_every_numeric_option_declares_its_range() -> None:
     ("TRAINING_PATCHES_SPIKE_WINDOW", "1", "out of range (below 2)"),
     ("TRAINING_PATCHES_READING_MIN_GAP", "0", "out of range (at or below 0)"),
     ("TRAINING_PATCHES_MAX_DROP_SHARE", "1.5", "out of range (above 1)"),
+    # the parsers of whole and positive numbers checked the sign themselves until the third
+    # stop of 2026-11-28 ("not usable (expected a whole number of at least 1)")
+    ("TRAINING_PATCHES_GROWTH_INTERVAL", "0", "'0', which is out of range (below 1). Expected "
+     "a whole number of steps of at least 1, e.g. 100: 1 to 2^31-1"),
+    ("TRAINING_PATCHES_MAX_BAD_STEPS", "-3", "out of range (below 1)"),
+    ("TRAINING_PATCHES_INIT_SCALE", "0", "out of range (below 2^-126)"),
 ])
 def test_a_value_out_of_range_is_one_paragraph_at_apply(
         monkeypatch: pytest.MonkeyPatch, env: str, value: str, message: str) -> None:

@@ -110,7 +110,8 @@ def _enable_freeze(model: torch.nn.Module, plan: ModelPlan, vocab_modules: Seque
     except ImportError:
         logger.warning(
             "training-patches: the vocabulary grew from %d to %d rows but patches.vocab_freeze is "
-            "not available, so the base rows are not frozen.", plan.rows.old_rows, plan.rows.new_rows)
+            "not available, so the base rows are not frozen.",
+            plan.rows.old_rows, plan.rows.new_rows)
         return None
     modules = sorted({key.rsplit(".", 1)[0] for key in plan.resized})
     base_rows = _base_rows(model, plan, modules)

@@ -40,7 +40,8 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_group(path: Path, index: int, saved: Mapping[Any, Any], group: Mapping[str, Any]) -> None:
+def _check_group(path: Path, index: int, saved: Mapping[Any, Any],
+                 group: Mapping[str, Any]) -> None:
     """The saved hyperparameters have the types of this optimizer's (finite numbers where it
     has numbers): torch would accept anything and fail later, at step()."""
     for key, current in group.items():
@@ -163,7 +164,8 @@ def _remap_optimizer_state(path: Path, saved: Any, optimizer: torch.optim.Optimi
         raise _not_a_state(path, "'state' or 'param_groups' is missing")
     for group in groups:
         if (not isinstance(group, Mapping) or not isinstance(group.get("params"), list)
-                or not all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])):
+                or not all(isinstance(i, int) and not isinstance(i, bool)
+                           for i in group["params"])):
             raise _not_a_state(path, "a parameter group without a list of parameter ids")
     ids = [i for group in groups for i in group["params"]]
     if len(set(ids)) != len(ids):

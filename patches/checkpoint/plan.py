@@ -318,7 +318,8 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
         if len(olds) != 1 or len(news) != 1:
             raise CheckpointMismatchError(
                 f"training-patches: the vocabulary tensors of {path} disagree: "
-                + "; ".join(f"{k}: checkpoint {list(o)}, model {list(n)}" for k, (o, n) in vocab.items())
+                + "; ".join(f"{k}: checkpoint {list(o)}, model {list(n)}"
+                            for k, (o, n) in vocab.items())
                 + ". Expected the text embedding and text head to have the same number of rows. "
                   "Nothing was loaded.")
         old_rows, new_rows = olds.pop(), news.pop()

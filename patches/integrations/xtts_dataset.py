@@ -124,8 +124,9 @@ def _size_problem(dataset: Any, wav: Any, tseq: Any) -> tuple[str, str] | None:
     if wav is None:
         return "decode_failure", "the audio loader returned nothing"
     if dataset.max_wav_len is not None and wav.shape[-1] > dataset.max_wav_len:
-        return "too_long_audio", (f"{wav.shape[-1] / dataset.sample_rate:.2f} s of audio, "
-                                  f"max_wav_length allows {dataset.max_wav_len / dataset.sample_rate:.2f} s")
+        rate = dataset.sample_rate
+        return "too_long_audio", (f"{wav.shape[-1] / rate:.2f} s of audio, "
+                                  f"max_wav_length allows {dataset.max_wav_len / rate:.2f} s")
     if dataset.max_text_len is not None and tseq.shape[0] > dataset.max_text_len:
         return "too_long_text", (f"{tseq.shape[0]} text tokens, max_text_length allows "
                                  f"{dataset.max_text_len}")
