@@ -231,8 +231,12 @@ def set_stage(name: str, function: Callable[..., Any] | None) -> None:
 
 
 def take_scheduler_decision(optimizer: Any) -> bool | torch.Tensor | None:
-    """The guard's latest decision on ``optimizer``'s step, once (the LR scheduler's hold)."""
-    step = _steps.get(optimizer)
+    """The guard's latest decision on ``optimizer``'s step, once (the LR scheduler's hold);
+    None for anything the guard never saw step (None, an object no weak reference takes)."""
+    try:
+        step = _steps.get(optimizer)
+    except TypeError:  # no weak reference to it, so no step of it is known
+        return None
     if step is None:
         return None
     decision, step.for_scheduler = step.for_scheduler, None

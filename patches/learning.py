@@ -85,10 +85,9 @@ class ReadingProbe:
 
     def add(self, language: str, text: Any, audio: Any) -> bool:
         """Keep one pair of ``language``; False when the probe is fixed or the language full."""
-        held = self._pairs.setdefault(str(language), [])
-        if self.frozen or len(held) >= self.per_language:
+        if not self.wants(language):  # a refused pair leaves no (empty) language behind
             return False
-        held.append((text, audio))
+        self._pairs.setdefault(str(language), []).append((text, audio))
         return True
 
     def wants(self, language: str) -> bool:

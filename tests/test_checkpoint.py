@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import pickle
 import random
 from pathlib import Path
@@ -25,6 +26,7 @@ import patches
 from patches import checkpoint as ck
 from tiny_models import TinyGPT
 from patches import vocab_freeze  # noqa: F401  (a growth's freeze: if it cannot import, fail)
+from patches.checkpoint.atomic import host_name
 from patches.checkpoint import (CheckpointError, CheckpointManager, CheckpointMismatchError,
                                 UnsafeCheckpointError, load_checkpoint)
 
@@ -421,6 +423,91 @@ def test_resume_auto_passes_over_torn_and_unfinished_checkpoints(tmp_path, caplo
     assert "ckpt_000000004.pt" in caplog.text and "ckpt_000000005.pt has no manifest" in caplog.text
     assert manager.path_for(4).exists() and manager.path_for(5).exists()
     assert CheckpointManager(tmp_path / "empty").resume("auto") is None
+
+
+def _unlistable(monkeypatch, folder: Path) -> None:
+    """``folder`` cannot be listed (its read permission gone, its network disk failing);
+    its files can still be written and read by name (tests run as root: chmod would not)."""
+    iterdir = Path.iterdir
+
+    def refuse(self):
+        if Path(self) == folder:
+            raise PermissionError(13, "Permission denied", str(self))
+        return iterdir(self)
+    monkeypatch.setattr(Path, "iterdir", refuse)
+
+
+def test_a_folder_that_cannot_be_listed_still_saves_and_says_so_once(tmp_path, monkeypatch,
+                                                                        caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    model = TinyGPT(20)
+    manager = CheckpointManager(out, keep=2)
+    manager.save(1, model)
+    _unlistable(monkeypatch, out)
+    with caplog.at_level(logging.WARNING, logger="training_patches"):
+        assert manager.save(2, model) == manager.path_for(2)
+        assert manager.save(3, model) == manager.path_for(3)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and str(out) in said[0] and "Permission denied" in said[0]
+    assert "cannot be listed" in said[0] and "numbered after ckpt_000000001.pt" in said[0]
+    assert ck.check_file(manager.path_for(2)) is None and ck.check_file(manager.path_for(3)) is None
+
+
+def test_a_save_into_a_folder_that_cannot_be_listed_stays_the_newest(tmp_path, monkeypatch):
+    """Numbered after the checkpoint ``latest`` names: once the folder can be listed again,
+    ``resume("auto")`` takes it, not an older one; without a readable ``latest`` the save is
+    refused and nothing is written."""
+    out = tmp_path / "run"
+    model = TinyGPT(20)
+    manager = CheckpointManager(out, keep=None)
+    for step in (1, 2, 3):
+        manager.save(step, model)
+    with monkeypatch.context() as patched:
+        _unlistable(patched, out)
+        assert manager.save(4, model) == manager.path_for(4)
+    assert manager.resume("auto") == manager.path_for(4)
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    _unlistable(monkeypatch, fresh)
+    with pytest.raises(CheckpointError, match="cannot be listed") as refused:
+        CheckpointManager(fresh).save(1, model)
+    assert str(fresh) in str(refused.value) and "Nothing was written" in str(refused.value)
+    monkeypatch.undo()
+    assert [p.name for p in fresh.iterdir() if not p.name.startswith(".training-patches")] == []
+
+
+def test_a_leftover_temp_file_that_cannot_be_removed_does_not_stop_the_save(tmp_path,
+                                                                             monkeypatch, caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    left = out / f".ckpt_000000001.pt.tp-tmp-{os.getpid()}@{host_name()}~abc123"  # failed save
+    left.write_bytes(b"partial")
+    unlink = Path.unlink
+
+    def refuse(self, missing_ok=False):
+        if Path(self) == left:
+            raise PermissionError(13, "Operation not permitted", str(self))
+        return unlink(self, missing_ok=missing_ok)
+    monkeypatch.setattr(Path, "unlink", refuse)
+    manager = CheckpointManager(out, keep=2)
+    with caplog.at_level(logging.WARNING, logger="training_patches"):
+        assert manager.save(1, TinyGPT(20)) == manager.path_for(1)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == [f"training-patches: could not remove {left}, left by an interrupted save "
+                    f"([Errno 13] Operation not permitted: '{left}')"]
+    assert ck.check_file(manager.path_for(1)) is None and left.exists()
+
+
+def test_a_resume_from_a_folder_that_cannot_be_listed_says_so(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    manager = CheckpointManager(out, keep=2)
+    manager.save(1, TinyGPT(20))
+    _unlistable(monkeypatch, out)
+    with pytest.raises(CheckpointError, match="cannot be listed") as raised:
+        manager.resume("auto")
+    assert str(out) in str(raised.value) and "step 0" in str(raised.value)
 
 
 def test_atomic_write_leaves_the_old_file_when_the_save_fails(tmp_path):

@@ -339,6 +339,22 @@ def test_a_failing_loss_never_ends_the_run_and_a_full_gpu_halves_the_batch(run_d
     assert sizes[:2] == [16, 8] and set(sizes[2:]) == {4} and monitor.batch_size == 4
 
 
+def test_a_pair_refused_by_the_fixed_probe_adds_no_language_to_its_record(run_dir) -> None:
+    """The first evaluation raised but fixed the probe; the loop still offers pairs of
+    another language: refused, they leave no empty language in the probe or its record."""
+    model = Reader()
+
+    def broken(m, texts, audios):
+        raise KeyError("cond_mels")
+    monitor = LearningMonitor(ReadingProbe({"xx": pairs(8, 1)}), audio_loss)
+    assert monitor.evaluate(model, step=5, loss_fn=broken) == {} and monitor.probe.frozen
+    assert not monitor.probe.add("yy", *pairs(1, 2)[0])
+    assert monitor.probe.sizes() == {"xx": 8}
+    assert monitor.evaluate(model, step=6)["xx"].utterances == 8
+    (probe,) = [e for e in records(run_dir) if e["event"] == "probe"]
+    assert probe["languages"] == {"xx": 8}
+
+
 def test_a_sharded_model_is_said_not_measured(run_dir, caplog) -> None:
     model = Reader()
     model.head.weight.ds_id = 3  # what DeepSpeed ZeRO-3 marks its partitioned parameters with

@@ -174,6 +174,29 @@ def test_scheduler_holds_on_a_skipped_step_when_asked(guard: str) -> None:
     assert lrs == [0.5, 0.5, 0.25, 0.125]
 
 
+def test_a_scheduler_the_guard_has_no_decision_for_steps_as_torch_does(guard: str) -> None:
+    """An optimizer whose ``optimizer`` attribute is no optimizer (here its settings, a dict,
+    which cannot be weakly referenced), and a scheduler whose optimizer is gone: the patched
+    ``LRScheduler.step`` raises no error of its own (torch's own, where torch raises)."""
+    class Configured(torch.optim.SGD):
+        def __init__(self, params, **settings) -> None:
+            super().__init__(params, **settings)
+            self.optimizer = dict(settings)
+
+    model = make_model()
+    opt = Configured(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(2, 16)).sum().backward()
+        opt.step()
+        sched.step()
+    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.25
+    del sched.optimizer
+    with pytest.raises(AttributeError, match="optimizer"):
+        sched.step()
+
+
 def test_escalation_error_names_first_bad_step_and_samples(guard: str) -> None:
     patches.advanced.apply(["nan_guard"], max_bad_steps=5, output_dir=guard)
     from patches import _run

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import types
 from pathlib import Path
 from typing import Any
 
@@ -452,3 +453,27 @@ def test_a_run_killed_by_sigterm_is_found_and_called_interrupted(tmp_path, appli
             "trainer.train(resume_from_checkpoint=True) (trainer_runs.jsonl)") in report.stdout
     assert "(4 logged" in report.stdout and "checkpoint-4/trainer_state.json" in report.stdout, \
         report.stdout
+
+
+def test_a_hyperparameter_trials_checkpoint_is_marked_in_its_run_folder(trainer_env,
+                                                                        tmp_path) -> None:
+    """In a hyperparameter search the Trainer saves a trial's checkpoint with
+    ``self._save_checkpoint(model, trial)`` (the trial by position) into
+    ``output_dir/run-<trial number>/checkpoint-N``: that folder is marked complete, and a
+    torn ``output_dir/checkpoint-N`` an earlier run left is not vouched for."""
+    patches.advanced.apply(["nan_guard", "grad_clip", "checkpoint"])
+    out = tmp_path / "out"
+    args = _saving_args(out, 2)
+    args.save_strategy = "no"
+    trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_rows())
+    trainer.train()
+    torn = out / "checkpoint-2"  # an earlier run's, killed while writing its weights
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"cut short")
+    # as hyperparameter_search() sets it
+    trainer.hp_search_backend = transformers.trainer_utils.HPSearchBackend.OPTUNA
+    trainer._save_checkpoint(trainer.model, types.SimpleNamespace(number=7))
+    trial = out / "run-7" / "checkpoint-2"
+    assert not (torn / "training_patches_complete.json").exists()
+    assert (trial / "model.safetensors").is_file()
+    assert (trial / "training_patches_complete.json").is_file()

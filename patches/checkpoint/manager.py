@@ -103,6 +103,7 @@ class CheckpointManager:
         self.folder_pattern = re.compile(rf"^{re.escape(prefix)}_(\d+){re.escape(DCP_SUFFIX)}$")
         self._shared_checked = False  # whether every rank was shown to see this folder
         self._claimed = False  # whether this process (the writer) holds the folder's lock
+        self._unlisted: OSError | None = None  # why the last save could not list the folder
         # A plain loop's reports go beside its checkpoints, unless set_output_dir says otherwise
         _run.saw_checkpoint_folder(self.output_dir)
 
@@ -285,8 +286,31 @@ class CheckpointManager:
     _nonfinite = staticmethod(saved_nonfinite)  # here: tests time it against the write
 
     def _next_generation(self) -> int:
-        return max((m.generation for _, m in self._all() if m.generation is not None),
-                   default=-1) + 1
+        """One more than the newest checkpoint's; where the folder cannot be listed, one more
+        than the checkpoint ``latest`` names (read by name), else the save is refused: a
+        checkpoint numbered 0 there would pass for older than those it cannot see."""
+        generations = [m.generation for _, m in self._all() if m.generation is not None]
+        if self._unlisted is not None and not generations:
+            try:
+                named = (self.output_dir / LATEST).read_text(encoding="utf-8").strip()
+                manifest = read_manifest(self.output_dir / named)[0] if named else None
+            except OSError:
+                manifest = None
+            if manifest is None or manifest.generation is None:
+                raise CheckpointError(
+                    f"training-patches: refused to save into {self.output_dir}: the folder "
+                    f"cannot be listed ({self._unlisted}) and its {LATEST!r} file names no "
+                    f"readable checkpoint, so this one could not be numbered after those "
+                    f"already there (a resume would take it for older). Nothing was written; "
+                    f"make the folder readable again (its permissions, its network disk).")
+            generations = [manifest.generation]
+            if _run.current().first_time(f"checkpoint.unlisted:{self.output_dir}"):
+                logger.warning("training-patches: the checkpoint folder %s cannot be listed "
+                               "(%s): the temporary files of interrupted saves are not "
+                               "removed, and the checkpoints already there are neither seen "
+                               "nor pruned; the save goes on, numbered after %s, which its "
+                               "%r file names", self.output_dir, self._unlisted, named, LATEST)
+        return max(generations, default=-1) + 1
 
     def _point_latest(self, path: Path) -> None:
         latest = self.output_dir / LATEST
@@ -312,14 +336,25 @@ class CheckpointManager:
         own = rf"{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
         mark = re.compile(rf"^\.(?:{own}|{re.escape(LATEST)}){TMP_OWNER.pattern}")
         here = host_name()
-        for entry in self.output_dir.iterdir():
+        try:
+            entries = list(self.output_dir.iterdir())
+            self._unlisted = None
+        except OSError as exc:
+            self._unlisted = exc  # _next_generation: go on after ``latest``'s, or refuse
+            return
+        for entry in entries:
             match = mark.match(entry.name)
             if match is None:
                 continue
             pid, host = int(match.group(1)), match.group(2)
             if host != here or (pid != os.getpid() and pid_alive(pid)):
                 continue
-            entry.unlink(missing_ok=True)
+            try:
+                entry.unlink(missing_ok=True)
+            except OSError as exc:
+                logger.warning("training-patches: could not remove %s, left by an interrupted "
+                               "save (%s)", entry, exc)
+                continue
             logger.debug("training-patches: removed %s, left by an interrupted save", entry.name)
 
     def _all(self) -> list[tuple[Path, Manifest]]:
@@ -357,7 +392,8 @@ class CheckpointManager:
         ``"auto"``: the most recently written checkpoint in ``output_dir`` whose manifest and
         files validate and that held no NaN/Inf when it was saved (unless
         ``allow_nonfinite``); others are passed over with a warning and left on disk. A
-        step number or a path: that checkpoint, which must validate.
+        step number or a path: that checkpoint, which must validate. A folder that exists
+        but cannot be listed is a :class:`CheckpointError` (not None: that would start over).
         """
         if self._collective():
             self._check_shared()
@@ -466,21 +502,32 @@ class CheckpointManager:
                     logger.warning(
                         "training-patches: resuming from %s; passed over newer checkpoint(s) that "
                         "cannot be used (left on disk): %s", candidate, "; ".join(skipped))
-                self._note_unfinished()
+                self._note_unfinished()  # listed just now: an error here loses only the note
                 return candidate
             skipped.append(f"{candidate.name} {problem}")
-        self._note_unfinished()
+        unlisted = self._note_unfinished()
+        if unlisted is not None:
+            raise CheckpointError(
+                f"training-patches: cannot resume from {self.output_dir}: the folder cannot be "
+                f"listed ({unlisted}), so none of its checkpoints was seen. Nothing was loaded; "
+                f"going on as if it held none would start the run over from step 0. Make the "
+                f"folder readable again (its permissions, its network disk) and resume.")
         if skipped:
             logger.warning("training-patches: no valid checkpoint in %s to resume from: %s",
                            self.output_dir, "; ".join(skipped))
         return None
 
-    def _note_unfinished(self) -> None:
-        """Say which files named like this manager's were not considered, and why."""
+    def _note_unfinished(self) -> OSError | None:
+        """Say which files named like this manager's were not considered, and why; the
+        error when the folder cannot be listed (then nothing is said)."""
         if not self.output_dir.is_dir():
-            return
+            return None
+        try:
+            entries = sorted(self.output_dir.iterdir())
+        except OSError as exc:
+            return exc
         notes = []
-        for entry in sorted(self.output_dir.iterdir()):
+        for entry in entries:
             if self.folder_pattern.match(entry.name) and entry.is_dir():
                 problem = read_folder_manifest(entry)[1]
                 if problem is not None:
@@ -497,6 +544,7 @@ class CheckpointManager:
         if notes:
             logger.warning("training-patches: not considered for resuming (left on disk): %s",
                            "; ".join(notes))
+        return None
 
 
 __all__ = ["CheckpointManager", "LATEST"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import re
@@ -134,8 +135,9 @@ def make_save_checkpoint(original: Any) -> Any:
     def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         step = getattr(getattr(self, "state", None), "global_step", None)
-        try:
-            folder = Path(self._get_output_dir(trial=kwargs.get("trial"))) / f"checkpoint-{step}"
+        try:  # the trial by keyword or by position (transformers passes (model, trial))
+            trial = inspect.signature(original).bind(self, *args, **kwargs).arguments.get("trial")
+            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{step}"
             if folder.is_dir() and self.args.should_save:
                 from ...checkpoint.atomic import atomic_text  # lazy: heavy (issue 41)
 
