@@ -113,6 +113,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "reading_mixed": dict(mix=0.1, lr=5e-4, width=96, steps=150, first_seed=0, base_steps=2000,
                           batch=16, rules=CANDIDATES, preset="full",
                           work="results/reading/work"),
+    # added 2026-11-28 08:05 UTC, before any run of it, with the rules and constants as they
+    # stand: the case issue 38's own probe was (a base model that reads, no English mixed
+    # in), never run here. reading_mixed's three base models (no time to train others on
+    # the 2 cores), the two rules the verdicts turn on (spread was behind both there).
+    "reading_unmixed": dict(mix=0.0, lr=5e-4, width=96, steps=150, first_seed=0,
+                            base_steps=2000, batch=16, rules=("spelling", "std0.02"),
+                            preset="full", work="results/reading/work"),
 }
 
 
