@@ -335,6 +335,43 @@ def test_lightning_reads_after_each_validation_at_its_global_step(
     snapshots.assert_unchanged(2)
 
 
+def test_lightning_reading_asks_the_folder_on_every_rank(trainer_env, tmp_path) -> None:
+    """Under DDP Lightning's ``trainer.log_dir`` is a broadcast every rank must join: the
+    reading callback asks it on every rank (rank 0 alone would wait for ever), and only rank
+    0 measures. The learning patch alone leaves the folder to the callback (no fit site)."""
+    pytest.importorskip("lightning")
+    patches.advanced.apply(["learning"], reading_budget=1)
+    measured: list[int] = []
+
+    class Trainer:  # what the callback reads of Lightning's Trainer, with a counted log_dir
+        sanity_checking, global_step, callback_metrics = False, 4, {}
+        default_root_dir = str(tmp_path / "root")
+
+        def __init__(self, rank: int) -> None:
+            self.is_global_zero, self.asked = rank == 0, 0
+
+        @property
+        def log_dir(self) -> str:
+            self.asked += 1  # strategy.broadcast(dirpath) in Lightning
+            return str(tmp_path / "logs")
+
+    monitor = learning.LearningMonitor(_probe([(torch.zeros(2), torch.zeros(2))] * 4),
+                                       lambda module, texts, audios: torch.zeros(len(texts)))
+    callback = lightning_integration.reading_callback(monitor)
+    original = learning.evaluate_once
+    try:
+        learning.evaluate_once = lambda monitor, module, step, **kw: measured.append(step)
+        for rank in (1, 0):
+            run = _run.current()
+            run.output_dir = run.trainer_dir = None  # each rank's process: nothing set yet
+            trainer = Trainer(rank)
+            callback.on_validation_end(trainer, None)
+            assert trainer.asked == 1, f"rank {rank} did not join log_dir's broadcast"
+    finally:
+        learning.evaluate_once = original
+    assert measured == [4]  # rank 0 only
+
+
 # -- F5-TTS: no evaluation loop; the monitor runs at each save, at F5's update count -----------
 
 

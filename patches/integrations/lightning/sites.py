@@ -48,10 +48,14 @@ def _classes() -> dict[str, type]:
             self.monitor = monitor
 
         def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-            if trainer.sanity_checking or not trainer.is_global_zero:
+            if trainer.sanity_checking:
                 return
             if _run.output_dir() is None:  # beside the Trainer's files, as fit()'s site puts them
-                _run.set_trainer_dir(trainer.log_dir or trainer.default_root_dir)
+                # on every rank: Lightning's log_dir is a broadcast, which rank 0 alone would
+                # wait in for ever under DDP
+                _run.set_trainer_dir(_folder(trainer))
+            if not trainer.is_global_zero:
+                return
             loss = trainer.callback_metrics.get("val_loss")
             learning.evaluate_once(self.monitor, pl_module, int(trainer.global_step),
                                    eval_loss=None if loss is None else float(loss))
