@@ -1,0 +1,205 @@
+"""Exploratory (issue 38): can a data-free probe on a base model's weights tell whether the
+base model reads its text?
+
+Probes, FIXED 2026-11-28 08:04 UTC, before any of them was computed on any base model:
+
+- ``text_tv`` (PRIMARY): "text sensitivity". Model in eval mode, one fixed random
+  conditioning input (N(0, 1) mel segment of the preset's ``cond_frames``, the pools are
+  standardised mels), one fixed random prefix of 40 audio codes (uniform over the codebook),
+  16 pairs of random text token sequences of 24 tokens ("[en]" then tokens drawn uniformly
+  from the BASE vocabulary's ids 2..rows-2, i.e. [SPACE] and every piece, no [STOP], [UNK],
+  [en], [START]). Value: the total-variation distance between the next-audio-code
+  distributions with text A and with text B, averaged over the 41 predicted positions (the 40
+  codes and the stop) and the 16 pairs.
+- ``text_share``: text_tv / (text_tv + prefix_tv), where prefix_tv is the same mean TV with
+  the SAME text (each pair's text A) and a second fixed random audio prefix instead of the
+  first: how much of the model's sensitivity to its context is to the text (a scale-free
+  version of text_tv).
+- ``emb_spread`` (weight only, no forward pass): over the base text embedding rows of the
+  pieces (ids 4..rows-2), the mean distance of a row from the rows' mean over the mean row
+  norm.
+
+Decision rule, fixed with the probes: for each probe, the direction (reading above or below)
+is that of the development reading bases' mean vs the development non-reading bases' mean;
+the threshold is the midpoint between the closest development values of the two groups
+(reading min and non-reading max, or the reverse). A validation base is "reads" when its value
+is on the reading side. Margin: the smallest distance of a validation value to the threshold,
+signed (negative: misclassified), also as a fraction of the threshold.
+
+Pre-registered plan (from the brief):
+- development (the only bases the threshold is chosen on): reading = seeds 10, 11
+  (results/reading/work, base_b15fb5c7fe635046, full preset, width 96); non-reading = seeds
+  100, 101, 102 (results/row_defaults_work, base_aef8db322df32bd5, quick preset, width 64).
+- validation: reading = seeds 0, 1, 2 (base_b15f...); non-reading = 110-112 and 140-142
+  (base_1f11ebb7ad289200), 120-122 (base_b8ac5af58fcc19cb, width 128), 130-132
+  (base_aef8db322df32bd5).
+- ground truth: the .json beside each .pt, English audio loss with another utterance's text
+  minus with its own (about 0.5 for a base that reads, about 0.003 for one that does not).
+
+Caveat known before running: every reading base is the full preset (width 96, 3 layers,
+2,000 steps) and every non-reading base the quick preset (2 layers, 150-300 steps), so a
+probe that separates them may be measuring depth/training length rather than reading.
+
+Nothing in the library changes; this imports ``bench_speech_language`` and edits nothing.
+
+Run:  OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/probe_reads_text.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import bench_speech_language as bsl  # noqa: E402
+import speech_corpus as sc  # noqa: E402
+
+PAIRS = 16
+TEXT_LEN = 24
+PREFIX = 40
+PROBE_SEED = 38
+PROBES = ("text_tv", "text_share", "emb_spread")
+
+# (group, role, work folder, preset, width, base steps, seeds)
+BASES = [
+    ("dev", "reads", "results/reading/work", "full", 96, 2000, (10, 11)),
+    ("dev", "no", "results/row_defaults_work", "quick", 64, 150, (100, 101, 102)),
+    ("val", "reads", "results/reading/work", "full", 96, 2000, (0, 1, 2)),
+    ("val", "no", "results/row_defaults_work", "quick", 64, 300, (110, 111, 112)),
+    ("val", "no", "results/row_defaults_work", "quick", 64, 300, (140, 141, 142)),
+    ("val", "no", "results/row_defaults_work", "quick", 128, 150, (120, 121, 122)),
+    ("val", "no", "results/row_defaults_work", "quick", 64, 150, (130, 131, 132)),
+]
+
+
+def config(preset: str, width: int, base_steps: int, work: Path) -> dict[str, Any]:
+    """The cfg ``bench_speech_language.ready`` would build (without training anything)."""
+    import torch
+
+    cfg = dict(bsl.PRESETS[preset])
+    if width != cfg["d_model"]:
+        cfg["d_model"], cfg["heads"] = width, max(1, width // 32)
+    cfg["base_max_steps"] = base_steps
+    cfg["base_eval_every"] = min(cfg["base_eval_every"], max(1, base_steps // 4))
+    cfg["data_key"] = sc.text_key(*(cfg[k] for k in (
+        "codebook", "max_chars_en", "max_chars_am", "n_en", "n_am", "eval_lines", "base_vocab",
+        "new_pieces", "cond_frames", "cond_pool")))
+    data = torch.load(work / f"data_{cfg['data_key']}.pt", weights_only=False)
+    parts = ("en_train", "en_eval", "am_train", "am_eval")
+    cfg["max_text"] = max(len(x["ids"]) for k in parts for x in data[k]) + 2
+    cfg["max_codes"] = max(len(x["codes"]) for k in parts for x in data[k])
+    cfg["base_key"] = sc.text_key(cfg["data_key"], *(cfg[k] for k in (
+        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")))
+    cfg["rows"] = data["rows"]["base"]
+    return cfg
+
+
+def code_probs(model, texts, prefix, cond):
+    """Next-audio-code distributions (b, codes, positions) for each text with ``prefix``."""
+    import torch
+
+    b = texts.shape[0]
+    t_len = torch.full((b,), texts.shape[1])
+    codes = prefix.expand(b, -1).contiguous()
+    wav_len = torch.full((b,), prefix.shape[1] * sc.CODE_SAMPLES)
+    with torch.no_grad():
+        _, _, logits = model(texts, t_len, codes, wav_len, cond_mels=cond.expand(b, -1, -1, -1))
+    return torch.softmax(logits[:, :, : prefix.shape[1] + 1].float(), dim=1)
+
+
+def tv(p, q) -> float:
+    return float(0.5 * (p - q).abs().sum(1).mean())
+
+
+def probe(path: Path, cfg: dict[str, Any]) -> dict[str, float]:
+    import torch
+
+    model = bsl.build_gpt(cfg["rows"], cfg)
+    state = torch.load(path, weights_only=False, map_location="cpu")["model"]
+    model.load_state_dict(state)
+    model.eval()
+    rows = cfg["rows"]
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    cond = torch.randn(1, 1, 80, cfg["cond_frames"], generator=gen)
+    k = cfg["codebook"]
+    prefix = torch.randint(0, k, (1, PREFIX), generator=gen)
+    prefix2 = torch.randint(0, k, (1, PREFIX), generator=gen)
+    body = torch.randint(0, rows - 4, (2 * PAIRS, TEXT_LEN - 1), generator=gen)
+    body = torch.where(body == 0, body + 2, body + 3)  # ids 2 and 4..rows-2
+    texts = torch.cat([torch.full((2 * PAIRS, 1), 3), body], 1)  # "[en]" first
+    p = code_probs(model, texts, prefix, cond)
+    text_tv = tv(p[:PAIRS], p[PAIRS:])
+    p2 = code_probs(model, texts[:PAIRS], prefix2, cond)
+    prefix_tv = tv(p[:PAIRS], p2)
+    w = model.text_embedding.weight.detach()[4: rows - 1]
+    spread = float((w - w.mean(0)).norm(dim=1).mean() / w.norm(dim=1).mean())
+    return {"text_tv": text_tv, "text_share": text_tv / (text_tv + prefix_tv),
+            "emb_spread": spread, "prefix_tv": prefix_tv}
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
+    t0 = time.perf_counter()
+    results = []
+    for group, role, work, preset, width, steps, seeds in BASES:
+        folder = HERE / work
+        cfg = config(preset, width, steps, folder)
+        for seed in seeds:
+            path = folder / f"base_{cfg['base_key']}_seed{seed}.pt"
+            if not path.is_file():
+                raise SystemExit(f"no base model {path} (the cfg here does not match its key)")
+            info = json.loads(path.with_suffix(".json").read_text())
+            gap = info["en_audio_wrong_text"] - info["en_audio"]
+            s = time.perf_counter()
+            vals = probe(path, cfg)
+            results.append(dict(group=group, role=role, seed=seed, key=cfg["base_key"],
+                                preset=preset, width=width, steps=info["steps"], gap=gap,
+                                seconds=time.perf_counter() - s, **vals))
+            print(f"  {path.name}: {time.perf_counter() - s:.1f} s", flush=True)
+
+    # the threshold from the development bases only
+    rules = {}
+    for name in PROBES:
+        r = [x[name] for x in results if x["group"] == "dev" and x["role"] == "reads"]
+        n = [x[name] for x in results if x["group"] == "dev" and x["role"] == "no"]
+        up = statistics.mean(r) > statistics.mean(n)
+        thr = (min(r) + max(n)) / 2 if up else (max(r) + min(n)) / 2
+        rules[name] = (thr, up, (min(r) - max(n)) if up else (min(n) - max(r)))
+
+    def reads(name: str, v: float) -> bool:
+        thr, up, _ = rules[name]
+        return v > thr if up else v < thr
+
+    print("\n| group | truth | base | preset/width | steps | gap (own vs another's text) | "
+          + " | ".join(f"{p} (class)" for p in PROBES) + " | prefix_tv |")
+    print("|---|---|---|---|---|---|" + "---|" * len(PROBES) + "---|")
+    for x in results:
+        cells = [f"{x[p]:.4f} ({'reads' if reads(p, x[p]) else 'no'})" for p in PROBES]
+        print(f"| {x['group']} | {x['role']} | {x['key'][:8]} s{x['seed']} | "
+              f"{x['preset']}/{x['width']} | {x['steps']} | {x['gap']:+.3f} | "
+              + " | ".join(cells) + f" | {x['prefix_tv']:.4f} |")
+    print()
+    for name in PROBES:
+        thr, up, dev_gap = rules[name]
+        val = [x for x in results if x["group"] == "val"]
+        signed = [(x[name] - thr if (x["role"] == "reads") == up else thr - x[name]) for x in val]
+        wrong = [f"s{x['seed']}" for x, m in zip(val, signed) if m <= 0]
+        print(f"{name}: reading {'above' if up else 'below'} {thr:.4f} (development groups "
+              f"{dev_gap:+.4f} apart); validation: {len(val) - len(wrong)}/{len(val)} right"
+              f"{' (wrong: ' + ', '.join(wrong) + ')' if wrong else ''}; smallest margin "
+              f"{min(signed):+.4f} ({min(signed) / abs(thr):+.1%} of the threshold)")
+    print(f"\n{len(results)} bases, {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
