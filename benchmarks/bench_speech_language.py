@@ -367,11 +367,16 @@ def train_step(model, opt, items, lang_of, pools, order, clip: float = 1.0) -> f
 
 def train_base(cfg: dict[str, Any], data: dict[str, Any], seed: int, path: Path) -> dict[str, Any]:
     """English until the held-out audio loss improves by less than 1% over three evaluations
-    (or the step cap). Warmup, then a constant LR."""
+    (or the step cap). Warmup, then a constant LR. ``cfg["shuffle_text"]`` (a control, issue
+    38's probe, 2026-11-28; default off): each training sample's audio gets the text of
+    another training utterance, drawn afresh every batch from a stream of its own (the audio
+    samples and their order are the normal base model's), so the text says nothing of the
+    audio and the model cannot learn to read it."""
     import torch
 
     torch.manual_seed(seed)
     rng = random.Random(1000 + seed)
+    mixer = random.Random(2000 + seed) if cfg.get("shuffle_text") else None
     model = build_gpt(data["rows"]["base"], cfg)
     opt = make_optimizer(model, BASE_LR)
     warm = 100
@@ -382,7 +387,11 @@ def train_base(cfg: dict[str, Any], data: dict[str, Any], seed: int, path: Path)
     step = 0
     for step in range(1, cfg["base_max_steps"] + 1):
         idx = [rng.randrange(len(pool)) for _ in range(cfg["batch"])]
-        train_step(model, opt, [pool[i] for i in idx], ["en"] * len(idx), data["pools"], idx)
+        items = [pool[i] for i in idx]
+        if mixer is not None:  # another utterance's text: j != i
+            other = [mixer.randrange(len(pool) - 1) for _ in idx]
+            items = [dict(x, ids=pool[j + (j >= i)]["ids"]) for x, i, j in zip(items, idx, other)]
+        train_step(model, opt, items, ["en"] * len(idx), data["pools"], idx)
         sched.step()
         if step % cfg["base_eval_every"] == 0:
             audio, text = evaluate(model, data["en_eval"], "en", data["pools"])
@@ -760,7 +769,8 @@ def ready(cfg: dict[str, Any], work: Path, jobs: int) -> tuple[dict[str, Any], l
     cfg["max_codes"] = max(len(x["codes"]) for k in ("en_train", "en_eval", "am_train",
                                                      "am_eval") for x in data[k])
     cfg["base_key"] = sc.text_key(cfg["data_key"], *(cfg[k] for k in (
-        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")))
+        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")),
+        *(("shuffle_text",) if cfg.get("shuffle_text") else ()))  # the old keys when off
     print(f"data: {data['corpus']}; vocabulary {data['rows']['base']} -> "
           f"{data['rows']['grown']} rows", flush=True)
     seeds = list(range(cfg.get("first_seed", 0), cfg.get("first_seed", 0) + cfg["seeds"]))

@@ -40,13 +40,33 @@ Caveat known before running: every reading base is the full preset (width 96, 3 
 2,000 steps) and every non-reading base the quick preset (2 layers, 150-300 steps), so a
 probe that separates them may be measuring depth/training length rather than reading.
 
+Controls (``--controls``), added 2026-11-28 ~08:10 UTC, before any result of them was
+seen (their trainings started 08:07 UTC; the ground-truth cut below fixed then too) (the
+probes, the threshold rule and the development/validation sets unchanged; the controls are a
+third group, "ctrl", classified by the same development thresholds and used for nothing
+else). Two base models trained by ``bench_speech_language``'s own base training
+(``ready``/``train_base``), in their own work folder ``results/probe_controls`` (the data
+files copied from the two work folders above), evaluated every 500 steps so that the
+plateau rule (three evaluations) cannot stop them before 2,000 steps:
+
+- C1, seed 20: the full preset (width 96, 3 layers), 2,000 steps like the reading bases, but
+  with ``shuffle_text`` (each sample's audio with a random other training utterance's text,
+  drawn afresh every batch): it cannot learn to read. If the probe measures reading, its
+  text_tv is low (non-reading side); if it measures preset/training length, high.
+- C2, seed 21: the quick preset (width 64, 2 layers), normal texts, trained 2,000 steps
+  instead of 150-300: does a long-trained quick base read, and does text_tv follow its gap?
+
+Ground truth of a control: its .json's gap (as above); it "reads" when the gap is above 0.1
+(reading bases 0.53-0.62, the others -0.001 to +0.015), fixed with the controls.
+
 Nothing in the library changes; this imports ``bench_speech_language`` and edits nothing.
 
-Run:  OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/probe_reads_text.py
+Run:  OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/probe_reads_text.py [--controls] [--train-controls]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -78,17 +98,27 @@ BASES = [
     ("val", "no", "results/row_defaults_work", "quick", 128, 150, (120, 121, 122)),
     ("val", "no", "results/row_defaults_work", "quick", 64, 150, (130, 131, 132)),
 ]
+# --controls: (name, work folder, preset, width, base steps, base eval every, shuffle_text,
+# seeds); their truth is their gap (above GAP_READS: reads)
+CONTROLS = [
+    ("C1 shuffled", "results/probe_controls", "full", 96, 2000, 500, True, (20,)),
+    ("C2 long quick", "results/probe_controls", "quick", 64, 2000, 500, False, (21,)),
+]
+GAP_READS = 0.1
 
 
-def config(preset: str, width: int, base_steps: int, work: Path) -> dict[str, Any]:
-    """The cfg ``bench_speech_language.ready`` would build (without training anything)."""
+def config(preset: str, width: int, base_steps: int, work: Path, eval_every: int | None = None,
+           shuffle_text: bool = False) -> dict[str, Any]:
+    """The cfg ``bench_speech_language.ready`` would build (without training anything);
+    ``eval_every`` and ``shuffle_text``: the controls' (default: the command line's)."""
     import torch
 
     cfg = dict(bsl.PRESETS[preset])
     if width != cfg["d_model"]:
         cfg["d_model"], cfg["heads"] = width, max(1, width // 32)
     cfg["base_max_steps"] = base_steps
-    cfg["base_eval_every"] = min(cfg["base_eval_every"], max(1, base_steps // 4))
+    cfg["base_eval_every"] = (min(cfg["base_eval_every"], max(1, base_steps // 4))
+                              if eval_every is None else eval_every)
     cfg["data_key"] = sc.text_key(*(cfg[k] for k in (
         "codebook", "max_chars_en", "max_chars_am", "n_en", "n_am", "eval_lines", "base_vocab",
         "new_pieces", "cond_frames", "cond_pool")))
@@ -97,7 +127,8 @@ def config(preset: str, width: int, base_steps: int, work: Path) -> dict[str, An
     cfg["max_text"] = max(len(x["ids"]) for k in parts for x in data[k]) + 2
     cfg["max_codes"] = max(len(x["codes"]) for k in parts for x in data[k])
     cfg["base_key"] = sc.text_key(cfg["data_key"], *(cfg[k] for k in (
-        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")))
+        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")),
+        *(("shuffle_text",) if shuffle_text else ()))
     cfg["rows"] = data["rows"]["base"]
     return cfg
 
@@ -145,24 +176,56 @@ def probe(path: Path, cfg: dict[str, Any]) -> dict[str, float]:
             "emb_spread": spread, "prefix_tv": prefix_tv}
 
 
+def train_controls() -> None:
+    """Train the missing :data:`CONTROLS` with the benchmark's own base training (its data
+    prepared in their folder if it is not there)."""
+    for _, work, preset, width, steps, every, shuffle, seeds in CONTROLS:
+        cfg = dict(bsl.PRESETS[preset])
+        if width != cfg["d_model"]:
+            cfg["d_model"], cfg["heads"] = width, max(1, width // 32)
+        cfg.update(base_max_steps=steps, base_eval_every=every, first_seed=seeds[0],
+                   seeds=len(seeds))
+        if shuffle:
+            cfg["shuffle_text"] = True
+        bsl.ready(cfg, HERE / work, 1)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--controls", action="store_true", help="also probe the control bases "
+                    "(CONTROLS, in results/probe_controls): a third group, classified by the "
+                    "development thresholds")
+    ap.add_argument("--train-controls", action="store_true", help="first train the control "
+                    "bases that are missing (bench_speech_language's base training, one after "
+                    "the other; about 7 and 14 minutes on one core)")
+    args = ap.parse_args()
     import torch
+
+    if args.train_controls:
+        train_controls()
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
     t0 = time.perf_counter()
     results = []
-    for group, role, work, preset, width, steps, seeds in BASES:
+    groups = [(group, role, work, preset, width, steps, None, False, seeds)
+              for group, role, work, preset, width, steps, seeds in BASES]
+    if args.controls:
+        groups += [("ctrl", name, work, preset, width, steps, every, shuffle, seeds)
+                   for name, work, preset, width, steps, every, shuffle, seeds in CONTROLS]
+    for group, role, work, preset, width, steps, every, shuffle, seeds in groups:
         folder = HERE / work
-        cfg = config(preset, width, steps, folder)
+        cfg = config(preset, width, steps, folder, every, shuffle)
         for seed in seeds:
             path = folder / f"base_{cfg['base_key']}_seed{seed}.pt"
             if not path.is_file():
                 raise SystemExit(f"no base model {path} (the cfg here does not match its key)")
             info = json.loads(path.with_suffix(".json").read_text())
             gap = info["en_audio_wrong_text"] - info["en_audio"]
+            truth = role if group != "ctrl" else (  # a control's truth is its gap
+                f"{'reads' if gap > GAP_READS else 'no'} ({role})")
             s = time.perf_counter()
             vals = probe(path, cfg)
-            results.append(dict(group=group, role=role, seed=seed, key=cfg["base_key"],
+            results.append(dict(group=group, role=truth, seed=seed, key=cfg["base_key"],
                                 preset=preset, width=width, steps=info["steps"], gap=gap,
                                 seconds=time.perf_counter() - s, **vals))
             print(f"  {path.name}: {time.perf_counter() - s:.1f} s", flush=True)
@@ -198,6 +261,13 @@ def main() -> None:
               f"{dev_gap:+.4f} apart); validation: {len(val) - len(wrong)}/{len(val)} right"
               f"{' (wrong: ' + ', '.join(wrong) + ')' if wrong else ''}; smallest margin "
               f"{min(signed):+.4f} ({min(signed) / abs(thr):+.1%} of the threshold)")
+    ctrl = [x for x in results if x["group"] == "ctrl"]
+    for name in PROBES if ctrl else ():
+        right = [x for x in ctrl if reads(name, x[name]) == x["role"].startswith("reads")]
+        print(f"{name}, controls: " + "; ".join(
+            f"{x['role']} s{x['seed']} (gap {x['gap']:+.3f}, {x['steps']} steps): "
+            f"{x[name]:.4f}, {'reads' if reads(name, x[name]) else 'no'}" for x in ctrl)
+            + f": {len(right)}/{len(ctrl)} agree with the gap")
     print(f"\n{len(results)} bases, {time.perf_counter() - t0:.0f} s")
 
 
