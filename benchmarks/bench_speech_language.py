@@ -188,15 +188,30 @@ def _extend(src: Path, corpus: list[str], out: Path, pieces: int, base_text: Pat
     return extend(src, corpus, out, pieces, base_text)
 
 
+def data_key(cfg: dict[str, Any]) -> str:
+    """The key of the prepared data's cache file, ``data_<key>.pt``."""
+    return sc.text_key(*(cfg[k] for k in ("codebook", "max_chars_en", "max_chars_am", "n_en",
+                                          "n_am", "eval_lines", "base_vocab", "new_pieces",
+                                          "cond_frames", "cond_pool")))
+
+
+def set_keys(cfg: dict[str, Any], data: dict[str, Any]) -> None:
+    """Fill ``cfg``'s data_key, max_text, max_codes and base_key (a base model's cache name)."""
+    parts = ("en_train", "en_eval", "am_train", "am_eval")
+    cfg["data_key"] = data_key(cfg)
+    cfg["max_text"] = max(len(x["ids"]) for k in parts for x in data[k]) + 2
+    cfg["max_codes"] = max(len(x["codes"]) for k in parts for x in data[k])
+    cfg["base_key"] = sc.text_key(cfg["data_key"], *(cfg[k] for k in (
+        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")),
+        *(("shuffle_text",) if cfg.get("shuffle_text") else ()))  # the old keys when off
+
+
 def prepare(cfg: dict[str, Any], work: Path) -> dict[str, Any]:
     """Utterances, speech, codes, conditioning pools and tokenizers, cached in ``work``."""
     import numpy as np
     import torch
 
-    key = sc.text_key(*(cfg[k] for k in ("codebook", "max_chars_en", "max_chars_am", "n_en",
-                                         "n_am", "eval_lines", "base_vocab", "new_pieces",
-                                         "cond_frames", "cond_pool")))
-    cached = work / f"data_{key}.pt"
+    cached = work / f"data_{data_key(cfg)}.pt"
     if cached.is_file():
         return torch.load(cached, weights_only=False)
     from bench_new_language import _encode, _rows, _train_base_vocab
@@ -761,16 +776,7 @@ def ready(cfg: dict[str, Any], work: Path, jobs: int) -> tuple[dict[str, Any], l
     ``work``; fills ``cfg``'s keys (data_key, max_text, max_codes, base_key)."""
     work.mkdir(parents=True, exist_ok=True)
     data = prepare(cfg, work)
-    cfg["data_key"] = sc.text_key(*(cfg[k] for k in (
-        "codebook", "max_chars_en", "max_chars_am", "n_en", "n_am", "eval_lines", "base_vocab",
-        "new_pieces", "cond_frames", "cond_pool")))
-    cfg["max_text"] = max(len(x["ids"]) for k in ("en_train", "en_eval", "am_train", "am_eval")
-                          for x in data[k]) + 2
-    cfg["max_codes"] = max(len(x["codes"]) for k in ("en_train", "en_eval", "am_train",
-                                                     "am_eval") for x in data[k])
-    cfg["base_key"] = sc.text_key(cfg["data_key"], *(cfg[k] for k in (
-        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")),
-        *(("shuffle_text",) if cfg.get("shuffle_text") else ()))  # the old keys when off
+    set_keys(cfg, data)
     print(f"data: {data['corpus']}; vocabulary {data['rows']['base']} -> "
           f"{data['rows']['grown']} rows", flush=True)
     seeds = list(range(cfg.get("first_seed", 0), cfg.get("first_seed", 0) + cfg["seeds"]))

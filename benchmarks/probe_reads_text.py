@@ -107,28 +107,30 @@ CONTROLS = [
 GAP_READS = 0.1
 
 
-def config(preset: str, width: int, base_steps: int, work: Path, eval_every: int | None = None,
-           shuffle_text: bool = False) -> dict[str, Any]:
-    """The cfg ``bench_speech_language.ready`` would build (without training anything);
+def base_cfg(preset: str, width: int, base_steps: int, eval_every: int | None = None,
+              shuffle_text: bool = False) -> dict[str, Any]:
+    """A base model's cfg as ``bench_speech_language`` builds it, before its keys;
     ``eval_every`` and ``shuffle_text``: the controls' (default: the command line's)."""
-    import torch
-
     cfg = dict(bsl.PRESETS[preset])
     if width != cfg["d_model"]:
         cfg["d_model"], cfg["heads"] = width, max(1, width // 32)
     cfg["base_max_steps"] = base_steps
     cfg["base_eval_every"] = (min(cfg["base_eval_every"], max(1, base_steps // 4))
                               if eval_every is None else eval_every)
-    cfg["data_key"] = sc.text_key(*(cfg[k] for k in (
-        "codebook", "max_chars_en", "max_chars_am", "n_en", "n_am", "eval_lines", "base_vocab",
-        "new_pieces", "cond_frames", "cond_pool")))
-    data = torch.load(work / f"data_{cfg['data_key']}.pt", weights_only=False)
-    parts = ("en_train", "en_eval", "am_train", "am_eval")
-    cfg["max_text"] = max(len(x["ids"]) for k in parts for x in data[k]) + 2
-    cfg["max_codes"] = max(len(x["codes"]) for k in parts for x in data[k])
-    cfg["base_key"] = sc.text_key(cfg["data_key"], *(cfg[k] for k in (
-        "d_model", "layers", "heads", "batch", "base_max_steps", "base_eval_every")),
-        *(("shuffle_text",) if shuffle_text else ()))
+    if shuffle_text:
+        cfg["shuffle_text"] = True
+    return cfg
+
+
+def config(preset: str, width: int, base_steps: int, work: Path, eval_every: int | None = None,
+           shuffle_text: bool = False) -> dict[str, Any]:
+    """The cfg ``bench_speech_language.ready`` would build, keys included (training nothing)."""
+    import torch
+
+    cfg = base_cfg(preset, width, base_steps, eval_every, shuffle_text)
+    # the prepared data only (never prepared here: a missing file is a config that differs)
+    data = torch.load(work / f"data_{bsl.data_key(cfg)}.pt", weights_only=False)
+    bsl.set_keys(cfg, data)
     cfg["rows"] = data["rows"]["base"]
     return cfg
 
@@ -180,13 +182,8 @@ def train_controls() -> None:
     """Train the missing :data:`CONTROLS` with the benchmark's own base training (its data
     prepared in their folder if it is not there)."""
     for _, work, preset, width, steps, every, shuffle, seeds in CONTROLS:
-        cfg = dict(bsl.PRESETS[preset])
-        if width != cfg["d_model"]:
-            cfg["d_model"], cfg["heads"] = width, max(1, width // 32)
-        cfg.update(base_max_steps=steps, base_eval_every=every, first_seed=seeds[0],
-                   seeds=len(seeds))
-        if shuffle:
-            cfg["shuffle_text"] = True
+        cfg = base_cfg(preset, width, steps, every, shuffle)
+        cfg.update(first_seed=seeds[0], seeds=len(seeds))
         bsl.ready(cfg, HERE / work, 1)
 
 
