@@ -202,18 +202,21 @@ class CheckpointManager:
         path = self.path_for(step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._sweep_temp()
+        generation = self._next_generation()
+        if generation is None:
+            return None
         needed, least = space_needed(payload)
         try:
             self._make_room(path, needed)
             ensure_free_space(path, needed)
-            return self._write_files(path, step, payload, model, model_state, optimizer_states,
-                                     scaler, rng_ranks, needed)
+            return self._write_files(path, step, generation, payload, model, model_state,
+                                     optimizer_states, scaler, rng_ranks, needed)
         except DiskFullError as exc:
             if no_room(exc, path, least, self._files(self._replaced_by(path))):
                 return None
             raise
 
-    def _write_files(self, path: Path, step: int, payload: dict[str, Any],
+    def _write_files(self, path: Path, step: int, generation: int, payload: dict[str, Any],
                      model: torch.nn.Module, model_state: Mapping[str, torch.Tensor],
                      optimizer_states: list[Any], scaler: Any, rng_ranks: list[Any] | None,
                      needed: int) -> Path:
@@ -221,7 +224,6 @@ class CheckpointManager:
         runs in a thread beside the write (both read every tensor; issue 41)."""
         scan = beside(lambda: self._nonfinite(model, model_state, {
             f"optimizer.{index}": state for index, state in enumerate(optimizer_states)}))
-        generation = self._next_generation()
         # A write that fails leaves the scan to end by itself (it only reads; its result unused).
         written = write_atomically(path, lambda handle: torch.save(payload, handle),
                                    digest=True, needed=needed)
@@ -285,24 +287,32 @@ class CheckpointManager:
 
     _nonfinite = staticmethod(saved_nonfinite)  # here: tests time it against the write
 
-    def _next_generation(self) -> int:
-        """One more than the newest checkpoint's; where the folder cannot be listed, one more
-        than the checkpoint ``latest`` names (read by name), else the save is refused: a
-        checkpoint numbered 0 there would pass for older than those it cannot see."""
+    def _next_generation(self) -> int | None:
+        """One more than the newest checkpoint's. Where the folder cannot be listed
+        (:meth:`_sweep_temp` found), one more than the checkpoint ``latest`` names, read by
+        name; None, said, where it names none readable: numbered 0 the save would pass for
+        older than those it cannot see, so it is not made (as a full disk's: training goes
+        on, the next save tries again)."""
         generations = [m.generation for _, m in self._all() if m.generation is not None]
         if self._unlisted is not None and not generations:
+            named, manifest = "", None
             try:
                 named = (self.output_dir / LATEST).read_text(encoding="utf-8").strip()
-                manifest = read_manifest(self.output_dir / named)[0] if named else None
+                target = self.output_dir / named
+                if named:
+                    manifest = (read_folder_manifest(target) if target.is_dir()
+                                else read_manifest(target))[0]
             except OSError:
-                manifest = None
+                pass
             if manifest is None or manifest.generation is None:
-                raise CheckpointError(
-                    f"training-patches: refused to save into {self.output_dir}: the folder "
-                    f"cannot be listed ({self._unlisted}) and its {LATEST!r} file names no "
-                    f"readable checkpoint, so this one could not be numbered after those "
-                    f"already there (a resume would take it for older). Nothing was written; "
-                    f"make the folder readable again (its permissions, its network disk).")
+                logger.warning(
+                    "training-patches: checkpoint NOT saved into %s: the folder cannot be "
+                    "listed (%s) and its %r file names no readable checkpoint, so this one "
+                    "could not be numbered after those already there (a resume would take it "
+                    "for older). Nothing was written; training goes on. Make the folder "
+                    "readable again (its permissions, its network disk).",
+                    self.output_dir, self._unlisted, LATEST)
+                return None
             generations = [manifest.generation]
             if _run.current().first_time(f"checkpoint.unlisted:{self.output_dir}"):
                 logger.warning("training-patches: the checkpoint folder %s cannot be listed "
@@ -329,6 +339,7 @@ class CheckpointManager:
         """Remove the temporary files and incomplete sharded folders of this manager's saves
         (its names only) written on THIS host by a pid that no longer runs: another host's
         save in progress is never touched. Runs on the writer, at the start of a save."""
+        self._unlisted = None
         if not self.output_dir.is_dir():
             return
         sweep_incomplete(self.output_dir, self.folder_pattern, pid_alive)
@@ -338,9 +349,8 @@ class CheckpointManager:
         here = host_name()
         try:
             entries = list(self.output_dir.iterdir())
-            self._unlisted = None
         except OSError as exc:
-            self._unlisted = exc  # _next_generation: go on after ``latest``'s, or refuse
+            self._unlisted = exc  # _next_generation: go on after ``latest``'s, or skip
             return
         for entry in entries:
             match = mark.match(entry.name)
@@ -352,8 +362,9 @@ class CheckpointManager:
             try:
                 entry.unlink(missing_ok=True)
             except OSError as exc:
-                logger.warning("training-patches: could not remove %s, left by an interrupted "
-                               "save (%s)", entry, exc)
+                if _run.current().first_time(f"checkpoint.unremovable:{entry}"):
+                    logger.warning("training-patches: could not remove %s, left by an "
+                                   "interrupted save (%s)", entry, exc)
                 continue
             logger.debug("training-patches: removed %s, left by an interrupted save", entry.name)
 

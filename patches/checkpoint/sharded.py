@@ -207,16 +207,21 @@ def _state_dicts(model: torch.nn.Module, optimizers: list[Any]) -> tuple[dict, d
 
 
 def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any,
-                 scheduler: Any, scaler: Any, extra: dict[str, Any], loader: Any = None) -> Path:
+                 scheduler: Any, scaler: Any, extra: dict[str, Any], loader: Any = None
+                 ) -> Path | None:
     """Every rank writes its shards of ``step`` into ``manager.folder_for(step)``; rank 0
-    writes the manifest and then the commit marker; every rank returns the folder."""
+    writes the manifest and then the commit marker; every rank returns the folder (None on
+    every rank where the manager cannot number it: nothing written, said)."""
     import torch.distributed.checkpoint as dcp  # lazy: heavy, only for sharded saves
 
     folder = manager.folder_for(step)
     optimizers = _as_list(optimizer)
 
-    def prepare() -> None:
+    def prepare() -> int | None:
         manager._sweep_temp()  # incomplete folders of killed saves (this host's only)
+        generation = manager._next_generation()  # before any write: None, nothing written
+        if generation is None:
+            return None
         if folder.exists():  # an earlier save of this step (another branch) or a torn one
             remove_folder(folder)
         folder.mkdir(parents=True)
@@ -224,8 +229,11 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
         # fsync: a record lost or torn by a crash only means the folder is never swept.
         (folder / WRITER_NAME).write_text(json.dumps(
             {"host": host_name(), "pid": os.getpid(), "step": step}), encoding="utf-8")
+        return generation
 
-    _on_writer(prepare)
+    generation = _on_writer(prepare)
+    if generation is None:
+        return None
 
     def write_rank(gate: Callable[..., None]) -> dict[str, Any]:
         rank = _dist.rank()
@@ -258,7 +266,7 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
         for report in reports:
             files.update(report["files"])
             nonfinite += [n for n in report["nonfinite"] if n not in nonfinite]
-        text = manifest_text(step, manager._next_generation(), files, reports[0]["shapes"],
+        text = manifest_text(step, generation, files, reports[0]["shapes"],
                              nonfinite, amp=scaler_enabled(scaler), world_size=len(reports),
                              has_optimizer=reports[0]["has_optimizer"])
         atomic_text(folder / MANIFEST_NAME, text)
