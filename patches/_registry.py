@@ -416,9 +416,11 @@ def _land(spec: PatchSpec, token: object, site: Site, integration: str | None,
         try:
             replacement = site.make(original)
         except Exception as exc:  # noqa: BLE001 - any failure: leave what is there in place
+            kept = ("the original is left in place" if state is None else
+                    f"its replacement for {', '.join(sorted(state.patches))} is left in place")
             _report(_site_problem(spec, site, integration, "failed",
-                                  f"could not be patched ({type(exc).__name__}: {exc}); the "
-                                  f"original is left in place"), activation, site.key)
+                                  f"could not be patched ({type(exc).__name__}: {exc}); "
+                                  f"{kept}"), activation, site.key)
             return
         if state is None:
             state = _sites[site.key] = _SiteState(original, replacement=current)

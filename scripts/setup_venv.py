@@ -13,6 +13,7 @@ everything, as before, after one line saying why.
 
 from __future__ import annotations
 
+import ast
 import os
 import shlex
 import subprocess
@@ -37,10 +38,14 @@ def pip_settings(python: Path) -> tuple[list[str], dict[str, str]]:
     for line in listed.splitlines():
         key, _, value = line.partition("=")
         name = key.rsplit(".", 1)[-1]
+        try:  # pip prints each value as a Python literal: a multi-line one holds "\n"
+            value = str(ast.literal_eval(value)) if value else ""
+        except (ValueError, SyntaxError):
+            value = value.strip("'\"")
         if name == "cert" and value:
-            env.setdefault("SSL_CERT_FILE", shlex.split(value)[0])
+            env.setdefault("SSL_CERT_FILE", value.strip())
         flag = FLAGS.get(name)
-        for item in shlex.split(value)[0].split() if flag and value else ():
+        for item in value.split() if flag else ():
             if item not in flags:
                 flags += [flag, item]
     return flags, env

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,7 +35,8 @@ import types
 from pathlib import Path
 from typing import Any
 
-from distributed.zygote import fresh_state, new_main, reap, run_code, run_script
+from distributed.zygote import (START_SIGNALS, _threads, fork_child, fresh_state, new_main, reap,
+                                run_code, run_script)
 
 SMALL_XTTS = Path(__file__).resolve().parent / "small_xtts"
 # What the started processes import that no patch site is (tests/test_forkserver.py checks):
@@ -53,15 +55,9 @@ FREE = re.compile(r"(TRAINING_PATCHES_|CLIENT_|PYTEST_|KMP_).*|DS_ACCELERATOR|PA
 # At most this many servers per test process, one per environment its children start with
 # (an in-process coqui Trainer sets PYTHONHASHSEED for every later child: a server of its own)
 MAX_SERVERS = 3
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD,
-           signal.SIGPIPE, signal.SIGXFSZ)
 
 
 # -- the server --------------------------------------------------------------------------
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))  # native ones too: a fork copies one thread
-
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.send(json.dumps(message).encode())
@@ -79,26 +75,18 @@ def serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
         if not data:
             return None
         request = json.loads(data)
-        if _threads() != 1:
-            _send(sock, {"error": f"{_threads()} threads: forking is unsafe"})
-            for fd in fds:
-                os.close(fd)
-            continue
-        ready_r, ready_w = os.pipe()
-        pid = os.fork()
+        try:
+            pid = fork_child(session=request["session"])
+        except RuntimeError as exc:  # the client starts this one as a fresh process
+            _send(sock, {"error": str(exc)})
+            pid = -1
         if pid == 0:
-            if request["session"]:
-                os.setsid()
-            os.close(ready_r)
-            os.close(ready_w)  # the server goes on once the child leads its session
             return request, fds
-        os.close(ready_w)
-        os.read(ready_r, 1)
-        os.close(ready_r)
         for fd in fds:
             os.close(fd)  # the child's copies only: its pipes end when it does
-        children[pid] = request["rc"]
-        _send(sock, {"pid": pid})
+        if pid > 0:
+            children[pid] = request["rc"]
+            _send(sock, {"pid": pid})
 
 
 def become(request: dict[str, Any], fds: list[int], sock: socket.socket,
@@ -148,7 +136,6 @@ def run_main(mode: str, target: str, main: types.ModuleType) -> None:
 
 def _server_main(fd: int, sites: list[str], preload: list[str]) -> None:
     sock = socket.socket(fileno=fd)
-    start_signals = {sig: signal.getsignal(sig) for sig in SIGNALS}
     import importlib  # lazy: the server's only
 
     for name in preload:
@@ -167,12 +154,15 @@ def _server_main(fd: int, sites: list[str], preload: list[str]) -> None:
     import gc  # lazy: the server's only
 
     gc.freeze()  # the children's collections skip what the server imported (and copy less)
-    _send(sock, {"ready": True})
+    try:
+        _send(sock, {"ready": True})
+    except OSError:  # its client closed before the imports ended: nothing to serve
+        return
     served = serve(sock)
     if served is not None:
         request, fds = served
         mode, target = request["argv"][:2]
-        run_main(mode, target, become(request, fds, sock, start_signals))
+        run_main(mode, target, become(request, fds, sock, START_SIGNALS))
 
 
 # -- the client ----------------------------------------------------------------------------
@@ -193,9 +183,8 @@ class Server:
 
         # torch's sites are imported before any patch in every process (the library imports
         # torch); every other site must be imported by the child itself, as in a fresh one
-        sites = sorted({site.module for name in _registry.specs()
-                        for site in _registry.sites_of(name) if not site.module.startswith("torch")}
-                       | {"patches", "trainer", "TTS"})
+        sites = sorted({site.module for site, _, _ in _registry._declared()
+                        if not site.module.startswith("torch")} | {"patches", "trainer", "TTS"})
         self.env = env
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
@@ -229,21 +218,24 @@ class Server:
             return []
         return ["PYTHONPATH without tests/small_xtts"]
 
-    def fork(self, request: dict[str, Any], fds: list[int]) -> int | None:
+    def fork(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        """The server's answer: ``{"pid": ...}``, or ``{"error": why}`` where it did not fork."""
         with self.lock:
             if not self.alive():
-                return None
+                return {"error": "the server ended"}
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
             data = self.sock.recv(1 << 16)
-        answer = json.loads(data) if data else {}
-        return answer.get("pid")
+        return json.loads(data) if data else {"error": "the server ended"}
 
     def close(self) -> None:
+        if not self.is_ready() and self.ready is None:
+            self.proc.kill()  # still importing: nothing it could serve
         self.sock.close()  # the server ends with its socket
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)  # its children's exit codes
 
 
 _servers: dict[tuple[tuple[str, str], ...], Server] = {}
@@ -283,6 +275,7 @@ class Forked(subprocess.Popen):
 
     def __init__(self, argv: list[str], server: Server, mode: list[str], **kwargs: Any):
         self._server, self._mode = server, mode
+        self._session = bool(kwargs.get("start_new_session"))
         self._rc = os.path.join(server.folder, f"{time.monotonic_ns()}-{threading.get_ident()}")
         super().__init__(argv, **kwargs)
 
@@ -291,14 +284,15 @@ class Forked(subprocess.Popen):
                        creationflags: Any, shell: Any, p2cread: int, p2cwrite: int,
                        c2pread: int, c2pwrite: int, errread: int, errwrite: int,
                        *rest: Any) -> None:
-        start_new_session = rest[-2]
         request = {"argv": self._mode, "env": dict(env if env is not None else os.environ),
                    "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd()),
-                   "umask": _umask(), "session": bool(start_new_session),
+                   "umask": _umask(), "session": self._session,
                    "default_signals": preexec_fn is not None, "rc": self._rc}
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
                errwrite if errwrite != -1 else 2]
-        pid = self._server.fork(request, fds)
+        answer = self._server.fork(request, fds)
+        pid = answer.get("pid")
+        _note("forked" if pid else f"fresh (the server: {answer.get('error')})", self.args)
         if pid is None:  # the server could not: a fresh process, as Popen starts it
             super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd,
                                    env, startupinfo, creationflags, shell, p2cread, p2cwrite,
@@ -366,7 +360,6 @@ def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
         server = server_for(child_env, start=False)
         why = ["no server ready"] if server is None else server.misfits(child_env)
         if server is not None and not why:
-            _note("forked", argv)
             return Forked([str(a) for a in argv], server, mode, **kwargs)
         _note(f"fresh ({', '.join(why)})", argv)
     else:

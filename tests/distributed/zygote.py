@@ -70,15 +70,17 @@ def reap(children: dict[int, str]) -> None:
             _write_rc(path, status)
 
 
-def _fork(request: dict[str, Any]) -> int:
-    """Fork a child for ``request``; 0 in the child. The parent returns once the child
-    leads its own session, so that ``os.killpg(pid, ...)`` reaches it from the start."""
+def fork_child(session: bool = True) -> int:
+    """Fork a child; 0 in the child. With ``session`` the parent returns once the child
+    leads its own session, so that ``os.killpg(pid, ...)`` reaches it from the start.
+    RuntimeError where another thread runs (a fork copies only this one)."""
     if threading.active_count() != 1 or _threads() != 1:
         raise RuntimeError(f"{_threads()} threads: forking is unsafe")
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.setsid()
+        if session:
+            os.setsid()
         os.close(r)
         os.close(w)
         return 0
@@ -107,7 +109,7 @@ def serve() -> dict[str, Any] | None:
                 continue
             request = json.loads(line)
             try:
-                pid = _fork(request)
+                pid = fork_child()
             except Exception as exc:  # the client starts this rank as a fresh process
                 _say({"error": f"{type(exc).__name__}: {exc}"})
                 continue

@@ -103,9 +103,6 @@ def _steps_counted(trainer: Any) -> Iterator[None]:
     yield
 
 
-NAME_SAID = "the Hugging Face Trainer"
-
-
 def _recorded_run(trainer: Any) -> contextlib.AbstractContextManager[None]:
     """Claim the Trainer's ``output_dir`` and record the start; the context records the end."""
     folder = getattr(trainer.args, "output_dir", None)
@@ -131,12 +128,14 @@ def _files_of(folder: Path) -> dict[str, int]:
 
 def make_save_checkpoint(original: Any) -> Any:
     """``Trainer._save_checkpoint`` that ends by marking the folder complete (last, atomic)."""
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         step = getattr(getattr(self, "state", None), "global_step", None)
         try:  # the trial by keyword or by position (transformers passes (model, trial))
-            trial = inspect.signature(original).bind(self, *args, **kwargs).arguments.get("trial")
+            trial = signature.bind(self, *args, **kwargs).arguments.get("trial")
             folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{step}"
             if folder.is_dir() and self.args.should_save:
                 from ...checkpoint.atomic import atomic_text  # lazy: heavy (issue 41)
