@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import os
-import shlex
 import subprocess
 import sys
 import venv
