@@ -1,18 +1,17 @@
 """Where the rows of new vocabulary tokens start: the rules, and the trained rows a new
 token's spelling points to. Design and measurements: docs/design/row_init.md.
 
-- ``spelling`` (default): the ``romanized`` row, its noise from a fixed seed (the same start
-  for every seed); a new language tag (``[am]``) starts as the start token (XTTS's ``[START]``).
+- ``auto`` (default, the embedding only): ``spelling`` where the base model reads its text,
+  ``std0.02`` where it does not (:mod:`patches.reads_text` asks it), ``spelling`` where unknown.
+- ``spelling``: the ``romanized`` row, its noise from a fixed seed (the same start for every
+  seed); a new language tag (``[am]``) starts as the start token (XTTS's ``[START]``).
 - ``romanized``: the mean of the trained rows of the pieces the token's Latin spelling
   encodes to (``ሰላም`` -> ``selam`` -> ``se`` + ``lam``), plus 0.1 of their spread as noise.
-- ``romanized_offset`` (deprecated, one WARNING): halfway to the old mean, plus one offset
-  of a random direction shared by the spelled rows.
+- ``romanized_offset`` (deprecated, one WARNING): halfway to the old mean, plus a shared offset.
 - ``spread``: the old rows' mean plus noise of their own per-channel spread (also what a
-  token nothing spells falls back to, counted). ``mean``: transformers' ``mean_resizing``.
-- ``std0.02``: N(0, 0.02), GPT-2's and IndexTTS's init. ``randn``: N(0, 1), GPTTrainer's.
-
-A head bias follows its head's rule (the spelled rules: its pieces' mean; ``randn``/
-``std0.02``: zero; otherwise the old mean). Pure functions of tensors and the seed.
+  token nothing spells falls back to). ``mean``: transformers' ``mean_resizing``. ``std0.02``:
+  N(0, 0.02), GPT-2's and IndexTTS's init. ``randn``: N(0, 1), GPTTrainer's. A head bias
+  follows its head's rule. Pure functions of tensors and the seed.
 """
 
 from __future__ import annotations
@@ -27,14 +26,20 @@ import torch
 from . import languages
 from ._log import logger
 
-ROW_INITS = ("spelling", "romanized", "romanized_offset", "spread", "mean", "std0.02", "randn")
+ROW_INITS = ("auto", "spelling", "romanized", "romanized_offset", "spread", "mean", "std0.02",
+             "randn")
 # The rules that start a new row from its spelling (they need the grown tokenizer).
 SPELLED_RULES = ("spelling", "romanized", "romanized_offset")
+# auto: the embedding's rule by whether the base model reads its text (patches.reads_text),
+# True / False / None (not measured): spelled rows where it reads, near-zero rows where it
+# does not (the new rows only disturb a model that does not read), spelled where unknown.
+AUTO = "auto"
+AUTO_RULES = {True: "spelling", False: "std0.02", None: "spelling"}
 # The rules under which a new language tag ([am]) starts as the start token's rows (XTTS's
 # [START]), where the layout has one: the base model reads it as a text's beginning.
 TAGS_FROM_START = ("spelling", "romanized_offset")
 # The defaults, chosen on held-out configurations (docs/design/row_init.md, "Why the default").
-DEFAULT_ROW_INIT = "spelling"
+DEFAULT_ROW_INIT = AUTO
 DEFAULT_HEAD_ROW_INIT = "spread"
 # Rules kept working under their name, with one WARNING: why each is deprecated.
 DEPRECATED_RULES = {
@@ -131,9 +136,10 @@ class RowSources:
 def check_rule(rule: Any, what: str = "row_init") -> str:
     """``rule`` if it names one of :data:`ROW_INITS`, else a one-paragraph ValueError. A
     rule of :data:`DEPRECATED_RULES` still runs, with one WARNING per process."""
-    if rule not in ROW_INITS:
+    allowed = ROW_INITS if what == "row_init" else tuple(r for r in ROW_INITS if r != AUTO)
+    if rule not in allowed:
         raise ValueError(
-            f"training-patches: {what} is {rule!r}. Expected one of {', '.join(ROW_INITS)} "
+            f"training-patches: {what} is {rule!r}. Expected one of {', '.join(allowed)} "
             f"(docs/benchmarks.md, 'New rows that learn', measures each; TRAINING_PATCHES_"
             f"{what.upper()} sets the default).")
     if rule in DEPRECATED_RULES and rule not in _warned_deprecated:
@@ -149,7 +155,9 @@ def new_row_values(base: torch.Tensor, rows: Sequence[int], rule: str,
                    ) -> torch.Tensor:
     """The values of the new rows ``rows`` (float64, ``len(rows)`` x dim) under ``rule``,
     from ``base`` (the trained rows, float64, indexed as the grown tensor's first rows)."""
-    check_rule(rule)
+    if check_rule(rule) == AUTO:
+        raise ValueError("row_init 'auto' is resolved by the loader (plan_model) to "
+                         f"{' or '.join(sorted(set(AUTO_RULES.values())))} before any row is made")
     k, dim = len(rows), base.shape[1]
     # One draw for every rule, so each rule's noise is the same function of the seed.
     noise = torch.randn(k, dim, generator=generator, dtype=torch.float64)
@@ -452,7 +460,7 @@ def romanized_sources(tokenizer: Any, rows: Iterable[int],
     return RowSources(sources, spelled, unspelled, tags, spelled_by, failures)
 
 
-__all__ = ["COVARIANCE_SCALE", "DEFAULT_HEAD_ROW_INIT", "DEFAULT_ROW_INIT", "DEPRECATED_RULES",
+__all__ = ["AUTO", "AUTO_RULES", "COVARIANCE_SCALE", "DEFAULT_HEAD_ROW_INIT", "DEFAULT_ROW_INIT", "DEPRECATED_RULES",
            "FALLBACK", "OFFSET_LENGTH", "ROMANIZED_NOISE", "ROW_INITS", "RowSources",
            "SPELLED_RULES", "SPELLING_NOISE_SEED", "SPELLING_SHARE", "STRUCTURAL_TOKENS",
            "TAGS_FROM_START", "TokenizerReadError", "Tokens", "check_rule", "language_offset",

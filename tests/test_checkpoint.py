@@ -24,6 +24,7 @@ from torch import nn
 
 import patches
 from patches import checkpoint as ck
+from patches.reads_text import READS_ABOVE
 from tiny_models import TinyGPT
 from patches import vocab_freeze  # noqa: F401  (a growth's freeze: if it cannot import, fail)
 from patches.checkpoint.atomic import host_name
@@ -192,8 +193,12 @@ def test_remap_grows_vocab_keeps_trained_rows_and_optimizer_state(tmp_path, capl
     assert report.base_vocab_size == 20 and report.vocab_size == 28 and not report.start_row_moved
     # New rows by the default rules with no tokenizer to spell them (-> spread): finite,
     # around the old mean at the old rows' own per-channel spread, all different.
+    # (the default auto: no tokenizer to draw the reading probe's texts from -> spelling)
     assert report.row_init == {"embedding": "spelling", "head": "spread", "spelled": 0,
-                               "fallback": 8, "fallback_tokens": [], "no_tokenizer": True}
+                               "fallback": 8, "fallback_tokens": [], "no_tokenizer": True,
+                               "auto": {"text_tv": None, "reads": None, "threshold": READS_ABOVE,
+                                        "why": "no tokenizer was given to draw the probe's "
+                                               "texts from", "seconds": 0.0, "failed": False}}
     new_rows = new_emb[20:]
     assert torch.isfinite(new_rows).all()
     std = old_emb.std(dim=0, unbiased=False)

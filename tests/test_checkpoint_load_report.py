@@ -77,7 +77,9 @@ def test_full_remap_load_reports_every_part_and_logs_that_report(tmp_path, caplo
     assert line == f"training-patches: {report.summary()}"
     assert (f"loaded {path} (policy remap): model remapped (5 tensor(s), 3 of them grown by 6 "
             f"vocabulary row(s) (embedding spelling: no tokenizer was given to spell "
-            f"the new tokens: all by spread, head spread)), optimizer remapped (moments of 3 "
+            f"the new tokens: all by spread, head spread; embedding rule auto: not probed (no "
+            f"tokenizer was given to draw the probe's texts from) -> spelling, the rule where "
+            f"the base model reads (docs/design/row_init.md))), optimizer remapped (moments of 3 "
             f"grown parameter(s) resized") in line
     assert "scheduler restored, scaler restored, step 5 restored, RNG restored" in line
     assert not _lines(caplog, logging.WARNING)

@@ -29,8 +29,12 @@ def build(tiny_xtts, vocab, gpt_path, tmp_path):
 
 
 def test_grown_vocab_keeps_base_rows_and_freezes_them(tiny_xtts, tiny_xtts_extended_vocab,
-                                                      base_gpt, tmp_path,
-                                                      caplog) -> None:
+                                                      base_gpt, tmp_path, caplog,
+                                                      monkeypatch) -> None:
+    """The spelled rule through GPTTrainer's own tokenizer_file (asked for: the default auto
+    gives this tiny base, which does not read its text, near-zero rows; that outcome:
+    tests/test_checkpoint_xtts.py)."""
+    monkeypatch.setenv("TRAINING_PATCHES_ROW_INIT", "spelling")
     patches.advanced.apply()
     base = torch.load(base_gpt)
     with caplog.at_level("INFO", logger="training_patches"):
@@ -42,7 +46,7 @@ def test_grown_vocab_keeps_base_rows_and_freezes_them(tiny_xtts, tiny_xtts_exten
     assert torch.equal(emb[81], old[73])  # [START] moved to the new last row
     new = emb[73:81]
     assert torch.isfinite(new).all()
-    # the default rules: GPTTrainer's tokenizer_file spells each new Amharic token, and its
+    # the spelled rule: GPTTrainer's tokenizer_file spells each new Amharic token, and its
     # row starts at the mean of its spelling's pieces' rows, off by a small noise that no
     # seed draws (not randn, not one shared mean row, no offset shared by the rows);
     # the [am] tag starts as [START]; the load line counts them
@@ -61,6 +65,7 @@ def test_grown_vocab_keeps_base_rows_and_freezes_them(tiny_xtts, tiny_xtts_exten
     assert torch.equal(emb[tok.token_to_id("[am]")], old[73])
     assert (f"embedding spelling ({len(found.sources)} from their spelling, 1 language "
             f"tag(s) as the start token ('[am]'))") in caplog.text
+    assert "embedding rule auto" not in caplog.text  # the rule asked for, no probe
     assert len({tuple(r.tolist()) for r in new}) == 8
     head = model.xtts.gpt.text_head
     assert torch.equal(head.weight.detach()[:73], base["text_head.weight"][:73])

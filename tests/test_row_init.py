@@ -12,6 +12,7 @@ import torch
 
 import patches
 from patches import row_init
+from patches.reads_text import READS_ABOVE
 from patches.languages import amharic, register_language, unregister_language
 from patches.row_init import ROMANIZED_NOISE, RowSources, new_bias_values, new_row_values
 
@@ -118,15 +119,18 @@ def test_spelling_rows_are_the_romanized_rows_with_a_noise_the_seed_does_not_dra
 
 
 def test_the_default_rows_start_at_their_spelling_with_no_random_direction() -> None:
-    """Issue 38: the default's spelled rows sit at their pieces' mean, off by no more than
-    the small per-row noise; no offset shared by the rows (the old default moved every
-    spelled row by one random vector of 0.6 x the old rows' spread), and the same rows for
-    every seed."""
+    """Issue 38: the default's spelled rows (``auto``'s rule where the base model reads its
+    text, or is not known to) sit at their pieces' mean, off by no more than the small
+    per-row noise; no offset shared by the rows (the old default moved every spelled row by
+    one random vector of 0.6 x the old rows' spread), and the same rows for every seed."""
+    assert row_init.DEFAULT_ROW_INIT == row_init.AUTO
+    spelled_rule = row_init.AUTO_RULES[True]
+    assert spelled_rule == row_init.AUTO_RULES[None] == "spelling"
     base = _base()
     rows = range(300, 340)
     sources = RowSources({r: (r - 300, r - 299) for r in rows}, {}, {})
     std = base.std(0, unbiased=False)
-    got = {seed: new_row_values(base, rows, row_init.DEFAULT_ROW_INIT, _gen(seed), sources)
+    got = {seed: new_row_values(base, rows, spelled_rule, _gen(seed), sources)
            for seed in (0, 1, 2)}
     spelled = torch.stack([base[list(sources.sources[r])].mean(0) for r in rows])
     for values in got.values():
@@ -135,6 +139,7 @@ def test_the_default_rows_start_at_their_spelling_with_no_random_direction() -> 
         assert ((values - spelled).mean(0).abs() <= 0.1 * std).all()
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
     assert row_init.DEFAULT_ROW_INIT not in row_init.DEPRECATED_RULES
+    assert not set(row_init.AUTO_RULES.values()) & set(row_init.DEPRECATED_RULES)
 
 
 def test_the_old_default_still_runs_with_one_deprecation_warning(caplog) -> None:
@@ -162,7 +167,11 @@ def test_romanized_head_bias_is_its_pieces_bias_mean_and_fixed_rules_start_at_ze
                            torch.zeros(2, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("rule", row_init.ROW_INITS)
+# the rules that make rows: ``auto`` only chooses one of them (the loader resolves it)
+RULES = tuple(rule for rule in row_init.ROW_INITS if rule != row_init.AUTO)
+
+
+@pytest.mark.parametrize("rule", RULES)
 def test_every_rule_is_a_pure_function_of_the_seed(rule: str) -> None:
     """The same seed, the same rows; another seed, other rows, except under ``spelling``,
     whose rows no seed draws."""
@@ -175,9 +184,18 @@ def test_every_rule_is_a_pure_function_of_the_seed(rule: str) -> None:
     assert torch.equal(a, c) == (rule == "spelling")
 
 
+def test_auto_makes_no_rows_itself() -> None:
+    """``auto`` is resolved by the loader to the rule it chose; asked of the rows directly it
+    is refused, saying so, rather than silently taken for one rule."""
+    with pytest.raises(ValueError, match=r"^row_init 'auto' is resolved by the loader "
+                                         r"\(plan_model\) to spelling or std0\.02 before any "
+                                         r"row is made$"):
+        new_row_values(_base(), range(300, 301), row_init.AUTO, _gen())
+
+
 def test_an_unknown_rule_is_one_paragraph() -> None:
     with pytest.raises(ValueError,
-                       match=r"row_init is 'fvt'\. Expected one of spelling, romanized, "):
+                       match=r"row_init is 'fvt'\. Expected one of auto, spelling, romanized, "):
         new_row_values(_base(), range(300, 301), "fvt", _gen())
 
 
@@ -359,9 +377,13 @@ def test_the_default_load_starts_the_same_embedding_whatever_the_seed_and_says_i
     assert reports[0].row_init["embedding"] == "spelling"
     assert "vocabulary row(s) (embedding spelling (" in reports[0].summary()
     assert "1 language tag(s) as the start token ('[am]')" in reports[0].summary()
-    # and why this rule ran: the default, what it is for, the knob that changes it
-    assert ("embedding rule: the default (each row from its spelling, the same for every "
-            "seed; TRAINING_PATCHES_ROW_INIT=std0.02") in reports[0].summary()
+    # and why this rule ran: auto, which found no reading probe for this model
+    assert ("; embedding rule auto: not probed (no reading probe for a TinyTextModel) -> "
+            "spelling, the rule where the base model reads (docs/design/row_init.md))), "
+            "optimizer absent") in reports[0].summary()
+    assert reports[0].row_init["auto"] == {
+        "text_tv": None, "reads": None, "threshold": READS_ABOVE, "failed": False, "seconds": 0.0,
+        "why": "no reading probe for a TinyTextModel"}
 
 
 def test_romanized_rows_follow_a_layout_whose_token_0_is_not_row_0(tmp_path,
@@ -410,15 +432,18 @@ def test_romanized_without_a_tokenizer_falls_back_and_says_so(tmp_path) -> None:
     assert "no tokenizer was given" in report.summary()
 
 
-def test_an_unreadable_tokenizer_is_refused_naming_the_rule_in_use(tmp_path) -> None:
+@pytest.mark.parametrize("rule", ["spelling", None], ids=["spelling", "default auto"])
+def test_an_unreadable_tokenizer_is_refused_naming_the_rule_in_use(tmp_path, rule) -> None:
     path = _tiny_checkpoint(tmp_path, 20)
     model = TinyTextModel(vocab=24, dim=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    asked = {"row_init": rule} if rule else {}
     with pytest.raises(patches.CheckpointError,
-                       match=r"from their spelling \(row_init 'spelling'\): the "
+                       match=rf"from their spelling \(row_init '{rule or 'auto'}'\): the "
                              r"tokenizer given could not be read .*nope\.json, which is not a "
                              r"file.*Nothing was loaded"):
-        patches.load_checkpoint(path, model, freeze=False, tokenizer=str(tmp_path / "nope.json"))
+        patches.load_checkpoint(path, model, freeze=False, tokenizer=str(tmp_path / "nope.json"),
+                                **asked)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
@@ -441,11 +466,13 @@ def test_the_environment_sets_the_rules_and_a_bad_value_is_refused(tmp_path, mon
 
 
 def test_the_same_seed_grows_the_same_rows_under_every_rule(tmp_path) -> None:
+    """Every rule for both rows; ``auto`` (the embedding's only) with the default head."""
     path = _tiny_checkpoint(tmp_path, 20)
-    for rule in row_init.ROW_INITS:
+    pairs = [(rule, rule) for rule in RULES] + [(row_init.AUTO, row_init.DEFAULT_HEAD_ROW_INIT)]
+    for rule, head in pairs:
         a, b = TinyTextModel(vocab=26, dim=8), TinyTextModel(vocab=26, dim=8)
-        patches.load_checkpoint(path, a, freeze=False, seed=3, row_init=rule, head_row_init=rule)
-        patches.load_checkpoint(path, b, freeze=False, seed=3, row_init=rule, head_row_init=rule)
+        patches.load_checkpoint(path, a, freeze=False, seed=3, row_init=rule, head_row_init=head)
+        patches.load_checkpoint(path, b, freeze=False, seed=3, row_init=rule, head_row_init=head)
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
                                                      b.state_dict().values())), rule
 

@@ -117,6 +117,7 @@ ALLOWED: dict[str, str] = {
     "patches._registry._checked_versions": _CACHE,
     "patches._imports._waiting": _REGISTRY, "patches._imports._watching_classes": _REGISTRY,
     "patches._options._checks": _REGISTRY,
+    "patches.reads_text._finders": _REGISTRY + " (the models' reading probes, registered at import)",
     "patches._options._from_environment": _CACHE + " (keyed by the environment's variables)",
     "patches._options._first_use": _REGISTRY,
     "patches._api._activated": "the import line ran in this process",

@@ -259,8 +259,9 @@ def test_verify_checkpoint_rows(files, tmp_path, capsys) -> None:
     assert rc == 0, stdout
     assert f"grows 74 -> {size} rows" in stdout and "moves the last row" in stdout
     # how the loader starts the new rows: its rules, not "the mean of the old ones"
-    assert "the new rows start by row_init spelling (from each token's spelling" in \
-        stdout and "the head's by spread" in stdout and "mean of the old" not in stdout
+    assert ("the new rows start by row_init auto (spelling where the base model reads its "
+            "text, std0.02 where it does not: the loader asks it), the head's by spread") in \
+        stdout and "mean of the old" not in stdout
     assert f"rows 0..72 and {size - 1}..{size - 1} stay frozen (base); rows 73..{size - 2} " \
            f"train: set TRAINING_PATCHES_BASE_VOCAB=74 " in stdout
     # a fine-tuned checkpoint of this vocabulary: loads as is

@@ -11,9 +11,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..row_init import (DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, SPELLED_RULES, TAGS_FROM_START,
-                        RowSources, TokenizerReadError, check_rule, read_tokenizer,
-                        romanized_sources)
+from .._log import logger
+from ..reads_text import TextReading, text_ids, text_tv
+from ..row_init import (AUTO, AUTO_RULES, DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, SPELLED_RULES,
+                        TAGS_FROM_START, RowSources, Tokens, TokenizerReadError, check_rule,
+                        read_tokenizer, romanized_sources)
 from ..vocab_resize import RowPlan, grow_bias, grow_rows
 from ..vocab_rows import find_vocab_modules, row_layout
 from .reading import _what_to_do, nonfinite_flags
@@ -209,6 +211,8 @@ class NewRows:
     added: int = 0  # new rows in each grown tensor
     # new language tags started as the start token in every grown tensor (row_init.TAGS_FROM_START)
     tag_rows: tuple[int, ...] = ()
+    # under row_init "auto": whether the base model reads its text, which chose ``embedding``
+    reading: TextReading | None = None
 
     def rule_of(self, key: str) -> str:
         return self.head if self.parts[key] == "head" else self.embedding
@@ -229,14 +233,26 @@ class NewRows:
                 out.append(f"{part} {rule} "
                            f"({self.sources.describe(tags_from_start=bool(self.tag_rows))})")
         spellers = self.sources.spellers() if self.sources is not None else ""
-        why = ""
-        if ("embedding" in self.parts.values() and self.embedding == DEFAULT_ROW_INIT
-                and self.sources is not None):
-            # why this rule: the user did not choose it, so say what it is for and the knob
-            why = ("; embedding rule: the default (each row from its spelling, the same for "
-                   "every seed; TRAINING_PATCHES_ROW_INIT=std0.02 keeps the base language "
-                   "closer: docs/design/row_init.md)")
+        why = f"; {self.why_auto()}" if self.reading is not None else ""
         return ", ".join(out) + (f"; {spellers}" if spellers else "") + why
+
+    def why_auto(self) -> str:
+        """Why row_init ``auto`` chose the embedding's rule, from the probe's answer."""
+        reading = self.reading
+        if reading is None:
+            return ""
+        if reading.reads is None:
+            found, then = f"not probed ({reading.why})", "the rule where the base model reads"
+        elif reading.reads:
+            found = f"the base model reads its text ({reading.why}, in {reading.seconds:.1f} s)"
+            then = "spelled rows, which make it read the new language"
+        else:
+            found = (f"the base model does not read its text ({reading.why}, in "
+                     f"{reading.seconds:.1f} s)")
+            then = ("near-zero rows, which keep the base language; "
+                    "TRAINING_PATCHES_ROW_INIT=spelling forces spelled rows")
+        return (f"embedding rule auto: {found} -> {self.embedding}, {then} "
+                f"(docs/design/row_init.md)")
 
 
 def _shrink_error(path: Path, model: torch.nn.Module, keys: Sequence[str],
@@ -330,7 +346,9 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
         new_rows = None
         if rows.added > 0:
             new_rows = _new_rows(path, model, list(vocab), rows, check_rule(row_init),
-                                 check_rule(head_row_init, "head_row_init"), tokenizer)
+                                 check_rule(head_row_init, "head_row_init"), tokenizer,
+                                 lambda tokens: _reads_text(model, vocab, state, target, rows,
+                                                            tokens))
         generator = torch.Generator().manual_seed(seed)
         for key in vocab:
             old = state[key]
@@ -359,15 +377,43 @@ def _one_value_for_tied(state: dict[str, torch.Tensor], target: Mapping[str, tor
             state[key] = state[twin]
 
 
+def _reads_text(model: torch.nn.Module, vocab: Mapping[str, Any],
+                state: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
+                rows: RowPlan, tokens: Tokens | None) -> TextReading:
+    """Whether the base model reads its text (:func:`patches.reads_text.text_tv`), asked of
+    the module owning the text embedding with the checkpoint's tensors (the new rows made
+    by a throwaway rule: the probe's texts hold base ids only); the model is not changed."""
+    if tokens is None:
+        return TextReading(None, None, "no tokenizer was given to draw the probe's texts from")
+    key = next((k for k in vocab if not _is_head(model, k)), next(iter(vocab)))
+    prefix = key.rsplit(".", 2)[0] + "." if key.count(".") >= 2 else ""
+    throwaway = torch.Generator().manual_seed(0)
+    params = {}
+    for name, value in state.items():
+        if not name.startswith(prefix):
+            continue
+        if name in vocab:
+            grow = grow_bias if value.dim() == 1 else grow_rows
+            value = grow(value, rows, throwaway, "std0.02")
+        params[name[len(prefix):]] = value.to(dtype=target[name].dtype)
+    layout = row_layout(_vocab_owner(model, key), rows.new_rows)
+    ids, lead = text_ids(tokens, rows.base_rows - layout.leading_rows)
+    ids = [i + layout.leading_rows for i in ids]
+    return text_tv(_vocab_owner(model, key), params, ids,
+                   None if lead is None else lead + layout.leading_rows)
+
+
 def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: RowPlan,
-              row_init: str, head_row_init: str, tokenizer: Any) -> NewRows:
-    """The rule of each grown tensor, and for a spelled rule the rows spelled with the
-    tokenizer (checked against the model's rows first)."""
+              row_init: str, head_row_init: str, tokenizer: Any,
+              reads_text: Callable[[Tokens | None], TextReading]) -> NewRows:
+    """The rule of each grown tensor (``auto`` chosen by ``reads_text``), and for a spelled
+    rule the rows spelled with the tokenizer (checked against the model's rows first)."""
     parts = {key: "head" if _is_head(model, key) else "embedding" for key in keys}
     used = {head_row_init if part == "head" else row_init for part in parts.values()}
     sources = None
-    if used & set(SPELLED_RULES) and tokenizer is not None:
-        spelled = " and ".join(map(repr, sorted(used & set(SPELLED_RULES))))
+    tokens = None
+    if used & {*SPELLED_RULES, AUTO} and tokenizer is not None:
+        spelled = " and ".join(map(repr, sorted(used & {*SPELLED_RULES, AUTO})))
         layout = row_layout(_vocab_owner(model, keys[0]), rows.new_rows)
         # rows before token 0 (F5-TTS's filler): token i is row i + lead
         lead = layout.leading_rows
@@ -395,10 +441,23 @@ def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: Row
                 f"with it, the new rows would start from the rows of unrelated tokens. Nothing "
                 f"was loaded. Pass tokenizer= the grown tokenizer the model was built with, or "
                 f"another row_init ('spread' needs none).")
+    reading = None
+    if row_init == AUTO and "embedding" in parts.values():
+        reading = reads_text(tokens if sources is not None else None)
+        if reading.failed:
+            logger.warning("training-patches: %s: row_init auto could not tell whether the base "
+                           "model reads its text (%s); its new embedding rows start by %s, the "
+                           "rule where it reads. Set TRAINING_PATCHES_ROW_INIT to choose.",
+                           path, reading.why, AUTO_RULES[None])
+        row_init = AUTO_RULES[reading.reads]
+    elif row_init == AUTO:
+        row_init = AUTO_RULES[None]  # no embedding grew: the head's rule is its own
+    if not {row_init, head_row_init} & set(SPELLED_RULES):
+        sources = None  # auto chose unspelled rows: nothing was spelled
     tags = ()
     if row_init in TAGS_FROM_START and sources is not None and rows.start_row_last:
         tags = tuple(sources.tags)
-    return NewRows(row_init, head_row_init, sources, parts, rows.added, tags)
+    return NewRows(row_init, head_row_init, sources, parts, rows.added, tags, reading)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -93,7 +93,8 @@ class LoadReport:
         """How the new rows started, as data: ``{"embedding": rule, "head": rule,
         "spelled": n, "fallback": n, "fallback_tokens": [...]}`` (the counts only for a
         spelled rule given a tokenizer; ``"tags_from_start": [...]``, the language tags started
-        as the start token); None when no row was added."""
+        as the start token; ``"auto"``: under row_init auto, the reading probe's answer that
+        chose the embedding's rule); None when no row was added."""
         rows = self.new_rows
         if rows is None:
             return None
@@ -106,6 +107,8 @@ class LoadReport:
                 out["tags_from_start"] = [rows.sources.tags[r] for r in rows.tag_rows]
         elif {rows.embedding, rows.head} & set(SPELLED_RULES):
             out.update(spelled=0, fallback=rows.added, fallback_tokens=[], no_tokenizer=True)
+        if rows.reading is not None:  # row_init auto: what chose the embedding's rule
+            out["auto"] = rows.reading.as_dict()
         return out
 
     def as_record(self) -> dict[str, Any]:

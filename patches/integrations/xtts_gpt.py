@@ -13,11 +13,14 @@ import os
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
+import torch
+
 from .. import _options, languages
 from .._log import logger
 from .._registry import Integration, Site, active, register_integration
 from ..vocab_freeze import TAG, VocabFreezeError, freeze_base_vocab
 from ..vocab_rows import describe_rows, frozen_rows, row_layout
+from ..reads_text import PREFIX, TextProbe, register_text_probe
 from ..row_init import tokenizer_format
 from .coqui_checkpoint import is_local, local_path, model_tokenizer
 
@@ -207,6 +210,41 @@ def check_vocab_layout(gpt_trainer: Any, base_tokens: int) -> list[str]:
     logger.warning("%s WARNING: %s; training goes on (TRAINING_PATCHES_STRICT=1 stops here).",
                    TAG, text)
     return problems
+
+
+# The reading probe's random conditioning: a mel segment of this many frames (N(0, 1): XTTS's
+# mels are normalised), as the benchmark's reading base models were conditioned.
+PROBE_COND_FRAMES = 128
+
+
+@register_text_probe
+def coqui_gpt_probe(owner: Any) -> TextProbe | None:
+    """coqui's XTTS ``GPT``'s side of :func:`patches.reads_text.text_tv`: a random
+    conditioning mel and audio prefix, then its own forward's next-audio-code logits."""
+    kind = type(owner)
+    if kind.__name__ != "GPT" or not kind.__module__.startswith("TTS.tts.layers.xtts."):
+        return None
+
+    def context(gen: Any) -> tuple[Any, Any]:
+        cond = torch.randn(1, 1, 80, PROBE_COND_FRAMES, generator=gen)
+        codes = min(owner.start_audio_token, owner.stop_audio_token)
+        prefix = torch.randint(0, codes, (1, PREFIX), generator=gen)
+        torch.randint(0, codes, (1, PREFIX), generator=gen)  # the benchmark's second prefix
+        return cond, prefix
+
+    def probs(params: Any, texts: Any, drawn: tuple[Any, Any]) -> Any:
+        weight = params["text_embedding.weight"]  # the conditioning in the model's dtype
+        cond, prefix = drawn[0].to(weight.device, weight.dtype), drawn[1].to(weight.device)
+        device = weight.device
+        b, texts = texts.shape[0], texts.to(device)
+        args = (texts, torch.full((b,), texts.shape[1], device=device),
+                prefix.expand(b, -1).contiguous(),
+                torch.full((b,), PREFIX * owner.code_stride_len, device=device))
+        _, _, logits = torch.func.functional_call(
+            owner, dict(params), args, {"cond_mels": cond.expand(b, -1, -1, -1)}, strict=False)
+        return torch.softmax(logits[:, :, :PREFIX + 1].float(), dim=1)
+
+    return TextProbe(context, probs)
 
 
 INTEGRATION = register_integration(Integration(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ... import _options
-from ...row_init import SPELLED_RULES, tokenizer_format
+from ...row_init import AUTO, SPELLED_RULES, tokenizer_format
 from ...integrations.xtts_vocab import FAIL, OK, XttsVocab
 from ...vocab_rows import frozen_rows, new_rows
 from .bpe import START, UNK, load_vocab_json, xtts_text
@@ -292,7 +292,9 @@ def _new_rows_start() -> str:
     TRAINING_PATCHES_HEAD_ROW_INIT): ``the new rows start by row_init spelling ...``."""
     opts = _options.current()
     spelled = (" (from each token's spelling when the loader is given this tokenizer, else "
-               "spread)" if opts.row_init in SPELLED_RULES else "")
+               "spread)" if opts.row_init in SPELLED_RULES else
+               " (spelling where the base model reads its text, std0.02 where it does not: the "
+               "loader asks it)" if opts.row_init == AUTO else "")
     return (f"the new rows start by row_init {opts.row_init}{spelled}, the head's by "
             f"{opts.head_row_init}")
 
