@@ -121,6 +121,36 @@ CONFIGS: dict[str, dict[str, Any]] = {
                             base_steps=2000, batch=16, rules=("spelling", "std0.02"),
                             preset="full", work="results/reading/work"),
 }
+# Added 2026-11-28 09:16 UTC, before any run of them, with the library's row_init "auto"
+# (patches.reads_text: READS_ABOVE 0.17, fixed 09:11 UTC) and the rules' constants as they
+# stand: held-out judges of auto's CHOICE (spelled rows where the base model reads, near-zero
+# rows where it does not). Their base models were never used to choose a rule, a constant or
+# the probe's threshold: the probe's two controls (C1: seed 20, C2: seed 21, probe_reads_text.py)
+# and base models trained for these configurations (seeds 23-29). Each: 10% English, LR 5e-4;
+# the three rules fine-tuned (auto as its own arm, through the loader), 3 base models.
+CHOICE_RULES = ("auto", "spelling", "std0.02")
+CONFIGS.update({
+    # the full preset trained 2,000 steps on shuffled texts: speaks English, never reads
+    "shuffled_base": dict(mix=0.1, lr=5e-4, width=96, steps=150, first_seed=20, seed_list=(20, 23, 24),
+                          base_steps=2000, base_eval_every=500, shuffle_text=True, batch=16,
+                          rules=CHOICE_RULES, preset="full", work="results/probe_controls"),
+    # the quick preset trained 2,000 steps on its own texts: it reads (C2's gap +0.37)
+    "long_quick": dict(mix=0.1, lr=5e-4, width=64, steps=100, first_seed=21, seed_list=(21, 25, 26),
+                       base_steps=2000, base_eval_every=500, batch=8, rules=CHOICE_RULES,
+                       work="results/probe_controls"),
+    # the quick preset trained 1,000 steps: between the bases that do not read (300 steps)
+    # and those that do (2,000): the probe's hard case, whichever side it falls on
+    "mid_quick": dict(mix=0.1, lr=5e-4, width=64, steps=100, first_seed=27, seed_list=(27, 28, 29),
+                      base_steps=1000, base_eval_every=250, batch=8, rules=CHOICE_RULES,
+                      work="results/probe_controls"),
+    # added 09:32 UTC, after mid_quick's result moved READS_ABOVE from 0.17 to 0.05 (see
+    # patches/reads_text.py) and before any run of it: the quick preset trained 700 steps,
+    # between the bases that do not read (300 steps: text_tv up to 0.019) and the weak
+    # readers (1,000 steps: 0.093-0.101): near the new threshold, whichever side it falls on
+    "near_quick": dict(mix=0.1, lr=5e-4, width=64, steps=100, first_seed=30, seed_list=(30, 31, 32),
+                       base_steps=700, base_eval_every=175, batch=8, rules=CHOICE_RULES,
+                       work="results/probe_controls"),
+})
 
 
 def low_lr(cfg: dict[str, Any]) -> float:
@@ -771,6 +801,14 @@ def plot(cfg: dict[str, Any], runs: list[dict[str, Any]], summary: dict[str, Any
 # -- main ------------------------------------------------------------------------------------
 
 
+def seeds_of(cfg: dict[str, Any]) -> list[int]:
+    """The base models' seeds: ``cfg["seed_list"]`` (a configuration whose base models are
+    not numbered in a row), else ``cfg["seeds"]`` from ``cfg["first_seed"]`` (default 0)."""
+    if cfg.get("seed_list"):
+        return list(cfg["seed_list"])
+    return list(range(cfg.get("first_seed", 0), cfg.get("first_seed", 0) + cfg["seeds"]))
+
+
 def ready(cfg: dict[str, Any], work: Path, jobs: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The data and one base model per seed (``cfg["first_seed"]`` on, default 0), cached in
     ``work``; fills ``cfg``'s keys (data_key, max_text, max_codes, base_key)."""
@@ -779,7 +817,7 @@ def ready(cfg: dict[str, Any], work: Path, jobs: int) -> tuple[dict[str, Any], l
     set_keys(cfg, data)
     print(f"data: {data['corpus']}; vocabulary {data['rows']['base']} -> "
           f"{data['rows']['grown']} rows", flush=True)
-    seeds = list(range(cfg.get("first_seed", 0), cfg.get("first_seed", 0) + cfg["seeds"]))
+    seeds = seeds_of(cfg)
     base_paths = {seed: work / f"base_{cfg['base_key']}_seed{seed}.pt" for seed in seeds}
     missing = [seed for seed, path in base_paths.items()
                if not path.with_suffix(".json").is_file()]
@@ -834,12 +872,17 @@ def main() -> None:
     cfg = dict(PRESETS[preset])
     if args.config:
         chosen = CONFIGS[args.config]
+        seeds_given = args.first_seed is not None or args.seeds is not None
         for key in ("mix", "lr", "width", "steps", "first_seed", "base_steps"):
             if getattr(args, key) is None:
                 setattr(args, key, chosen[key])
         cfg["ft_batch"] = chosen["batch"]  # the fine-tune's batch; the base models' stays
         cfg["rules"] = chosen["rules"]
         cfg["seeds"] = 3
+        # the probe's controls' base training (their cache keys): see CHOICE_RULES
+        for key in ("seed_list", "base_eval_every", "shuffle_text"):
+            if key in chosen and (key != "seed_list" or not seeds_given):
+                cfg[key] = chosen[key]
     if args.mix is not None or args.lr is not None:
         cfg["arms"] = (f"candidates:{MIX if args.mix is None else args.mix:g}:"
                        f"{HIGH_LR if args.lr is None else args.lr:g}:"
@@ -857,7 +900,8 @@ def main() -> None:
         cfg["eval_lines"] = min(cfg["eval_lines"], max(8, args.utterances // 4))
         cfg["cond_pool"] = min(cfg["cond_pool"], max(4, args.utterances // 4))
     cfg["eval_every"] = min(cfg["eval_every"], max(1, cfg["steps"] // 4))
-    cfg["base_eval_every"] = min(cfg["base_eval_every"], max(1, cfg["base_max_steps"] // 4))
+    if not (args.config and "base_eval_every" in CONFIGS[args.config]):
+        cfg["base_eval_every"] = min(cfg["base_eval_every"], max(1, cfg["base_max_steps"] // 4))
     out = Path(args.out).resolve() if args.out else HERE / "results" / (
         f"row_defaults_{args.config}" if args.config else
         "speech_language" + ("_quick" if args.quick else ""))
@@ -873,8 +917,7 @@ def main() -> None:
     if args.arms:
         wanted = [w.strip() for w in args.arms.split(",") if w.strip()]
         specs = [s for s in specs if any(w in s["name"] for w in wanted)]
-    first = cfg.get("first_seed", 0)
-    seeds = range(first, first + cfg["seeds"])
+    seeds = seeds_of(cfg)
     jobs = [(spec, seed, cfg, str(work)) for seed in seeds for spec in specs]
     runs: list[dict[str, Any]] = []
     done_file = out / "runs.jsonl"

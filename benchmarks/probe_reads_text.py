@@ -61,7 +61,16 @@ Ground truth of a control: its .json's gap (as above); it "reads" when the gap i
 
 Nothing in the library changes; this imports ``bench_speech_language`` and edits nothing.
 
-Run:  OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/probe_reads_text.py [--controls] [--train-controls]
+The library's probe (``library`` columns, added 2026-11-28 09:20 UTC): each base model loaded
+by ``patches.load_checkpoint`` into the grown model under row_init ``auto`` (the default), as
+a user's load would: its ``text_tv`` (``patches.reads_text``: this file's ``text_tv`` with
+the conditioning fixed at 128 frames for every preset, the texts drawn from the grown
+tokenizer's base ids) and the rule it chose by ``READS_ABOVE`` (0.17, fixed 09:11 UTC from
+the development bases above). ``--choice`` adds the base models of
+``bench_speech_language``'s CHOICE_RULES configurations (held out for auto's choice), those
+already trained.
+
+Run:  OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/probe_reads_text.py [--controls] [--train-controls] [--choice]
 """
 
 from __future__ import annotations
@@ -105,6 +114,8 @@ CONTROLS = [
     ("C2 long quick", "results/probe_controls", "quick", 64, 2000, 500, False, (21,)),
 ]
 GAP_READS = 0.1
+# --choice: bench_speech_language's configurations that judge auto's choice (their bases)
+CHOICE = ("mid_quick", "long_quick", "shuffled_base")
 
 
 def base_cfg(preset: str, width: int, base_steps: int, eval_every: int | None = None,
@@ -178,6 +189,22 @@ def probe(path: Path, cfg: dict[str, Any]) -> dict[str, float]:
             "emb_spread": spread, "prefix_tv": prefix_tv}
 
 
+def library(path: Path, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
+    """The library's answer for the base model at ``path``: loaded into the grown model by
+    ``patches.load_checkpoint`` under row_init auto (the default), as a user's load."""
+    import torch
+
+    import patches
+
+    data = torch.load(work / f"data_{cfg['data_key']}.pt", weights_only=False)
+    model = bsl.build_gpt(data["rows"]["grown"], cfg)
+    report = patches.load_checkpoint(path, model, freeze=False, seed=0, row_init="auto",
+                                     tokenizer=data["vocab"]["grown"])
+    auto = report.row_init["auto"]
+    return {"lib_text_tv": auto["text_tv"], "lib_rule": report.row_init["embedding"],
+            "lib_seconds": auto["seconds"]}
+
+
 def train_controls() -> None:
     """Train the missing :data:`CONTROLS` with the benchmark's own base training (its data
     prepared in their folder if it is not there)."""
@@ -195,6 +222,9 @@ def main() -> None:
     ap.add_argument("--train-controls", action="store_true", help="first train the control "
                     "bases that are missing (bench_speech_language's base training, one after "
                     "the other; about 7 and 14 minutes on one core)")
+    ap.add_argument("--choice", action="store_true", help="also probe the base models of "
+                    "bench_speech_language's CHOICE configurations that are trained (a fourth "
+                    "group, held out for row_init auto's choice)")
     args = ap.parse_args()
     import torch
 
@@ -209,19 +239,28 @@ def main() -> None:
     if args.controls:
         groups += [("ctrl", name, work, preset, width, steps, every, shuffle, seeds)
                    for name, work, preset, width, steps, every, shuffle, seeds in CONTROLS]
+    for name in CHOICE if args.choice else ():
+        c = bsl.CONFIGS[name]
+        groups.append(("choice", name, c["work"], c.get("preset", "quick"), c["width"],
+                       c["base_steps"], c["base_eval_every"], c.get("shuffle_text", False),
+                       c["seed_list"]))
     for group, role, work, preset, width, steps, every, shuffle, seeds in groups:
         folder = HERE / work
         cfg = config(preset, width, steps, folder, every, shuffle)
         for seed in seeds:
             path = folder / f"base_{cfg['base_key']}_seed{seed}.pt"
+            if group == "choice" and not path.with_suffix(".json").is_file():
+                print(f"  {role} seed {seed}: not trained yet", flush=True)
+                continue
             if not path.is_file():
                 raise SystemExit(f"no base model {path} (the cfg here does not match its key)")
             info = json.loads(path.with_suffix(".json").read_text())
             gap = info["en_audio_wrong_text"] - info["en_audio"]
-            truth = role if group != "ctrl" else (  # a control's truth is its gap
+            truth = role if group not in ("ctrl", "choice") else (  # their truth: the gap
                 f"{'reads' if gap > GAP_READS else 'no'} ({role})")
             s = time.perf_counter()
             vals = probe(path, cfg)
+            vals.update(library(path, cfg, folder))
             results.append(dict(group=group, role=truth, seed=seed, key=cfg["base_key"],
                                 preset=preset, width=width, steps=info["steps"], gap=gap,
                                 seconds=time.perf_counter() - s, **vals))
@@ -241,13 +280,15 @@ def main() -> None:
         return v > thr if up else v < thr
 
     print("\n| group | truth | base | preset/width | steps | gap (own vs another's text) | "
-          + " | ".join(f"{p} (class)" for p in PROBES) + " | prefix_tv |")
-    print("|---|---|---|---|---|---|" + "---|" * len(PROBES) + "---|")
+          + " | ".join(f"{p} (class)" for p in PROBES) + " | prefix_tv | library text_tv "
+          "(auto's rule) |")
+    print("|---|---|---|---|---|---|" + "---|" * len(PROBES) + "---|---|")
     for x in results:
         cells = [f"{x[p]:.4f} ({'reads' if reads(p, x[p]) else 'no'})" for p in PROBES]
         print(f"| {x['group']} | {x['role']} | {x['key'][:8]} s{x['seed']} | "
               f"{x['preset']}/{x['width']} | {x['steps']} | {x['gap']:+.3f} | "
-              + " | ".join(cells) + f" | {x['prefix_tv']:.4f} |")
+              + " | ".join(cells) + f" | {x['prefix_tv']:.4f} | {x['lib_text_tv']:.4f} "
+              f"({x['lib_rule']}) |")
     print()
     for name in PROBES:
         thr, up, dev_gap = rules[name]
@@ -265,6 +306,18 @@ def main() -> None:
             f"{x['role']} s{x['seed']} (gap {x['gap']:+.3f}, {x['steps']} steps): "
             f"{x[name]:.4f}, {'reads' if reads(name, x[name]) else 'no'}" for x in ctrl)
             + f": {len(right)}/{len(ctrl)} agree with the gap")
+    from patches.reads_text import READS_ABOVE
+
+    judged = list({(x["key"], x["seed"]): x for x in results if x["group"] != "dev"}.values())
+    right = [x for x in judged
+             if (x["lib_rule"] == "spelling") == x["role"].startswith("reads")]
+    print(f"library (row_init auto, reads above {READS_ABOVE}): {len(right)}/{len(judged)} "
+          f"held-out bases given the rule of their truth (spelling where the gap says it "
+          f"reads, std0.02 where not); nearest to the threshold: "
+          + ", ".join(f"s{x['seed']} {x['lib_text_tv']:.4f}" for x in sorted(
+              judged, key=lambda x: abs(x["lib_text_tv"] - READS_ABOVE))[:3])
+          + f"; probe time {min(x['lib_seconds'] for x in results):.2f}-"
+            f"{max(x['lib_seconds'] for x in results):.2f} s")
     print(f"\n{len(results)} bases, {time.perf_counter() - t0:.0f} s")
 
 
