@@ -280,6 +280,26 @@ def test_frozen_rows_checked_against_the_base_model(tmp_path, moved) -> None:
     assert report.headline == ("frozen rows moved" if moved else "healthy")
 
 
+def test_the_report_says_how_the_new_rows_started_and_why(tmp_path) -> None:
+    """The start record's base_weights keep the load's row_init (its rule and auto's probe):
+    the report names the rule that ran and why, in its text and its JSON."""
+    run = tmp_path / "out" / "xtts_finetune-x"
+    run.mkdir(parents=True)
+    _tensorboard(run, [5.0 - 0.3 * i for i in range(12)])
+    row_init = {"embedding": "std0.02", "head": "spread",
+                "auto": {"text_tv": 0.007, "reads": False, "threshold": 0.05,
+                         "why": "text_tv 0.007 at or below 0.05", "seconds": 0.1,
+                         "failed": False}}
+    _jsonl(tmp_path / "out" / "headless_runs.jsonl", [{
+        "event": "start", "run_folder": str(run),
+        "base_weights": {"path": str(tmp_path / "model.pth"), "frozen_rows": None,
+                         "row_init": row_init}}])
+    report = build(find_runs(str(tmp_path / "out"))[0])
+    assert report.facts.new_rows == row_init
+    assert ("new rows: embedding std0.02, head spread (row_init auto: the base model does not "
+            "read its text, text_tv 0.007 at or below 0.05)") in report.lines
+
+
 # -- the picture never takes a run's file (issue 19) -------------------------------------------
 
 @pytest.fixture(autouse=True)

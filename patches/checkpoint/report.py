@@ -115,14 +115,15 @@ class LoadReport:
         """The load as a run records it where it starts (``base_weights`` of
         headless_runs.jsonl and trainer_runs.jsonl): the file (absolute), the vocabulary's
         growth and the frozen row ranges, which ``report`` checks the run's checkpoints
-        against."""
+        against, and how the new rows started (:attr:`row_init`), which it says."""
         freeze = self.freeze
         return {"path": os.path.abspath(self.path), "policy": self.policy,
                 "base_vocab_size": self.base_vocab_size, "vocab_size": self.vocab_size,
                 "resized": {k: [list(old), list(new)] for k, (old, new) in self.resized.items()},
                 "kept_rows": dict(self.kept_rows), "start_row_moved": self.start_row_moved,
                 "frozen_rows": ([[r.start, r.stop - 1] for r in freeze.rows]
-                                if freeze is not None else None)}
+                                if freeze is not None else None),
+                "row_init": self.row_init}
 
     def set_part(self, name: str, status: str, detail: str = "", *,
                  in_file: bool = False) -> None:

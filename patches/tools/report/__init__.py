@@ -22,7 +22,7 @@ from typing import Any
 
 from ..._log import logger
 from .._output import STDOUT, OutputExists, WriteFailed, check_output, tool_json, write_json
-from .freeze_check import check_frozen_rows
+from .freeze_check import check_frozen_rows, new_rows_of
 from .plotting import render, save
 from .reading import Run, find_runs, read_jsonl
 from .verdict import HEALTHY, Facts, Finding, describe, facts, headline, verdict
@@ -61,6 +61,7 @@ def build(run: Run) -> Report:
     """The report of one run found by :func:`find_runs`."""
     figures = facts(run)
     figures.freeze = check_frozen_rows(run)
+    figures.new_rows = new_rows_of(run)
     findings = verdict(figures)
     return Report(run, figures, findings, describe(figures, findings))
 
@@ -177,6 +178,7 @@ def _run_json(report: Report) -> dict[str, Any]:
                        "backoffs": f.backoffs, "source": f.scale_source} if f.scale else None,
         "dropped_samples": dict(f.dropped), "oom_batches": f.ooms,
         "frozen_rows": f.freeze,
+        "new_rows": f.new_rows,
         "ranks": {str(rank): vars(figures) for rank, figures in f.ranks.items()},
         "records": run.files, "unreadable_lines": run.broken_lines,
         "impossible_records": dict(f.impossible), "not_checked": f.not_checked,

@@ -41,6 +41,32 @@ def _freeze_records(run: Run) -> tuple[dict[str, Any] | None, list[str]]:
     return None, unresolved
 
 
+def new_rows_of(run: Run) -> dict[str, Any] | None:
+    """How the new vocabulary rows of ``run``'s base weights started (``row_init`` of its
+    start record's ``base_weights``: the rules, the spelled counts, auto's probe), or None."""
+    for record in [*run.get(reading.HEADLESS), *run.get(reading.TRAINER_RUNS)]:
+        weights = record.get("base_weights")
+        if (record.get("event") == "start" and isinstance(weights, dict)
+                and isinstance(weights.get("row_init"), dict) and reading.names_run(record, run)):
+            return weights["row_init"]
+    return None
+
+
+def describe_new_rows(rows: dict[str, Any]) -> str:
+    """``embedding std0.02, head spread (row_init auto: the base model does not read its text,
+    text_tv 0.007 at or below 0.05)``: the report's line, from the start record."""
+    text = f"embedding {rows.get('embedding')}, head {rows.get('head')}"
+    if rows.get("spelled") is not None:
+        text += f"; {rows['spelled']} spelled, {rows.get('fallback', 0)} by spread"
+    auto = rows.get("auto")
+    if isinstance(auto, dict):
+        said = ("could not tell whether the base model reads its text" if auto.get("reads") is None
+                else "the base model reads its text" if auto.get("reads")
+                else "the base model does not read its text")
+        text += f" (row_init auto: {said}, {auto.get('why')})"
+    return text
+
+
 def _newest_checkpoint(folder: str) -> str | None:
     paths = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".pth")
              and (n.startswith("checkpoint_") or n.startswith("best_model"))]

@@ -30,6 +30,7 @@ from typing import Any
 
 from ... import learning
 from ...checkpoint.atomic import pid_alive
+from .freeze_check import describe_new_rows
 from . import reading
 from .reading import Run
 
@@ -183,6 +184,7 @@ class Facts:
     dropped_splits: Counter[str] = field(default_factory=Counter)
     ooms: int = 0
     freeze: dict[str, Any] | None = None
+    new_rows: dict[str, Any] | None = None  # the base load's row_init (its start record)
     patch_stats: dict[str, dict[str, float]] = field(default_factory=dict)
     ranks: dict[int, RankFigures] = field(default_factory=dict)  # {} for one process
     impossible: Counter[str] = field(default_factory=Counter)  # file -> records left out
@@ -971,6 +973,8 @@ def describe(f: Facts, findings: list[Finding]) -> list[str]:
     if guard:
         lines.append(f"nan_guard counters (headless_runs.jsonl): skipped "
                      f"{int(guard.get('skipped', 0))} of {int(guard.get('steps', 0))} steps")
+    if f.new_rows is not None:
+        lines.append(f"new rows: {describe_new_rows(f.new_rows)}")
     if f.freeze is not None:
         lines.append(f"frozen rows: {f.freeze['detail']}")
     lines.extend(_learning_lines(f))
