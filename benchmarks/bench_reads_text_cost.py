@@ -38,7 +38,7 @@ def gpt(rows: int):
 def vocab(path: Path, tokens: int) -> None:
     """A WordLevel tokenizer of ``tokens`` ids in XTTS's layout ([STOP], [UNK], [SPACE], [en],
     words, [START] last)."""
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models  # lazy: --help needs none of it
 
     words = ["[STOP]", "[UNK]", "[SPACE]", "[en]"]
     words += [f"w{i}" for i in range(tokens - len(words) - 1)] + ["[START]"]
@@ -50,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    import torch
+    import torch  # lazy: --help needs none of it
 
     import patches
 

@@ -65,8 +65,9 @@ The library's probe (``library`` columns, added 2026-11-28 09:20 UTC): each base
 by ``patches.load_checkpoint`` into the grown model under row_init ``auto`` (the default), as
 a user's load would: its ``text_tv`` (``patches.reads_text``: this file's ``text_tv`` with
 the conditioning fixed at 128 frames for every preset, the texts drawn from the grown
-tokenizer's base ids) and the rule it chose by ``READS_ABOVE`` (0.17, fixed 09:11 UTC from
-the development bases above). ``--choice`` adds the base models of
+tokenizer's base ids) and the rule it chose by ``READS_ABOVE`` (0.17 at 09:11 UTC from the
+development bases above; 0.05 since 09:31 UTC, ``mid_quick``'s base models added to them:
+patches/reads_text.py says why). ``--choice`` adds the base models of
 ``bench_speech_language``'s CHOICE_RULES configurations (held out for auto's choice), those
 already trained.
 
@@ -192,7 +193,7 @@ def probe(path: Path, cfg: dict[str, Any]) -> dict[str, float]:
 def library(path: Path, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
     """The library's answer for the base model at ``path``: loaded into the grown model by
     ``patches.load_checkpoint`` under row_init auto (the default), as a user's load."""
-    import torch
+    import torch  # lazy: as every function here (the module's imports stay light)
 
     import patches
 

@@ -130,7 +130,8 @@ def text_tv(owner: torch.nn.Module, params: Mapping[str, torch.Tensor], ids: Seq
         value = float(0.5 * (p[:PAIRS] - p[PAIRS:]).abs().sum(1).mean())
     except Exception as exc:  # any model's forward: said, never raised into the load
         return TextReading(None, None, f"the probe's forward raised {type(exc).__name__}: "
-                                       f"{str(exc)[:200]}", time.perf_counter() - started,
+                                       f"{' '.join(str(exc).split())[:200]}",
+                           time.perf_counter() - started,
                            failed=True)
     finally:
         for module, mode in modes:

@@ -133,10 +133,15 @@ class RowSources:
         return text
 
 
+def rules_for(what: str = "row_init") -> tuple[str, ...]:
+    """The rules ``what`` takes: ``auto`` chooses the embedding's rows (``row_init``) only."""
+    return ROW_INITS if what == "row_init" else tuple(r for r in ROW_INITS if r != AUTO)
+
+
 def check_rule(rule: Any, what: str = "row_init") -> str:
     """``rule`` if it names one of :data:`ROW_INITS`, else a one-paragraph ValueError. A
     rule of :data:`DEPRECATED_RULES` still runs, with one WARNING per process."""
-    allowed = ROW_INITS if what == "row_init" else tuple(r for r in ROW_INITS if r != AUTO)
+    allowed = rules_for(what)
     if rule not in allowed:
         raise ValueError(
             f"training-patches: {what} is {rule!r}. Expected one of {', '.join(allowed)} "
@@ -460,9 +465,9 @@ def romanized_sources(tokenizer: Any, rows: Iterable[int],
     return RowSources(sources, spelled, unspelled, tags, spelled_by, failures)
 
 
-__all__ = ["AUTO", "AUTO_RULES", "COVARIANCE_SCALE", "DEFAULT_HEAD_ROW_INIT", "DEFAULT_ROW_INIT", "DEPRECATED_RULES",
-           "FALLBACK", "OFFSET_LENGTH", "ROMANIZED_NOISE", "ROW_INITS", "RowSources",
-           "SPELLED_RULES", "SPELLING_NOISE_SEED", "SPELLING_SHARE", "STRUCTURAL_TOKENS",
-           "TAGS_FROM_START", "TokenizerReadError", "Tokens", "check_rule", "language_offset",
-           "new_bias_values", "new_row_values", "read_tokenizer", "romanized_sources",
-           "tokenizer_format"]
+__all__ = ["AUTO", "AUTO_RULES", "COVARIANCE_SCALE", "DEFAULT_HEAD_ROW_INIT", "DEFAULT_ROW_INIT",
+           "DEPRECATED_RULES", "FALLBACK", "OFFSET_LENGTH", "ROMANIZED_NOISE", "ROW_INITS",
+           "RowSources", "SPELLED_RULES", "SPELLING_NOISE_SEED", "SPELLING_SHARE",
+           "STRUCTURAL_TOKENS", "TAGS_FROM_START", "TokenizerReadError", "Tokens", "check_rule",
+           "language_offset", "new_bias_values", "new_row_values", "read_tokenizer",
+           "romanized_sources", "rules_for", "tokenizer_format"]

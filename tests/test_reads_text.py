@@ -202,7 +202,8 @@ def test_a_probe_that_cannot_tell_is_one_warning_and_spelled_rows(files, monkeyp
     auto = report.row_init["auto"]
     assert auto["failed"] is True and auto["reads"] is None and auto["text_tv"] is None
     assert auto["why"] == why and report.row_init["embedding"] == "spelling"
-    assert f"embedding rule auto: not probed ({why}) -> spelling" in _line(caplog)
+    assert (f"embedding rule auto: could not tell whether the base model reads its text "
+            f"({why}) -> spelling, the rule where it reads") in _line(caplog)
 
 
 def test_the_probe_changes_nothing_of_the_model(files, monkeypatch, tmp_path) -> None:
@@ -229,6 +230,77 @@ def test_the_probe_changes_nothing_of_the_model(files, monkeypatch, tmp_path) ->
         patches.load_checkpoint(tmp_path / "wrong.pt", fresh, freeze=False, tokenizer=grown)
     assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in before.items())
     assert all(m.training for m in fresh.modules()) and fresh.seen == []
+
+
+def test_the_probe_uses_no_global_random_state_and_the_record_keeps_its_answer(
+        files, monkeypatch) -> None:
+    """The probe draws from its own generator: the process's RNG is where it was (a run's
+    data order does not change because the loader asked); the start record of a run keeps
+    the answer (``as_record``), which ``report`` reads."""
+    _register(monkeypatch)
+    path, grown = files(10.0)
+    after = {}
+    for rule in ("spelling", "auto"):  # the same load, without and with the probe
+        model = Speaker(GROWN)
+        torch.manual_seed(123)
+        report = patches.load_checkpoint(path, model, freeze=False, row_init=rule,
+                                         tokenizer=grown)
+        after[rule] = torch.get_rng_state()
+    assert torch.equal(after["spelling"], after["auto"])
+    assert report.row_init["auto"]["reads"] is True
+    assert report.as_record()["row_init"] == report.row_init
+
+
+def test_a_checkpoint_with_nan_is_refused_without_running_the_probe(files, monkeypatch,
+                                                                     caplog) -> None:
+    """NaN weights: the probe is not asked (its answer would be no answer, after seconds at
+    XTTS v2's size), no WARNING of it; the load is refused as before, nothing changed."""
+    calls: list[int] = []
+
+    def probs(params: Any, texts: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return torch.full((len(texts), CODES, FRAMES), 1.0 / CODES)
+
+    _register(monkeypatch, probs)
+    path, grown = files(10.0)
+    state = torch.load(path)["model"]
+    state["audio_head.bias"][0] = float("nan")
+    torch.save({"model": state}, path)
+    model = Speaker(GROWN)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level(logging.INFO, logger=LOGGER), \
+            pytest.raises(patches.CheckpointError, match="NaN or Inf"):
+        patches.load_checkpoint(path, model, freeze=False, tokenizer=grown)
+    assert calls == [] and _warnings(caplog) == []
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_checkpoint_missing_a_tensor_of_the_model_is_not_probed(files, monkeypatch) -> None:
+    """strict=False and a checkpoint without one of the model's tensors: the probe would
+    measure the model's own fresh weight beside the file's, so it is not asked; spelled rows,
+    and the report says why."""
+    _register(monkeypatch)
+    path, grown = files(0.0)  # does not read: a probe mixing in fresh weights could say it does
+    state = torch.load(path)["model"]
+    del state["reading.weight"]
+    torch.save({"model": state}, path)
+    _, report = _load(path, tokenizer=grown, strict=False)
+    auto = report.row_init["auto"]
+    assert auto["reads"] is None and auto["failed"] is False
+    assert auto["why"] == "the checkpoint lacks 1 of its tensors (reading.weight)"
+    assert report.row_init["embedding"] == "spelling"
+
+
+def test_a_half_precision_model_is_probed_in_float32(files, monkeypatch) -> None:
+    """A bf16 model: the probe runs on float32 copies of the checkpoint's tensors (a
+    half-precision forward fails on the CPU in coqui's GroupNorm32) and answers."""
+    _register(monkeypatch)
+    path, grown = files(10.0)
+    torch.manual_seed(1)
+    model = Speaker(GROWN).to(torch.bfloat16)
+    report = patches.load_checkpoint(path, model, freeze=False, seed=5, tokenizer=grown)
+    assert report.row_init["auto"]["reads"] is True and report.row_init["auto"]["failed"] is False
+    assert model.text_embedding.weight.dtype == torch.bfloat16
 
 
 def test_without_a_tokenizer_nothing_is_probed_and_the_rows_are_spread(files, monkeypatch,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._options import Option
 from .._registry import PatchSpec, Site, register
-from ..row_init import AUTO, DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, ROW_INITS, check_rule
+from ..row_init import DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, check_rule, rules_for
 from . import data_position
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointWriteError, DiskFullError,
                      UnsafeCheckpointError)
@@ -78,18 +78,13 @@ def _resume_policy(text: Any) -> str:
     return value
 
 
-def _rules(what: str) -> tuple[str, ...]:
-    """The rules ``what`` takes: auto chooses the embedding's rows only."""
-    return ROW_INITS if what == "row_init" else tuple(r for r in ROW_INITS if r != AUTO)
-
-
 def _row_rule(what: str):
     def parse(text: Any) -> str:
         value = str(text).strip().lower()
         try:
             return check_rule(value, what)
         except ValueError:
-            raise ValueError(f"expected one of {', '.join(_rules(what))}") from None
+            raise ValueError(f"expected one of {', '.join(rules_for(what))}") from None
     return parse
 
 
@@ -107,14 +102,14 @@ SPEC = register(PatchSpec(
                     "`remap` keeps optimizer, scheduler and scaler on resume (moments resized); "
                     "`reset` starts all three fresh", shown_default="`remap`"),
              Option("row_init", _row_rule("row_init"), DEFAULT_ROW_INIT,
-                    " / ".join(_rules("row_init")),
+                    " / ".join(rules_for("row_init")),
                     "how the text embedding's new rows start when the vocabulary grows "
                     "(`auto`: `spelling` where the base model reads its text, `std0.02` where "
                     "it does not; `spelling` and `romanized` need the tokenizer; without it "
                     "`spread`; `romanized_offset` is deprecated)",
                     shown_default=f"`{DEFAULT_ROW_INIT}`"),
              Option("head_row_init", _row_rule("head_row_init"), DEFAULT_HEAD_ROW_INIT,
-                    " / ".join(_rules("head_row_init")),
+                    " / ".join(rules_for("head_row_init")),
                     "how the text head's new rows (and bias entries) start when the "
                     "vocabulary grows", shown_default=f"`{DEFAULT_HEAD_ROW_INIT}`")),
 ))

@@ -147,21 +147,31 @@ def on_writer(fn: Callable[[], Any]) -> Any:
 
 class Gate:
     """A point every rank passes together: each says whether it failed so far; if any
-    did, every rank raises the first failing rank's error (its own, on that rank)."""
+    did, every rank raises the first failing rank's error (its own, on that rank). ``agree``
+    (a decision, how it was made, what to do when they differ): a decision each rank made on
+    its own that must be the same on all (in the same gather); where it differs, every rank
+    raises one CheckpointError naming each rank's."""
 
     def __init__(self) -> None:
         self.passed = False
 
-    def __call__(self, failure: BaseException | None = None) -> None:
+    def __call__(self, failure: BaseException | None = None,
+                 agree: tuple[str, str, str] | None = None) -> None:
         self.passed = True
-        outcomes = all_gather(None if failure is None else _describe(failure))
-        first = next(((r, o) for r, o in enumerate(outcomes) if o is not None), None)
-        if first is None:
-            return
-        source, described = first
-        if failure is not None and source == _dist.rank():
-            raise _as_agreed(failure)
-        raise _rebuild(described, source)
+        outcomes = all_gather((None if failure is None else _describe(failure), agree))
+        first = next(((r, o) for r, (o, _) in enumerate(outcomes) if o is not None), None)
+        if first is not None:
+            source, described = first
+            if failure is not None and source == _dist.rank():
+                raise _as_agreed(failure)
+            raise _rebuild(described, source)
+        decided = [(r, a) for r, (_, a) in enumerate(outcomes) if a is not None]
+        if len({a[0] for _, a in decided}) > 1:
+            raise errors.CheckpointError(
+                f"training-patches: the ranks decided differently before changing anything ("
+                + "; ".join(f"rank {r}: {a[1]}" for r, a in decided)
+                + f"), so nothing was loaded on any rank: the replicas would have started "
+                  f"apart. {decided[0][1][2]}")
 
 
 def on_every_rank(fn: Callable[[Gate], Any]) -> Any:

@@ -176,12 +176,18 @@ def _refuse_for_folder(path: Path, options: LoadOptions) -> None:
 
 def _load_file(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,
                scaler: Any, options: LoadOptions, *,
-               gate: Callable[[], None] | None) -> LoadReport:
+               gate: Callable[..., None] | None) -> LoadReport:
     """:func:`load_checkpoint` of one file on this rank: decide (nothing changes), then
     :func:`.parts.carry_out` (the ranks' gate, every part applied with undo and reported),
     then the log lines."""
     plan = decide(path, model, optimizer, scheduler, scaler, options)
-    return carry_out(plan.state, gate or (lambda: None),
+    rows = plan.model.new_rows
+    # row_init auto probed on each rank: every rank must have chosen the same rows
+    agree = None if rows is None or rows.reading is None else (
+        rows.embedding, f"embedding {rows.embedding} ({rows.reading.why})",
+        "Choose the new rows' rule for every rank: TRAINING_PATCHES_ROW_INIT=spelling or "
+        "std0.02 (docs/design/row_init.md).")
+    return carry_out(plan.state, (lambda: gate(agree=agree)) if gate else (lambda: None),
                      lambda report: _say(path, report, plan.model), checkpoint=plan.checkpoint)
 
 

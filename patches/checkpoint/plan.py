@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from .._log import logger
-from ..reads_text import TextReading, text_ids, text_tv
+from ..reads_text import TextReading, probe_for, text_ids, text_tv
 from ..row_init import (AUTO, AUTO_RULES, DEFAULT_HEAD_ROW_INIT, DEFAULT_ROW_INIT, SPELLED_RULES,
                         TAGS_FROM_START, RowSources, Tokens, TokenizerReadError, check_rule,
                         read_tokenizer, romanized_sources)
@@ -158,8 +158,14 @@ def _vocab_owner(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
     """The module owning a vocabulary tensor's module: ``gpt`` for
     ``gpt.text_embedding.weight``, the model for ``text_embedding.weight`` (the module
     :func:`row_layout` reads)."""
-    owner_path = key.rsplit(".", 2)[0] if key.count(".") >= 2 else ""
+    owner_path = _owner_path(key)
     return _owner(model, owner_path + ".x") if owner_path else model
+
+
+def _owner_path(key: str) -> str:
+    """The path of the module owning a vocabulary tensor's module: ``gpt`` for
+    ``gpt.text_embedding.weight``, "" for ``text_embedding.weight``."""
+    return key.rsplit(".", 2)[0] if key.count(".") >= 2 else ""
 
 
 def _start_row_last(model: torch.nn.Module, keys: Sequence[str], new_rows: int,
@@ -241,7 +247,10 @@ class NewRows:
         reading = self.reading
         if reading is None:
             return ""
-        if reading.reads is None:
+        if reading.failed:
+            found = f"could not tell whether the base model reads its text ({reading.why})"
+            then = "the rule where it reads"
+        elif reading.reads is None:
             found, then = f"not probed ({reading.why})", "the rule where the base model reads"
         elif reading.reads:
             found = f"the base model reads its text ({reading.why}, in {reading.seconds:.1f} s)"
@@ -347,15 +356,13 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
         if rows.added > 0:
             new_rows = _new_rows(path, model, list(vocab), rows, check_rule(row_init),
                                  check_rule(head_row_init, "head_row_init"), tokenizer,
-                                 lambda tokens: _reads_text(model, vocab, state, target, rows,
-                                                            tokens))
+                                 lambda tokens: _reads_text(model, vocab, state, rows, tokens))
         generator = torch.Generator().manual_seed(seed)
         for key in vocab:
             old = state[key]
             rule = new_rows.rule_of(key) if new_rows is not None else "mean"
             sources = new_rows.sources if new_rows is not None else None
-            grown = (grow_bias(old, rows, generator, rule, sources) if old.dim() == 1
-                     else grow_rows(old, rows, generator, rule, sources))
+            grown = _grown(old, rows, generator, rule, sources)
             if new_rows is not None and new_rows.tag_rows:
                 grown[list(new_rows.tag_rows)] = old[rows.old_rows - 1]  # the start token's
             state[key] = grown.to(dtype=target[key].dtype)
@@ -377,30 +384,76 @@ def _one_value_for_tied(state: dict[str, torch.Tensor], target: Mapping[str, tor
             state[key] = state[twin]
 
 
+class _NotProbed(Exception):
+    """Why the probe is not asked (said on the load line, no WARNING)."""
+
+
 def _reads_text(model: torch.nn.Module, vocab: Mapping[str, Any],
-                state: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
-                rows: RowPlan, tokens: Tokens | None) -> TextReading:
+                state: Mapping[str, torch.Tensor], rows: RowPlan,
+                tokens: Tokens | None) -> TextReading:
     """Whether the base model reads its text (:func:`patches.reads_text.text_tv`), asked of
     the module owning the text embedding with the checkpoint's tensors (the new rows made
     by a throwaway rule: the probe's texts hold base ids only); the model is not changed."""
     if tokens is None:
         return TextReading(None, None, "no tokenizer was given to draw the probe's texts from")
     key = next((k for k in vocab if not _is_head(model, k)), next(iter(vocab)))
-    prefix = key.rsplit(".", 2)[0] + "." if key.count(".") >= 2 else ""
+    owner = _vocab_owner(model, key)
+    if owner is None or probe_for(owner) is None:
+        return TextReading(None, None, f"no reading probe for a {type(owner).__name__}")
+    try:
+        path = _owner_path(key)
+        params = _probe_params(owner, f"{path}." if path else "", vocab, state, rows)
+        lead_rows = row_layout(owner, rows.new_rows).leading_rows
+        ids, lead = text_ids(tokens, rows.base_rows - lead_rows)
+    except _NotProbed as exc:
+        return TextReading(None, None, str(exc))
+    except Exception as exc:  # noqa: BLE001 - a probe never stops a load: said, spelled rows
+        return TextReading(None, None, f"its inputs could not be made: {type(exc).__name__}: "
+                                       f"{' '.join(str(exc).split())[:200]}", failed=True)
+    return text_tv(owner, params, [i + lead_rows for i in ids],
+                   None if lead is None else lead + lead_rows)
+
+
+def _probe_params(owner: torch.nn.Module, prefix: str, vocab: Mapping[str, Any],
+                  state: Mapping[str, torch.Tensor], rows: RowPlan) -> dict[str, torch.Tensor]:
+    """``owner``'s tensors for the probe, by its own names: every one from the checkpoint (one
+    missing: not probed, the model's own would be measured), floating point in float32 (a
+    half-precision model's forward on the CPU), the grown ones with throwaway new rows, one
+    value per tied tensor; its non-persistent buffers its own, beside them."""
+    own = owner.state_dict(keep_vars=True)
+    missing = [name for name in own if prefix + name not in state]
+    if missing:
+        raise _NotProbed(f"the checkpoint lacks {len(missing)} of its tensors "
+                         f"({', '.join(prefix + n for n in missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''})")
+    weights = {name for name, _ in owner.named_parameters(remove_duplicate=False)}
     throwaway = torch.Generator().manual_seed(0)
-    params = {}
-    for name, value in state.items():
-        if not name.startswith(prefix):
+    params: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, mine in own.items():
+        if id(mine) in seen:  # tied: functional_call gives the other name the same value
             continue
-        if name in vocab:
-            grow = grow_bias if value.dim() == 1 else grow_rows
-            value = grow(value, rows, throwaway, "std0.02")
-        params[name[len(prefix):]] = value.to(dtype=target[name].dtype)
-    layout = row_layout(_vocab_owner(model, key), rows.new_rows)
-    ids, lead = text_ids(tokens, rows.base_rows - layout.leading_rows)
-    ids = [i + layout.leading_rows for i in ids]
-    return text_tv(_vocab_owner(model, key), params, ids,
-                   None if lead is None else lead + layout.leading_rows)
+        seen.add(id(mine))
+        value = state[prefix + name]
+        if prefix + name in vocab:
+            value = _grown(value, rows, throwaway, "std0.02")
+        if value.is_floating_point():
+            if name in weights and not bool(torch.isfinite(value).all()):
+                raise _NotProbed(f"the checkpoint's {prefix + name} holds NaN or Inf")
+            value = value.float()
+        params[name] = value
+    device = next(iter(params.values())).device
+    for name, buffer in owner.named_buffers():
+        if name not in params:  # non-persistent: the module's own, where the others are
+            params[name] = (buffer.float() if buffer.is_floating_point() else buffer).to(device)
+    return params
+
+
+def _grown(old: torch.Tensor, rows: RowPlan, generator: torch.Generator, rule: str,
+           sources: RowSources | None = None) -> torch.Tensor:
+    """A vocabulary tensor grown by ``rule``: a bias (1-D) or rows."""
+    grow = grow_bias if old.dim() == 1 else grow_rows
+    return grow(old, rows, generator, rule, sources)
 
 
 def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: RowPlan,

@@ -18,10 +18,10 @@ import torch
 from .. import _options, languages
 from .._log import logger
 from .._registry import Integration, Site, active, register_integration
-from ..vocab_freeze import TAG, VocabFreezeError, freeze_base_vocab
-from ..vocab_rows import describe_rows, frozen_rows, row_layout
 from ..reads_text import PREFIX, TextProbe, register_text_probe
 from ..row_init import tokenizer_format
+from ..vocab_freeze import TAG, VocabFreezeError, freeze_base_vocab
+from ..vocab_rows import describe_rows, frozen_rows, row_layout
 from .coqui_checkpoint import is_local, local_path, model_tokenizer
 
 NAME = "xtts_gpt"

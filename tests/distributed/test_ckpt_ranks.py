@@ -194,6 +194,24 @@ def test_ckpt_refusal_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> Non
     assert lines["UNCHANGED"] == {0: [True], 1: [True]}
 
 
+def test_ckpt_auto_rows_decided_differently_on_two_ranks_are_refused_on_both(
+        tmp_path: Path) -> None:
+    """row_init auto: each rank probes; where one says "reads" and the other not, no rank
+    loads (the replicas would start with different new rows), and both say which rank
+    decided what."""
+    pytest.importorskip("tokenizers")
+    result = job("ddp_auto_disagree", tmp_path / "run", timeout=120)
+    lines = said(result.stdout)
+    errors = lines["ERROR"]
+    assert set(errors) == {0, 1} and errors[0] == errors[1], result.stdout[-3000:]
+    text = errors[0][0]
+    assert text.startswith("CheckpointError: training-patches: the ranks decided differently "
+                           "before changing anything (rank 0: embedding spelling (text_tv "), text
+    assert "rank 1: embedding std0.02 (text_tv 0.000 at or below" in text, text
+    assert "TRAINING_PATCHES_ROW_INIT=spelling or std0.02" in text, text
+    assert lines["UNCHANGED"] == {0: [True], 1: [True]}
+
+
 def test_ckpt_single_file_into_fsdp2_model_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "single"
     job("ddp_saves", out, "1", timeout=120)

@@ -9,6 +9,8 @@
   marker of the third (the test kills the job).
 - ``fsdp_next_save OUT``: FSDP2, resume from the newest complete folder, train, save.
 - ``ddp_refuse OUT``: rank 1's model does not fit the checkpoint; every rank must refuse.
+- ``ddp_auto_disagree OUT``: row_init auto's probe answers differently per rank; every rank
+  must refuse the load.
 - ``rank0_only OUT``: ``save`` on rank 0 only (the mistake): a clear error, no endless wait.
 - ``fsdp_single OUT FILE``: a single-file checkpoint into an FSDP2 model (refused).
 - ``fsdp_save OUT REF``: FSDP2, train and save 3 times (keep=2); rank 0 writes the full
@@ -251,6 +253,43 @@ elif MODE == "ddp_refuse":
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         load_checkpoint(CheckpointManager(OUT).resume("auto"), model)
+        say("LOADED", True)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        say("ERROR", f"{type(exc).__name__}: {exc}")
+    say("UNCHANGED", all(torch.equal(v, before[k]) for k, v in model.state_dict().items()))
+
+elif MODE == "ddp_auto_disagree":
+    # row_init auto probes on each rank: a probe that answers "reads" on rank 0 and "does not
+    # read" on rank 1 (as a CPU difference near the threshold, or a probe failing on one rank,
+    # could) must stop the load on every rank, not give the replicas different rows.
+    from tokenizers import Tokenizer, models
+
+    from patches import reads_text
+    from tiny_gpt import BASE
+
+    rows = TinyGPT().text_embedding.num_embeddings
+    words = ["[STOP]", "[UNK]", "[SPACE]", "[en]"] + [f"w{i}" for i in range(rows - 4)]
+    vocab = os.path.join(OUT, "vocab.json")
+    if RANK == 0:
+        os.makedirs(OUT, exist_ok=True)
+        torch.manual_seed(0)
+        torch.save({"model": TinyGPT(vocab=BASE).state_dict()}, os.path.join(OUT, "base.pt"))
+        Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+                  ).save(vocab)
+    dist.barrier()
+
+    def probs(params, texts, context):
+        emb = params["text_embedding.weight"][texts].mean(1)  # texts x DIM
+        logits = emb[:, :4, None] * (50.0 if RANK == 0 else 0.0) + context
+        return logits.softmax(1)
+
+    reads_text.register_text_probe(lambda owner: reads_text.TextProbe(
+        lambda gen: torch.randn(1, 4, 3, generator=gen), probs)
+        if isinstance(owner, TinyGPT) else None)
+    model = TinyGPT()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        load_checkpoint(os.path.join(OUT, "base.pt"), model, freeze=False, tokenizer=vocab)
         say("LOADED", True)
     except Exception as exc:  # noqa: BLE001 - the test reads it
         say("ERROR", f"{type(exc).__name__}: {exc}")
