@@ -437,6 +437,7 @@ def collect(root: Path, base_info: dict[str, Any], vocab_info: dict[str, Any],
         "base_rows": drift.get("base_rows"),
         "kept_rows": first_load["kept_rows"] if first_load else {},
         "frozen_rows": first_load["frozen_rows"] if first_load else None,
+        "new_rows": first_load.get("row_init") if first_load else None,
         "resume_freeze": resumed.get("resume_freeze") if resumed else None,
         "checkpoints_written": written, "checkpoints_on_disk": [str(p) for p in on_disk],
         "reading": readings[-1] if readings else None, "readings": len(readings),
@@ -480,6 +481,8 @@ def _fmt(loss: float | None) -> str:
     return "none" if loss is None else f"{loss:.4f}"
 
 def format_summary(s: dict[str, Any]) -> str:
+    from patches.tools.report.freeze_check import describe_new_rows
+
     rule = "=" * 72
     skipped = "; ".join(
         f"trainer step {e['trainer_step']}: {e['kind']}, loss={e['loss']}, "
@@ -512,6 +515,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['resumed_from']}; finished at step {s['final_step']}",
         f"kept rows           : {kept} of {s['base_rows']} base rows "
         f"(frozen rows {s['frozen_rows']})",
+        "new rows            : " + (describe_new_rows(s["new_rows"]) if s.get("new_rows")
+                                    else "not recorded"),
         f"base-row drift      : {s['base_row_drift']} (max |checkpoint - base model.pth| over "
         f"the base rows of text_embedding and text_head weight and bias; {len(s['base_row_drift_per_checkpoint'])} "
         f"checkpoints checked); new rows moved up to {s['new_rows_moved']:.3g}"

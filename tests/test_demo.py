@@ -65,6 +65,11 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert "training-patches demo: summary" in result.stdout
     assert re.search(r"skipped steps\s+: 1 in nonfinite_events\.jsonl", result.stdout)
     assert re.search(r"base-row drift\s+: 0\.0 ", result.stdout)
+    # the tiny base model does not read its text: row_init auto gave near-zero rows, and said so
+    assert summary["new_rows"]["embedding"] == "std0.02"
+    assert summary["new_rows"]["auto"]["reads"] is False
+    assert re.search(r"new rows\s+: embedding std0\.02, head spread \(row_init auto: the base "
+                     r"model does not read its text, text_tv 0\.\d{3} at or below ", result.stdout)
     assert f"steps trained       : {summary['steps_trained']} " in result.stdout
     assert str(out / "finetune" / "train.log") in result.stdout
     assert "[FAILED]" not in result.stdout
