@@ -293,18 +293,6 @@ def test_a_checkpoint_missing_a_tensor_of_the_model_is_not_probed(files, monkeyp
     assert report.row_init["embedding"] == "spelling"
 
 
-def test_a_half_precision_model_is_probed_in_float32(files, monkeypatch) -> None:
-    """A bf16 model: the probe runs on float32 copies of the checkpoint's tensors (a
-    half-precision forward fails on the CPU in coqui's GroupNorm32) and answers."""
-    _register(monkeypatch)
-    path, grown = files(10.0)
-    torch.manual_seed(1)
-    model = Speaker(GROWN).to(torch.bfloat16)
-    report = patches.load_checkpoint(path, model, freeze=False, seed=5, tokenizer=grown)
-    assert report.row_init["auto"]["reads"] is True and report.row_init["auto"]["failed"] is False
-    assert model.text_embedding.weight.dtype == torch.bfloat16
-
-
 def test_without_a_tokenizer_nothing_is_probed_and_the_rows_are_spread(files, monkeypatch,
                                                                        caplog) -> None:
     """No tokenizer: no texts to probe with, nothing to spell; the rows are those of the
@@ -425,3 +413,36 @@ def test_an_untrained_xtts_gpt_is_probed_and_does_not_read(caplog) -> None:
     assert reading.failed is True and reading.reads is None
     assert reading.why.startswith("the probe's forward raised RuntimeError: ")
     assert all(m.training for m in gpt.modules())
+
+
+def _tiny_gpt(rows: int) -> nn.Module:
+    from TTS.tts.layers.xtts.gpt import GPT  # lazy: the coqui-tts extra (importorskip first)
+
+    return GPT(start_text_token=rows - 1, stop_text_token=0, layers=2, model_dim=64, heads=2,
+               max_text_tokens=64, max_mel_tokens=72, max_prompt_tokens=70,
+               number_text_tokens=rows, num_audio_tokens=34, start_audio_token=32,
+               stop_audio_token=33, use_perceiver_resampler=True)
+
+
+@pytest.mark.xtts
+@pytest.mark.slow  # importing coqui: seconds
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_xtts_gpt_is_probed_in_float32(tmp_path, dtype) -> None:
+    """A half-precision XTTS GPT (a user's bf16/fp16 model) is probed on float32 copies of
+    the checkpoint: its own half-precision forward fails on the CPU in coqui's GroupNorm32,
+    which would make every such load a WARNING and spelled rows."""
+    pytest.importorskip("TTS")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    import patches.integrations.xtts_gpt  # noqa: F401 (registers the probe)
+
+    base, grown = 40, 44  # XTTS's layout: [START] the last row
+    torch.manual_seed(0)
+    torch.save({"model": _tiny_gpt(base).state_dict()}, tmp_path / "base.pt")
+    words = ["[STOP]", "[UNK]", "[SPACE]", "[en]"] + [f"w{i}" for i in range(base - 5)]
+    vocab = _tokenizer(tmp_path / "vocab.json", words + ["[am]", "ሰላም", "ጤና", "ለዓለም", "[START]"])
+    model = _tiny_gpt(grown).to(dtype)
+    report = patches.load_checkpoint(tmp_path / "base.pt", model, freeze=False, tokenizer=vocab)
+    auto = report.row_init["auto"]
+    assert auto["failed"] is False and auto["reads"] is False, auto
+    assert report.row_init["embedding"] == "std0.02"
+    assert model.text_embedding.weight.dtype == dtype
