@@ -165,3 +165,37 @@ def test_a_folder_manifest_an_earlier_version_wrote_still_loads_resumes_and_prun
     _flip(folder / "meta.pt")
     newer = CheckpointManager(out, keep=1).save(4, model, opt)
     assert read_manifest(newer)[0].generation == 1 and not folder.exists()
+
+
+def test_a_checkpoint_with_nan_is_said_once_it_is_written(tmp_path: Path, caplog) -> None:
+    """A save whose weights hold NaN: one WARNING naming the file and the tensors, said once
+    the checkpoint and its manifest exist (a file, a sharded folder), never before (a write
+    that then failed would have been said to be written)."""
+    import logging
+
+    model, opt = _objects()
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    seen: list[tuple[str, bool]] = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "holds NaN or Inf" in record.getMessage():
+                exists = (manifest_path(file_path).is_file() if file_path.suffix == ".pt"
+                          else (file_path / MANIFEST_NAME).is_file())
+                seen.append((record.getMessage(), exists))
+
+    watch = Watch()
+    logging.getLogger("training_patches").addHandler(watch)
+    try:
+        file_path = tmp_path / "file" / "ckpt_000000003.pt"
+        saved = CheckpointManager(tmp_path / "file", keep=None).save(3, model, opt)
+        assert saved == file_path
+        file_path = tmp_path / "folder" / "ckpt_000000003.dcp"
+        folder = save_sharded(CheckpointManager(tmp_path / "folder"), 3, model, opt, None,
+                              None, {})
+        assert folder == file_path
+    finally:
+        logging.getLogger("training_patches").removeHandler(watch)
+    assert len(seen) == 2 and all(exists for _, exists in seen), seen
+    assert all("written to" in text and "text_embedding.weight" in text for text, _ in seen)

@@ -25,7 +25,7 @@ from . import _collective
 from .digest import beside, file_record
 from .reading import (FORMAT, MANIFEST_SUFFIX, Manifest, _what_to_do, check_file,
                       manager_checkpoints, manifest_path, manifest_text, read_manifest,
-                      saved_nonfinite)
+                      saved_nonfinite, warn_nonfinite_saved)
 from .atomic import TMP_OWNER, host_name, pid_alive
 from .atomic import atomic_text as _atomic_text
 from .atomic import (disk_free, disk_full_error, ensure_free_space, no_room, space_needed,
@@ -248,6 +248,7 @@ class CheckpointManager:
             raise
         self._point_latest(path)
         info("training-patches: checkpoint step %d written to %s", step, path)
+        warn_nonfinite_saved(step, path, nonfinite)
         self._prune(keep_path=path)
         return path
 

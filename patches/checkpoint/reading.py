@@ -184,7 +184,7 @@ def manifest_text(step: int, generation: int, files: dict[str, Any],
                   shapes: dict[str, list[int]], nonfinite: list[str], *, amp: bool,
                   world_size: int, has_optimizer: bool) -> str:
     """The JSON of a new manifest (both writers'), checked by :func:`parse_manifest`: a writer
-    never writes what its readers refuse. A WARNING when ``nonfinite`` names tensors."""
+    never writes what its readers refuse."""
     manifest = {
         "format": MANIFEST_FORMAT,
         "written_by": f"training-patches {__version__} CheckpointManager",
@@ -197,13 +197,17 @@ def manifest_text(step: int, generation: int, files: dict[str, Any],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     parse_manifest(manifest)
+    return json.dumps(manifest, indent=1)
+
+
+def warn_nonfinite_saved(step: int, where: str | os.PathLike[str], nonfinite: list[str]) -> None:
+    """The WARNING of a checkpoint written with NaN/Inf tensors (its manifest names them), said
+    once it and its manifest are written."""
     if nonfinite:
         logger.warning(
-            "training-patches: the checkpoint of step %d being saved holds NaN or Inf in %d "
-            "tensor(s) (%s); it is written, but resume('auto') will pass over it and "
-            "load_checkpoint refuses it unless allow_nonfinite=True", step, len(nonfinite),
-            ", ".join(nonfinite[:5]))
-    return json.dumps(manifest, indent=1)
+            "training-patches: the checkpoint of step %d written to %s holds NaN or Inf in %d "
+            "tensor(s) (%s): resume('auto') will pass over it and load_checkpoint refuses it "
+            "unless allow_nonfinite=True", step, where, len(nonfinite), ", ".join(nonfinite[:5]))
 
 
 def manifest_path(checkpoint: str | os.PathLike[str]) -> Path:
@@ -823,6 +827,6 @@ def saved_nonfinite(model: torch.nn.Module, model_state: Mapping[str, Any],
 
 
 __all__ = ["check_file", "read_checkpoint", "open_checkpoint", "Verification", "read_manifest",
-           "parse_manifest", "manifest_from", "manifest_text", "file_problem", "Manifest",
+           "parse_manifest", "manifest_from", "manifest_text", "warn_nonfinite_saved", "file_problem", "Manifest",
            "manifest_path", "manager_checkpoints", "newest_valid_beside", "FORMAT",
            "MANIFEST_FORMAT", "DCP_FORMAT", "MANIFEST_SUFFIX", "CHECKPOINT_SUFFIXES"]

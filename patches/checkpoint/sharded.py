@@ -28,7 +28,7 @@ from .. import _dist
 from .._log import info
 from . import _collective, data_position
 from .reading import (Manifest, entries_of, file_problem, manifest_from, manifest_text,
-                      saved_nonfinite)
+                      saved_nonfinite, warn_nonfinite_saved)
 from .atomic import _fsync_dir, atomic_text, atomic_torch_save, host_name
 from .digest import file_record
 from .errors import CheckpointError, CheckpointMismatchError
@@ -276,6 +276,7 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
         manager._point_latest(folder)
         info("training-patches: sharded checkpoint step %d written to %s by %d rank(s)",
              step, folder, len(reports))
+        warn_nonfinite_saved(step, folder, nonfinite)
         manager._prune(keep_path=folder)
         return folder
 
