@@ -103,7 +103,6 @@ class CheckpointManager:
         self.folder_pattern = re.compile(rf"^{re.escape(prefix)}_(\d+){re.escape(DCP_SUFFIX)}$")
         self._shared_checked = False  # whether every rank was shown to see this folder
         self._claimed = False  # whether this process (the writer) holds the folder's lock
-        self._unlisted: OSError | None = None  # why the last save could not list the folder
         # A plain loop's reports go beside its checkpoints, unless set_output_dir says otherwise
         _run.saw_checkpoint_folder(self.output_dir)
 
@@ -201,8 +200,7 @@ class CheckpointManager:
                 payload["ema"] = weights
         path = self.path_for(step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._sweep_temp()
-        generation = self._next_generation()
+        generation = self._next_generation(self._sweep_temp())
         if generation is None:
             return None
         needed, least = space_needed(payload)
@@ -288,14 +286,14 @@ class CheckpointManager:
 
     _nonfinite = staticmethod(saved_nonfinite)  # here: tests time it against the write
 
-    def _next_generation(self) -> int | None:
+    def _next_generation(self, unlisted: OSError | None = None) -> int | None:
         """One more than the newest checkpoint's. Where the folder cannot be listed
-        (:meth:`_sweep_temp` found), one more than the checkpoint ``latest`` names, read by
-        name; None, said, where it names none readable: numbered 0 the save would pass for
+        (``unlisted``: why, as :meth:`_sweep_temp` found), one more than the checkpoint
+        ``latest`` names, read by name; None, said, where it names none readable: numbered 0 the save would pass for
         older than those it cannot see, so it is not made (as a full disk's: training goes
         on, the next save tries again)."""
         generations = [m.generation for _, m in self._all() if m.generation is not None]
-        if self._unlisted is not None and not generations:
+        if unlisted is not None and not generations:
             named, manifest = "", None
             try:
                 named = (self.output_dir / LATEST).read_text(encoding="utf-8").strip()
@@ -312,7 +310,7 @@ class CheckpointManager:
                     "could not be numbered after those already there (a resume would take it "
                     "for older). Nothing was written; training goes on. Make the folder "
                     "readable again (its permissions, its network disk).",
-                    self.output_dir, self._unlisted, LATEST)
+                    self.output_dir, unlisted, LATEST)
                 return None
             generations = [manifest.generation]
             if _run.current().first_time(f"checkpoint.unlisted:{self.output_dir}"):
@@ -320,7 +318,7 @@ class CheckpointManager:
                                "(%s): the temporary files of interrupted saves are not "
                                "removed, and the checkpoints already there are neither seen "
                                "nor pruned; the save goes on, numbered after %s, which its "
-                               "%r file names", self.output_dir, self._unlisted, named, LATEST)
+                               "%r file names", self.output_dir, unlisted, named, LATEST)
         return max(generations, default=-1) + 1
 
     def _point_latest(self, path: Path) -> None:
@@ -336,13 +334,13 @@ class CheckpointManager:
             logger.warning("training-patches: %s is saved, but %s could not be updated (%s); "
                            "resume('auto') does not need it", path, latest, exc)
 
-    def _sweep_temp(self) -> None:
+    def _sweep_temp(self) -> OSError | None:
         """Remove the temporary files and incomplete sharded folders of this manager's saves
         (its names only) written on THIS host by a pid that no longer runs: another host's
-        save in progress is never touched. Runs on the writer, at the start of a save."""
-        self._unlisted = None
+        save in progress is never touched. Runs on the writer, at the start of a save.
+        Returns why the folder could not be listed (for :meth:`_next_generation`), or None."""
         if not self.output_dir.is_dir():
-            return
+            return None
         sweep_incomplete(self.output_dir, self.folder_pattern, pid_alive)
         # The ``latest`` pointer is written the same way: its temporary file too.
         own = rf"{re.escape(self.prefix)}_\d+\.pt(?:{re.escape(MANIFEST_SUFFIX)})?"
@@ -351,8 +349,7 @@ class CheckpointManager:
         try:
             entries = list(self.output_dir.iterdir())
         except OSError as exc:
-            self._unlisted = exc  # _next_generation: go on after ``latest``'s, or skip
-            return
+            return exc  # _next_generation: go on after ``latest``'s, or skip
         for entry in entries:
             match = mark.match(entry.name)
             if match is None:
@@ -368,6 +365,7 @@ class CheckpointManager:
                                    "interrupted save (%s)", entry, exc)
                 continue
             logger.debug("training-patches: removed %s, left by an interrupted save", entry.name)
+        return None
 
     def _all(self) -> list[tuple[Path, Manifest]]:
         """Complete checkpoints in the folder, newest first (by generation): files with a valid

@@ -218,8 +218,9 @@ def save_sharded(manager: Any, step: int, model: torch.nn.Module, optimizer: Any
     optimizers = _as_list(optimizer)
 
     def prepare() -> int | None:
-        manager._sweep_temp()  # incomplete folders of killed saves (this host's only)
-        generation = manager._next_generation()  # before any write: None, nothing written
+        # incomplete folders of killed saves (this host's only); numbered before any write:
+        # None, nothing written
+        generation = manager._next_generation(manager._sweep_temp())
         if generation is None:
             return None
         if folder.exists():  # an earlier save of this step (another branch) or a torn one
