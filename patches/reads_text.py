@@ -104,12 +104,12 @@ def text_ids(tokens: Any, trained: int) -> tuple[list[int], int | None]:
 
 
 def text_tv(owner: torch.nn.Module, params: Mapping[str, torch.Tensor], ids: Sequence[int],
-            lead: int | None) -> TextReading:
+            lead: int | None, probe: TextProbe | None = None) -> TextReading:
     """Probe ``owner`` with ``params`` (its tensors by its own names, as loaded: new rows
     are never read, the texts hold base ids only); nothing of ``owner`` changes (its
     training mode is restored). A model no finder knows, too few ids, or a forward that
-    raises is a reading of None, with why."""
-    probe = probe_for(owner)
+    raises is a reading of None, with why. ``probe``: the owner's, when already found."""
+    probe = probe or probe_for(owner)
     if probe is None:
         return TextReading(None, None, f"no reading probe for a {type(owner).__name__}")
     if len(ids) < 2:

@@ -5,6 +5,7 @@ on request, truncated). Pure: nothing here changes the model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -356,7 +357,7 @@ def plan_model(path: Path, ckpt: Mapping[str, Any], model: torch.nn.Module, *,
         if rows.added > 0:
             new_rows = _new_rows(path, model, list(vocab), rows, check_rule(row_init),
                                  check_rule(head_row_init, "head_row_init"), tokenizer,
-                                 lambda tokens: _reads_text(model, vocab, state, rows, tokens))
+                                 functools.partial(_reads_text, model, vocab, state, rows))
         generator = torch.Generator().manual_seed(seed)
         for key in vocab:
             old = state[key]
@@ -389,21 +390,21 @@ class _NotProbed(Exception):
 
 
 def _reads_text(model: torch.nn.Module, vocab: Mapping[str, Any],
-                state: Mapping[str, torch.Tensor], rows: RowPlan,
-                tokens: Tokens | None) -> TextReading:
+                state: Mapping[str, torch.Tensor], rows: RowPlan, tokens: Tokens | None,
+                key: str, lead_rows: int) -> TextReading:
     """Whether the base model reads its text (:func:`patches.reads_text.text_tv`), asked of
-    the module owning the text embedding with the checkpoint's tensors (the new rows made
-    by a throwaway rule: the probe's texts hold base ids only); the model is not changed."""
+    the module owning the text embedding ``key`` with the checkpoint's tensors (the new rows
+    made by a throwaway rule: the probe's texts hold base ids only, token ``i`` at row ``i +
+    lead_rows``); the model is not changed."""
     if tokens is None:
         return TextReading(None, None, "no tokenizer was given to draw the probe's texts from")
-    key = next((k for k in vocab if not _is_head(model, k)), next(iter(vocab)))
     owner = _vocab_owner(model, key)
-    if owner is None or probe_for(owner) is None:
+    probe = probe_for(owner)
+    if probe is None:
         return TextReading(None, None, f"no reading probe for a {type(owner).__name__}")
     try:
         path = _owner_path(key)
         params = _probe_params(owner, f"{path}." if path else "", vocab, state, rows)
-        lead_rows = row_layout(owner, rows.new_rows).leading_rows
         ids, lead = text_ids(tokens, rows.base_rows - lead_rows)
     except _NotProbed as exc:
         return TextReading(None, None, str(exc))
@@ -411,7 +412,7 @@ def _reads_text(model: torch.nn.Module, vocab: Mapping[str, Any],
         return TextReading(None, None, f"its inputs could not be made: {type(exc).__name__}: "
                                        f"{' '.join(str(exc).split())[:200]}", failed=True)
     return text_tv(owner, params, [i + lead_rows for i in ids],
-                   None if lead is None else lead + lead_rows)
+                   None if lead is None else lead + lead_rows, probe=probe)
 
 
 def _probe_params(owner: torch.nn.Module, prefix: str, vocab: Mapping[str, Any],
@@ -437,11 +438,10 @@ def _probe_params(owner: torch.nn.Module, prefix: str, vocab: Mapping[str, Any],
         value = state[prefix + name]
         if prefix + name in vocab:
             value = _grown(value, rows, throwaway, "std0.02")
-        if value.is_floating_point():
-            if name in weights and not bool(torch.isfinite(value).all()):
-                raise _NotProbed(f"the checkpoint's {prefix + name} holds NaN or Inf")
-            value = value.float()
-        params[name] = value
+        params[name] = value.float() if value.is_floating_point() else value
+    bad = nonfinite_flags([(prefix + n, v, False) for n, v in params.items() if n in weights])
+    if bad:
+        raise _NotProbed(f"the checkpoint's {bad[0]} holds NaN or Inf")
     device = next(iter(params.values())).device
     for name, buffer in owner.named_buffers():
         if name not in params:  # non-persistent: the module's own, where the others are
@@ -458,13 +458,14 @@ def _grown(old: torch.Tensor, rows: RowPlan, generator: torch.Generator, rule: s
 
 def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: RowPlan,
               row_init: str, head_row_init: str, tokenizer: Any,
-              reads_text: Callable[[Tokens | None], TextReading]) -> NewRows:
+              reads_text: Callable[[Tokens | None, str, int], TextReading]) -> NewRows:
     """The rule of each grown tensor (``auto`` chosen by ``reads_text``), and for a spelled
     rule the rows spelled with the tokenizer (checked against the model's rows first)."""
     parts = {key: "head" if _is_head(model, key) else "embedding" for key in keys}
     used = {head_row_init if part == "head" else row_init for part in parts.values()}
     sources = None
     tokens = None
+    lead = 0
     if used & {*SPELLED_RULES, AUTO} and tokenizer is not None:
         spelled = " and ".join(map(repr, sorted(used & {*SPELLED_RULES, AUTO})))
         layout = row_layout(_vocab_owner(model, keys[0]), rows.new_rows)
@@ -496,7 +497,8 @@ def _new_rows(path: Path, model: torch.nn.Module, keys: Sequence[str], rows: Row
                 f"another row_init ('spread' needs none).")
     reading = None
     if row_init == AUTO and "embedding" in parts.values():
-        reading = reads_text(tokens if sources is not None else None)
+        embedding = next(key for key, part in parts.items() if part == "embedding")
+        reading = reads_text(tokens, embedding, lead)
         if reading.failed:
             logger.warning("training-patches: %s: row_init auto could not tell whether the base "
                            "model reads its text (%s); its new embedding rows start by %s, the "
