@@ -146,6 +146,8 @@ def config(preset: str, width: int, base_steps: int, work: Path, eval_every: int
     data = torch.load(work / f"data_{bsl.data_key(cfg)}.pt", weights_only=False)
     bsl.set_keys(cfg, data)
     cfg["rows"] = data["rows"]["base"]
+    # what library() loads with: the grown model's rows and the grown tokenizer
+    cfg["grown_rows"], cfg["grown_vocab"] = data["rows"]["grown"], data["vocab"]["grown"]
     return cfg
 
 
@@ -192,17 +194,15 @@ def probe(path: Path, cfg: dict[str, Any]) -> dict[str, float]:
             "emb_spread": spread, "prefix_tv": prefix_tv}
 
 
-def library(path: Path, cfg: dict[str, Any], work: Path) -> dict[str, Any]:
+def library(path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     """The library's answer for the base model at ``path``: loaded into the grown model by
-    ``patches.load_checkpoint`` under row_init auto (the default), as a user's load."""
-    import torch  # lazy: as every function here (the module's imports stay light)
+    ``patches.load_checkpoint`` under row_init auto (the default), as a user's load (``cfg``
+    from :func:`config`)."""
+    import patches  # lazy: as every import here (the module's imports stay light)
 
-    import patches
-
-    data = torch.load(work / f"data_{cfg['data_key']}.pt", weights_only=False)
-    model = bsl.build_gpt(data["rows"]["grown"], cfg)
+    model = bsl.build_gpt(cfg["grown_rows"], cfg)
     report = patches.load_checkpoint(path, model, freeze=False, seed=0, row_init="auto",
-                                     tokenizer=data["vocab"]["grown"])
+                                     tokenizer=cfg["grown_vocab"])
     auto = report.row_init["auto"]
     return {"lib_text_tv": auto["text_tv"], "lib_rule": report.row_init["embedding"],
             "lib_seconds": auto["seconds"]}
@@ -263,7 +263,7 @@ def main() -> None:
                 f"{'reads' if gap > GAP_READS else 'no'} ({role})")
             s = time.perf_counter()
             vals = probe(path, cfg)
-            vals.update(library(path, cfg, folder))
+            vals.update(library(path, cfg))
             results.append(dict(group=group, role=truth, seed=seed, key=cfg["base_key"],
                                 preset=preset, width=width, steps=info["steps"], gap=gap,
                                 seconds=time.perf_counter() - s, **vals))

@@ -68,7 +68,7 @@ def auto_choices(name: str, seeds: list[int]) -> dict[int, tuple[str, float]]:
                      c.get("base_eval_every"), c.get("shuffle_text", False))
     out = {}
     for seed in seeds:
-        got = prt.library(folder / f"base_{cfg['base_key']}_seed{seed}.pt", cfg, folder)
+        got = prt.library(folder / f"base_{cfg['base_key']}_seed{seed}.pt", cfg)
         out[seed] = (got["lib_rule"], got["lib_text_tv"])
     return out
 
@@ -104,7 +104,7 @@ def main() -> None:
     floor = []
     for name in bsl.CONFIGS:
         c = bsl.CONFIGS[name]
-        seeds = list(c.get("seed_list") or range(c["first_seed"], c["first_seed"] + 3))
+        seeds = bsl.seeds_of(dict(c, seeds=3))  # as --config NAME runs it
         runs = runs_of(name)
         if not all(("spelling", s) in runs for s in seeds):
             continue

@@ -300,9 +300,9 @@ def identity(loader: Any) -> dict[str, Any]:
             and not isinstance(sampler, (torch.utils.data.RandomSampler,
                                          torch.utils.data.SequentialSampler)):
         sampler = sampler.sampler  # down to the sampler that orders the samples
-    shuffle = (True if isinstance(sampler, torch.utils.data.RandomSampler) else False
-               if isinstance(sampler, torch.utils.data.SequentialSampler)
-               else getattr(sampler, "shuffle", None))
+    torch_samplers = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
+    shuffle = (isinstance(sampler, torch.utils.data.RandomSampler)
+               if isinstance(sampler, torch_samplers) else getattr(sampler, "shuffle", None))
     batch_size = getattr(inner, "batch_size", None)
     drop_last = getattr(inner, "drop_last", None)
     if batch_size is None and batches is not None:  # a batch sampler of the user's own

@@ -149,12 +149,12 @@ def register_language(code: str, cleaner: Callable[[str], str] | None = None,
                     f"instead.")
             _romanizers.pop(key, None)
             _romanizers[key] = Romanizer(key, romanize, name=name or (known.name if known else ""))
-            language = (Language(key, None, None, name, (), romanize) if known is None else
-                        dataclasses.replace(known, romanize=romanize))
-            if known is not None:
-                _languages[key] = language
+            if known is None:  # coqui's language: its cleaner stays coqui's
+                language = Language(key, None, None, name, (), romanize)
+            else:
+                language = _languages[key] = dataclasses.replace(known, romanize=romanize)
             info("training-patches: romaniser of language %r registered (%s cleaner and char "
-                 "limit kept)", key, "its" if known is not None else "coqui-tts's")
+                 "limit kept)", key, "coqui-tts's" if known is None else "its")
             return language
         if not replace and (known is not None or key in COQUI_LANGUAGES):
             where = "already registered" if known is not None else "built into coqui-tts"

@@ -13,7 +13,7 @@ claimed; a check that cannot run says why (``checked`` False), and the report na
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -24,14 +24,20 @@ from .reading import Run
 VOCAB_TENSORS = ("text_embedding.weight", "text_head.weight", "text_head.bias")
 
 
+def _start_weights(run: Run) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(record, its ``base_weights``) of every start record of ``run``'s files that has them."""
+    for record in [*run.get(reading.HEADLESS), *run.get(reading.TRAINER_RUNS)]:
+        weights = record.get("base_weights")
+        if record.get("event") == "start" and isinstance(weights, dict):
+            yield record, weights
+
+
 def _freeze_records(run: Run) -> tuple[dict[str, Any] | None, list[str]]:
     """The start record of ``run`` that names a freeze, and the relative run folders of
     freeze records that could not be resolved (neither is this run's, as far as known)."""
     unresolved = []
-    for record in [*run.get(reading.HEADLESS), *run.get(reading.TRAINER_RUNS)]:
-        weights = record.get("base_weights")
-        if record.get("event") != "start" or not (
-                isinstance(weights, dict) and weights.get("frozen_rows") and weights.get("path")):
+    for record, weights in _start_weights(run):
+        if not (weights.get("frozen_rows") and weights.get("path")):
             continue
         mine = reading.names_run(record, run)
         if mine:
@@ -44,10 +50,8 @@ def _freeze_records(run: Run) -> tuple[dict[str, Any] | None, list[str]]:
 def new_rows_of(run: Run) -> dict[str, Any] | None:
     """How the new vocabulary rows of ``run``'s base weights started (``row_init`` of its
     start record's ``base_weights``: the rules, the spelled counts, auto's probe), or None."""
-    for record in [*run.get(reading.HEADLESS), *run.get(reading.TRAINER_RUNS)]:
-        weights = record.get("base_weights")
-        if (record.get("event") == "start" and isinstance(weights, dict)
-                and isinstance(weights.get("row_init"), dict) and reading.names_run(record, run)):
+    for record, weights in _start_weights(run):
+        if isinstance(weights.get("row_init"), dict) and reading.names_run(record, run):
             return weights["row_init"]
     return None
 
