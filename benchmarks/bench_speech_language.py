@@ -190,7 +190,9 @@ def arms_for(which: str) -> list[dict[str, Any]]:
         return [arm(rule) for rule in QUICK_RULES]
     if which.startswith("candidates"):  # issue 38: "candidates:MIX:LR[:RULE+RULE]"
         _, mix, lr, *rules = which.split(":")
-        return [arm(rule, "spread", mix=float(mix), lr=float(lr))
+        # RULE*S: the rule's new embedding rows times S after the load (the frontier's arms)
+        return [arm(rule.split("*")[0], "spread", mix=float(mix), lr=float(lr),
+                    scale=float(rule.split("*")[1]) if "*" in rule else None)
                 for rule in (rules[0].split("+") if rules else CANDIDATES)]
     stage2 = [arm("romanized", "spread", **change)
               for change in (dict(freeze="until"), dict(freeze="off"), dict(mix=0.0),
@@ -712,29 +714,29 @@ def candidates_table(cfg: dict[str, Any], runs: list[dict[str, Any]],
 
     def final(r: dict[str, Any]) -> dict[str, float]:
         last = r["curve"][-1]
-        return {"am": last[AM_AUDIO], "en": last[EN_AUDIO],
-                "gap": r["reading"][str(k)]["gap"] if str(k) in r["reading"]
-                else r["reading"][k]["gap"],
-                "start": r["curve"][0][AM_AUDIO]}
+        return {"am": last[AM_AUDIO], "en": last[EN_AUDIO], "gap": gap_at(r, k),
+                "gap0": gap_at(r, 0), "start": r["curve"][0][AM_AUDIO]}
 
-    def paired(name: str, key: str) -> str:
+    def paired(name: str, key: str, digits: int = 3) -> str:
         if ref is None or name == ref:
             return "-"
-        return "/".join(f"{final(by[name, s])[key] - final(by[ref, s])[key]:+.3f}" for s in seeds)
+        return "/".join(f"{final(by[name, s])[key] - final(by[ref, s])[key]:+.{digits}f}"
+                        for s in seeds)
 
     lines = [f"Step {k}, seeds {'/'.join(map(str, seeds))} (each its own base model and data "
              f"order); median [min-max]; paired: this arm minus `{against}`, seed by seed.",
              "",
              "| embedding rule (head spread) | Amharic audio | paired | Amharic reading gap | "
-             "paired | English audio | paired | Amharic audio at 0 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "paired | English audio | paired | Amharic audio at 0 | reading gap at 0 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         vals = [final(by[name, s]) for s in seeds]
         lines.append(
-            f"| {name.split(' ')[0]} | {_fmt(_spread([v['am'] for v in vals]))} | "
-            f"{paired(name, 'am')} | {_fmt(_spread([v['gap'] for v in vals]))} | "
-            f"{paired(name, 'gap')} | {_fmt(_spread([v['en'] for v in vals]))} | "
-            f"{paired(name, 'en')} | {_fmt(_spread([v['start'] for v in vals]))} |")
+            f"| {arm_label(name)} | {_fmt(_spread([v['am'] for v in vals]))} | "
+            f"{paired(name, 'am')} | {_fmt(_spread([v['gap'] for v in vals]), 4)} | "
+            f"{paired(name, 'gap', 4)} | {_fmt(_spread([v['en'] for v in vals]))} | "
+            f"{paired(name, 'en')} | {_fmt(_spread([v['start'] for v in vals]))} | "
+            f"{_fmt(_spread([v['gap0'] for v in vals]), 4)} |")
     if starts:
         n = len(starts[0]["losses"])
         lines += ["", f"The Amharic audio loss at step 0 over {n} load seeds, per base model "
@@ -748,8 +750,21 @@ def candidates_table(cfg: dict[str, Any], runs: list[dict[str, Any]],
                            None)
                 cells.append("-" if got is None else
                              f"{max(got) - min(got):.4f} ({min(got):.3f}-{max(got):.3f})")
-            lines.append(f"| {name.split(' ')[0]} | " + " | ".join(cells) + " |")
+            lines.append(f"| {arm_label(name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def arm_label(name: str) -> str:
+    """A candidate arm's rule as a table names it: ``spelling/spread``, ``spelling/spread x0.5``
+    (the new embedding rows times 0.5 after the load)."""
+    scale = name.split(" emb x")[1].split(" ")[0] if " emb x" in name else None
+    return name.split(" ")[0] + (f" x{scale}" if scale else "")
+
+
+def gap_at(run: dict[str, Any], step: int) -> float:
+    """A run's Amharic reading gap at ``step`` (its JSON keys are strings once written)."""
+    got = run["reading"].get(str(step)) or run["reading"].get(step)
+    return got["gap"]
 
 
 def plot(cfg: dict[str, Any], runs: list[dict[str, Any]], summary: dict[str, Any],
@@ -854,6 +869,9 @@ def main() -> None:
     ap.add_argument("--config", choices=sorted(CONFIGS), help="issue 38: one held-out "
                     "configuration (sets --mix, --lr, --width, --steps, --first-seed and the "
                     "candidate arms; the quick preset otherwise)")
+    ap.add_argument("--rules", help="with --config: the fine-tuned rules, '+'-separated, in "
+                    "place of the configuration's (RULE*S: the rule's new embedding rows times "
+                    "S after the load)")
     ap.add_argument("--start-seeds", type=int, default=0, help="also load each arm with this "
                     "many load seeds per base model and measure the Amharic loss at step 0")
     ap.add_argument("--against", help="the arm rule the paired differences are taken "
@@ -877,7 +895,7 @@ def main() -> None:
             if getattr(args, key) is None:
                 setattr(args, key, chosen[key])
         cfg["ft_batch"] = chosen["batch"]  # the fine-tune's batch; the base models' stays
-        cfg["rules"] = chosen["rules"]
+        cfg["rules"] = tuple(args.rules.split("+")) if args.rules else chosen["rules"]
         cfg["seeds"] = 3
         # the probe's controls' base training (their cache keys): see CHOICE_RULES
         for key in ("seed_list", "base_eval_every", "shuffle_text"):

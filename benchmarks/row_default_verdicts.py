@@ -49,14 +49,14 @@ def runs_of(name: str) -> dict[tuple[str, int], dict[str, float]]:
             r = json.loads(line)
             if r.get("steps") != steps:
                 continue
-            rule = r["arm"].split("/")[0]
+            label = bsl.arm_label(r["arm"])  # "spelling/spread x0.5": not spelling's arm
+            rule = label.split("/")[0] + label[len(label.split(" ")[0]):]
             auto = (r.get("row_init") or {}).get("auto") or {}
             if rule == "auto" and auto.get("threshold") != READS_ABOVE:
                 continue  # run under an earlier threshold: auto is mapped by today's
             last = r["curve"][-1]
-            reading = r["reading"].get(str(steps)) or r["reading"].get(steps)
             out[(rule, r["seed"])] = {
-                "am": last[bsl.AM_AUDIO], "en": last[bsl.EN_AUDIO], "gap": reading["gap"]}
+                "am": last[bsl.AM_AUDIO], "en": last[bsl.EN_AUDIO], "gap": bsl.gap_at(r, steps)}
     return out
 
 
