@@ -41,3 +41,26 @@ def test_a_rule_identical_to_the_best_is_best_and_a_rule_missing_a_seed_is_left_
     got = verdicts_mod.verdicts(runs, [1, 2, 3])
     assert set(got) == {"auto", "spelling"}
     assert got["auto"] == got["spelling"] == {"am": "best", "gap": "best", "en": "best"}
+
+
+def test_a_scaled_arm_is_read_as_its_own_rule_not_as_the_rule_it_scales(tmp_path, monkeypatch
+                                                                        ) -> None:
+    """``--rules spelling*0.5`` writes arms named like spelling's plus `` emb x0.5``: read as
+    spelling's, they would replace its figures in the verdicts."""
+    import json
+
+    bsl = verdicts_mod.bsl
+    steps = bsl.CONFIGS["wide"]["steps"]
+    folder = tmp_path / "results" / "row_defaults_wide"
+    folder.mkdir(parents=True)
+    lines = []
+    for spec, am in ((bsl.arm("spelling", "spread", lr=5e-4), 2.36),
+                     (bsl.arm("spelling", "spread", lr=5e-4, scale=0.5), 2.30)):
+        curve = [[0, 4.3, 3.0, 0, 0], [steps, am, 3.1, 0, 0]]
+        lines.append(json.dumps({"arm": spec["name"], "seed": 120, "steps": steps,
+                                 "curve": curve, "reading": {str(steps): {"gap": 0.001}}}))
+    (folder / "runs.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(verdicts_mod, "HERE", tmp_path)
+    got = verdicts_mod.runs_of("wide")
+    assert got[("spelling", 120)]["am"] == pytest.approx(2.36)
+    assert got[("spelling x0.5", 120)]["am"] == pytest.approx(2.30)
