@@ -150,6 +150,13 @@ CONFIGS.update({
     "near_quick": dict(mix=0.1, lr=5e-4, width=64, steps=100, first_seed=30, seed_list=(30, 31, 32),
                        base_steps=700, base_eval_every=175, batch=8, rules=CHOICE_RULES,
                        work="results/probe_controls"),
+    # added 2026-11-28 12:02 UTC, before any run of it, with READS_ABOVE 0.05 and the rules'
+    # constants as they stand: the second width (128, as `wide`) with base models trained
+    # ten times longer (1,500 steps), which may read: no configuration has judged auto's
+    # choice at a second width on base models trained past 300 steps
+    "wide_long": dict(mix=0.1, lr=5e-4, width=128, steps=100, first_seed=150,
+                      seed_list=(150, 151, 152), base_steps=1500, base_eval_every=375, batch=8,
+                      rules=CHOICE_RULES, work="results/probe_controls"),
 })
 
 
@@ -516,7 +523,35 @@ def reading(model, data: dict[str, Any]) -> dict[str, float]:
         probe.add("am", x["ids"], {"codes": x["codes"], "lang": "am", "order": i,
                                    "pools": data["pools"]})
     r = reading_gap(model, probe, audio_losses)["am"]
-    return {"own": r.own, "rotated": r.rotated, "gap": r.gap, "relative": r.relative}
+    return {"own": r.own, "rotated": r.rotated, "gap": r.gap, "relative": r.relative,
+            "stderr": r.stderr, "per_utterance": utterance_gaps(model, probe)}
+
+
+def utterance_gaps(model, probe) -> list[float]:
+    """Each probe utterance's gap (loss with its partner's text minus with its own), as
+    ``reading_gap`` measures it (the same pairs, chunks and seeds): two rules' gaps on the
+    same base model can then be compared utterance by utterance, with their standard error."""
+    import torch
+    from bench_reading import audio_losses
+
+    from patches.learning import PROBE_SEED, _per_pair, partners
+
+    texts, audios = (list(side) for side in zip(*probe.pairs("am")))
+    given = [texts[j] for j in partners(texts)]
+    out: list[float] = []
+    was = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(), torch.no_grad():
+            for start in range(0, len(texts), 16):
+                part = slice(start, start + 16)
+                own = _per_pair(model, audio_losses, texts[part], audios[part], PROBE_SEED + start)
+                other = _per_pair(model, audio_losses, given[part], audios[part],
+                                  PROBE_SEED + start)
+                out += [o - w for w, o in zip(own, other)]
+    finally:
+        model.train(was)
+    return out
 
 
 def start_spread(spec: dict[str, Any], seed: int, cfg: dict[str, Any], work: Path,

@@ -45,6 +45,9 @@ class Reading:
     rotated: float  # mean loss with another utterance's text (:func:`partners`)
     share: float  # utterances whose own text gives the lower loss (0..1)
     measured_on: str = AUDIO_LOSS
+    # the gap's standard error over the utterances (their gaps' sample std / sqrt(n)): how
+    # far another probe of the same size could put it; NaN under two utterances
+    stderr: float = math.nan
 
     @property
     def gap(self) -> float:
@@ -57,11 +60,12 @@ class Reading:
         return self.gap / self.own if self.own > 0 else math.nan
 
     def line(self, step: int | None) -> str:
-        """The log line: ``reading am at step 1,200: gap 0.41 nats/code (13.14% of the loss),
-        94% of 32 utterances, audio loss 3.120``."""
+        """The log line: ``reading am at step 1,200: gap 0.41 ± 0.031 nats/code (13.14% of the
+        loss), 94% of 32 utterances, audio loss 3.120``."""
         where = f" at step {step:,}" if step is not None else ""
         unit = " nats/code" if self.measured_on == AUDIO_LOSS else f" ({self.measured_on})"
-        return (f"reading {self.language}{where}: gap {self.gap:.3g}{unit} "
+        error = f" ± {self.stderr:.2g}" if math.isfinite(self.stderr) else ""
+        return (f"reading {self.language}{where}: gap {self.gap:.3g}{error}{unit} "
                 f"({self.relative:.2%} of the loss), {self.share:.0%} of {self.utterances} "
                 f"utterances, {self.measured_on} {self.own:.3f}")
 
@@ -153,6 +157,16 @@ def _per_pair(model: torch.nn.Module, loss_fn: LossFn, texts: list[Any], audios:
                      f"pairs; expected one per pair (or one for the batch)")
 
 
+def _stderr(values: list[float]) -> float:
+    """The standard error of the mean of ``values`` (sample std / sqrt(n)); NaN under two
+    values or with one not finite."""
+    n = len(values)
+    if n < 2 or not all(math.isfinite(v) for v in values):
+        return math.nan
+    mean = math.fsum(values) / n
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
 def partners(texts: Sequence[Any]) -> list[int]:
     """For each pair, the pair whose text it is given: the texts sorted by length and taken
     two by two (three at the end of an odd count). With the lengths matched, the gap measures
@@ -201,9 +215,11 @@ def reading_gap(model: torch.nn.Module, probe: ReadingProbe, loss_fn: LossFn, *,
                     own += _per_pair(model, loss_fn, texts[part], audios[part], seed)
                     other += _per_pair(model, loss_fn, given[part], audios[part], seed)
                 n = len(pairs)
+                gaps = [r - o for o, r in zip(own, other)]
                 readings[language] = Reading(
                     language=language, utterances=n, own=sum(own) / n, rotated=sum(other) / n,
-                    share=sum(o < r for o, r in zip(own, other)) / n, measured_on=measured_on)
+                    share=sum(g > 0 for g in gaps) / n, measured_on=measured_on,
+                    stderr=_stderr(gaps))
     finally:
         for module, mode in modes:
             module.training = mode

@@ -96,6 +96,25 @@ def test_a_model_that_reads_has_a_gap_and_an_untrained_one_none() -> None:
     assert reading.own < 0.5 and reading.utterances == 32
 
 
+def test_the_gap_comes_with_its_standard_error_over_the_utterances() -> None:
+    """Each utterance's gap is known here (its own text costs 1, another's 1 + its delta):
+    the standard error is their sample std / sqrt(n), and the log line gives it."""
+    deltas = [0.1, 0.3, 0.2, 0.6, 0.4, 0.0]
+    data = [(torch.tensor([i]), torch.tensor([i])) for i in range(len(deltas))]
+
+    def loss(model, texts, audios):
+        return torch.tensor([1.0 if int(t) == int(a) else 1.0 + deltas[int(a)]
+                             for t, a in zip(texts, audios)], dtype=torch.float64)
+
+    reading = learning.reading_gap(Reader(), learning.ReadingProbe({"xx": data}), loss)["xx"]
+    assert reading.gap == pytest.approx(np.mean(deltas))
+    assert reading.stderr == pytest.approx(np.std(deltas, ddof=1) / np.sqrt(len(deltas)))
+    assert f"gap {reading.gap:.3g} ± {reading.stderr:.2g} nats/code" in reading.line(10)
+    assert reading.record()["stderr"] == reading.stderr
+    unknown = learning.Reading("xx", 1, 1.0, 1.5, 1.0)  # a record from before the figure
+    assert np.isnan(unknown.stderr) and "gap 0.5 nats/code" in unknown.line(10)
+
+
 def test_the_measurement_leaves_rng_modes_and_gradients_as_they_were() -> None:
     model = Reader()
     model.train()

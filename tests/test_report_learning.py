@@ -273,3 +273,16 @@ def test_a_resumed_run_that_no_longer_warns_ends_the_verdict(
     _write(tmp_path / LEARNING, _evaluations() + [_not_reading()] + resumed[:4])
     code, text = _text(tmp_path, capsys)
     assert code == 1 and "verdict: not reading the text (am) since step 400" in text
+
+
+def test_the_gap_is_reported_with_its_standard_error_where_recorded(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = [_probe(), _reading(200, "en", 3.0, 3.4, 0.94, stderr=0.031),
+               _reading(200, "am", 3.5, 3.504, 0.5)]  # a record written before the figure
+    _write(tmp_path / LEARNING, records)
+    _, text = _text(tmp_path, capsys)
+    assert "learning en: gap 0.4 ± 0.031 nats/code (13.33% of the audio loss)" in text
+    assert "learning am: gap 0.004 nats/code (0.11% of the audio loss)" in text
+    _, run = _json(tmp_path, capsys)
+    assert run["learning"]["readings"]["en"][-1]["stderr"] == 0.031
+    assert run["learning"]["readings"]["am"][-1]["stderr"] is None

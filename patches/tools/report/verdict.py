@@ -112,6 +112,7 @@ class ReadingPoint:
     eval_loss: float | None = None
     measured_on: str = learning.AUDIO_LOSS
     rank: int = 0
+    stderr: float | None = None  # the gap's standard error over the utterances
 
 
 @dataclass
@@ -549,7 +550,8 @@ def _reading_point(record: dict[str, Any], rank: int) -> ReadingPoint:
         rotated=number(record.get("rotated")), gap=number(record.get("gap")),
         relative=number(record.get("relative")), share=number(record.get("share")),
         utterances=_whole(record.get("utterances")), eval_loss=number(record.get("eval_loss")),
-        measured_on=str(record.get("measured_on") or learning.AUDIO_LOSS), rank=rank)
+        measured_on=str(record.get("measured_on") or learning.AUDIO_LOSS), rank=rank,
+        stderr=number(record.get("stderr")))
 
 
 def _live_verdicts(stream: list[dict[str, Any]], thresholds: dict[str, Any]
@@ -792,10 +794,12 @@ def _fmt(value: float | None, spec: str = ".3g") -> str:
 
 
 def _reading_text(point: ReadingPoint) -> str:
-    """``gap 0.41 nats/code (13.1% of the audio loss), own text lower for 94% of 32
-    utterances``."""
+    """``gap 0.41 ± 0.031 nats/code (13.1% of the audio loss), own text lower for 94% of 32
+    utterances`` (the ± where the record has the gap's standard error)."""
     unit = " nats/code" if point.measured_on == learning.AUDIO_LOSS else ""
-    return (f"gap {_fmt(point.gap)}{unit} ({_fmt(point.relative, '.2%')} of the "
+    error = (f" ± {_fmt(point.stderr, '.2g')}" if point.stderr is not None
+             and math.isfinite(point.stderr) else "")
+    return (f"gap {_fmt(point.gap)}{error}{unit} ({_fmt(point.relative, '.2%')} of the "
             f"{point.measured_on}), own text lower for {_fmt(point.share, '.0%')} of "
             f"{point.utterances if point.utterances is not None else '?'} utterances")
 
