@@ -94,10 +94,55 @@ def verdicts(runs: dict[tuple[str, int], dict[str, float]], seeds: list[int]
     return out
 
 
+def stderr(values: list[float]) -> float:
+    """The standard error of the mean of ``values``."""
+    return statistics.stdev(values) / len(values) ** 0.5
+
+
+def resolution(folder: Path, against: str) -> str:
+    """The reading gap's resolution in a run folder whose runs recorded each utterance's gap
+    (``bench_speech_language`` since 2026-11-28, fifth stop): per rule and seed, the gap ±
+    its standard error over the utterances, and its difference from ``against``'s on the
+    same utterances ± the standard error of that paired difference."""
+    runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
+    by = {(bsl.arm_label(r["arm"]).replace("/spread", ""), r["seed"]): r for r in runs}
+    rules = list(dict.fromkeys(rule for rule, _ in by))
+    seeds = sorted({seed for _, seed in by})
+    steps = runs[0]["steps"]
+
+    def gaps(rule: str, seed: int) -> list[float]:
+        got = by[(rule, seed)]["reading"]
+        return (got.get(str(steps)) or got[steps])["per_utterance"]
+
+    lines = [f"Step {steps}; per seed: the gap ± its standard error over the "
+             f"{len(gaps(rules[0], seeds[0]))} utterances; minus `{against}`'s, paired by "
+             "utterance, ± the paired difference's standard error.", "",
+             "| rule | " + " | ".join(f"seed {s}: gap" for s in seeds) + " | "
+             + " | ".join(f"seed {s}: minus `{against}`" for s in seeds) + " |",
+             "|---|" + "---|" * 2 * len(seeds)]
+    for rule in rules:
+        own = [f"{statistics.fmean(gaps(rule, s)):+.4f} ± {stderr(gaps(rule, s)):.4f}"
+               for s in seeds]
+        diff = []
+        for s in seeds:
+            d = [a - b for a, b in zip(gaps(rule, s), gaps(against, s))]
+            diff.append("-" if rule == against else
+                        f"{statistics.fmean(d):+.4f} ± {stderr(d):.4f}")
+        lines.append(f"| {rule} | " + " | ".join(own + diff) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="also write the table to this file")
+    ap.add_argument("--resolution", metavar="FOLDER", help="instead: the reading gap's "
+                    "resolution in FOLDER's runs (each utterance's gap recorded)")
+    ap.add_argument("--against", default="spelling", help="with --resolution: the rule the "
+                    "paired differences are taken against (default spelling)")
     args = ap.parse_args()
+    if args.resolution:
+        print(resolution(Path(args.resolution), args.against))
+        return
     lines = ["| configuration | auto's choice per base model (text_tv) | "
              + " | ".join(f"`{r}` (Amharic / gap / English)" for r in RULES) + " |",
              "|---|---|" + "---|" * len(RULES)]

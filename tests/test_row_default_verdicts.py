@@ -64,3 +64,22 @@ def test_a_scaled_arm_is_read_as_its_own_rule_not_as_the_rule_it_scales(tmp_path
     got = verdicts_mod.runs_of("wide")
     assert got[("spelling", 120)]["am"] == pytest.approx(2.36)
     assert got[("spelling x0.5", 120)]["am"] == pytest.approx(2.30)
+
+
+def test_the_resolution_table_gives_each_gap_and_each_paired_difference_its_error(tmp_path
+                                                                                 ) -> None:
+    import json
+    import statistics
+
+    bsl = verdicts_mod.bsl
+    own = {"spelling": [0.010, 0.030, 0.020, 0.040], "std0.02": [0.000, 0.030, 0.010, 0.010]}
+    lines = [json.dumps({"arm": bsl.arm(rule, "spread", lr=5e-4)["name"], "seed": 7,
+                         "steps": 100, "reading": {"100": {"per_utterance": gaps}}})
+             for rule, gaps in own.items()]
+    (tmp_path / "runs.jsonl").write_text("\n".join(lines) + "\n")
+    text = verdicts_mod.resolution(tmp_path, "spelling")
+    se = statistics.stdev(own["spelling"]) / 2
+    diff = [a - b for a, b in zip(own["std0.02"], own["spelling"])]
+    assert f"| spelling | +0.0250 ± {se:.4f} | - |" in text
+    assert (f"| std0.02 | +0.0125 ± {statistics.stdev(own['std0.02']) / 2:.4f} | "
+            f"{statistics.fmean(diff):+.4f} ± {statistics.stdev(diff) / 2:.4f} |") in text
