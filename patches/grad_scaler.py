@@ -57,8 +57,6 @@ STATE_KEY = "training_patches"
 # One JSON line per overflow and per scale change (what ``training-patches report`` plots),
 # written from the host copy of the scale: no sync.
 SCALE_FILE = _run.SCALE_FILE
-# What the scaler tells grad_clip and nan_guard within a step lives in the step context.
-on_iteration_end = _step.on_iteration_end
 
 
 class LossScaleFloorError(FloatingPointError):
