@@ -83,3 +83,21 @@ def test_the_resolution_table_gives_each_gap_and_each_paired_difference_its_erro
     assert f"| spelling | +0.0250 ± {se:.4f} | - |" in text
     assert (f"| std0.02 | +0.0125 ± {statistics.stdev(own['std0.02']) / 2:.4f} | "
             f"{statistics.fmean(diff):+.4f} ± {statistics.stdev(diff) / 2:.4f} |") in text
+
+
+def test_the_proposed_tie_pools_the_paired_differences_over_the_seeds() -> None:
+    """Not the rule the verdicts apply: the tie proposed for issue 38's owner. A difference of
+    the gaps within two pooled standard errors ties, a larger one does not, and runs without
+    each utterance's gap cannot be judged."""
+    noise = [0.01, -0.01, 0.02, -0.02]
+    runs = {}
+    for seed in (1, 2, 3):
+        runs[("spelling", seed)] = {"gaps": [0.010 + n for n in noise]}
+        runs[("near", seed)] = {"gaps": [0.008 + n + m for n, m in
+                                         zip(noise, [0.004, -0.004, 0.002, -0.002])]}
+        runs[("far", seed)] = {"gaps": [-0.010 + n + m for n, m in
+                                        zip(noise, [0.004, -0.004, 0.002, -0.002])]}
+        runs[("old", seed)] = {"gaps": None}
+    assert verdicts_mod.gap_tie(runs, [1, 2, 3], "near", "spelling") is True
+    assert verdicts_mod.gap_tie(runs, [1, 2, 3], "far", "spelling") is False
+    assert verdicts_mod.gap_tie(runs, [1, 2, 3], "old", "spelling") is None
