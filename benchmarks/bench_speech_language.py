@@ -250,11 +250,16 @@ def prepare(cfg: dict[str, Any], work: Path) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    cached = work / f"data_{data_key(cfg)}.pt"
-    if cached.is_file():
-        return torch.load(cached, weights_only=False)
     from bench_new_language import _encode, _rows, _train_base_vocab
 
+    cached = work / f"data_{data_key(cfg)}.pt"
+    if cached.is_file():
+        data = torch.load(cached, weights_only=False)
+        if all(Path(data["vocab"][k]).is_file() and _rows(Path(data["vocab"][k]))
+               == data["rows"][k] for k in ("base", "grown")):
+            return data
+        print(f"{cached}: its tokenizers are missing or no longer fit it: prepared again",
+              flush=True)
     from patches.languages import get_language
 
     t0 = time.perf_counter()
@@ -289,9 +294,12 @@ def prepare(cfg: dict[str, Any], work: Path) -> dict[str, Any]:
         pools[lang] = torch.tensor(((np.stack(segs) - fmu) / fsd).transpose(0, 2, 1),
                                    dtype=torch.float32)
     # tokenizers: English BPE in XTTS's layout, grown for Amharic by extend-tokenizer
-    base_vocab, grown = work / "vocab_en.json", work / "vocab_am.json"
+    # named by the data's key: presets sharing a work folder (results/probe_controls) would
+    # otherwise overwrite each other's tokenizers under the cached data that names them
+    key = data_key(cfg)
+    base_vocab, grown = work / f"vocab_en_{key}.json", work / f"vocab_am_{key}.json"
     _train_base_vocab(english[n_eval:], base_vocab, cfg["base_vocab"])
-    en_text = work / "en_base_text.txt"
+    en_text = work / f"en_base_text_{key}.txt"
     en_text.write_text("\n".join(english) + "\n", encoding="utf-8")
     log = _extend(base_vocab, amharic[n_eval:], grown, cfg["new_pieces"], en_text)
     ids = {"en": _encode(base_vocab, english, "en"), "am": _encode(grown, amharic, "am")}
