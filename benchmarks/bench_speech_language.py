@@ -521,7 +521,8 @@ def load(model, base_path: Path, spec: dict[str, Any], seed: int, data: dict[str
 def reading(model, data: dict[str, Any]) -> dict[str, float]:
     """The Amharic reading gap (``patches.learning.reading_gap``, issue 37's figure: the
     audio loss with another utterance's text of about the same length minus with its own)
-    on the held-out probe of ``bench_reading``: own, rotated, gap, relative."""
+    on the held-out probe of ``bench_reading``: own, rotated, gap, relative, stderr (the gap's
+    standard error over the utterances) and per_utterance (each utterance's gap)."""
     from bench_reading import PROBE, audio_losses
 
     from patches.learning import ReadingProbe, reading_gap
@@ -531,14 +532,19 @@ def reading(model, data: dict[str, Any]) -> dict[str, float]:
         probe.add("am", x["ids"], {"codes": x["codes"], "lang": "am", "order": i,
                                    "pools": data["pools"]})
     r = reading_gap(model, probe, audio_losses)["am"]
+    each = utterance_gaps(model, probe)
+    if abs(statistics.fmean(each) - r.gap) > 1e-5:  # not the library's pairs or seeds
+        raise RuntimeError(f"the utterances' gaps average {statistics.fmean(each)}, the "
+                           f"library's gap is {r.gap}")
     return {"own": r.own, "rotated": r.rotated, "gap": r.gap, "relative": r.relative,
-            "stderr": r.stderr, "per_utterance": utterance_gaps(model, probe)}
+            "stderr": r.stderr, "per_utterance": each}
 
 
 def utterance_gaps(model, probe) -> list[float]:
     """Each probe utterance's gap (loss with its partner's text minus with its own), as
     ``reading_gap`` measures it (the same pairs, chunks and seeds): two rules' gaps on the
     same base model can then be compared utterance by utterance, with their standard error."""
+    import numpy as np
     import torch
     from bench_reading import audio_losses
 
@@ -547,10 +553,11 @@ def utterance_gaps(model, probe) -> list[float]:
     texts, audios = (list(side) for side in zip(*probe.pairs("am")))
     given = [texts[j] for j in partners(texts)]
     out: list[float] = []
-    was = model.training
+    modes = [(module, module.training) for module in model.modules()]
+    states = random.getstate(), np.random.get_state()
     model.eval()
     try:
-        with torch.random.fork_rng(), torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
             for start in range(0, len(texts), 16):
                 part = slice(start, start + 16)
                 own = _per_pair(model, audio_losses, texts[part], audios[part], PROBE_SEED + start)
@@ -558,7 +565,10 @@ def utterance_gaps(model, probe) -> list[float]:
                                   PROBE_SEED + start)
                 out += [o - w for w, o in zip(own, other)]
     finally:
-        model.train(was)
+        for module, mode in modes:
+            module.training = mode
+        random.setstate(states[0])
+        np.random.set_state(states[1])
     return out
 
 
@@ -753,7 +763,7 @@ def candidates_table(cfg: dict[str, Any], runs: list[dict[str, Any]],
     names = list(dict.fromkeys(r["arm"] for r in runs))
     seeds = sorted({r["seed"] for r in runs})
     by = {(r["arm"], r["seed"]): r for r in runs}
-    ref = next((n for n in names if n.split("/")[0] == against), None)
+    ref = next((n for n in names if arm_rule(n) == against), None)
 
     def final(r: dict[str, Any]) -> dict[str, float]:
         last = r["curve"][-1]
@@ -802,6 +812,12 @@ def arm_label(name: str) -> str:
     (the new embedding rows times 0.5 after the load)."""
     scale = name.split(" emb x")[1].split(" ")[0] if " emb x" in name else None
     return name.split(" ")[0] + (f" x{scale}" if scale else "")
+
+
+def arm_rule(name: str) -> str:
+    """A candidate arm's rule without its head: ``spelling``, ``spelling x0.5``."""
+    label = arm_label(name)
+    return label.split("/")[0] + label[len(label.split(" ")[0]):]
 
 
 def gap_at(run: dict[str, Any], step: int) -> float:
@@ -944,6 +960,8 @@ def main() -> None:
         for key in ("seed_list", "base_eval_every", "shuffle_text"):
             if key in chosen and (key != "seed_list" or not seeds_given):
                 cfg[key] = chosen[key]
+    if args.rules and not args.config:
+        ap.error("--rules chooses among a configuration's arms: give --config NAME")
     if args.mix is not None or args.lr is not None:
         cfg["arms"] = (f"candidates:{MIX if args.mix is None else args.mix:g}:"
                        f"{HIGH_LR if args.lr is None else args.lr:g}:"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -49,8 +50,7 @@ def runs_of(name: str) -> dict[tuple[str, int], dict[str, float]]:
             r = json.loads(line)
             if r.get("steps") != steps:
                 continue
-            label = bsl.arm_label(r["arm"])  # "spelling/spread x0.5": not spelling's arm
-            rule = label.split("/")[0] + label[len(label.split(" ")[0]):]
+            rule = bsl.arm_rule(r["arm"])  # "spelling x0.5": not spelling's arm
             auto = (r.get("row_init") or {}).get("auto") or {}
             if rule == "auto" and auto.get("threshold") != READS_ABOVE:
                 continue  # run under an earlier threshold: auto is mapped by today's
@@ -70,17 +70,24 @@ def gap_tie(runs: dict[tuple[str, int], dict[str, Any]], seeds: list[int], rule:
     """The tie proposed on 2026-11-28 (fifth stop) for the owner of issue 38 to decide, not
     the rule the verdicts apply: ``rule``'s reading gap ties with ``best``'s when their
     difference, paired by utterance and averaged over the seeds, is within TIE_WITHIN of its
-    standard error (pooled over the seeds). None where the runs did not record each
-    utterance's gap."""
+    standard error. Every seed measures the same probe utterances, so each utterance's
+    difference is averaged over the seeds first and the error taken over the utterances
+    (the seeds' differences are correlated through them). The error is the probe's, not the
+    training's: the seeds' spread is the verdicts' own rule. None where the runs did not
+    record each utterance's gap, or recorded one that is not finite."""
     diffs = []
     for s in seeds:
         a, b = runs[(rule, s)].get("gaps"), runs[(best, s)].get("gaps")
         if not a or not b:
             return None
+        if len(a) != len(b):
+            raise ValueError(f"seed {s}: {len(a)} utterance gaps for {rule}, {len(b)} for "
+                             f"{best}: not the same probe")
         diffs.append([x - y for x, y in zip(a, b)])
-    mean = statistics.fmean(statistics.fmean(d) for d in diffs)
-    error = sum(stderr(d) ** 2 for d in diffs) ** 0.5 / len(diffs)
-    return abs(mean) <= TIE_WITHIN * error
+    per_utterance = [statistics.fmean(u) for u in zip(*diffs)]
+    if not all(math.isfinite(d) for d in per_utterance):
+        return None
+    return abs(statistics.fmean(per_utterance)) <= TIE_WITHIN * stderr(per_utterance)
 
 
 def auto_choices(name: str, seeds: list[int]) -> dict[int, tuple[str, float]]:
@@ -128,14 +135,24 @@ def resolution(folder: Path, against: str) -> str:
     its standard error over the utterances, and its difference from ``against``'s on the
     same utterances ± the standard error of that paired difference."""
     runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
-    by = {(bsl.arm_label(r["arm"]).replace("/spread", ""), r["seed"]): r for r in runs}
+    steps = max(r["steps"] for r in runs)  # a folder's runs of another length are left out
+    by = {(bsl.arm_rule(r["arm"]), r["seed"]): r for r in runs if r["steps"] == steps}
     rules = list(dict.fromkeys(rule for rule, _ in by))
     seeds = sorted({seed for _, seed in by})
-    steps = runs[0]["steps"]
+    missing = [f"{rule} seed {s}" for rule in rules for s in seeds if (rule, s) not in by]
+    if against not in rules or missing:
+        raise SystemExit(f"{folder}: no runs of {against!r} (rules: {', '.join(rules)})"
+                         if against not in rules else
+                         f"{folder}: runs missing at step {steps}: {', '.join(missing)}")
 
     def gaps(rule: str, seed: int) -> list[float]:
         got = by[(rule, seed)]["reading"]
-        return (got.get(str(steps)) or got[steps])["per_utterance"]
+        got = got.get(str(steps)) or got[steps]
+        if "per_utterance" not in got:
+            raise SystemExit(f"{folder}: {rule} seed {seed} did not record each utterance's "
+                             "gap (runs before 2026-11-28, fifth stop): run the configuration "
+                             "again into a new folder")
+        return got["per_utterance"]
 
     lines = [f"Step {steps}; per seed: the gap ± its standard error over the "
              f"{len(gaps(rules[0], seeds[0]))} utterances; minus `{against}`'s, paired by "

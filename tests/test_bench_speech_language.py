@@ -47,6 +47,12 @@ def test_quick_run_writes_table_json_and_plot_with_two_rules(tmp_path: Path) -> 
         assert run["row_init"]["embedding"] == rule == run["row_init"]["head"]
         assert run["base_row_drift"] == 0.0, rule  # freeze_base_vocab: exact
         assert [p[0] for p in run["curve"]] == [0, 1, 2, 3, 4]
+        for step, read in run["reading"].items():  # each utterance's gap, as the library's
+            each = read["per_utterance"]
+            assert len(each) > 1 and sum(each) / len(each) == pytest.approx(read["gap"], abs=1e-6)
+            mean = sum(each) / len(each)
+            spread = (sum((g - mean) ** 2 for g in each) / (len(each) - 1) / len(each)) ** 0.5
+            assert read["stderr"] == pytest.approx(spread, rel=1e-6), (rule, step)
     spelled = runs["spelling"]["row_init"]
     rows = result["rows"]
     # every new token spelled, fallen back, or (the [am] tag) started as [START]

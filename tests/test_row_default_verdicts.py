@@ -86,18 +86,24 @@ def test_the_resolution_table_gives_each_gap_and_each_paired_difference_its_erro
 
 
 def test_the_proposed_tie_pools_the_paired_differences_over_the_seeds() -> None:
-    """Not the rule the verdicts apply: the tie proposed for issue 38's owner. A difference of
-    the gaps within two pooled standard errors ties, a larger one does not, and runs without
-    each utterance's gap cannot be judged."""
+    """Not the rule the verdicts apply: the tie proposed for issue 38's owner. Every seed
+    measures the same utterances, so their differences are averaged over the seeds first:
+    differing by the same amount on every seed (perfectly correlated), a difference of 0.015
+    is within 2 standard errors (0.0183) and ties, where pooling the seeds as independent
+    (0.0105) would not; 0.02 does not tie; runs without each utterance's gap, or with one
+    not finite, cannot be judged; two probes of different sizes are refused."""
     noise = [0.01, -0.01, 0.02, -0.02]
     runs = {}
     for seed in (1, 2, 3):
-        runs[("spelling", seed)] = {"gaps": [0.010 + n for n in noise]}
-        runs[("near", seed)] = {"gaps": [0.008 + n + m for n, m in
-                                         zip(noise, [0.004, -0.004, 0.002, -0.002])]}
-        runs[("far", seed)] = {"gaps": [-0.010 + n + m for n, m in
-                                        zip(noise, [0.004, -0.004, 0.002, -0.002])]}
+        runs[("spelling", seed)] = {"gaps": [0.030 + n for n in noise]}
+        runs[("near", seed)] = {"gaps": [0.015] * 4}
+        runs[("far", seed)] = {"gaps": [0.010] * 4}
         runs[("old", seed)] = {"gaps": None}
+        runs[("nan", seed)] = {"gaps": [float("nan")] * 4}
+        runs[("short", seed)] = {"gaps": [0.0] * 3}
     assert verdicts_mod.gap_tie(runs, [1, 2, 3], "near", "spelling") is True
     assert verdicts_mod.gap_tie(runs, [1, 2, 3], "far", "spelling") is False
     assert verdicts_mod.gap_tie(runs, [1, 2, 3], "old", "spelling") is None
+    assert verdicts_mod.gap_tie(runs, [1, 2, 3], "nan", "spelling") is None
+    with pytest.raises(ValueError, match="not the same probe"):
+        verdicts_mod.gap_tie(runs, [1, 2, 3], "short", "spelling")
