@@ -532,44 +532,8 @@ def reading(model, data: dict[str, Any]) -> dict[str, float]:
         probe.add("am", x["ids"], {"codes": x["codes"], "lang": "am", "order": i,
                                    "pools": data["pools"]})
     r = reading_gap(model, probe, audio_losses)["am"]
-    each = utterance_gaps(model, probe)
-    if abs(statistics.fmean(each) - r.gap) > 1e-5:  # not the library's pairs or seeds
-        raise RuntimeError(f"the utterances' gaps average {statistics.fmean(each)}, the "
-                           f"library's gap is {r.gap}")
     return {"own": r.own, "rotated": r.rotated, "gap": r.gap, "relative": r.relative,
-            "stderr": r.stderr, "per_utterance": each}
-
-
-def utterance_gaps(model, probe) -> list[float]:
-    """Each probe utterance's gap (loss with its partner's text minus with its own), as
-    ``reading_gap`` measures it (the same pairs, chunks and seeds): two rules' gaps on the
-    same base model can then be compared utterance by utterance, with their standard error."""
-    import numpy as np
-    import torch
-    from bench_reading import audio_losses
-
-    from patches.learning import PROBE_SEED, _per_pair, partners
-
-    texts, audios = (list(side) for side in zip(*probe.pairs("am")))
-    given = [texts[j] for j in partners(texts)]
-    out: list[float] = []
-    modes = [(module, module.training) for module in model.modules()]
-    states = random.getstate(), np.random.get_state()
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for start in range(0, len(texts), 16):
-                part = slice(start, start + 16)
-                own = _per_pair(model, audio_losses, texts[part], audios[part], PROBE_SEED + start)
-                other = _per_pair(model, audio_losses, given[part], audios[part],
-                                  PROBE_SEED + start)
-                out += [o - w for w, o in zip(own, other)]
-    finally:
-        for module, mode in modes:
-            module.training = mode
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-    return out
+            "stderr": r.stderr, "per_utterance": list(r.gaps)}
 
 
 def start_spread(spec: dict[str, Any], seed: int, cfg: dict[str, Any], work: Path,

@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 import bench_speech_language as bsl  # noqa: E402
 import probe_reads_text as prt  # noqa: E402
 
+from patches.learning import _stderr as stderr  # noqa: E402  (the library's reading's)
 from patches.reads_text import READS_ABOVE  # noqa: E402
 
 FIGURES = (("am", "Amharic audio", min), ("gap", "reading gap", max), ("en", "English audio", min))
@@ -124,11 +125,6 @@ def verdicts(runs: dict[tuple[str, int], dict[str, float]], seeds: list[int]
     return out
 
 
-def stderr(values: list[float]) -> float:
-    """The standard error of the mean of ``values``."""
-    return statistics.stdev(values) / len(values) ** 0.5
-
-
 def resolution(folder: Path, against: str) -> str:
     """The reading gap's resolution in a run folder whose runs recorded each utterance's gap
     (``bench_speech_language`` since 2026-11-28, fifth stop): per rule and seed, the gap ±
@@ -212,10 +208,11 @@ def main() -> None:
             ties.append((name, gap_tie(runs, seeds, "auto", best)))
     text = "\n".join(lines) + "\n\nauto meets the floor (Amharic and reading gap best or ok): " + \
         ", ".join(f"{n} {'yes' if ok else 'NO'}" for n, ok in floor)
-    text += "".join(
-        f"\n{n}: auto's reading gap {'ties' if tie else 'does not tie' if tie is not None else 'cannot be judged (no gap per utterance recorded)'}"
-        f" with the best by the tie proposed for issue 38 (within {TIE_WITHIN:g} standard "
-        "errors), not the rule the verdicts apply" for n, tie in ties)
+    said = {True: "ties", False: "does not tie",
+            None: "cannot be judged (no gap per utterance recorded)"}
+    text += "".join(f"\n{n}: auto's reading gap {said[tie]} with the best by the tie proposed "
+                    f"for issue 38 (within {TIE_WITHIN:g} standard errors), not the rule the "
+                    "verdicts apply" for n, tie in ties)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")

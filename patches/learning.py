@@ -48,6 +48,9 @@ class Reading:
     # the gap's standard error over the utterances (their gaps' sample std / sqrt(n)): how
     # far another probe of the same size could put it; NaN under two utterances
     stderr: float = math.nan
+    # each utterance's gap, in the probe's order: two models on the same probe compared
+    # utterance by utterance (not recorded: the record keeps the figures above)
+    gaps: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def gap(self) -> float:
@@ -70,7 +73,9 @@ class Reading:
                 f"utterances, {self.measured_on} {self.own:.3f}")
 
     def record(self) -> dict[str, Any]:
-        return {**asdict(self), "gap": self.gap, "relative": self.relative}
+        fields = asdict(self)
+        del fields["gaps"]
+        return {**fields, "gap": self.gap, "relative": self.relative}
 
 
 class ReadingProbe:
@@ -219,7 +224,7 @@ def reading_gap(model: torch.nn.Module, probe: ReadingProbe, loss_fn: LossFn, *,
                 readings[language] = Reading(
                     language=language, utterances=n, own=sum(own) / n, rotated=sum(other) / n,
                     share=sum(g > 0 for g in gaps) / n, measured_on=measured_on,
-                    stderr=_stderr(gaps))
+                    stderr=_stderr(gaps), gaps=tuple(gaps))
     finally:
         for module, mode in modes:
             module.training = mode

@@ -110,7 +110,8 @@ def test_the_gap_comes_with_its_standard_error_over_the_utterances() -> None:
     assert reading.gap == pytest.approx(np.mean(deltas))
     assert reading.stderr == pytest.approx(np.std(deltas, ddof=1) / np.sqrt(len(deltas)))
     assert f"gap {reading.gap:.3g} ± {reading.stderr:.2g} nats/code" in reading.line(10)
-    assert reading.record()["stderr"] == reading.stderr
+    assert reading.gaps == pytest.approx(deltas)  # in the probe's order
+    assert reading.record()["stderr"] == reading.stderr and "gaps" not in reading.record()
     unknown = learning.Reading("xx", 1, 1.0, 1.5, 1.0)  # a record from before the figure
     assert np.isnan(unknown.stderr) and "gap 0.5 nats/code" in unknown.line(10)
 
